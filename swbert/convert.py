@@ -1,0 +1,183 @@
+"""Conversion between transformers' BERT and swbert's `standard` variant (same numerics).
+
+python -m swbert.convert from-hf HF_FOLDER OUT_FOLDER     # BertFor* -> SWBertFor* (standard)
+python -m swbert.convert to-hf SWBERT_FOLDER OUT_FOLDER   # SWBertFor* (standard) -> BertFor*
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+from pathlib import Path
+
+import transformers
+from torch import nn
+from transformers import BertConfig
+
+from swbert.models import (
+    SWBertConfig,
+    SWBertForMaskedLM,
+    SWBertForQuestionAnswering,
+    SWBertForSequenceClassification,
+    SWBertModel,
+)
+
+# (transformers name, swbert name) for every parameter; the regexes are applied in both directions.
+_RENAMES: list[tuple[str, str]] = [
+    (r"embeddings\.LayerNorm\.", r"embeddings.norm."),
+    (r"encoder\.layer\.(\d+)\.attention\.self\.query\.", r"encoder.layers.\1.attn.q_proj."),
+    (r"encoder\.layer\.(\d+)\.attention\.self\.key\.", r"encoder.layers.\1.attn.k_proj."),
+    (r"encoder\.layer\.(\d+)\.attention\.self\.value\.", r"encoder.layers.\1.attn.v_proj."),
+    (r"encoder\.layer\.(\d+)\.attention\.output\.dense\.", r"encoder.layers.\1.attn.out_proj."),
+    (r"encoder\.layer\.(\d+)\.attention\.output\.LayerNorm\.", r"encoder.layers.\1.attn_norm."),
+    (r"encoder\.layer\.(\d+)\.intermediate\.dense\.", r"encoder.layers.\1.mlp.fc1."),
+    (r"encoder\.layer\.(\d+)\.output\.dense\.", r"encoder.layers.\1.mlp.fc2."),
+    (r"encoder\.layer\.(\d+)\.output\.LayerNorm\.", r"encoder.layers.\1.mlp_norm."),
+    (r"^cls\.predictions\.transform\.dense\.", r"mlm_head.dense."),
+    (r"^cls\.predictions\.transform\.LayerNorm\.", r"mlm_head.norm."),
+    (r"^cls\.predictions\.bias$", r"mlm_head.decoder.bias"),
+]
+# Inverse patterns, written out because a regex cannot be inverted mechanically.
+_INVERSE: list[tuple[str, str]] = [
+    (r"embeddings\.norm\.", r"embeddings.LayerNorm."),
+    (r"encoder\.layers\.(\d+)\.attn\.q_proj\.", r"encoder.layer.\1.attention.self.query."),
+    (r"encoder\.layers\.(\d+)\.attn\.k_proj\.", r"encoder.layer.\1.attention.self.key."),
+    (r"encoder\.layers\.(\d+)\.attn\.v_proj\.", r"encoder.layer.\1.attention.self.value."),
+    (r"encoder\.layers\.(\d+)\.attn\.out_proj\.", r"encoder.layer.\1.attention.output.dense."),
+    (r"encoder\.layers\.(\d+)\.attn_norm\.", r"encoder.layer.\1.attention.output.LayerNorm."),
+    (r"encoder\.layers\.(\d+)\.mlp\.fc1\.", r"encoder.layer.\1.intermediate.dense."),
+    (r"encoder\.layers\.(\d+)\.mlp\.fc2\.", r"encoder.layer.\1.output.dense."),
+    (r"encoder\.layers\.(\d+)\.mlp_norm\.", r"encoder.layer.\1.output.LayerNorm."),
+    (r"^mlm_head\.dense\.", r"cls.predictions.transform.dense."),
+    (r"^mlm_head\.norm\.", r"cls.predictions.transform.LayerNorm."),
+    (r"^mlm_head\.decoder\.bias$", r"cls.predictions.bias"),
+]
+# Keys that are views of others (tied decoder) or buffers, skipped when reading a state dict.
+_SKIP = re.compile(
+    r"(cls\.predictions\.decoder\.(weight|bias)|mlm_head\.decoder\.weight|position_ids|token_type_ids)$"
+)
+
+# transformers head class <-> swbert head class
+_PAIRS: list[tuple[type[nn.Module], type[nn.Module]]] = [
+    (transformers.BertForMaskedLM, SWBertForMaskedLM),
+    (transformers.BertForSequenceClassification, SWBertForSequenceClassification),
+    (transformers.BertForQuestionAnswering, SWBertForQuestionAnswering),
+    (transformers.BertModel, SWBertModel),
+]
+_SHARED_FIELDS = (
+    "vocab_size hidden_size num_hidden_layers num_attention_heads intermediate_size hidden_act "
+    "hidden_dropout_prob attention_probs_dropout_prob max_position_embeddings type_vocab_size "
+    "initializer_range layer_norm_eps pad_token_id classifier_dropout"
+).split()
+_LABEL_FIELDS = ("id2label", "label2id", "problem_type")
+
+
+def _rename(state: dict, rules: list[tuple[str, str]]) -> dict:
+    out = {}
+    for key, value in state.items():
+        if _SKIP.search(key):
+            continue
+        for pattern, repl in rules:
+            key = re.sub(pattern, repl, key)
+        out[key] = value
+    return out
+
+
+def _load(model: nn.Module, state: dict, source: str) -> None:
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not _SKIP.search(k)]
+    if missing or unexpected:
+        raise ValueError(
+            f"cannot convert {source} into {type(model).__name__}: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+
+
+def config_from_hf(hf_config: BertConfig, **overrides: object) -> SWBertConfig:
+    """An SWBertConfig (standard attention) with the BERT config's fields."""
+    pos = getattr(hf_config, "position_embedding_type", "absolute")
+    if pos != "absolute":
+        raise ValueError(f"position_embedding_type={pos!r} is not supported; swbert uses absolute positions")
+    fields = {name: getattr(hf_config, name) for name in _SHARED_FIELDS if hasattr(hf_config, name)}
+    fields.update(
+        {name: getattr(hf_config, name) for name in _LABEL_FIELDS if getattr(hf_config, name, None)}
+    )
+    return SWBertConfig(**fields, attention_type="standard", **overrides)
+
+
+def from_hf_bert(hf_model: nn.Module, vocab_size: int | None = None) -> nn.Module:
+    """Build the swbert `standard` model equivalent to a transformers BERT model.
+
+    `vocab_size`, when given (e.g. the tokenizer's size), must match the checkpoint's embedding.
+    """
+    emb_rows = hf_model.get_input_embeddings().weight.shape[0]
+    if vocab_size is not None and vocab_size != emb_rows:
+        raise ValueError(
+            f"vocab_size mismatch: the tokenizer has {vocab_size} tokens but the BERT checkpoint's "
+            f"word embedding has {emb_rows} rows; convert with the tokenizer the checkpoint was trained with"
+        )
+    target = next((ours for theirs, ours in _PAIRS if type(hf_model) is theirs), None)
+    if target is None:
+        raise ValueError(
+            f"no swbert equivalent for {type(hf_model).__name__}; supported: {[p[0].__name__ for p in _PAIRS]}"
+        )
+    model = target(config_from_hf(hf_model.config))
+    _load(model, _rename(hf_model.state_dict(), _RENAMES), type(hf_model).__name__)
+    return model
+
+
+def to_hf_bert(model: nn.Module) -> nn.Module:
+    """The transformers BERT model equivalent to a swbert `standard` model."""
+    config: SWBertConfig = model.config
+    if config.attention_type != "standard":
+        raise ValueError(
+            f"attention_type={config.attention_type!r} has no transformers BERT equivalent; only "
+            "'standard' converts (the other variants load with swbert or AutoModel after `import swbert`)"
+        )
+    target = next((theirs for theirs, ours in _PAIRS if type(model) is ours), None)
+    if target is None:
+        raise ValueError(f"no transformers equivalent for {type(model).__name__}")
+    fields = {name: getattr(config, name) for name in _SHARED_FIELDS}
+    fields.update({name: getattr(config, name) for name in _LABEL_FIELDS if getattr(config, name, None)})
+    hf_model = target(BertConfig(**fields))
+    _load(hf_model, _rename(model.state_dict(), _INVERSE), type(model).__name__)
+    hf_model.tie_weights()
+    return hf_model
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    for item in src.iterdir():
+        if item.name not in ("config.json", "model.safetensors", "pytorch_model.bin") and item.is_file():
+            if "token" in item.name or item.suffix in (".model", ".txt"):
+                shutil.copy2(item, dst / item.name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("direction", choices=["from-hf", "to-hf"], help="conversion direction")
+    parser.add_argument("input", type=Path, help="folder holding config.json and the weights")
+    parser.add_argument("output", type=Path, help="folder to write (created)")
+    args = parser.parse_args(argv)
+    if not (args.input / "config.json").is_file():
+        parser.error(f"{args.input} holds no config.json: pass a Hugging Face model folder")
+    if args.direction == "from-hf":
+        hf_config = transformers.AutoConfig.from_pretrained(args.input)
+        arch = (hf_config.architectures or ["BertForMaskedLM"])[0]
+        hf_model = getattr(transformers, arch).from_pretrained(args.input)
+        converted = from_hf_bert(hf_model)
+    else:
+        config = SWBertConfig.from_pretrained(args.input)
+        arch = (config.architectures or ["SWBertForMaskedLM"])[0]
+        classes = {cls.__name__: cls for _, cls in _PAIRS}
+        converted = to_hf_bert(classes[arch].from_pretrained(args.input))
+    args.output.mkdir(parents=True, exist_ok=True)
+    converted.save_pretrained(args.output)
+    _copy_tokenizer(args.input, args.output)
+    print(f"wrote {type(converted).__name__} to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

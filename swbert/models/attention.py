@@ -1,0 +1,165 @@
+"""Self-attention variants of the paper, one small class each, and the inner kernels.
+
+Every variant maps hidden states to per-head queries, keys and values; the kernel, the output
+projection and everything around them are common. Head counts are read off tensor shapes, so a
+tensor-parallel wrapper that shards the projections by heads needs no change here.
+
+    standard   Q = X Wq + bq,  K = X Wk + bk,  V = X Wv + bv
+    shared     S = X Ws + bs;  Q = S * dq,  K = S * dk,  V = S * dv     (dq, dk, dv in R^d)
+    symmetric  Q = X Wq + bq,  K = Q,  V = X Wv + bv
+    pairwise   Q = X Wq + bq,  V = X Wv + bv;  scores Q U Q^T with one Dh x Dh U per head
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swbert.models.config import SWBertConfig
+
+
+class SDPAKernel(nn.Module):
+    """`scaled_dot_product_attention`: flash / memory-efficient kernels on GPU, fused on CPU."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        # q, k, v: (B, H, S, Dh); mask: (B, 1, 1, S) bool, True where a key may be attended
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+
+
+class EagerKernel(nn.Module):
+    """The same computation written out, as a reference and for debugging."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, S, S)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return self.dropout(scores.softmax(dim=-1)) @ v  # (B, H, S, Dh)
+
+
+KERNELS: dict[str, type[nn.Module]] = {"sdpa": SDPAKernel, "eager": EagerKernel}
+
+
+class SelfAttention(nn.Module):
+    """Common part: split heads, run the kernel, merge heads, project out."""
+
+    def __init__(self, config: SWBertConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.kernel = KERNELS[config.attention_kernel](config.attention_probs_dropout_prob)
+        self.out_proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values, each (B, H, S, Dh)."""
+        raise NotImplementedError
+
+    def split_heads(self, t: torch.Tensor) -> torch.Tensor:
+        B, S, _ = t.shape
+        return t.view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, H, S, Dh)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, S, _ = x.shape
+        q, k, v = self.qkv(x)
+        y = self.kernel(q, k, v, mask)  # (B, H, S, Dh)
+        y = y.transpose(1, 2).reshape(B, S, -1)  # (B, S, H*Dh)
+        return self.out_proj(y)
+
+
+class StandardAttention(SelfAttention):
+    """Separate Wq, Wk, Wv with biases: BERT's attention."""
+
+    def __init__(self, config: SWBertConfig) -> None:
+        super().__init__(config)
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, d)
+        self.k_proj = nn.Linear(d, d)
+        self.v_proj = nn.Linear(d, d)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (
+            self.split_heads(self.q_proj(x)),
+            self.split_heads(self.k_proj(x)),
+            self.split_heads(self.v_proj(x)),
+        )
+
+
+class SharedAttention(SelfAttention):
+    """One projection S = X Ws + bs; Q, K, V are S scaled elementwise by dq, dk, dv.
+
+    The diagonal matrices of the paper are stored as vectors (initialised to ones, so training
+    starts from Q = K = V = S). Since Q K^T = S diag(dq * dk) S^T, the pre-softmax scores are
+    symmetric in the tokens.
+    """
+
+    def __init__(self, config: SWBertConfig) -> None:
+        super().__init__(config)
+        d = config.hidden_size
+        self.proj = nn.Linear(d, d)
+        self.dq = nn.Parameter(torch.ones(d))
+        self.dk = nn.Parameter(torch.ones(d))
+        self.dv = nn.Parameter(torch.ones(d))
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.proj(x)  # (B, S, d); one GEMM instead of three
+        return self.split_heads(s * self.dq), self.split_heads(s * self.dk), self.split_heads(s * self.dv)
+
+
+class SymmetricAttention(SelfAttention):
+    """Keys are the queries (no Wk): scores Q Q^T are symmetric."""
+
+    def __init__(self, config: SWBertConfig) -> None:
+        super().__init__(config)
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, d)
+        self.v_proj = nn.Linear(d, d)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = self.split_heads(self.q_proj(x))
+        return q, q, self.split_heads(self.v_proj(x))
+
+
+class PairwiseAttention(SelfAttention):
+    """Scores Q U Q^T with a learned Dh x Dh matrix U per head (no bias), i.e. K = Q U^T.
+
+    U starts as the identity, so training starts from symmetric attention.
+    """
+
+    def __init__(self, config: SWBertConfig) -> None:
+        super().__init__(config)
+        d, h, dh = config.hidden_size, config.num_attention_heads, config.head_dim
+        self.q_proj = nn.Linear(d, d)
+        self.v_proj = nn.Linear(d, d)
+        self.pair = nn.Parameter(torch.eye(dh).repeat(h, 1, 1))  # (H, Dh, Dh)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = self.split_heads(self.q_proj(x))  # (B, H, S, Dh)
+        k = q @ self.pair.transpose(-1, -2)  # (B, H, S, Dh): q_i . k_j = q_i U q_j^T
+        return q, k, self.split_heads(self.v_proj(x))
+
+
+ATTENTION_CLASSES: dict[str, type[SelfAttention]] = {
+    "standard": StandardAttention,
+    "shared": SharedAttention,
+    "symmetric": SymmetricAttention,
+    "pairwise": PairwiseAttention,
+}
+
+
+def build_attention(config: SWBertConfig) -> SelfAttention:
+    """The one place where `config.attention_type` picks a class."""
+    return ATTENTION_CLASSES[config.attention_type](config)

@@ -1,0 +1,111 @@
+"""Model configuration: BERT's fields plus the attention variant, and the named sizes."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+from transformers import PretrainedConfig
+
+AttentionType = Literal["standard", "shared", "symmetric", "pairwise"]
+AttentionKernel = Literal["sdpa", "eager"]
+ATTENTION_TYPES: tuple[str, ...] = get_args(AttentionType)
+ATTENTION_KERNELS: tuple[str, ...] = get_args(AttentionKernel)
+
+# Named sizes in one table: (hidden, layers, heads, intermediate). The vocabulary, sequence length
+# and attention variant are independent of the size and come from the config defaults or overrides.
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256),
+    "mini": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024),
+    "small": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048),
+    "medium": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, intermediate_size=2048),
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+    # ~1.27B parameters with the standard attention at BERT's vocabulary: the scaling-study top end.
+    "xl": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, intermediate_size=8192),
+}
+
+
+class SWBertConfig(PretrainedConfig):
+    """Configuration of a BERT encoder with a selectable self-attention variant.
+
+    Field names and defaults follow `transformers.BertConfig` (BERT-base), so BERT checkpoints map
+    onto the `standard` variant one to one.
+    """
+
+    model_type = "swbert"
+
+    def __init__(
+        self,
+        vocab_size: int = 30522,  # rows of the word embedding (and of the tied MLM decoder)
+        hidden_size: int = 768,  # d: width of the residual stream
+        num_hidden_layers: int = 12,  # encoder blocks
+        num_attention_heads: int = 12,  # heads; head_dim = hidden_size / heads
+        intermediate_size: int = 3072,  # MLP inner width
+        hidden_act: str = "gelu",  # MLP activation (exact erf GELU, as BERT)
+        hidden_dropout_prob: float = 0.1,  # dropout on embeddings and on each residual branch
+        attention_probs_dropout_prob: float = 0.1,  # dropout on attention probabilities
+        max_position_embeddings: int = 512,  # learned absolute positions
+        type_vocab_size: int = 2,  # segment (token type) embeddings
+        initializer_range: float = 0.02,  # std of the normal init of weights
+        layer_norm_eps: float = 1e-12,  # LayerNorm epsilon (BERT's value)
+        pad_token_id: int = 0,  # id of [PAD]
+        classifier_dropout: float | None = None,  # dropout before classification heads (None: hidden)
+        attention_type: AttentionType = "shared",  # which Q/K/V parameterisation (see attention.py)
+        attention_kernel: AttentionKernel = "sdpa",  # inner kernel: fused SDPA or the eager reference
+        **kwargs: Any,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.intermediate_size = intermediate_size
+        self.hidden_act = hidden_act
+        self.hidden_dropout_prob = hidden_dropout_prob
+        self.attention_probs_dropout_prob = attention_probs_dropout_prob
+        self.max_position_embeddings = max_position_embeddings
+        self.type_vocab_size = type_vocab_size
+        self.initializer_range = initializer_range
+        self.layer_norm_eps = layer_norm_eps
+        self.classifier_dropout = classifier_dropout
+        self.attention_type = attention_type
+        self.attention_kernel = attention_kernel
+        kwargs.setdefault("tie_word_embeddings", True)
+        super().__init__(pad_token_id=pad_token_id, **kwargs)
+        self.check()
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def check(self) -> None:
+        """Raise a ValueError naming the field and the allowed values when the config is invalid."""
+        if self.attention_type not in ATTENTION_TYPES:
+            raise ValueError(
+                f"attention_type={self.attention_type!r} is not one of {', '.join(ATTENTION_TYPES)}"
+            )
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"attention_kernel={self.attention_kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                f"{self.num_attention_heads}; pick a head count that divides it"
+            )
+
+    @classmethod
+    def from_size(cls, name: str, **overrides: Any) -> SWBertConfig:
+        """A config of a named size (see `SIZES`), with any field overridden by keyword."""
+        if name not in SIZES:
+            raise ValueError(f"unknown size {name!r}; known sizes: {', '.join(SIZES)}")
+        return cls(**{**SIZES[name], **overrides})

@@ -1,0 +1,98 @@
+"""Closed-form parameter and FLOP counts for each attention variant.
+
+FLOPs count a multiply-add as 2 and ignore elementwise work (softmax, GELU, LayerNorm, the shared
+variant's d-vector scalings), as is usual for MFU. With f the MLP width, s the sequence length and
+p the parameters of the Q/K/V projections, one layer's forward FLOPs per token are
+
+    2 p + 2 d^2 (output projection) + 4 d f (MLP) + 4 s d (Q K^T and A V)
+
+which is 24 d^2 + 4 s d for `standard` and 20 d^2 + 4 s d for `shared` when f = 4d.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swbert.models.config import SWBertConfig
+
+
+def qkv_params(config: SWBertConfig) -> int:
+    """Parameters that produce Q, K and V in one layer (the part the variants differ in)."""
+    d, h, dh = config.hidden_size, config.num_attention_heads, config.head_dim
+    return {
+        "standard": 3 * (d * d + d),  # Wq, Wk, Wv and biases
+        "shared": d * d + d + 3 * d,  # Ws, bs and the diagonals dq, dk, dv
+        "symmetric": 2 * (d * d + d),  # Wq, Wv (K = Q)
+        "pairwise": 2 * (d * d + d) + h * dh * dh,  # Wq, Wv and one Dh x Dh U per head
+    }[config.attention_type]
+
+
+def layer_params(config: SWBertConfig) -> int:
+    d, f = config.hidden_size, config.intermediate_size
+    out_proj = d * d + d
+    mlp = d * f + f + f * d + d
+    norms = 2 * 2 * d
+    return qkv_params(config) + out_proj + mlp + norms
+
+
+def embedding_params(config: SWBertConfig) -> int:
+    d = config.hidden_size
+    tables = config.vocab_size + config.max_position_embeddings + config.type_vocab_size
+    return tables * d + 2 * d
+
+
+def mlm_head_params(config: SWBertConfig) -> int:
+    """Transform (dense + LayerNorm) and the decoder bias; the decoder weight is the tied embedding."""
+    d = config.hidden_size
+    return d * d + d + 2 * d + config.vocab_size
+
+
+def masked_lm_params(config: SWBertConfig) -> int:
+    """Total parameters of `SWBertForMaskedLM` (no pooler, tied decoder counted once)."""
+    return (
+        embedding_params(config) + config.num_hidden_layers * layer_params(config) + mlm_head_params(config)
+    )
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    """Forward FLOPs per input token of a masked-LM step, split by part."""
+
+    encoder: float  # all layers
+    mlm_head: float  # head on the predicted positions, averaged over all tokens
+
+    @property
+    def forward(self) -> float:
+        return self.encoder + self.mlm_head
+
+    @property
+    def training(self) -> float:
+        """Forward + backward (backward costs twice the forward), no activation recomputation."""
+        return 3 * self.forward
+
+
+def layer_forward_flops(config: SWBertConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of one encoder layer."""
+    d, f, dh = config.hidden_size, config.intermediate_size, config.head_dim
+    projections = 2 * qkv_params_weights(config)
+    if config.attention_type == "pairwise":
+        projections += 2 * d * dh  # K = Q U^T, one Dh x Dh product per head
+    return projections + 2 * d * d + 4 * d * f + 4 * seq_len * d
+
+
+def qkv_params_weights(config: SWBertConfig) -> int:
+    """Weight-matrix entries of the Q/K/V projections that take part in a GEMM on every token."""
+    d = config.hidden_size
+    return {"standard": 3 * d * d, "shared": d * d, "symmetric": 2 * d * d, "pairwise": 2 * d * d}[
+        config.attention_type
+    ]
+
+
+def masked_lm_flops(config: SWBertConfig, seq_len: int, predicted_fraction: float = 0.15) -> FlopCount:
+    """FLOPs per token of `SWBertForMaskedLM` whose head runs on `predicted_fraction` of tokens."""
+    d = config.hidden_size
+    head_per_predicted = 2 * d * d + 2 * d * config.vocab_size
+    return FlopCount(
+        encoder=config.num_hidden_layers * layer_forward_flops(config, seq_len),
+        mlm_head=predicted_fraction * head_per_predicted,
+    )

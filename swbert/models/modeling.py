@@ -1,0 +1,346 @@
+"""The BERT encoder and its heads, with the attention variant taken from the config.
+
+Post-LayerNorm blocks as in BERT, so that the `standard` variant is numerically the same model as
+`transformers.BertModel`. Pure PyTorch: parallelism is applied from outside (swbert.parallel).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPooling,
+    MaskedLMOutput,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+)
+
+from swbert.models.attention import PairwiseAttention, SharedAttention, build_attention
+from swbert.models.config import SWBertConfig
+
+IGNORE_INDEX = -100
+
+
+class Embeddings(nn.Module):
+    """Word + learned position + token type embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, config: SWBertConfig) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, d, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, d)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, d)
+        self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.word_embeddings(input_ids)  # (B, S, d)
+        S = inputs_embeds.shape[1]
+        if S > self.position_embeddings.num_embeddings:
+            raise ValueError(
+                f"sequence length {S} exceeds max_position_embeddings="
+                f"{self.position_embeddings.num_embeddings}"
+            )
+        if position_ids is None:
+            position_ids = torch.arange(S, device=inputs_embeds.device)[None]  # (1, S)
+        x = inputs_embeds + self.position_embeddings(position_ids)
+        if token_type_ids is None:
+            x = x + self.token_type_embeddings.weight[0]  # every token in segment 0
+        else:
+            x = x + self.token_type_embeddings(token_type_ids)
+        return self.dropout(self.norm(x))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: SWBertConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = ACT2FN[config.hidden_act]
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """One post-LN encoder layer: attention then MLP, each wrapped in residual + LayerNorm."""
+
+    def __init__(self, config: SWBertConfig) -> None:
+        super().__init__()
+        self.attn = build_attention(config)
+        self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = MLP(config)
+        self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.attn_norm(x + self.dropout(self.attn(x, mask)))
+        x = self.mlp_norm(x + self.dropout(self.mlp(x)))
+        return x
+
+
+class Encoder(nn.Module):
+    def __init__(self, config: SWBertConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
+        self.gradient_checkpointing = False  # set by PreTrainedModel.gradient_checkpointing_enable()
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, output_hidden_states: bool = False
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        hidden_states = (x,) if output_hidden_states else None
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                x = checkpoint(layer, x, mask, use_reentrant=False)
+            else:
+                x = layer(x, mask)
+            if output_hidden_states:
+                hidden_states = hidden_states + (x,)
+        return x, hidden_states
+
+
+class Pooler(nn.Module):
+    """tanh(W h_[CLS] + b), as BERT."""
+
+    def __init__(self, config: SWBertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(h[:, 0]))
+
+
+def key_padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """(B, S) 1/0 mask -> (B, 1, 1, S) bool for the kernel. None keeps the unmasked fast path."""
+    if attention_mask is None:
+        return None
+    return attention_mask.bool()[:, None, None, :]
+
+
+class SWBertPreTrainedModel(PreTrainedModel):
+    config_class = SWBertConfig
+    base_model_prefix = "bert"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["Block"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, std)
+            if module.padding_idx is not None:
+                module.weight[module.padding_idx].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            module.weight.fill_(1.0)
+            module.bias.zero_()
+        elif isinstance(module, SharedAttention):
+            for p in (module.dq, module.dk, module.dv):
+                p.fill_(1.0)
+        elif isinstance(module, PairwiseAttention):
+            module.pair.copy_(torch.eye(module.pair.shape[-1]).expand_as(module.pair))
+
+
+class SWBertModel(SWBertPreTrainedModel):
+    """The bare encoder: embeddings, blocks and (optionally) BERT's pooler."""
+
+    def __init__(self, config: SWBertConfig, add_pooling_layer: bool = True) -> None:
+        super().__init__(config)
+        self.embeddings = Embeddings(config)
+        self.encoder = Encoder(config)
+        self.pooler = Pooler(config) if add_pooling_layer else None
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings.word_embeddings = value
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+        **_: object,
+    ) -> BaseModelOutputWithPooling:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (B, S, d)
+        x, hidden_states = self.encoder(x, key_padding_mask(attention_mask), output_hidden_states)
+        pooled = self.pooler(x) if self.pooler is not None else None
+        return BaseModelOutputWithPooling(
+            last_hidden_state=x, pooler_output=pooled, hidden_states=hidden_states
+        )
+
+
+class MLMHead(nn.Module):
+    """Transform (dense, GELU, LayerNorm) then the decoder, whose weight is the word embedding."""
+
+    def __init__(self, config: SWBertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = ACT2FN[config.hidden_act]
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.norm(self.act(self.dense(h))))
+
+
+class SWBertForMaskedLM(SWBertPreTrainedModel):
+    """Masked-LM pretraining model with tied input/output embeddings.
+
+    With `labels`, the head runs only on the labelled positions (gathered first): computing
+    vocabulary-wide logits for every token would waste ~20% of BERT-base's FLOPs. `logits` then has
+    shape (num_labelled, vocab) in row-major order of the labelled positions. Without labels it
+    returns (B, S, vocab) logits like `BertForMaskedLM`.
+    """
+
+    _tied_weights_keys = {"mlm_head.decoder.weight": "bert.embeddings.word_embeddings.weight"}
+
+    def __init__(self, config: SWBertConfig) -> None:
+        super().__init__(config)
+        self.bert = SWBertModel(config, add_pooling_layer=False)
+        self.mlm_head = MLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.mlm_head.decoder
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.mlm_head.decoder = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+        **_: object,
+    ) -> MaskedLMOutput:
+        out = self.bert(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_hidden_states
+        )
+        h = out.last_hidden_state  # (B, S, d)
+        if labels is None:
+            return MaskedLMOutput(logits=self.mlm_head(h), hidden_states=out.hidden_states)
+        selected = labels != IGNORE_INDEX  # (B, S)
+        logits = self.mlm_head(h[selected])  # (N, V): only the labelled positions
+        target = labels[selected]  # (N,)
+        if target.numel() == 0:
+            loss = logits.sum() * 0.0  # no labelled token in this batch: a zero that keeps the graph
+        else:
+            loss = F.cross_entropy(logits.float(), target)
+        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+
+def _classification_loss(config: SWBertConfig, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Transformers' `problem_type` rules: regression for one label, else single/multi-label."""
+    if config.problem_type is None:
+        if config.num_labels == 1:
+            config.problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+    if config.problem_type == "regression":
+        return F.mse_loss(logits.squeeze(-1).float(), labels.float().view(-1))
+    if config.problem_type == "single_label_classification":
+        return F.cross_entropy(logits.float().view(-1, config.num_labels), labels.view(-1))
+    return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+
+
+class SWBertForSequenceClassification(SWBertPreTrainedModel):
+    """Pooled [CLS] -> dropout -> linear; classification or regression (num_labels == 1, STS-B)."""
+
+    def __init__(self, config: SWBertConfig) -> None:
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.bert = SWBertModel(config)
+        p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(p)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+        **_: object,
+    ) -> SequenceClassifierOutput:
+        out = self.bert(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_hidden_states
+        )
+        logits = self.classifier(self.dropout(out.pooler_output))  # (B, num_labels)
+        loss = _classification_loss(self.config, logits, labels) if labels is not None else None
+        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+
+class SWBertForQuestionAnswering(SWBertPreTrainedModel):
+    """Extractive QA: start and end logits over the tokens (SQuAD)."""
+
+    def __init__(self, config: SWBertConfig) -> None:
+        super().__init__(config)
+        self.bert = SWBertModel(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        start_positions: torch.Tensor | None = None,
+        end_positions: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+        **_: object,
+    ) -> QuestionAnsweringModelOutput:
+        out = self.bert(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_hidden_states
+        )
+        start_logits, end_logits = self.qa_outputs(out.last_hidden_state).unbind(dim=-1)  # (B, S) each
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            S = start_logits.shape[1]
+            # positions outside the window (answer cut off) are ignored, as in transformers
+            start = start_positions.view(-1).clamp(0, S)
+            end = end_positions.view(-1).clamp(0, S)
+            loss = (
+                F.cross_entropy(start_logits.float(), start, ignore_index=S)
+                + F.cross_entropy(end_logits.float(), end, ignore_index=S)
+            ) / 2
+        return QuestionAnsweringModelOutput(
+            loss=loss, start_logits=start_logits, end_logits=end_logits, hidden_states=out.hidden_states
+        )

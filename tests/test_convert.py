@@ -1,0 +1,101 @@
+"""Parity with transformers' BERT: the `standard` variant is the same model."""
+
+import pytest
+import torch
+import transformers
+from torch.testing import assert_close
+
+from swbert import SWBertForMaskedLM, SWBertForSequenceClassification
+from swbert.convert import from_hf_bert, main, to_hf_bert
+
+HF_SMALL = dict(
+    vocab_size=97,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=64,
+    attn_implementation="eager",
+)
+
+
+def padded_batch(vocab: int = 97) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, vocab, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0  # padding in the batch
+    mask[2, 5:] = 0
+    ids[mask == 0] = 0
+    types = torch.zeros_like(ids)
+    types[:, 6:] = 1
+    return ids, mask, types
+
+
+def perturb(model: torch.nn.Module) -> None:
+    """Random values everywhere (biases and LayerNorms too), so no zero-init hides a mapping bug."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+
+
+def test_masked_lm_parity_with_transformers():
+    torch.manual_seed(0)
+    hf = transformers.BertForMaskedLM(transformers.BertConfig(**HF_SMALL)).eval()
+    perturb(hf)
+    ours = from_hf_bert(hf).eval()
+    assert isinstance(ours, SWBertForMaskedLM) and ours.config.attention_type == "standard"
+    ids, mask, types = padded_batch()
+    labels = torch.full_like(ids, -100)
+    labels[0, [1, 4]] = ids[0, [1, 4]]
+    labels[1, 2] = ids[1, 2]
+    ref = hf(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels)
+    got_logits = ours(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+    got = ours(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels)
+    valid = mask.bool()
+    assert_close(got_logits[valid], ref.logits[valid], rtol=1e-5, atol=1e-5)
+    assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-5)
+    # the round trip gives back identical weights
+    back = to_hf_bert(ours)
+    ref_state, back_state = hf.state_dict(), back.state_dict()
+    assert ref_state.keys() == back_state.keys()
+    for key in ref_state:
+        assert torch.equal(ref_state[key], back_state[key]), key
+
+
+def test_sequence_classification_parity_and_round_trip():
+    torch.manual_seed(0)
+    hf = transformers.BertForSequenceClassification(transformers.BertConfig(**HF_SMALL, num_labels=3)).eval()
+    perturb(hf)
+    ours = from_hf_bert(hf).eval()
+    assert isinstance(ours, SWBertForSequenceClassification)
+    ids, mask, types = padded_batch()
+    labels = torch.tensor([0, 2, 1])
+    ref = hf(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels)
+    got = ours(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels)
+    assert_close(got.logits, ref.logits, rtol=1e-5, atol=1e-5)
+    assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-5)
+    back = to_hf_bert(ours)
+    for key, value in hf.state_dict().items():
+        assert torch.equal(value, back.state_dict()[key]), key
+
+
+def test_vocab_mismatch_and_unsupported_variant_are_clear_errors():
+    hf = transformers.BertForMaskedLM(transformers.BertConfig(**HF_SMALL))
+    with pytest.raises(ValueError, match="vocab_size mismatch.*97"):
+        from_hf_bert(hf, vocab_size=120)
+    shared = SWBertForMaskedLM(from_hf_bert(hf).config.__class__.from_size("tiny", attention_type="shared"))
+    with pytest.raises(ValueError, match="attention_type='shared'.*only 'standard'"):
+        to_hf_bert(shared)
+
+
+def test_cli_converts_folders_both_ways(tmp_path):
+    hf = transformers.BertForMaskedLM(transformers.BertConfig(**HF_SMALL)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "sw")])
+    main(["to-hf", str(tmp_path / "sw"), str(tmp_path / "hf2")])
+    back = transformers.BertForMaskedLM.from_pretrained(tmp_path / "hf2").eval()
+    ids, mask, _ = padded_batch()
+    assert_close(
+        back(input_ids=ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits
+    )

@@ -1,0 +1,174 @@
+"""The attention variants, the heads and the Hugging Face integration."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+from transformers import AutoModel, AutoModelForMaskedLM
+
+from swbert import (
+    ATTENTION_TYPES,
+    SWBertConfig,
+    SWBertForMaskedLM,
+    SWBertForQuestionAnswering,
+    SWBertForSequenceClassification,
+    SWBertModel,
+)
+from swbert.models.attention import SharedAttention
+
+
+def tiny(**overrides) -> SWBertConfig:
+    return SWBertConfig.from_size("tiny", vocab_size=101, max_position_embeddings=64, **overrides)
+
+
+def batch(B: int = 2, S: int = 10) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 101, (B, S), generator=g)
+    mask = torch.ones_like(ids)
+    mask[-1, S // 2 :] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def test_shared_layer_equals_the_paper_formula_by_hand():
+    torch.manual_seed(0)
+    config = tiny(attention_type="shared", attention_probs_dropout_prob=0.0)
+    attn = SharedAttention(config).eval()
+    with torch.no_grad():
+        for p in (attn.dq, attn.dk, attn.dv):
+            p.uniform_(0.5, 1.5)  # away from the ones they start at
+    x = torch.randn(2, 7, config.hidden_size)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1, 5:] = False
+    # the paper: S = X Ws + bs; Q = S diag(dq); K = S diag(dk); V = S diag(dv); per-head softmax attention
+    Ws, bs = attn.proj.weight.T, attn.proj.bias
+    S = x @ Ws + bs
+    Q, K, V = S @ torch.diag(attn.dq), S @ torch.diag(attn.dk), S @ torch.diag(attn.dv)
+    H, Dh = config.num_attention_heads, config.head_dim
+    heads = []
+    for h in range(H):
+        sl = slice(h * Dh, (h + 1) * Dh)
+        scores = Q[..., sl] @ K[..., sl].transpose(-1, -2) / math.sqrt(Dh)
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+        heads.append(scores.softmax(-1) @ V[..., sl])
+    expected = torch.cat(heads, dim=-1) @ attn.out_proj.weight.T + attn.out_proj.bias
+    got = attn(x, mask[:, None, None, :])
+    assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert attn.proj.weight.shape == (config.hidden_size, config.hidden_size)  # one d x d matrix
+
+
+def test_shared_scores_are_symmetric_in_the_tokens():
+    """Q K^T = S diag(dq*dk) S^T: symmetric for any fixed dq*dk (property over random draws)."""
+    config = tiny(attention_type="shared")
+    for seed in range(5):
+        torch.manual_seed(seed)
+        attn = SharedAttention(config)
+        with torch.no_grad():
+            attn.dq.normal_()
+            attn.dk.copy_(torch.randn(config.hidden_size))
+        x = torch.randn(3, 9, config.hidden_size)
+        q, k, _ = attn.qkv(x)
+        scores = q @ k.transpose(-1, -2)  # (B, H, S, S)
+        assert_close(scores, scores.transpose(-1, -2), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(q, k)  # symmetric although Q != K
+        # only the product dq*dk matters
+        with torch.no_grad():
+            attn.dq.mul_(2.0)
+            attn.dk.div_(2.0)
+        q2, k2, _ = attn.qkv(x)
+        assert_close(q2 @ k2.transpose(-1, -2), scores, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+def test_masked_only_mlm_loss_equals_full_head_loss(kernel):
+    torch.manual_seed(0)
+    model = SWBertForMaskedLM(tiny(attention_kernel=kernel)).eval()
+    inputs = batch()
+    labels = torch.full_like(inputs["input_ids"], -100)
+    labels[0, [0, 3, 7]] = inputs["input_ids"][0, [0, 3, 7]]
+    labels[1, 2] = 9
+    out = model(**inputs, labels=labels)
+    full = model(**inputs).logits  # (B, S, V)
+    expected = F.cross_entropy(full.view(-1, full.shape[-1]), labels.view(-1), ignore_index=-100)
+    assert out.logits.shape == (4, 101)
+    assert_close(out.loss, expected)
+    assert_close(out.logits, full[labels != -100])
+
+
+def test_sdpa_and_eager_kernels_agree():
+    torch.manual_seed(0)
+    a = SWBertForMaskedLM(tiny(attention_kernel="sdpa")).eval()
+    b = SWBertForMaskedLM(tiny(attention_kernel="eager")).eval()
+    b.load_state_dict(a.state_dict())
+    inputs = batch()
+    valid = inputs["attention_mask"].bool()
+    assert_close(a(**inputs).logits[valid], b(**inputs).logits[valid], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ATTENTION_TYPES)
+def test_every_variant_trains_and_round_trips(variant, tmp_path):
+    torch.manual_seed(0)
+    model = SWBertForMaskedLM(tiny(attention_type=variant))
+    inputs = batch()
+    labels = inputs["input_ids"].clone()
+    labels[inputs["attention_mask"] == 0] = -100
+    out = model(**inputs, labels=labels)
+    out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values()), [
+        n for n, g in grads.items() if g is None
+    ]
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
+    model.eval()
+    for loaded in (
+        SWBertForMaskedLM.from_pretrained(tmp_path),
+        AutoModelForMaskedLM.from_pretrained(tmp_path),
+    ):
+        assert type(loaded) is SWBertForMaskedLM and loaded.config.attention_type == variant
+        assert loaded.mlm_head.decoder.weight is loaded.bert.embeddings.word_embeddings.weight
+        assert torch.equal(loaded.eval()(**inputs).logits, model(**inputs).logits)
+    assert type(AutoModel.from_pretrained(tmp_path)) is SWBertModel
+
+
+def test_variants_differ_in_attention_parameters_only():
+    counts = {}
+    for variant in ATTENTION_TYPES:
+        model = SWBertModel(tiny(attention_type=variant), add_pooling_layer=False)
+        counts[variant] = {
+            n: p.numel() for n, p in model.named_parameters() if ".attn." in n and "out_proj" not in n
+        }
+    d, h = 64, 4
+    assert sum(counts["standard"].values()) == 2 * (3 * d * d + 3 * d)
+    assert sum(counts["shared"].values()) == 2 * (d * d + 4 * d)
+    assert sum(counts["symmetric"].values()) == 2 * (2 * d * d + 2 * d)
+    assert sum(counts["pairwise"].values()) == 2 * (2 * d * d + 2 * d + h * (d // h) ** 2)
+
+
+def test_classification_regression_and_qa_heads():
+    torch.manual_seed(0)
+    inputs = batch()
+    clf = SWBertForSequenceClassification(tiny(num_labels=3))
+    out = clf(**inputs, labels=torch.tensor([0, 2]))
+    assert out.logits.shape == (2, 3) and clf.config.problem_type == "single_label_classification"
+    assert_close(out.loss, F.cross_entropy(out.logits, torch.tensor([0, 2])))
+    reg = SWBertForSequenceClassification(tiny(num_labels=1))
+    out = reg(**inputs, labels=torch.tensor([0.5, 4.0]))
+    assert reg.config.problem_type == "regression"
+    assert_close(out.loss, F.mse_loss(out.logits.squeeze(-1), torch.tensor([0.5, 4.0])))
+    qa = SWBertForQuestionAnswering(tiny())
+    out = qa(**inputs, start_positions=torch.tensor([1, 2]), end_positions=torch.tensor([3, 4]))
+    assert out.start_logits.shape == (2, 10) and out.loss.ndim == 0
+    out.loss.backward()
+
+
+def test_bad_configs_name_the_field():
+    with pytest.raises(ValueError, match="attention_type='sharde' is not one of standard, shared"):
+        SWBertConfig(attention_type="sharde")
+    with pytest.raises(ValueError, match="unknown size 'huge'.*tiny"):
+        SWBertConfig.from_size("huge")
+    with pytest.raises(ValueError, match="hidden_size=100 is not divisible by num_attention_heads=12"):
+        SWBertConfig(hidden_size=100)
+    with pytest.raises(ValueError, match="max_position_embeddings=64"):
+        SWBertModel(tiny())(input_ids=torch.zeros(1, 65, dtype=torch.long))
