@@ -1,0 +1,82 @@
+"""Command line of `launchers/pretrain.py`: a recipe plus `--key value` overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from swbert.training.config import RECIPES_DIR, TrainConfig, build_config
+
+DEFAULT_RECIPE = "default"
+
+
+def _help() -> str:
+    lines = [
+        "usage: deepspeed [--num_gpus N] launchers/pretrain.py [--config RECIPE] [--key value ...]",
+        "       torchrun --nproc_per_node N launchers/pretrain.py [--config RECIPE] [--key value ...]",
+        "",
+        f"--config RECIPE   a YAML/TOML recipe, or a shipped one: "
+        f"{', '.join(sorted(p.stem for p in RECIPES_DIR.glob('*.yaml')))} (default: {DEFAULT_RECIPE})",
+        "",
+        "Every config key can be overridden as --key value (dashes or underscores):",
+    ]
+    for f in dataclasses.fields(TrainConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        tp = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        lines.append(f"  --{f.name.replace('_', '-'):<24} {tp:<48} default: {default!r}")
+    lines.append("\nThe resolved config is printed and saved as <output_dir>/resolved_config.yaml.")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> TrainConfig:
+    recipe: str | None = DEFAULT_RECIPE
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            print(_help())
+            sys.exit(0)
+        if arg.startswith(("--local_rank", "--local-rank")):  # added by the deepspeed launcher
+            i += 1 if "=" in arg else 2
+            continue
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise SystemExit("--config needs a recipe file or name")
+            recipe, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            recipe, i = arg.split("=", 1)[1], i + 1
+            continue
+        rest.append(arg)
+        i += 1
+    return build_config(recipe, rest)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        config = parse_args(sys.argv[1:] if argv is None else argv)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    from swbert.training.trainer import NonFiniteStop, run
+
+    try:
+        summary = run(config)
+    except NonFiniteStop as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(3)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    if "export_dir" in summary:
+        out = summary["output_dir"]
+        print(
+            f"\ndone: {summary['step']} steps\n"
+            f"  model (Hugging Face folder): {summary['export_dir']}\n"
+            f"  metrics:                     {out}/metrics.jsonl\n"
+            f"  checkpoints:                 {out}/checkpoints\n"
+            f"  MLflow store:                {summary.get('mlflow_uri', 'disabled')}\n"
+            f"  open the MLflow UI with:     mlflow ui --backend-store-uri {summary.get('mlflow_uri', '')}",
+            flush=True,
+        )

@@ -1,0 +1,225 @@
+"""The training configuration: one dataclass, a recipe file, and `--key value` overrides.
+
+A recipe is a YAML (or TOML) file whose keys are the fields below; command-line `--key value`
+pairs override it (dashes and underscores are the same). Unknown keys are errors with a
+suggestion, never silently ignored. The resolved config is printed and saved with every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+import tomllib
+import yaml
+
+from swbert.models.config import ATTENTION_TYPES, SIZES
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+DS_CONFIGS_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
+
+
+@dataclass
+class TrainConfig:
+    """Everything a pretraining run needs. Batch sizes and LR live here only (see ds_config.py)."""
+
+    # model
+    size: str = "mini"  # named size, see swbert.models.config.SIZES
+    attention_type: str = "shared"  # standard | shared | symmetric | pairwise
+    hidden_dropout: float = 0.1  # dropout on embeddings and residual branches
+    attention_dropout: float = 0.1  # dropout on attention probabilities
+    # data
+    data_dir: str | None = None  # shards from data_prep.preprocess; None: the embedded default corpus
+    seq_len: int = 128  # tokens per packed sequence, [CLS] and [SEP] included
+    mlm_probability: float = 0.15  # fraction of tokens to predict (80% [MASK], 10% random, 10% kept)
+    # batch: global = micro x data-parallel ranks x accumulation; give any two of the three
+    global_batch_size: int = 32
+    micro_batch_size: int = 16
+    grad_accum_steps: int | None = None  # derived from the other two when None
+    # optimisation
+    optimizer: Literal["auto", "torch_adamw", "fused_adam", "cpu_adam"] = "auto"  # auto: fused on GPU
+    lr: float = 1e-3
+    min_lr: float = 0.0  # floor of the decay
+    lr_schedule: Literal["linear", "cosine", "constant"] = "linear"
+    warmup_steps: int = 100
+    weight_decay: float = 0.01  # not applied to biases, norms and the shared-attention diagonals
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-6
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    # length of the run: steps, or a token budget (converted to steps)
+    train_steps: int = 1000
+    train_tokens: int | None = None
+    # precision and parallelism
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    deepspeed_config: str = "ds_configs/zero2.json"  # ZeRO stage and offload; batch/LR are filled here
+    tensor_parallel: int = 1  # megatron-core tensor-parallel size (divides the world size)
+    # bookkeeping
+    output_dir: str | None = None  # default: runs/<run_name>
+    run_name: str | None = None  # default: <size>-<attention_type>-<timestamp>
+    seed: int = 1234
+    log_interval: int = 10
+    eval_interval: int = 200
+    eval_batches: int = 10  # validation micro-batches per evaluation
+    save_interval: int = 500
+    keep_checkpoints: int = 3  # newest complete checkpoints kept on disk
+    resume: str = "none"  # none | auto (newest complete checkpoint in output_dir) | a checkpoint path
+    max_nonfinite_steps: int = 5  # stop after this many skipped (non-finite) steps in a row
+    export: bool = True  # write a Hugging Face folder at the end
+    mlflow: bool = True  # log to MLflow (MLFLOW_TRACKING_URI, else a SQLite store in output_dir)
+    progress_bar: bool = True
+    num_threads: int | None = None  # CPU: torch threads per rank (default: cores / local ranks)
+    fault_nonfinite_steps: list[int] = field(default_factory=list)  # fault injection: NaN loss at these steps
+
+    def check(self) -> None:
+        """Raise a ValueError naming the field when a value cannot work."""
+        if self.size not in SIZES:
+            raise ValueError(f"size={self.size!r} is not one of {', '.join(SIZES)}")
+        if self.attention_type not in ATTENTION_TYPES:
+            raise ValueError(
+                f"attention_type={self.attention_type!r} is not one of {', '.join(ATTENTION_TYPES)}"
+            )
+        hints = get_type_hints(TrainConfig)
+        for f in dataclasses.fields(self):
+            choices = _literal_choices(hints[f.name])
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(choices)}")
+        for name in (
+            "seq_len",
+            "global_batch_size",
+            "micro_batch_size",
+            "train_steps",
+            "log_interval",
+            "eval_interval",
+            "save_interval",
+            "keep_checkpoints",
+            "tensor_parallel",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if not 0 < self.mlm_probability < 1:
+            raise ValueError(f"mlm_probability={self.mlm_probability} must be in (0, 1)")
+
+    def batch_layout(self, dp_size: int) -> tuple[int, int, int]:
+        """(global, micro, accumulation) for `dp_size` data-parallel ranks; errors say what to change."""
+        per_step = self.micro_batch_size * dp_size
+        if self.grad_accum_steps is not None:
+            expected = per_step * self.grad_accum_steps
+            if expected != self.global_batch_size:
+                raise ValueError(
+                    f"global_batch_size={self.global_batch_size} != micro_batch_size={self.micro_batch_size} x "
+                    f"{dp_size} data-parallel ranks x grad_accum_steps={self.grad_accum_steps} (= {expected}); "
+                    "drop --grad-accum-steps to derive it, or fix one of the three"
+                )
+        if self.global_batch_size % per_step != 0:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size="
+                f"{self.micro_batch_size} x {dp_size} data-parallel ranks (= {per_step}); pick a global batch "
+                f"that is a multiple of {per_step} or change --micro-batch-size"
+            )
+        return self.global_batch_size, self.micro_batch_size, self.global_batch_size // per_step
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _literal_choices(tp: Any) -> tuple[Any, ...]:
+    if get_origin(tp) is Literal:
+        return get_args(tp)
+    return ()
+
+
+def _parse_value(name: str, raw: Any, tp: Any) -> Any:
+    """Turn a string from the command line (or a recipe value) into the field's type."""
+    if not isinstance(raw, str):
+        return raw
+    args = [a for a in get_args(tp) if a is not type(None)]
+    if raw.lower() in ("none", "null") and type(None) in get_args(tp):
+        return None
+    if get_origin(tp) is list:  # comma-separated or a JSON list
+        try:
+            return json.loads(raw) if raw.startswith("[") else [int(x) for x in raw.split(",") if x]
+        except ValueError:
+            raise ValueError(
+                f"--{name.replace('_', '-')} {raw!r}: expected a comma-separated list of integers"
+            ) from None
+    base = args[0] if get_origin(tp) not in (None, Literal) and args else tp
+    if get_origin(tp) is Literal or base is str:
+        return raw
+    try:
+        if base is bool:
+            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return raw.lower() in ("true", "1", "yes")
+        if base is int:
+            return int(float(raw)) if "e" in raw.lower() else int(raw)
+        if base is float:
+            return float(raw)
+    except ValueError:
+        raise ValueError(
+            f"--{name.replace('_', '-')} {raw!r}: expected {getattr(base, '__name__', base)}"
+        ) from None
+    return raw
+
+
+def _unknown_key(key: str, where: str) -> ValueError:
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(names)}"
+    return ValueError(f"unknown config key {key!r} in {where}{hint}")
+
+
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    """A recipe file (YAML or TOML), or the name of one shipped in swbert/recipes/."""
+    p = Path(path)
+    if not p.exists() and (RECIPES_DIR / f"{path}.yaml").exists():
+        p = RECIPES_DIR / f"{path}.yaml"
+    if not p.is_file():
+        shipped = ", ".join(sorted(x.stem for x in RECIPES_DIR.glob("*.yaml")))
+        raise FileNotFoundError(f"recipe {path} not found (shipped recipes: {shipped})")
+    text = p.read_text()
+    data = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe {p} must hold a mapping of config keys, got {type(data).__name__}")
+    return data
+
+
+def build_config(recipe: str | Path | None, overrides: list[str]) -> TrainConfig:
+    """Recipe values, then `--key value` overrides, checked."""
+    hints = get_type_hints(TrainConfig)
+    values: dict[str, Any] = {}
+    if recipe is not None:
+        for key, value in read_recipe(recipe).items():
+            name = key.replace("-", "_")
+            if name not in hints:
+                raise _unknown_key(key, f"recipe {recipe}")
+            values[name] = _parse_value(name, value, hints[name])
+    i = 0
+    while i < len(overrides):
+        token = overrides[i]
+        if not token.startswith("--"):
+            raise ValueError(f"unexpected argument {token!r}: overrides are --key value pairs")
+        key, _, inline = token[2:].partition("=")
+        name = key.replace("-", "_")
+        if name not in hints:
+            raise _unknown_key(key, "the command line")
+        if inline:
+            raw, i = inline, i + 1
+        elif i + 1 < len(overrides) and not overrides[i + 1].startswith("--"):
+            raw, i = overrides[i + 1], i + 2
+        elif hints[name] is bool:
+            raw, i = "true", i + 1
+        else:
+            raise ValueError(f"--{key} needs a value")
+        values[name] = _parse_value(name, raw, hints[name])
+    config = TrainConfig(**values)
+    config.check()
+    return config
+
+
+def dump_config(config: TrainConfig) -> str:
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

@@ -1,0 +1,59 @@
+"""Process-group start-up shared by torchrun, the deepspeed launcher, srun and plain python."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+
+
+def map_launcher_env() -> None:
+    """Fill RANK/LOCAL_RANK/WORLD_SIZE from SLURM (one task per GPU) or for a single process."""
+    if "RANK" in os.environ:
+        return
+    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
+        os.environ["RANK"] = os.environ["SLURM_PROCID"]
+        os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+        os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+        if "MASTER_ADDR" not in os.environ:
+            raise RuntimeError(
+                "running under srun without MASTER_ADDR: export MASTER_ADDR (the first node of the "
+                "allocation) and MASTER_PORT in the batch script (see launchers/slurm/)"
+            )
+        os.environ.setdefault("MASTER_PORT", "29500")
+        return
+    # a plain `python launchers/pretrain.py`: one process
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+def init_distributed(timeout_minutes: float = 30.0) -> tuple[int, int, int]:
+    """Start DeepSpeed's process group (NCCL on GPU, gloo on CPU). Returns (rank, local_rank, world)."""
+    import deepspeed
+
+    map_launcher_env()
+    on_gpu = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+    deepspeed.init_distributed(
+        dist_backend="nccl" if on_gpu else "gloo",
+        timeout=datetime.timedelta(minutes=timeout_minutes),
+        auto_mpi_discovery=False,
+    )
+    return torch.distributed.get_rank(), local_rank, torch.distributed.get_world_size()
+
+
+def set_cpu_threads(requested: int | None) -> None:
+    """Ranks sharing a CPU machine split its cores instead of oversubscribing them."""
+    if torch.cuda.is_available():
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(requested or max(1, cores // max(1, local)))

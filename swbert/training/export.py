@@ -1,0 +1,99 @@
+"""Turn any swbert checkpoint (ZeRO stage 0-3) into a Hugging Face folder.
+
+    python -m swbert.training.export runs/mini-shared/checkpoints [--tag step_00001000] --output DIR
+
+The folder holds config.json, model.safetensors (fp32) and the tokenizer, and loads with
+`SWBertForMaskedLM.from_pretrained` or, after `import swbert`, `AutoModelForMaskedLM`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from swbert.models import SWBertConfig, SWBertForMaskedLM
+from swbert.training.checkpoint import read_latest
+
+
+def _full_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """fp32 weights from the checkpoint: ZeRO shards merged by DeepSpeed's own tool."""
+    if list(tag_dir.glob("*optim_states.pt")) and any(
+        "zero" in p.name for p in tag_dir.glob("*optim_states.pt")
+    ):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    model_file = tag_dir / "mp_rank_00_model_states.pt"
+    if not model_file.is_file():
+        raise FileNotFoundError(f"{tag_dir} holds no DeepSpeed model states (mp_rank_00_model_states.pt)")
+    return torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+
+
+def load_model_from_checkpoint(tag_dir: Path) -> SWBertForMaskedLM:
+    meta_file = tag_dir / "swbert_meta.json"
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"{tag_dir} has no swbert_meta.json: not a complete swbert checkpoint")
+    meta = json.loads(meta_file.read_text())
+    config = SWBertConfig(**meta["model_config"])
+    if meta.get("tensor_parallel", 1) > 1:
+        from swbert.parallel.convert import merged_state_dict  # TP shards -> one model
+
+        state = merged_state_dict(tag_dir, config)
+    else:
+        state = _full_state_dict(tag_dir)
+    model = SWBertForMaskedLM(config)
+    state = {k: v.float() for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k != "mlm_head.decoder.weight"]  # tied to the word embedding
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {tag_dir} does not match its config: missing {missing}, unexpected {unexpected}"
+        )
+    model.tie_weights()
+    return model.eval()
+
+
+def export(tag_dir: Path, output: Path, tokenizer_dir: Path | None = None) -> Path:
+    """Write the HF folder for one checkpoint; the tokenizer is copied when known."""
+    model = load_model_from_checkpoint(tag_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output)
+    if tokenizer_dir is None:
+        meta = json.loads((tag_dir / "swbert_meta.json").read_text())
+        tokenizer_dir = Path(meta["tokenizer_dir"]) if meta.get("tokenizer_dir") else None
+    if tokenizer_dir is not None and tokenizer_dir.is_dir():
+        for item in tokenizer_dir.iterdir():
+            if item.is_file() and item.name != "config.json":
+                shutil.copy2(item, output / item.name)
+    return output
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "checkpoints", type=Path, help="a checkpoints/ folder (uses 'latest') or one step_* folder"
+    )
+    parser.add_argument("--tag", default=None, help="which step_* folder (default: the one 'latest' names)")
+    parser.add_argument("--output", type=Path, required=True, help="Hugging Face folder to write")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder (default: the run's)")
+    args = parser.parse_args(argv)
+    tag_dir = args.checkpoints
+    if args.tag or (tag_dir / "latest").is_file():
+        tag = args.tag or read_latest(tag_dir)
+        if tag is None:
+            parser.error(f"{tag_dir}/latest names a missing checkpoint; pass --tag")
+        tag_dir = tag_dir / tag
+    if not tag_dir.is_dir():
+        parser.error(f"{tag_dir} is not a checkpoint folder")
+    out = export(tag_dir, args.output, args.tokenizer)
+    print(f"exported {tag_dir} -> {out}")
+
+
+if __name__ == "__main__":
+    main()

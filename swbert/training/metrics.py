@@ -1,0 +1,160 @@
+"""Metrics: `metrics.jsonl` in the run folder (always) and MLflow (rank 0, never blocking training).
+
+MLflow calls run on a background thread: a slow or unreachable tracking server costs the training
+loop nothing; the first failure is reported once and later records stay in `metrics.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+log = logging.getLogger(__name__)
+
+# Dense bf16/fp16 tensor-core peaks (TFLOP/s) for MFU; matched against the device name.
+PEAK_TFLOPS = {
+    "H200": 989.4,
+    "H100 PCIe": 756.0,
+    "H100": 989.4,
+    "A100": 312.0,
+    "L40S": 362.1,
+    "A10G": 125.0,
+    "V100": 125.0,
+}
+
+
+def device_peak_tflops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
+def memory_gib() -> dict[str, float]:
+    if torch.cuda.is_available():
+        return {
+            "mem_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "mem_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        }
+    return {"mem_rss_gib": psutil.Process().memory_info().rss / 2**30}
+
+
+class MLflowSink:
+    """Sends params, metrics and artifacts to MLflow from a background thread."""
+
+    def __init__(self, output_dir: Path, run_name: str, params: dict[str, Any]) -> None:
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        self.uri = (
+            os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(output_dir / 'mlflow.db').resolve()}"
+        )
+        self.output_dir = output_dir
+        self.run_name = run_name
+        self.run_id: str | None = None
+        self.failed = False
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._work, name="mlflow-sink", daemon=True)
+        self.thread.start()
+        self.submit(self._start, params)
+
+    def submit(self, fn, *args) -> None:
+        if not self.failed:
+            self.queue.put((fn, args))
+
+    def _work(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            fn, args = item
+            if self.failed:
+                continue
+            try:
+                fn(*args)
+            except Exception as err:  # noqa: BLE001 - any tracking failure must not stop training
+                self.failed = True
+                log.warning(
+                    "MLflow logging to %s failed (%s: %s); training continues and metrics.jsonl keeps "
+                    "every record",
+                    self.uri,
+                    type(err).__name__,
+                    err,
+                )
+
+    def _start(self, params: dict[str, Any]) -> None:
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        self.client = MlflowClient(tracking_uri=self.uri)
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "swbert-pretrain")
+        exp = self.client.get_experiment_by_name(name)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(name)
+        id_file = self.output_dir / "mlflow_run_id"
+        if id_file.is_file():  # a resumed run keeps logging into the same MLflow run
+            self.run_id = id_file.read_text().strip()
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        run = self.client.create_run(exp_id, run_name=self.run_name)
+        self.run_id = run.info.run_id
+        id_file.write_text(self.run_id)
+        items = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        def send(step=step, values=dict(values)):
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            batch = [Metric(k, float(v), now, step) for k, v in values.items() if v is not None]
+            self.client.log_batch(self.run_id, metrics=batch)
+
+        self.submit(send)
+
+    def artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        def send():
+            if path.is_dir():
+                self.client.log_artifacts(self.run_id, str(path), artifact_path)
+            else:
+                self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+        self.submit(send)
+
+    def close(self, status: str = "FINISHED", timeout: float = 120.0) -> None:
+        self.submit(lambda: self.client.set_terminated(self.run_id, status=status))
+        self.queue.put(None)
+        self.thread.join(timeout)
+
+
+class MetricsLogger:
+    """Rank 0's sink: appends JSON lines to metrics.jsonl and forwards to MLflow."""
+
+    def __init__(self, output_dir: Path, run_name: str, params: dict[str, Any], use_mlflow: bool) -> None:
+        self.path = output_dir / "metrics.jsonl"
+        self.file = open(self.path, "a")
+        self.mlflow = MLflowSink(output_dir, run_name, params) if use_mlflow else None
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        record = {"step": step, **values}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.mlflow is not None:
+            self.mlflow.metrics(step, {k: v for k, v in values.items() if isinstance(v, (int, float))})
+
+    def artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        if self.mlflow is not None:
+            self.mlflow.artifact(path, artifact_path)
+
+    def close(self, status: str = "FINISHED") -> None:
+        self.file.close()
+        if self.mlflow is not None:
+            self.mlflow.close(status)

@@ -1,0 +1,415 @@
+"""Masked-LM pretraining around `deepspeed.initialize`: the product's main job.
+
+One code path for GPUs (NCCL, bf16) and CPUs (gloo, fp32/bf16), any ZeRO stage, optional
+megatron-core tensor parallelism. Exact resume: the data position, every rank's RNG and the
+optimizer/scheduler state are in each checkpoint, and masks are keyed by the global sample
+position, so a resumed run repeats an uninterrupted one step for step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from swbert.models import SWBertConfig, SWBertForMaskedLM
+from swbert.models.flops import masked_lm_flops
+from swbert.training import checkpoint as ckpt
+from swbert.training.config import TrainConfig, dump_config
+from swbert.training.data import TrainingData, prepare_data
+from swbert.training.dist import init_distributed, set_cpu_threads
+from swbert.training.ds_config import build_ds_config, offloads_optimizer, resolve_precision, zero_stage
+from swbert.training.metrics import MetricsLogger, device_peak_tflops, memory_gib
+from swbert.training.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger("swbert.train")
+
+
+class NonFiniteStop(RuntimeError):
+    """Raised after `max_nonfinite_steps` skipped steps in a row."""
+
+
+@dataclass
+class Layout:
+    """Who this process is: global rank, and its place in the tensor/data-parallel grid."""
+
+    rank: int
+    world: int
+    tp_size: int
+    dp_size: int
+    dp_rank: int
+    dp_group: Any = None  # None: the whole world
+
+
+def build_layout(config: TrainConfig, rank: int, world: int) -> tuple[Layout, Any]:
+    """Tensor-parallel groups from megatron-core when tp > 1 (returns the DeepSpeed mpu too)."""
+    tp = config.tensor_parallel
+    if world % tp != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by --tensor-parallel {tp}; launch a multiple of {tp} ranks"
+        )
+    if tp == 1:
+        return Layout(rank, world, 1, world, rank), None
+    from swbert import parallel
+
+    dims = parallel.initialize(tp)
+    return Layout(rank, world, tp, dims.dp_size, dims.dp_rank, dims.dp_group), parallel.mpu()
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.stop_signal: str | None = None
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg = self.config
+        self.output_dir = Path(cfg.output_dir or f"runs/{cfg.size}-{cfg.attention_type}")
+        self.run_name = cfg.run_name or f"{cfg.size}-{cfg.attention_type}"
+        data_dir = prepare_data(cfg.data_dir, self.output_dir)  # before the process group: no hang on error
+        rank, self.local_rank, world = init_distributed()
+        set_cpu_threads(cfg.num_threads)
+        self.on_gpu = torch.cuda.is_available()
+        self.device = torch.device("cuda", self.local_rank) if self.on_gpu else torch.device("cpu")
+        self.precision = resolve_precision(cfg.precision, self.on_gpu)
+        self.layout, mpu = build_layout(cfg, rank, world)
+        self.is_main = rank == 0
+        self.ds_config = build_ds_config(cfg, self.layout.dp_size, self.precision)
+        _, self.micro_bs, self.accum = cfg.batch_layout(self.layout.dp_size)
+        self.data = TrainingData(data_dir, cfg.seq_len, cfg.mlm_probability, cfg.seed)
+        self.total_steps = cfg.train_steps
+        if cfg.train_tokens is not None:
+            self.total_steps = math.ceil(cfg.train_tokens / (cfg.global_batch_size * cfg.seq_len))
+        if zero_stage(self.ds_config) == 0 and self.precision != "fp16" and self.is_main:
+            log.warning(
+                "ZeRO stage 0: DeepSpeed does not check gradients for NaN/inf; non-finite steps are not skipped"
+            )
+
+        self.model_config = SWBertConfig.from_size(
+            cfg.size,
+            attention_type=cfg.attention_type,
+            vocab_size=self.data.vocab_size,
+            max_position_embeddings=max(512, cfg.seq_len),
+            hidden_dropout_prob=cfg.hidden_dropout,
+            attention_probs_dropout_prob=cfg.attention_dropout,
+        )
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        model = SWBertForMaskedLM(self.model_config)
+        if self.layout.tp_size > 1:
+            from swbert import parallel
+
+            model = parallel.parallelize(model, self.layout.tp_size)
+        optimizer = build_optimizer(model, cfg, self.on_gpu, offloads_optimizer(self.ds_config))
+        scheduler = build_scheduler(optimizer, cfg, self.total_steps)
+
+        import deepspeed
+
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=self.ds_config,
+            mpu=mpu,
+            dist_init_required=False,
+        )
+        self.ckpt_root = self.output_dir / "checkpoints"
+        self.meta = {
+            "model": {
+                "size": cfg.size,
+                "attention_type": cfg.attention_type,
+                "vocab_size": self.data.vocab_size,
+                "hidden_size": self.model_config.hidden_size,
+                "num_hidden_layers": self.model_config.num_hidden_layers,
+                "tokenizer_hash": self.data.tokenizer_hash,
+            },
+            "model_config": self.model_config.to_dict(),
+            "tensor_parallel": self.layout.tp_size,
+            "tokenizer_dir": str(self.data.tokenizer_dir) if self.data.tokenizer_dir else None,
+        }
+        self.step, self.samples_consumed = 0, 0
+        self.tokens_per_step = cfg.global_batch_size * cfg.seq_len
+        flops = masked_lm_flops(self.model_config, cfg.seq_len, cfg.mlm_probability)
+        self.train_flops_per_token = flops.training
+        self.peak_tflops = device_peak_tflops() if self.precision in ("bf16", "fp16") else None
+
+        if self.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "resolved_config.yaml").write_text(dump_config(cfg))
+            print(
+                f"resolved config ({self.output_dir / 'resolved_config.yaml'}):\n{dump_config(cfg)}",
+                flush=True,
+            )
+            self.ckpt_root.mkdir(parents=True, exist_ok=True)
+            ckpt.discard_incomplete(self.ckpt_root)
+        dist.barrier()
+        self._maybe_resume()
+        self.metrics = None
+        if self.is_main:
+            params = {
+                **cfg.to_dict(),
+                "world_size": self.layout.world,
+                "dp_size": self.layout.dp_size,
+                "grad_accum_steps": self.accum,
+                "precision": self.precision,
+                "zero_stage": zero_stage(self.ds_config),
+                "parameters": sum(p.numel() for p in SWBertForMaskedLM(self.model_config).parameters()),
+            }
+            self.metrics = MetricsLogger(self.output_dir, self.run_name, params, cfg.mlflow)
+            self.metrics.artifact(self.output_dir / "resolved_config.yaml")
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _maybe_resume(self) -> None:
+        target = ckpt.resolve_resume(self.config.resume, self.ckpt_root)
+        if target is None:
+            if self.config.resume not in ("none", "auto"):
+                raise FileNotFoundError(f"--resume {self.config.resume}: nothing to resume from")
+            return
+        load_dir, tag = target
+        ckpt.check_compatible(load_dir / tag, self.meta)
+        state = ckpt.load(self.engine, load_dir, tag)
+        self.step, self.samples_consumed = state["step"], state["samples_consumed"]
+        if self.is_main:
+            print(f"resumed from {load_dir / tag} at step {self.step}", flush=True)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.stop_signal = signal.Signals(signum).name
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def _batch(self, samples_before: int, eval_split: bool = False) -> dict[str, torch.Tensor]:
+        lay = self.layout
+        batch = self.data.batch(samples_before, self.micro_bs, lay.dp_rank, lay.dp_size, eval_split)
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def _all_reduce(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.layout.dp_group)
+        return t.tolist()
+
+    def _should_stop(self) -> bool:
+        flag = torch.tensor([1.0 if self.stop_signal else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def train_step(self) -> tuple[float, float, float, bool]:
+        """One optimizer step (accum micro-batches). Returns local (loss sum, predicted, correct, applied)."""
+        cfg = self.config
+        loss_sum = predicted = correct = 0.0
+        self.engine.train()
+        for _ in range(self.accum):
+            batch = self._batch(self.samples_consumed)
+            self.samples_consumed += self.micro_bs * self.layout.dp_size
+            out = self.engine(
+                input_ids=batch["input_ids"],
+                attention_mask=batch.get("attention_mask"),
+                labels=batch["labels"],
+            )
+            loss = out.loss
+            if self.step + 1 in cfg.fault_nonfinite_steps:
+                loss = loss * float("nan")  # fault injection for tests and drills
+            n = int((batch["labels"] != -100).sum())
+            loss_sum += float(loss.detach()) * n
+            predicted += n
+            if out.logits.shape[-1] == self.model_config.vocab_size:
+                target = batch["labels"][batch["labels"] != -100]
+                correct += float((out.logits.detach().argmax(-1) == target).sum())
+            self.engine.backward(loss)
+            self.engine.step()
+        self.step += 1
+        return loss_sum, predicted, correct, self.engine.was_step_applied()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        if not self.data.has_valid:
+            return {}
+        self.engine.eval()
+        loss_sum = predicted = correct = 0.0
+        for i in range(self.config.eval_batches):
+            batch = self._batch(i * self.micro_bs * self.layout.dp_size, eval_split=True)
+            out = self.engine(
+                input_ids=batch["input_ids"],
+                attention_mask=batch.get("attention_mask"),
+                labels=batch["labels"],
+            )
+            n = int((batch["labels"] != -100).sum())
+            loss_sum += float(out.loss) * n
+            predicted += n
+            if out.logits.shape[-1] == self.model_config.vocab_size:
+                correct += float((out.logits.argmax(-1) == batch["labels"][batch["labels"] != -100]).sum())
+        loss_sum, predicted, correct = self._all_reduce([loss_sum, predicted, correct])
+        loss = loss_sum / max(predicted, 1)
+        return {
+            "val_loss": loss,
+            "val_ppl": math.exp(min(loss, 50.0)),
+            "val_mlm_acc": correct / max(predicted, 1),
+        }
+
+    def save(self) -> Path:
+        client_state = {
+            "step": self.step,
+            "samples_consumed": self.samples_consumed,
+            "sampler": self.data.sampler_state(self.samples_consumed),
+            "tokens_seen": self.step * self.tokens_per_step,
+        }
+        meta = {**self.meta, "step": self.step}
+        return ckpt.save(
+            self.engine, self.ckpt_root, self.step, client_state, meta, self.config.keep_checkpoints
+        )
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.config
+        self.setup()
+        bar = None
+        if self.is_main and cfg.progress_bar:
+            from tqdm import tqdm
+
+            bar = tqdm(
+                total=self.total_steps,
+                initial=self.step,
+                desc=f"pretrain {self.run_name}",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stdout,
+            )
+        window = [0.0, 0.0, 0.0, 0.0]  # loss sum, predicted, correct, skipped
+        skipped_in_a_row, skipped_total = 0, 0
+        t_window, steps_in_window = time.perf_counter(), 0
+        status, last_saved = "FINISHED", None
+        try:
+            while self.step < self.total_steps:
+                loss_sum, predicted, correct, applied = self.train_step()
+                steps_in_window += 1
+                window[0] += loss_sum if applied else 0.0
+                window[1] += predicted if applied else 0.0
+                window[2] += correct if applied else 0.0
+                if not applied:
+                    window[3] += 1
+                    skipped_total += 1
+                    skipped_in_a_row += 1
+                    if self.is_main:
+                        log.warning(
+                            "step %d skipped: non-finite loss or gradients (%d in a row)",
+                            self.step,
+                            skipped_in_a_row,
+                        )
+                    if skipped_in_a_row >= cfg.max_nonfinite_steps:
+                        raise NonFiniteStop(
+                            f"stopping at step {self.step}: {skipped_in_a_row} steps in a row had a non-finite loss "
+                            f"or gradients. The last good checkpoint is {ckpt.read_latest(self.ckpt_root) or 'none'} "
+                            f"in {self.ckpt_root}; lower --lr, check the data, or raise --max-nonfinite-steps"
+                        )
+                else:
+                    skipped_in_a_row = 0
+                if bar is not None:
+                    bar.update(1)
+                if self.step % cfg.log_interval == 0 or self.step == self.total_steps:
+                    loss_sum_g, pred_g, corr_g = self._all_reduce(window[:3])
+                    elapsed = time.perf_counter() - t_window
+                    # skipping is decided collectively, so the local count is everyone's
+                    record = self._record(
+                        loss_sum_g, pred_g, corr_g, window[3], skipped_total, steps_in_window, elapsed
+                    )
+                    if self.step % cfg.eval_interval == 0 or self.step == self.total_steps:
+                        record.update(self.evaluate())
+                    if self.metrics is not None:
+                        self.metrics.log(self.step, record)
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                    window = [0.0, 0.0, 0.0, 0.0]
+                    t_window, steps_in_window = time.perf_counter(), 0
+                if self.step % cfg.save_interval == 0:
+                    last_saved = self.save()
+                if self._should_stop():
+                    last_saved = (
+                        last_saved
+                        if last_saved and last_saved.name == ckpt.tag_for(self.step)
+                        else self.save()
+                    )
+                    if self.is_main:
+                        print(f"pre-empted: checkpoint saved at step {self.step}", flush=True)
+                    status = "KILLED"
+                    break
+            if status == "FINISHED" and (last_saved is None or last_saved.name != ckpt.tag_for(self.step)):
+                last_saved = self.save()
+        except BaseException:
+            status = "FAILED"
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+            if self.metrics is not None and status != "FINISHED":
+                self.metrics.close(status)
+        summary = {"step": self.step, "output_dir": str(self.output_dir), "status": status}
+        if status == "FINISHED":
+            summary.update(self._finish(last_saved))
+        return summary
+
+    def _record(
+        self,
+        loss_sum: float,
+        predicted: float,
+        correct: float,
+        skipped: float,
+        skipped_total: int,
+        steps: int,
+        elapsed: float,
+    ) -> dict[str, Any]:
+        tokens_per_s = self.tokens_per_step * steps / max(elapsed, 1e-9)
+        tflops = tokens_per_s * self.train_flops_per_token / self.layout.world / 1e12
+        grad_norm = self.engine.get_global_grad_norm()
+        record = {
+            "loss": loss_sum / predicted if predicted else float("nan"),
+            "mlm_acc": correct / predicted if predicted else float("nan"),
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "skipped_steps": int(skipped),
+            "skipped_total": skipped_total,
+            "tokens_per_s": tokens_per_s,
+            "samples_per_s": tokens_per_s / self.config.seq_len,
+            "tflops_per_device": tflops,
+            "tokens_seen": self.step * self.tokens_per_step,
+            **memory_gib(),
+        }
+        if self.peak_tflops:
+            record["mfu"] = tflops / self.peak_tflops
+        return record
+
+    def _finish(self, last_saved: Path | None) -> dict[str, Any]:
+        """Export the final weights to a Hugging Face folder and close the MLflow run (rank 0)."""
+        out: dict[str, Any] = {}
+        if self.is_main and self.config.export and last_saved is not None:
+            from swbert.training.export import export
+
+            export_dir = export(last_saved, self.output_dir / "export")
+            out["export_dir"] = str(export_dir)
+            if self.metrics is not None:
+                self.metrics.artifact(export_dir, "export")
+        if self.metrics is not None:
+            self.metrics.close("FINISHED")
+            if self.metrics.mlflow is not None:
+                out["mlflow_uri"] = self.metrics.mlflow.uri
+        dist.barrier()
+        return out
+
+
+def run(config: TrainConfig) -> dict[str, Any]:
+    """Run pretraining; every rank calls this. Returns a summary (paths on rank 0)."""
+    logging.basicConfig(
+        level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    trainer = Trainer(config)
+    try:
+        return trainer.run()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,25 @@
+"""Run pretraining in-process, then dump the engine's logits on a fixed batch (for export parity)."""
+
+import sys
+
+import torch
+
+from swbert.training.cli import parse_args
+from swbert.training.trainer import Trainer
+
+argv = sys.argv[1:]
+i = argv.index("--dump-logits")
+dump_path = argv[i + 1]
+del argv[i : i + 2]
+trainer = Trainer(parse_args(argv))
+summary = trainer.run()
+assert summary["status"] == "FINISHED", summary
+torch.manual_seed(0)
+input_ids = torch.randint(5, trainer.model_config.vocab_size, (2, 16))
+trainer.engine.eval()
+with torch.no_grad():
+    logits = trainer.engine(input_ids=input_ids).logits.float()  # collective under ZeRO-3
+if torch.distributed.get_rank() == 0:
+    torch.save({"input_ids": input_ids, "logits": logits}, dump_path)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
