@@ -111,11 +111,13 @@ class MLflowSink:
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 
     def metrics(self, step: int, values: dict[str, float]) -> None:
-        def send(step=step, values=dict(values)):
+        snapshot = dict(values)
+
+        def send():
             from mlflow.entities import Metric
 
             now = int(time.time() * 1000)
-            batch = [Metric(k, float(v), now, step) for k, v in values.items() if v is not None]
+            batch = [Metric(k, float(v), now, step) for k, v in snapshot.items() if v is not None]
             self.client.log_batch(self.run_id, metrics=batch)
 
         self.submit(send)
