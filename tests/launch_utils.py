@@ -39,14 +39,17 @@ def make_data_dir(root: Path, vocab_size: int = 96) -> Path:
     """Tokenizer + shards from a generated corpus, through the real data_prep CLIs."""
     text = write_corpus(root / "corpus.txt")
     env = test_env()
-    run = lambda *args: subprocess.run(
-        [sys.executable, "-m", *args],
-        check=True,
-        env=env,
-        cwd=REPO,  # noqa: E731
-        capture_output=True,
-        text=True,
-    )
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", *args],
+            check=True,
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
+
     run(
         "data_prep.train_tokenizer",
         "--input",
