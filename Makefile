@@ -17,8 +17,11 @@ $(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
 
 setup: $(BIN)/.installed
 
+# The embedded default recipe on 2 ranks (2 CPU processes here; set NPROC=8 on an 8-GPU node).
+NPROC ?= 2
 pretrain: setup
-	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/deepspeed --num_gpus 2 launchers/pretrain.py
+	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=$${DS_ACCELERATOR:-$$($(BIN)/python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")} \
+	  $(BIN)/deepspeed --num_gpus $(NPROC) launchers/pretrain.py --output-dir runs/default-$$(date +%Y%m%d-%H%M%S)
 
 test: setup
 	$(BIN)/ruff check .

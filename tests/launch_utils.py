@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[1]
 
 NOUNS = "cat dog bird fish horse mouse lion tiger bear wolf fox owl".split()
@@ -38,7 +40,7 @@ def write_corpus(path: Path, documents: int = 400, seed: int = 0) -> Path:
 def make_data_dir(root: Path, vocab_size: int = 96) -> Path:
     """Tokenizer + shards from a generated corpus, through the real data_prep CLIs."""
     text = write_corpus(root / "corpus.txt")
-    env = test_env()
+    env = job_env()
 
     def run(*args):
         return subprocess.run(
@@ -79,7 +81,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_env(**extra: str) -> dict[str, str]:
+def job_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         DS_ACCELERATOR="cpu",
@@ -120,7 +122,7 @@ def launch(
     return subprocess.run(
         torchrun_cmd(nproc, args, script),
         cwd=REPO,
-        env=env or test_env(),
+        env=env or job_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -135,7 +137,7 @@ def start(
     return subprocess.Popen(
         torchrun_cmd(nproc, args),
         cwd=REPO,
-        env=env or test_env(),
+        env=env or job_env(),
         stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -143,11 +145,22 @@ def start(
 
 
 def kill_group(proc: subprocess.Popen) -> None:
+    """kill -9 the launcher and every process below it (torchrun starts workers in new sessions)."""
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    for p in [*family]:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     proc.wait(timeout=30)
+    psutil.wait_procs(family, timeout=30)
 
 
 def wait_for(

@@ -12,12 +12,12 @@ from transformers import AutoModelForMaskedLM
 import swbert  # noqa: F401  (registers the Auto classes)
 from tests.launch_utils import (
     REPO,
+    job_env,
     kill_group,
     launch,
     make_data_dir,
     read_metrics,
     start,
-    test_env,
     wait_for,
 )
 
@@ -128,7 +128,7 @@ def test_resume_after_kill_is_exact(stage, data_dir, tmp_path):
 def test_kill_during_checkpoint_save_keeps_previous(data_dir, tmp_path):
     out = tmp_path / "run"
     args = tiny_args(data_dir, out, "--train-steps", "12", "--save-interval", "4", "--log-interval", "1")
-    crashed = launch(2, args, env=test_env(SWBERT_FAULT_KILL_IN_SAVE="8"))
+    crashed = launch(2, args, env=job_env(SWBERT_FAULT_KILL_IN_SAVE="8"))
     assert crashed.returncode != 0
     ckpts = out / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_00000004"
@@ -180,6 +180,8 @@ def test_bad_input_errors_name_what_to_change(data_dir, tmp_path):
     )
     # a checkpoint of another shape
     check_ok(launch(1, tiny_args(data_dir, out, "--train-steps", "2", "--save-interval", "2")))
+    bad = launch(1, tiny_args(data_dir, out, "--train-steps", "2"))
+    assert bad.returncode != 0 and "already holds a run with checkpoints; pass --resume auto" in bad.stderr
     bad = launch(1, tiny_args(data_dir, out, "--attention-type", "standard", "--resume", "auto"))
     assert bad.returncode != 0 and "attention_type: checkpoint 'shared' vs this run 'standard'" in bad.stderr
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import signal
 import socket
+import sys
 
 import torch
 
@@ -33,11 +36,26 @@ def map_launcher_env() -> None:
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
 
 
+def die_with_launcher() -> None:
+    """Linux: a worker whose launcher (torchrun, deepspeed) is killed dies too, instead of training on
+    as an orphan that holds GPUs and writes into the run folder."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
 def init_distributed(timeout_minutes: float = 30.0) -> tuple[int, int, int]:
     """Start DeepSpeed's process group (NCCL on GPU, gloo on CPU). Returns (rank, local_rank, world)."""
     import deepspeed
 
+    launched = "RANK" in os.environ
     map_launcher_env()
+    if launched:
+        die_with_launcher()
     on_gpu = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if on_gpu:

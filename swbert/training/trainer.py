@@ -75,6 +75,11 @@ class Trainer:
         cfg = self.config
         self.output_dir = Path(cfg.output_dir or f"runs/{cfg.size}-{cfg.attention_type}")
         self.run_name = cfg.run_name or f"{cfg.size}-{cfg.attention_type}"
+        if cfg.resume == "none" and ckpt.read_latest(self.output_dir / "checkpoints"):
+            raise ValueError(
+                f"{self.output_dir} already holds a run with checkpoints; pass --resume auto to continue it, "
+                "or choose a new --output-dir"
+            )
         data_dir = prepare_data(cfg.data_dir, self.output_dir)  # before the process group: no hang on error
         rank, self.local_rank, world = init_distributed()
         set_cpu_threads(cfg.num_threads)
@@ -283,7 +288,7 @@ class Trainer:
         window = [0.0, 0.0, 0.0, 0.0]  # loss sum, predicted, correct, skipped
         skipped_in_a_row, skipped_total = 0, 0
         t_window, steps_in_window = time.perf_counter(), 0
-        status, last_saved = "FINISHED", None
+        status, last_saved, save_pending = "FINISHED", None, False
         try:
             while self.step < self.total_steps:
                 loss_sum, predicted, correct, applied = self.train_step()
@@ -326,8 +331,11 @@ class Trainer:
                         bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
                     window = [0.0, 0.0, 0.0, 0.0]
                     t_window, steps_in_window = time.perf_counter(), 0
-                if self.step % cfg.save_interval == 0:
-                    last_saved = self.save()
+                if self.step % cfg.save_interval == 0 or save_pending:
+                    # never checkpoint in the middle of a run of skipped steps: wait for a good one
+                    save_pending = not applied
+                    if applied:
+                        last_saved = self.save()
                 if self._should_stop():
                     last_saved = (
                         last_saved
