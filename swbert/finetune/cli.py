@@ -73,6 +73,10 @@ def add_common_args(
         "--deepspeed", metavar="CONFIG", help="DeepSpeed JSON, used when launched with a world size > 1"
     )
     p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="MLflow experiment name")
+    p.add_argument(
+        "--tracking-uri",
+        help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///<output-dir>/mlflow.db)",
+    )
     p.add_argument("--run-name", help="name of the parent MLflow run (default: launcher and time)")
     p.add_argument(
         "--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS
@@ -111,7 +115,8 @@ def open_tracker(args: argparse.Namespace) -> Tracker:
         text = json.dumps(resolved, indent=2, default=str)
         logging.getLogger("swbert.finetune").info("resolved arguments:\n%s", text)
         (args.output_dir / f"args-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(text + "\n")
-    return Tracker(tracking_uri(args.output_dir), args.experiment, enabled=info.is_main)
+    uri = args.tracking_uri or tracking_uri(args.output_dir)
+    return Tracker(uri, args.experiment, enabled=info.is_main)
 
 
 def flat_params(args: argparse.Namespace) -> dict[str, str]:
