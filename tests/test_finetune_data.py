@@ -58,6 +58,12 @@ def _write(path, text):
     return path
 
 
+def test_byte_order_mark_is_ignored(tmp_path):
+    header = "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
+    _write(tmp_path / "MRPC" / "train.tsv", header + "1\t1\t2\tsame\tsame too\n")
+    assert load_glue_split(get_task("mrpc"), "train", tmp_path).labels.tolist() == [1]
+
+
 def test_quotes_are_literal_and_qqp_malformed_rows_are_skipped(tmp_path, caplog):
     header = "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n"
     rows = '0\t1\t2\t"What is it?\t"Quoted" too\t1\n1\t3\t4\tshort row\n2\t5\t6\tq a\tq b\t0\n'
@@ -214,6 +220,15 @@ def test_checkpoint_with_another_tokenizer_is_refused(tmp_path):
     ).save_pretrained(big)
     with pytest.raises(CheckpointError, match=r"big_tok: the tokenizer has 205 tokens but the model"):
         load_tokenizer(ckpt, big)
+    from swbert import SWBertConfig
+
+    config = SWBertConfig.from_pretrained(ckpt)
+    config.tokenizer_sha256 = "0" * 64  # as a fine-tuned folder records it
+    config.save_pretrained(ckpt)
+    with pytest.raises(
+        CheckpointError, match=r"ckpt: the tokenizer's vocabulary differs from the one recorded"
+    ):
+        load_tokenizer(ckpt)
     with pytest.raises(CheckpointError, match="both named 'shared'"):
         parse_checkpoints([str(ckpt), str(ckpt)])
     with pytest.raises(CheckpointError, match="config.json not found"):

@@ -79,7 +79,8 @@ def read_glue_tsv(task: GlueTask, path: str | Path, split: str) -> GlueExamples:
     """Parse one GLUE TSV file, checking columns and labels row by row."""
     path = Path(path)
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # some MNLI parse columns are long
-    with open(path, encoding="utf-8", newline="") as f:
+    # utf-8-sig: MRPC's files as distributed start with a byte-order mark before "Quality".
+    with open(path, encoding="utf-8-sig", newline="") as f:
         rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
     first_data_line = 1
     columns = [*task.tsv_text_columns, task.tsv_label_column]
