@@ -102,6 +102,20 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256("\n".join(f"{i}\t{t}" for t, i in vocab).encode()).hexdigest()
 
 
+def save_finetuned(model, tokenizer, folder: str | Path) -> None:
+    """Save a fine-tuned model with its tokenizer (rank 0), recording the vocabulary's hash.
+
+    Every rank waits until the folder is complete, so any rank may load it afterwards.
+    """
+    from swbert.finetune.trainer import barrier, dist_info
+
+    if dist_info().is_main:
+        model.config.tokenizer_sha256 = tokenizer_fingerprint(tokenizer)
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    barrier()
+
+
 def uses_token_types(config: SWBertConfig) -> bool:
     """Whether to feed segment ids: a model with one token type would index past its table."""
     return getattr(config, "type_vocab_size", 2) > 1

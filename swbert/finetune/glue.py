@@ -9,7 +9,6 @@ and cross-domain evaluations.
 from __future__ import annotations
 
 import logging
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -25,12 +24,13 @@ from swbert.finetune.checkpoint import (
     Checkpoint,
     CheckpointError,
     load_tokenizer,
+    save_finetuned,
     tokenizer_fingerprint,
     uses_token_types,
 )
 from swbert.finetune.glue_data import EncodedDataset, GlueExamples, encode_glue, load_glue_split, pad_collate
 from swbert.finetune.metrics import glue_metrics
-from swbert.finetune.results import Summary, Trial, summarize
+from swbert.finetune.results import Summary, Trial, nest_metrics, prune_models, summarize
 from swbert.finetune.tasks import GLUE_TASKS, GlueTask, get_task
 from swbert.finetune.tracking import CHECKPOINT, KIND, TASK, VARIANT, Tracker
 from swbert.finetune.trainer import TrainConfig, default_device, dist_info, fit, move, set_seed
@@ -155,20 +155,6 @@ def evaluate_task(model: nn.Module, data: TaskData, collate, batch_size: int = 1
     return metrics
 
 
-def _barrier() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-
-
-def _nest(flat: dict[str, float]) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
-    for key, value in flat.items():
-        split, _, metric = key.rpartition("/")
-        if split:
-            out.setdefault(split, {})[metric] = value
-    return out
-
-
 def run_trial(
     sweep: GlueSweep, ckpt: Checkpoint, data: TaskData, tokenizer, lr: float, seed: int, tracker: Tracker
 ) -> Trial:
@@ -205,21 +191,8 @@ def run_trial(
         model_dir = ""
         if sweep.keep != "none":
             model_dir = str(sweep.output_dir / ckpt.name / task.name / f"lr{lr:g}-seed{seed}")
-            if dist_info().is_main:
-                model.config.tokenizer_sha256 = tokenizer_fingerprint(tokenizer)
-                model.save_pretrained(model_dir)
-                tokenizer.save_pretrained(model_dir)
-            _barrier()
-    return Trial(ckpt.name, task.name, lr, seed, _nest(best), model_dir)
-
-
-def _prune(trials: list[Trial], keep: Trial) -> None:
-    """Delete the saved models of a task's trials except the one kept for later evaluation."""
-    if not dist_info().is_main:
-        return
-    for t in trials:
-        if t.model_dir and t.model_dir != keep.model_dir:
-            shutil.rmtree(t.model_dir, ignore_errors=True)
+            save_finetuned(model, tokenizer, model_dir)
+    return Trial(ckpt.name, task.name, lr, seed, nest_metrics(best), model_dir)
 
 
 def glue_summaries(trials: list[Trial]) -> list[Summary]:
@@ -234,7 +207,7 @@ def noise_evaluation(
     task = data.task
     model = load_classifier(model_dir, task).to(default_device()).eval()
     collate = pad_collate(model.config.pad_token_id)
-    main_ex, main_enc = data.dev[task.main_split]
+    _, main_enc = data.dev[task.main_split]
     mean_norm = robustness.mean_embedding_norm(
         model, DataLoader(main_enc, batch_size=batch_size, collate_fn=collate)
     )
@@ -259,12 +232,14 @@ def cross_domain_evaluation(
     """Table 6: each source task's model on every target task's dev sets (binary accuracy)."""
     out = {}
     for source, model_dir in models.items():
-        model = load_classifier(model_dir, get_task(source)).to(default_device()).eval()
+        source_task = get_task(source)
+        model = load_classifier(model_dir, source_task).to(default_device()).eval()
         collate = pad_collate(model.config.pad_token_id)
         metrics = {}
         for target, td in data.items():
             for split, (ex, enc) in td.dev.items():
-                preds = to_predictions(td.task, predict(model, enc, collate, batch_size))
+                # the source model's classes; cross_domain maps them and the target's gold labels
+                preds = to_predictions(source_task, predict(model, enc, collate, batch_size))
                 metrics[f"{target}/{split}/accuracy"] = cross_domain.cross_domain_accuracy(
                     source, preds, target, ex.labels
                 )
@@ -304,8 +279,8 @@ def run_glue(sweep: GlueSweep, tracker: Tracker) -> tuple[list[Trial], list[Summ
             trials += task_trials
             (summary,) = glue_summaries(task_trials)
             log.info("%s %s: lr %g, median %s", ckpt.name, task.name, summary.learning_rate, summary.median)
-            if sweep.keep == "median":
-                _prune(task_trials, summary.median_trial)
+            if sweep.keep == "median" and dist_info().is_main:
+                prune_models(task_trials, summary.median_trial)
             if sweep.keep != "none":
                 kept[task.name] = Path(summary.median_trial.model_dir)
             if sweep.noise_levels:

@@ -8,6 +8,7 @@ report command computes it again from MLflow, with the same function.
 from __future__ import annotations
 
 import math
+import shutil
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -40,6 +41,23 @@ class Summary:
     """The trial whose selection score is nearest the median (the one kept for noise/cross-domain)."""
     per_lr: dict[float, float] = field(default_factory=dict)
     """Learning rate -> median selection score (to show the grid)."""
+
+
+def nest_metrics(flat: dict[str, float]) -> dict[str, dict[str, float]]:
+    """``{"validation/accuracy": x}`` -> ``{"validation": {"accuracy": x}}`` (keys without a split dropped)."""
+    out: dict[str, dict[str, float]] = {}
+    for key, value in flat.items():
+        split, _, metric = key.rpartition("/")
+        if split:
+            out.setdefault(split, {})[metric] = value
+    return out
+
+
+def prune_models(trials: list[Trial], keep: Trial) -> None:
+    """Delete the saved models of ``trials`` except ``keep``'s (call on rank 0 only)."""
+    for t in trials:
+        if t.model_dir and t.model_dir != keep.model_dir:
+            shutil.rmtree(t.model_dir, ignore_errors=True)
 
 
 def _nanmedian(values: list[float]) -> float:

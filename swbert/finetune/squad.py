@@ -8,7 +8,6 @@ learning rate by dev F1. Scores are the official scripts' (percent).
 from __future__ import annotations
 
 import logging
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -19,11 +18,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from swbert import SWBertForQuestionAnswering
-from swbert.finetune.checkpoint import Checkpoint, load_tokenizer, tokenizer_fingerprint, uses_token_types
-from swbert.finetune.glue import _barrier, _nest
+from swbert.finetune.checkpoint import Checkpoint, load_tokenizer, save_finetuned, uses_token_types
 from swbert.finetune.glue_data import EncodedDataset, pad_collate
 from swbert.finetune.metrics import best_null_threshold, squad_scores
-from swbert.finetune.results import Summary, Trial, summarize
+from swbert.finetune.results import Summary, Trial, nest_metrics, prune_models, summarize
 from swbert.finetune.squad_data import (
     SquadEvalFeatures,
     SquadExample,
@@ -159,12 +157,8 @@ def run_squad_trial(
         model_dir = ""
         if sweep.keep != "none":
             model_dir = str(sweep.output_dir / ckpt.name / name / f"lr{lr:g}-seed{seed}")
-            if dist_info().is_main:
-                model.config.tokenizer_sha256 = tokenizer_fingerprint(tokenizer)
-                model.save_pretrained(model_dir)
-                tokenizer.save_pretrained(model_dir)
-            _barrier()
-    return Trial(ckpt.name, name, lr, seed, _nest(best), model_dir)
+            save_finetuned(model, tokenizer, model_dir)
+    return Trial(ckpt.name, name, lr, seed, nest_metrics(best), model_dir)
 
 
 def run_squad(sweep: SquadSweep, tracker: Tracker) -> tuple[list[Trial], list[Summary]]:
@@ -194,9 +188,7 @@ def run_squad(sweep: SquadSweep, tracker: Tracker) -> tuple[list[Trial], list[Su
             (summary,) = squad_summaries(version_trials)
             log.info("%s %s: lr %g, median %s", ckpt.name, name, summary.learning_rate, summary.median)
             if sweep.keep == "median" and dist_info().is_main:
-                for t in version_trials:
-                    if t.model_dir and t.model_dir != summary.median_trial.model_dir:
-                        shutil.rmtree(t.model_dir, ignore_errors=True)
+                prune_models(version_trials, summary.median_trial)
     return trials, squad_summaries(trials)
 
 

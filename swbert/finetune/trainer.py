@@ -80,6 +80,12 @@ def dist_info() -> DistInfo:
     )
 
 
+def barrier() -> None:
+    """Wait for every rank (a no-op in single-process runs)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
 def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
