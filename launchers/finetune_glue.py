@@ -2,7 +2,7 @@
 
     python launchers/finetune_glue.py --checkpoint standard=ckpt/std shared=ckpt/shared \\
         --output-dir runs/glue [--data-dir glue_data] [--noise] [--cross-domain]
-    deepspeed --num_gpus 8 launchers/finetune_glue.py --deepspeed ds_configs/<config>.json ...
+    deepspeed --num_gpus 8 launchers/finetune_glue.py --deepspeed zero1.json ...
 
 Already fine-tuned models (one folder per task, grouped by NAME) can be evaluated without training:
 

@@ -2,7 +2,7 @@
 
     python launchers/finetune_squad.py --checkpoint standard=ckpt/std shared=ckpt/shared \\
         --output-dir runs/squad [--version 1.1 2.0] [--train-file 1.1=train-v1.1.json --dev-file 1.1=dev-v1.1.json]
-    deepspeed --num_gpus 8 launchers/finetune_squad.py --deepspeed ds_configs/<config>.json ...
+    deepspeed --num_gpus 8 launchers/finetune_squad.py --deepspeed zero1.json ...
 
 Without --train-file/--dev-file the data comes from the Hub (rajpurkar/squad, rajpurkar/squad_v2).
 """

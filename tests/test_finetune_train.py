@@ -154,24 +154,26 @@ def test_fit_restores_the_best_epoch_and_stops_early():
 
 def test_deepspeed_config_is_filled_from_the_flags(tmp_path):
     cfg = TrainConfig(batch_size=32, max_grad_norm=1.0)
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": True}}))
-    ds = deepspeed_config(path, cfg, world_size=4)
+    ds = deepspeed_config("zero2.json", cfg, world_size=4, precision="bf16")  # a shipped config, by name
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_clipping"]) == (
         32,
         8,
         1.0,
     )
-    path.write_text(json.dumps({"train_batch_size": 64}))
-    with pytest.raises(
-        ValueError, match=r"ds.json: train_batch_size=64 disagrees with the fine-tuning flags \(32\)"
-    ):
-        deepspeed_config(path, cfg, world_size=4)
-    path.write_text(json.dumps({"optimizer": {"type": "Adam"}}))
-    with pytest.raises(ValueError, match="remove the 'optimizer' section"):
-        deepspeed_config(path, cfg, world_size=4)
-    path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
-    with pytest.raises(ValueError, match="ZeRO stage 3"):
-        deepspeed_config(path, cfg, world_size=4)
+    assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+    assert ds["zero_optimization"]["stage"] == 2
+    path = tmp_path / "ds.json"
+    for content, message in [
+        (
+            {"train_batch_size": 64},
+            r"ds.json: train_batch_size=64 disagrees with the fine-tuning flags \(32\)",
+        ),
+        ({"bf16": {"enabled": True}}, r"bf16.enabled=True but --precision is fp32"),
+        ({"optimizer": {"type": "Adam"}}, "remove the 'optimizer' section"),
+        ({"zero_optimization": {"stage": 3}}, "ZeRO stage 3 is not supported"),
+    ]:
+        path.write_text(json.dumps(content))
+        with pytest.raises(ValueError, match=message):
+            deepspeed_config(path, cfg, world_size=4, precision="fp32")
     with pytest.raises(ValueError, match="not divisible by the world size 3"):
-        deepspeed_config(path, cfg, world_size=3)
+        deepspeed_config("zero1.json", cfg, world_size=3, precision="fp32")

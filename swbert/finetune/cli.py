@@ -67,10 +67,15 @@ def add_common_args(
         help="fine-tuned models to keep on disk: the median seed's at the best learning rate, all, or none",
     )
     p.add_argument(
-        "--bf16", action="store_true", help="bf16 autocast on GPU (single process; DeepSpeed uses its config)"
+        "--precision",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        default="auto",
+        help="auto: bf16 on GPU, fp32 on CPU; fp16 only under DeepSpeed",
     )
     p.add_argument(
-        "--deepspeed", metavar="CONFIG", help="DeepSpeed JSON, used when launched with a world size > 1"
+        "--deepspeed",
+        metavar="CONFIG",
+        help="DeepSpeed JSON (a path or a ds_configs/ name, stages 0-2), used with a world size > 1",
     )
     p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="MLflow experiment name")
     p.add_argument(
@@ -92,7 +97,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         warmup_ratio=args.warmup_ratio,
         max_grad_norm=args.max_grad_norm,
         patience=args.patience,
-        bf16=args.bf16,
+        precision=args.precision,
         max_steps=args.max_steps,
         deepspeed_config=args.deepspeed,
     )

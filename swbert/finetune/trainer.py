@@ -9,7 +9,6 @@ DeepSpeed config gets its batch size and clipping from here, so the two cannot d
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -18,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from swbert.finetune.metrics import selection_value
+from swbert.training.ds_config import load_ds_config, resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,9 @@ class TrainConfig:
     seed: int = 0
     patience: int = 0
     """Stop after this many epochs without a better dev score (0: run all epochs)."""
-    bf16: bool = False
-    """bf16 autocast on GPU for single-process runs (DeepSpeed runs take precision from their config)."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """auto: bf16 on GPU, fp32 on CPU (as pretraining). Single-process runs use autocast; fp16 needs
+    DeepSpeed's loss scaling."""
     max_steps: int | None = None
     """Stop after this many optimiser steps (smoke runs); the schedule is sized to it."""
     deepspeed_config: str | None = None
@@ -122,14 +124,15 @@ def _linear_schedule(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def deepspeed_config(path: str | Path, cfg: TrainConfig, world_size: int) -> dict:
-    """Load a DeepSpeed JSON and fill its batch/clipping fields from ``cfg`` ("auto" or absent).
+def deepspeed_config(path: str | Path, cfg: TrainConfig, world_size: int, precision: str) -> dict:
+    """Load a DeepSpeed JSON (a path or a shipped ``ds_configs/`` name) and fill it from ``cfg``.
 
+    Batch sizes, clipping and ``bf16``/``fp16`` are filled where "auto" or absent, as for pretraining.
     An explicit value that disagrees with the fine-tuning flags is an error rather than a silent
     override; so is an ``optimizer``/``scheduler`` section (the LR grid lives in the flags) or ZeRO-3
     (best-epoch weights are kept as a full state dict, which stage 3 does not hold on any one rank).
     """
-    ds = json.loads(Path(path).read_text())
+    ds = load_ds_config(path)
     if cfg.batch_size % world_size:
         raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by the world size {world_size}")
     want = {
@@ -150,8 +153,18 @@ def deepspeed_config(path: str | Path, cfg: TrainConfig, world_size: int) -> dic
             raise ValueError(
                 f"{path}: remove the {key!r} section; fine-tuning sets AdamW and the LR schedule from its flags"
             )
+    for dtype in ("bf16", "fp16"):
+        section = ds.setdefault(dtype, {})
+        enabled = section.get("enabled", "auto")
+        if enabled != "auto" and bool(enabled) != (precision == dtype):
+            raise ValueError(
+                f'{path}: {dtype}.enabled={enabled} but --precision is {precision}; set "enabled": "auto"'
+            )
+        section["enabled"] = precision == dtype
     if ds.get("zero_optimization", {}).get("stage", 0) >= 3:
-        raise ValueError(f"{path}: ZeRO stage 3 is not supported for fine-tuning; use stage 0-2")
+        raise ValueError(
+            f"{path}: ZeRO stage 3 is not supported for fine-tuning; use stage 0-2 (e.g. zero2.json)"
+        )
     return ds
 
 
@@ -175,10 +188,20 @@ def fit(
     after every epoch (keys prefixed ``dev/``), with the optimiser step as ``step``.
     """
     info = dist_info()
-    device = default_device(info)
     if info.world_size > 1 and not cfg.deepspeed_config:
         raise ValueError(
             f"launched with world size {info.world_size}: pass --deepspeed CONFIG for multi-GPU fine-tuning"
+        )
+    use_ds = info.world_size > 1
+    if use_ds:
+        from swbert.training.dist import init_distributed
+
+        init_distributed()  # NCCL on GPU, gloo on CPU; sets this rank's GPU; a no-op when already up
+    device = default_device(info)
+    precision = resolve_precision(cfg.precision, device.type == "cuda")
+    if precision == "fp16" and not use_ds:
+        raise ValueError(
+            "--precision fp16 needs DeepSpeed's loss scaling; use bf16, or launch with --deepspeed"
         )
     model.to(device)
     micro = cfg.batch_size // info.world_size
@@ -207,17 +230,17 @@ def fit(
     )
     scheduler = _linear_schedule(optimizer, int(cfg.warmup_ratio * total), total)
     engine = None
-    if cfg.deepspeed_config and info.world_size > 1:
+    if use_ds:
         import deepspeed
 
-        deepspeed.init_distributed()
-        ds_cfg = deepspeed_config(cfg.deepspeed_config, cfg, info.world_size)
+        ds_cfg = deepspeed_config(cfg.deepspeed_config, cfg, info.world_size, precision)
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg
         )
     module = engine.module if engine is not None else model
+    # DeepSpeed casts the model itself; a single process gets bf16 autocast (fp32 master weights).
     autocast = torch.autocast(
-        device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and engine is None and device.type == "cuda"
+        device.type, dtype=torch.bfloat16, enabled=engine is None and precision == "bf16"
     )
 
     result = FitResult(best_metrics={}, best_epoch=-1)
