@@ -233,3 +233,35 @@ def test_checkpoint_with_another_tokenizer_is_refused(tmp_path):
         parse_checkpoints([str(ckpt), str(ckpt)])
     with pytest.raises(CheckpointError, match="config.json not found"):
         parse_checkpoints([str(tmp_path / "nowhere")])
+
+
+# ------------------------------------------------------------------------------- Hub (no download)
+
+
+def test_hub_splits_map_columns_and_refuse_unlabelled_rows(monkeypatch):
+    """The Hub readers with ``datasets.load_dataset`` answering from memory, as a cache would."""
+    import datasets
+
+    rows = {
+        "mnli": {"premise": ["p1", "p2"], "hypothesis": ["h1", "h2"], "label": [2, 0], "idx": [0, 1]},
+        "sst2": {"sentence": ["s"], "label": [-1], "idx": [0]},  # a test split: no labels
+        "squad": {"id": ["a", "b"], "title": ["t", "t"], "context": ["x y", "x y"], "question": ["q", "q"],
+                  "answers": [{"text": ["y"], "answer_start": [2]}, {"text": [], "answer_start": []}]},
+    }  # fmt: skip
+    calls = []
+
+    def fake_load(name, config=None, split=None):
+        calls.append((name, config, split))
+        return datasets.Dataset.from_dict(rows[config or "squad"])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    ex = load_glue_split(get_task("mnli"), "validation_mismatched")
+    assert calls[-1] == ("nyu-mll/glue", "mnli", "validation_mismatched")
+    assert (ex.text_a, ex.text_b, ex.labels.tolist()) == (["p1", "p2"], ["h1", "h2"], [2, 0])
+    with pytest.raises(GlueDataError, match=r"nyu-mll/glue/sst2:validation, row 0: label -1 outside 0..1"):
+        load_glue_split(get_task("sst2"), "validation")
+    from swbert.finetune.squad_data import read_squad_hub
+
+    squad = read_squad_hub("2.0", "validation")
+    assert calls[-1] == ("rajpurkar/squad_v2", None, "validation")
+    assert [(e.qid, e.answers, e.answer_starts) for e in squad] == [("a", ["y"], [2]), ("b", [], [])]
