@@ -1,6 +1,6 @@
 """The one fine-tuning loop, shared by GLUE and SQuAD.
 
-AdamW (no weight decay on biases and LayerNorm weights), linear warm-up then linear decay, gradient
+AdamW (no weight decay on biases, LayerNorm weights and other 1-D scales), linear warm-up then linear decay, gradient
 clipping, an evaluation on dev after every epoch, and the best epoch's weights kept and restored at the
 end (best-checkpoint selection; optional early stopping with ``patience``). Launched with a world size
 above one (``deepspeed`` or ``torchrun``), the same loop runs under ``deepspeed.initialize``; the
@@ -104,7 +104,8 @@ def move(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torc
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    # BERT's recipe: biases and LayerNorm/embedding-norm weights are not decayed.
+    # BERT's recipe: biases and LayerNorm weights are not decayed; neither are other 1-D parameters
+    # (the shared attention's dq/dk/dv scales), which act like LayerNorm gains.
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
