@@ -1,10 +1,11 @@
 """The one fine-tuning loop, shared by GLUE and SQuAD.
 
-AdamW (no weight decay on biases, LayerNorm weights and other 1-D scales), linear warm-up then linear decay, gradient
-clipping, an evaluation on dev after every epoch, and the best epoch's weights kept and restored at the
-end (best-checkpoint selection; optional early stopping with ``patience``). Launched with a world size
-above one (``deepspeed`` or ``torchrun``), the same loop runs under ``deepspeed.initialize``; the
-DeepSpeed config gets its batch size and clipping from here, so the two cannot disagree.
+AdamW (no weight decay on biases, LayerNorm weights and other 1-D scales), linear warm-up then linear
+decay, gradient clipping, an evaluation on dev after every epoch, and the best epoch's weights kept and
+restored at the end (best-checkpoint selection; optional early stopping with ``patience``). Launched
+with a world size above one (``deepspeed`` or ``torchrun``), the same loop runs under
+``deepspeed.initialize``; the DeepSpeed config gets its batch size, clipping and precision from here,
+so the two cannot disagree.
 """
 
 from __future__ import annotations
