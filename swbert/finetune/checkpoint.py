@@ -1,0 +1,121 @@
+"""Loading pretrained (or fine-tuned) checkpoints with their tokenizer, and naming the variants.
+
+A checkpoint folder is the export of pretraining: ``config.json``, ``model.safetensors`` and the
+tokenizer files. The tokenizer must be the one the model was trained with; the checks here catch the
+common mix-ups (a tokenizer from another run or another vocabulary) before any training starts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from swbert import SWBertConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder (or its tokenizer) that cannot be used as asked."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A named checkpoint: ``name`` labels the table row (a variant), ``path`` the folder."""
+
+    name: str
+    path: Path
+
+    @property
+    def config(self) -> SWBertConfig:
+        return SWBertConfig.from_pretrained(self.path)
+
+
+def parse_checkpoints(specs: list[str]) -> list[Checkpoint]:
+    """``PATH`` or ``NAME=PATH`` arguments -> checkpoints; a bare path is named by its attention type.
+
+    Two checkpoints may not share a name (e.g. two ``shared`` runs): name them ``NAME=PATH``.
+    """
+    out: list[Checkpoint] = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = "", spec
+        folder = Path(path)
+        if not (folder / "config.json").is_file():
+            raise CheckpointError(
+                f"--checkpoint {spec}: {folder}/config.json not found; pass an exported model folder"
+            )
+        if not name:
+            name = SWBertConfig.from_pretrained(folder).attention_type
+        if not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
+            raise CheckpointError(f"--checkpoint {spec}: name {name!r} may only use letters, digits and _.+-")
+        out.append(Checkpoint(name, folder))
+    names = [c.name for c in out]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise CheckpointError(
+            f"two checkpoints are both named {dupes[0]!r}: pass them as NAME=PATH with distinct names"
+        )
+    return out
+
+
+def load_tokenizer(folder: str | Path, tokenizer_path: str | Path | None = None):
+    """The checkpoint's tokenizer (or ``tokenizer_path``), checked against the model config."""
+    folder = Path(folder)
+    source = Path(tokenizer_path) if tokenizer_path else folder
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+    except Exception as e:
+        raise CheckpointError(
+            f"{source}: no loadable tokenizer ({e}); the export folder should hold the tokenizer files"
+        ) from e
+    check_tokenizer(tok, SWBertConfig.from_pretrained(folder), folder, source)
+    return tok
+
+
+def check_tokenizer(tokenizer, config: SWBertConfig, folder: Path, source: Path) -> None:
+    """Raise when ``tokenizer`` cannot be the one ``config``'s model was trained with."""
+    if len(tokenizer) > config.vocab_size:
+        raise CheckpointError(
+            f"{source}: the tokenizer has {len(tokenizer)} tokens but the model in {folder} has "
+            f"vocab_size={config.vocab_size}; it is the tokenizer of another model"
+        )
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id != config.pad_token_id:
+        raise CheckpointError(
+            f"{source}: the tokenizer's [PAD] id is {tokenizer.pad_token_id} but the model in {folder} uses "
+            f"pad_token_id={config.pad_token_id}; it is the tokenizer of another model"
+        )
+    saved = getattr(config, "tokenizer_sha256", None)
+    if saved and saved != tokenizer_fingerprint(tokenizer):
+        raise CheckpointError(
+            f"{source}: the tokenizer's vocabulary differs from the one recorded in {folder}/config.json"
+        )
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of the vocabulary (token -> id), recorded in fine-tuned configs to catch later mix-ups."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256("\n".join(f"{i}\t{t}" for t, i in vocab).encode()).hexdigest()
+
+
+def save_finetuned(model, tokenizer, folder: str | Path) -> None:
+    """Save a fine-tuned model with its tokenizer (rank 0), recording the vocabulary's hash.
+
+    Every rank waits until the folder is complete, so any rank may load it afterwards.
+    """
+    from swbert.finetune.trainer import barrier, dist_info
+
+    if dist_info().is_main:
+        model.config.tokenizer_sha256 = tokenizer_fingerprint(tokenizer)
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    barrier()
+
+
+def uses_token_types(config: SWBertConfig) -> bool:
+    """Whether to feed segment ids: a model with one token type would index past its table."""
+    return getattr(config, "type_vocab_size", 2) > 1

@@ -1,0 +1,357 @@
+"""GLUE fine-tuning sweeps (the paper's Table 1), with robustness (Table 5) and cross-domain (Table 6).
+
+For every checkpoint (a variant), task, learning rate and seed: fine-tune, keep the best dev epoch,
+log to MLflow. Per task, the reported number is the median over seeds at the learning rate with the
+best median (see :mod:`swbert.finetune.results`); the median seed's model is kept on disk for the noise
+and cross-domain evaluations.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from swbert import SWBertConfig, SWBertForSequenceClassification
+from swbert.finetune import cross_domain, robustness
+from swbert.finetune.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    load_tokenizer,
+    save_finetuned,
+    tokenizer_fingerprint,
+    uses_token_types,
+)
+from swbert.finetune.glue_data import EncodedDataset, GlueExamples, encode_glue, load_glue_split, pad_collate
+from swbert.finetune.metrics import glue_metrics
+from swbert.finetune.results import Summary, Trial, nest_metrics, prune_models, summarize
+from swbert.finetune.tasks import GLUE_TASKS, GlueTask, get_task
+from swbert.finetune.tracking import CHECKPOINT, KIND, TASK, VARIANT, Tracker
+from swbert.finetune.trainer import TrainConfig, default_device, dist_info, fit, move, set_seed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GlueSweep:
+    """Everything one ``finetune_glue.py`` invocation does."""
+
+    checkpoints: list[Checkpoint]
+    tasks: list[str] = field(default_factory=lambda: list(GLUE_TASKS))
+    data_dir: Path | None = None
+    """GLUE TSV root (``<dir>/CoLA/train.tsv`` ...); None: the Hub's ``nyu-mll/glue``."""
+    output_dir: Path = Path("runs/glue")
+    learning_rates: list[float] = field(default_factory=lambda: [1e-4, 2e-5, 2e-6])
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    train: TrainConfig = field(default_factory=TrainConfig)
+    max_seq_length: int = 128
+    attention_dropout: float = 0.1
+    hidden_dropout: float | None = None
+    """None keeps the checkpoint's value."""
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = None
+    keep: Literal["none", "median", "all"] = "median"
+    noise_levels: list[float] = field(default_factory=list)
+    noise_seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    cross_domain: bool = False
+    tokenizer: Path | None = None
+
+    def check(self) -> None:
+        for name in self.tasks:
+            get_task(name)
+        if (self.noise_levels or self.cross_domain) and self.keep == "none":
+            raise ValueError(
+                "--noise-levels and --cross-domain evaluate saved models: use --keep median or all"
+            )
+        if self.cross_domain and len(set(self.tasks) & set(cross_domain.CROSS_DOMAIN_TASKS)) < 2:
+            raise ValueError(
+                f"--cross-domain needs at least two of {', '.join(cross_domain.CROSS_DOMAIN_TASKS)} in --tasks"
+            )
+
+
+@dataclass
+class TaskData:
+    task: GlueTask
+    train: EncodedDataset | None
+    dev: dict[str, tuple[GlueExamples, EncodedDataset]]
+
+
+def load_task_data(
+    task: GlueTask,
+    tokenizer,
+    data_dir: Path | None,
+    max_length: int,
+    token_types: bool,
+    max_train: int | None = None,
+    max_eval: int | None = None,
+    with_train: bool = True,
+) -> TaskData:
+    train = None
+    if with_train:
+        train = encode_glue(
+            load_glue_split(task, "train", data_dir).head(max_train), tokenizer, max_length, token_types
+        )
+    dev = {}
+    for split in task.dev_splits:
+        ex = load_glue_split(task, split, data_dir).head(max_eval)
+        dev[split] = (ex, encode_glue(ex, tokenizer, max_length, token_types))
+    return TaskData(task, train, dev)
+
+
+def load_classifier(
+    path: Path, task: GlueTask, attention_dropout: float | None = None, hidden_dropout: float | None = None
+) -> nn.Module:
+    """A sequence classifier for ``task`` from a pretrained (new head) or fine-tuned (same task) folder."""
+    done = getattr(SWBertConfig.from_pretrained(path), "glue_task", None)
+    if done and done != task.name:
+        raise CheckpointError(
+            f"{path} was fine-tuned on {done}, not {task.name}; its head does not fit {task.name}"
+        )
+    overrides: dict = {}
+    if attention_dropout is not None:
+        overrides["attention_probs_dropout_prob"] = attention_dropout
+    if hidden_dropout is not None:
+        overrides["hidden_dropout_prob"] = hidden_dropout
+    labels = list(task.label_names) or ["score"]
+    model = SWBertForSequenceClassification.from_pretrained(
+        path,
+        num_labels=task.num_labels,
+        problem_type="regression" if task.is_regression else "single_label_classification",
+        id2label=dict(enumerate(labels)),
+        label2id={n: i for i, n in enumerate(labels)},
+        **overrides,
+    )
+    model.config.glue_task = task.name  # saved with the model: what its head was trained for
+    return model
+
+
+@torch.no_grad()
+def predict(model: nn.Module, dataset: EncodedDataset, collate, batch_size: int = 128) -> np.ndarray:
+    """Logits for a whole dataset, in order."""
+    device = next(model.parameters()).device
+    out = []
+    for batch in DataLoader(dataset, batch_size=batch_size, collate_fn=collate):
+        batch = move({k: v for k, v in batch.items() if k != "labels"}, device)
+        out.append(model(**batch).logits.float().cpu())
+    return torch.cat(out).numpy()
+
+
+def to_predictions(task: GlueTask, logits: np.ndarray) -> np.ndarray:
+    return logits[:, 0] if task.is_regression else logits.argmax(-1)
+
+
+def evaluate_task(model: nn.Module, data: TaskData, collate, batch_size: int = 128) -> dict[str, float]:
+    """GLUE metrics on every dev split, flat as ``<split>/<metric>``."""
+    metrics = {}
+    for split, (ex, enc) in data.dev.items():
+        preds = to_predictions(data.task, predict(model, enc, collate, batch_size))
+        metrics.update({f"{split}/{k}": v for k, v in glue_metrics(data.task, preds, ex.labels).items()})
+    return metrics
+
+
+def run_trial(
+    sweep: GlueSweep, ckpt: Checkpoint, data: TaskData, tokenizer, lr: float, seed: int, tracker: Tracker
+) -> Trial:
+    """Fine-tune one (checkpoint, task, learning rate, seed) and log it as a child run."""
+    task = data.task
+    cfg = TrainConfig(**{**vars(sweep.train), "learning_rate": lr, "seed": seed})
+    tags = {KIND: "glue_trial", VARIANT: ckpt.name, TASK: task.name, CHECKPOINT: str(ckpt.path)}
+    params = {
+        **vars(cfg),
+        "max_seq_length": sweep.max_seq_length,
+        "attention_dropout": sweep.attention_dropout,
+        "hidden_dropout": sweep.hidden_dropout,
+        "train_examples": len(data.train),
+    }
+    with tracker.run(f"{ckpt.name}/{task.name}/lr{lr:g}/seed{seed}", tags, params) as run_id:
+        set_seed(seed)  # the classifier head's initialisation depends on it
+        model = load_classifier(ckpt.path, task, sweep.attention_dropout, sweep.hidden_dropout)
+        collate = pad_collate(tokenizer.pad_token_id)
+        result = fit(
+            model,
+            data.train,
+            collate,
+            evaluate=lambda m: evaluate_task(m, data, collate, cfg.eval_batch_size),
+            select=f"{task.main_split}/score",
+            cfg=cfg,
+            log_metrics=lambda m, step: tracker.log(run_id, m, step),
+        )
+        best = {k: v for k, v in result.best_metrics.items() if k != "epoch"}
+        tracker.log(
+            run_id,
+            {f"best/{k}": v for k, v in best.items()}
+            | {"best_epoch": result.best_epoch, "train_seconds": result.train_seconds, "steps": result.steps},
+        )
+        model_dir = ""
+        if sweep.keep != "none":
+            model_dir = str(sweep.output_dir / ckpt.name / task.name / f"lr{lr:g}-seed{seed}")
+            save_finetuned(model, tokenizer, model_dir)
+    return Trial(ckpt.name, task.name, lr, seed, nest_metrics(best), model_dir)
+
+
+def glue_summaries(trials: list[Trial]) -> list[Summary]:
+    tasks = {t.task for t in trials}
+    return summarize(trials, {n: get_task(n).main_split for n in tasks}, {n: "score" for n in tasks})
+
+
+def noise_evaluation(
+    name: str, model_dir: Path, data: TaskData, levels, seeds, tracker: Tracker, batch_size: int = 128
+) -> dict:
+    """Table 5: evaluate a fine-tuned model under embedding noise; one MLflow run per noise seed."""
+    task = data.task
+    model = load_classifier(model_dir, task).to(default_device()).eval()
+    collate = pad_collate(model.config.pad_token_id)
+    _, main_enc = data.dev[task.main_split]
+    mean_norm = robustness.mean_embedding_norm(
+        model, DataLoader(main_enc, batch_size=batch_size, collate_fn=collate)
+    )
+    results = robustness.evaluate_under_noise(
+        model, lambda m: evaluate_task(m, data, collate, batch_size), mean_norm, levels, seeds
+    )
+    for seed in seeds:
+        tags = {KIND: "noise", VARIANT: name, TASK: task.name, CHECKPOINT: str(model_dir)}
+        with tracker.run(
+            f"{name}/{task.name}/noise-seed{seed}",
+            tags,
+            {"noise_seed": seed, "mean_embedding_norm": mean_norm},
+        ) as rid:
+            for level in levels:
+                tracker.log(rid, results[(level, seed)], step=round(level * 100))
+    return results
+
+
+def cross_domain_evaluation(
+    name: str, models: dict[str, Path], data: dict[str, TaskData], tracker: Tracker, batch_size: int = 128
+) -> dict:
+    """Table 6: each source task's model on every target task's dev sets (binary accuracy)."""
+    out = {}
+    for source, model_dir in models.items():
+        source_task = get_task(source)
+        model = load_classifier(model_dir, source_task).to(default_device()).eval()
+        collate = pad_collate(model.config.pad_token_id)
+        metrics = {}
+        for target, td in data.items():
+            for split, (ex, enc) in td.dev.items():
+                # the source model's classes; cross_domain maps them and the target's gold labels
+                preds = to_predictions(source_task, predict(model, enc, collate, batch_size))
+                metrics[f"{target}/{split}/accuracy"] = cross_domain.cross_domain_accuracy(
+                    source, preds, target, ex.labels
+                )
+        tags = {KIND: "cross_domain", VARIANT: name, TASK: source, CHECKPOINT: str(model_dir)}
+        with tracker.run(f"{name}/{source}/cross-domain", tags) as rid:
+            tracker.log(rid, metrics)
+        out[source] = metrics
+    return out
+
+
+def run_glue(sweep: GlueSweep, tracker: Tracker) -> tuple[list[Trial], list[Summary]]:
+    """The whole sweep; returns every trial and the per-(variant, task) summaries."""
+    sweep.check()
+    trials: list[Trial] = []
+    for ckpt in sweep.checkpoints:
+        tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer)
+        token_types = uses_token_types(ckpt.config)
+        kept: dict[str, Path] = {}
+        datas: dict[str, TaskData] = {}
+        for name in sweep.tasks:
+            task = get_task(name)
+            data = load_task_data(
+                task,
+                tokenizer,
+                sweep.data_dir,
+                sweep.max_seq_length,
+                token_types,
+                sweep.max_train_samples,
+                sweep.max_eval_samples,
+            )
+            datas[task.name] = data
+            task_trials = [
+                run_trial(sweep, ckpt, data, tokenizer, lr, seed, tracker)
+                for lr in sweep.learning_rates
+                for seed in sweep.seeds
+            ]
+            trials += task_trials
+            (summary,) = glue_summaries(task_trials)
+            log.info("%s %s: lr %g, median %s", ckpt.name, task.name, summary.learning_rate, summary.median)
+            if sweep.keep == "median" and dist_info().is_main:
+                prune_models(task_trials, summary.median_trial)
+            if sweep.keep != "none":
+                kept[task.name] = Path(summary.median_trial.model_dir)
+            if sweep.noise_levels:
+                noise_evaluation(
+                    ckpt.name,
+                    kept[task.name],
+                    data,
+                    sweep.noise_levels,
+                    sweep.noise_seeds,
+                    tracker,
+                    sweep.train.eval_batch_size,
+                )
+        if sweep.cross_domain:
+            sources = {t: kept[t] for t in cross_domain.CROSS_DOMAIN_TASKS if t in kept}
+            cross_domain_evaluation(
+                ckpt.name, sources, {t: datas[t] for t in sources}, tracker, sweep.train.eval_batch_size
+            )
+    return trials, glue_summaries(trials)
+
+
+def evaluate_finetuned(
+    models: list[Checkpoint],
+    data_dir: Path | None,
+    tracker: Tracker,
+    max_seq_length: int = 128,
+    noise_levels: list[float] | None = None,
+    noise_seeds: list[int] | None = None,
+    cross: bool = False,
+    max_eval_samples: int | None = None,
+    batch_size: int = 128,
+) -> None:
+    """Noise and/or cross-domain evaluation of already fine-tuned folders (their task is in config.json).
+
+    Models of one variant are grouped by their ``NAME`` (``NAME=PATH``, one folder per task).
+    """
+    by_variant: dict[str, dict[str, Path]] = {}
+    for m in models:
+        task_name = getattr(m.config, "glue_task", None)
+        if not task_name or task_name not in GLUE_TASKS:
+            raise CheckpointError(
+                f"{m.path}/config.json names no glue_task; is it a GLUE model fine-tuned by swbert?"
+            )
+        if task_name in by_variant.setdefault(m.name, {}):
+            raise CheckpointError(
+                f"two {task_name} models for variant {m.name!r}: {by_variant[m.name][task_name]} and {m.path}"
+            )
+        by_variant[m.name][task_name] = m.path
+    for name, paths in by_variant.items():
+        datas, fingerprints = {}, {}
+        for task_name, path in paths.items():
+            tok = load_tokenizer(path)
+            fingerprints[path] = tokenizer_fingerprint(tok)
+            if cross and len(set(fingerprints.values())) > 1:
+                raise CheckpointError(
+                    f"{path}: its tokenizer differs from that of {next(iter(fingerprints))}; cross-domain evaluation "
+                    f"needs models fine-tuned from the same pretrained checkpoint"
+                )
+            task = get_task(task_name)
+            datas[task_name] = load_task_data(
+                task,
+                tok,
+                data_dir,
+                max_seq_length,
+                uses_token_types(Checkpoint(name, path).config),
+                max_eval=max_eval_samples,
+                with_train=False,
+            )
+            if noise_levels:
+                noise_evaluation(
+                    name, path, datas[task_name], noise_levels, noise_seeds or [0], tracker, batch_size
+                )
+        if cross:
+            sources = {t: p for t, p in paths.items() if t in cross_domain.CROSS_DOMAIN_TASKS}
+            cross_domain_evaluation(name, sources, {t: datas[t] for t in sources}, tracker, batch_size)

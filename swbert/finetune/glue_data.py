@@ -1,0 +1,242 @@
+"""Reading GLUE splits (GLUE's own TSV files or the Hub's ``nyu-mll/glue``) and encoding them.
+
+GLUE's TSV files have quirks that matter: CoLA's train/dev files have no header, MNLI has
+``dev_matched.tsv`` and ``dev_mismatched.tsv``, quotes are literal characters (so ``csv.QUOTE_NONE``),
+and QQP's train file has malformed rows that GLUE's loaders skip. Anything else that is wrong (a missing
+column, a label outside the task's label set, an empty split) is an error naming the file and row.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from swbert.finetune.tasks import GlueTask
+
+log = logging.getLogger(__name__)
+
+HUB_DATASET = "nyu-mll/glue"
+STSB_RANGE = (0.0, 5.0)
+
+
+class GlueDataError(ValueError):
+    """A GLUE file (or Hub split) that cannot be used as it is."""
+
+
+@dataclass
+class GlueExamples:
+    """One split of one task, as plain columns."""
+
+    task: GlueTask
+    split: str
+    source: str
+    """File path or Hub id, for messages."""
+    text_a: list[str]
+    text_b: list[str] | None
+    labels: np.ndarray
+    """int64 class indices, or float32 scores for STS-B."""
+
+    def __len__(self) -> int:
+        return len(self.text_a)
+
+    def head(self, n: int | None) -> GlueExamples:
+        """The first ``n`` examples (all when ``n`` is None): for quick runs."""
+        if n is None or n >= len(self):
+            return self
+        b = None if self.text_b is None else self.text_b[:n]
+        return GlueExamples(self.task, self.split, self.source, self.text_a[:n], b, self.labels[:n])
+
+
+def split_file(task: GlueTask, split: str) -> str:
+    """TSV file name of ``split`` (``train`` or one of the task's dev splits)."""
+    if split == "train":
+        return "train.tsv"
+    if split not in task.dev_splits:
+        raise GlueDataError(f"{task.name} has no split {split!r}; it has train, {', '.join(task.dev_splits)}")
+    return task.dev_splits[split]
+
+
+def load_glue_split(task: GlueTask, split: str, data_dir: str | Path | None = None) -> GlueExamples:
+    """Load ``split`` of ``task`` from ``data_dir`` (GLUE's TSV layout) or, when None, from the Hub."""
+    if data_dir is None:
+        return read_glue_hub(task, split)
+    path = Path(data_dir) / task.tsv_dir / split_file(task, split)
+    if not path.is_file():
+        raise GlueDataError(
+            f"{path} not found: --data-dir must hold GLUE's layout, e.g. {task.tsv_dir}/train.tsv and "
+            f"{task.tsv_dir}/{next(iter(task.dev_splits.values()))} (or leave --data-dir out to use the Hub)"
+        )
+    return read_glue_tsv(task, path, split)
+
+
+def read_glue_tsv(task: GlueTask, path: str | Path, split: str) -> GlueExamples:
+    """Parse one GLUE TSV file, checking columns and labels row by row."""
+    path = Path(path)
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # some MNLI parse columns are long
+    # utf-8-sig: MRPC's files as distributed start with a byte-order mark before "Quality".
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    first_data_line = 1
+    columns = [*task.tsv_text_columns, task.tsv_label_column]
+    if task.tsv_has_header:
+        if not rows:
+            raise GlueDataError(f"{path}: the file is empty; expected a header row and examples")
+        header, rows = rows[0], rows[1:]
+        first_data_line = 2
+        missing = [c for c in columns if c is not None and c not in header]
+        if missing:
+            raise GlueDataError(
+                f"{path}, line 1: header has no column {', '.join(map(repr, missing))} (found {header}); "
+                f"is this the {task.tsv_dir} file of GLUE?"
+            )
+        index = [None if c is None else header.index(c) for c in columns]
+    else:
+        index = list(columns)
+    needed = max(i for i in index if i is not None) + 1
+    ia, ib, il = index
+    text_a: list[str] = []
+    text_b: list[str] = []
+    labels: list[float] = []
+    skipped: list[int] = []
+    for n, row in enumerate(rows):
+        line = first_data_line + n
+        if not row or row == [""]:
+            continue  # a trailing blank line
+        if len(row) < needed:
+            if task.skip_malformed_rows:
+                skipped.append(line)
+                continue
+            raise GlueDataError(
+                f"{path}, line {line}: {len(row)} fields, expected at least {needed} (a missing column?)"
+            )
+        labels.append(_parse_label(task, row[il], path, line))
+        text_a.append(row[ia])
+        if ib is not None:
+            text_b.append(row[ib])
+    if skipped:
+        log.warning(
+            "%s: skipped %d malformed rows (lines %s%s), as GLUE's loaders do",
+            path,
+            len(skipped),
+            ", ".join(map(str, skipped[:5])),
+            " ..." if len(skipped) > 5 else "",
+        )
+    if not labels:
+        raise GlueDataError(f"{path}: the {split} split has no examples")
+    dtype = np.float32 if task.is_regression else np.int64
+    return GlueExamples(
+        task, split, str(path), text_a, text_b if ib is not None else None, np.asarray(labels, dtype=dtype)
+    )
+
+
+def _parse_label(task: GlueTask, raw: str, path: Path, line: int) -> float:
+    raw = raw.strip()
+    if task.is_regression:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise GlueDataError(
+                f"{path}, line {line}: label {raw!r} is not a number ({task.name} is a regression task)"
+            ) from None
+        lo, hi = STSB_RANGE
+        if not lo <= value <= hi:
+            raise GlueDataError(
+                f"{path}, line {line}: score {value} is outside {task.name}'s range [{lo}, {hi}]"
+            )
+        return value
+    if raw not in task.tsv_label_values:
+        raise GlueDataError(
+            f"{path}, line {line}: label {raw!r} is not one of {task.name}'s labels {list(task.tsv_label_values)}"
+        )
+    return task.tsv_label_values.index(raw)
+
+
+def read_glue_hub(task: GlueTask, split: str) -> GlueExamples:
+    """Load a split of ``nyu-mll/glue`` (from the Hub when online, else from the local ``datasets`` cache)."""
+    import datasets
+
+    source = f"{HUB_DATASET}/{task.name}:{split}"
+    try:
+        ds = datasets.load_dataset(HUB_DATASET, task.name, split=split)
+    except Exception as e:  # datasets raises many types: offline, missing config, network
+        raise GlueDataError(
+            f"could not load {source} ({e}); pass --data-dir with GLUE's TSV files when offline"
+        ) from e
+    a, b = task.hub_text_columns
+    missing = [c for c in (a, b, "label") if c is not None and c not in ds.column_names]
+    if missing:
+        raise GlueDataError(f"{source}: no column {missing} (found {ds.column_names})")
+    labels = np.asarray(ds["label"], dtype=np.float32 if task.is_regression else np.int64)
+    if len(labels) == 0:
+        raise GlueDataError(f"{source}: the split has no examples")
+    if not task.is_regression:
+        bad = np.flatnonzero((labels < 0) | (labels >= task.num_labels))
+        if bad.size:
+            raise GlueDataError(
+                f"{source}, row {int(bad[0])}: label {int(labels[bad[0]])} outside 0..{task.num_labels - 1} "
+                "(test splits have no labels; fine-tune and evaluate on train/validation)"
+            )
+    return GlueExamples(task, split, source, list(ds[a]), None if b is None else list(ds[b]), labels)
+
+
+# ------------------------------------------------------------------------------------------- encoding
+
+
+class EncodedDataset(torch.utils.data.Dataset):
+    """Tokenised examples of variable length; :func:`pad_collate` pads each batch to its longest."""
+
+    def __init__(self, features: dict[str, list], labels: dict[str, np.ndarray] | None = None):
+        self.features = features
+        self.labels = labels or {}
+        self._n = len(next(iter(features.values())))
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> dict:
+        item = {k: v[i] for k, v in self.features.items()}
+        item.update({k: v[i] for k, v in self.labels.items()})
+        return item
+
+
+def pad_collate(pad_token_id: int):
+    """A DataLoader ``collate_fn`` that pads ``input_ids`` with ``pad_token_id`` and the rest with 0."""
+
+    def collate(items: list[dict]) -> dict[str, torch.Tensor]:
+        length = max(len(it["input_ids"]) for it in items)
+        out: dict[str, torch.Tensor] = {}
+        for key, value in items[0].items():
+            if isinstance(value, list):
+                pad = pad_token_id if key == "input_ids" else 0
+                out[key] = torch.tensor(
+                    [it[key] + [pad] * (length - len(it[key])) for it in items], dtype=torch.long
+                )
+            else:
+                out[key] = torch.as_tensor(np.asarray([it[key] for it in items]))
+        return out
+
+    return collate
+
+
+def encode_glue(
+    examples: GlueExamples, tokenizer, max_length: int, use_token_type_ids: bool = True
+) -> EncodedDataset:
+    """Tokenise a split as ``[CLS] a [SEP] (b [SEP])``, truncated to ``max_length`` tokens."""
+    enc = tokenizer(
+        examples.text_a,
+        examples.text_b,
+        truncation=True,
+        max_length=max_length,
+        return_attention_mask=True,
+        return_token_type_ids=use_token_type_ids,
+    )
+    keys = ["input_ids", "attention_mask"] + (
+        ["token_type_ids"] if use_token_type_ids and "token_type_ids" in enc else []
+    )
+    return EncodedDataset({k: enc[k] for k in keys}, {"labels": examples.labels})

@@ -1,0 +1,184 @@
+"""Evaluation metrics exactly as GLUE and SQuAD define them.
+
+GLUE: scikit-learn and scipy do the maths (Matthews correlation, accuracy, binary F1 of the positive
+class, Pearson and Spearman). SQuAD: the rules of the official evaluation scripts (v1.1 and v2.0):
+answers are normalised (lower case, punctuation and the articles a/an/the removed, white space
+collapsed), exact match and token F1 take the maximum over the gold answers, and in v2.0 an
+unanswerable question is scored against the empty string.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+import string
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from scipy import stats
+from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
+
+from swbert.finetune.tasks import GlueTask, MetricName
+
+
+def glue_metrics(task: GlueTask, predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """GLUE's metrics for ``task``, as fractions in [0, 1] (correlations in [-1, 1]).
+
+    ``predictions`` are class indices (classification) or scores (STS-B). The returned dict has one
+    entry per metric in ``task.metrics`` plus ``score``, their mean, which is what GLUE ranks by and
+    what best-checkpoint selection maximises.
+    """
+    predictions = np.asarray(predictions)
+    labels = np.asarray(labels)
+    if predictions.shape != labels.shape:
+        raise ValueError(f"{task.name}: {predictions.shape[0]} predictions for {labels.shape[0]} labels")
+    if labels.size == 0:
+        raise ValueError(f"{task.name}: cannot compute metrics on an empty split")
+    out = {m: _metric(m, predictions, labels) for m in task.metrics}
+    out["score"] = float(np.mean([out[m] for m in task.metrics]))
+    return out
+
+
+def _metric(name: MetricName, predictions: np.ndarray, labels: np.ndarray) -> float:
+    if name == "accuracy":
+        return float(accuracy_score(labels, predictions))
+    if name == "f1":
+        # GLUE's F1 for MRPC and QQP is the binary F1 of class 1 (equivalent / duplicate).
+        return float(f1_score(labels, predictions, pos_label=1, average="binary", zero_division=0.0))
+    if name == "matthews":
+        return float(matthews_corrcoef(labels, predictions))
+    if name in ("pearson", "spearman"):
+        if np.all(predictions == predictions.flat[0]):
+            # A constant prediction has no correlation; scipy would warn and return nan.
+            return float("nan")
+        fn = stats.pearsonr if name == "pearson" else stats.spearmanr
+        return float(fn(predictions.astype(np.float64), labels.astype(np.float64))[0])
+    raise ValueError(f"unknown metric {name!r}")
+
+
+def selection_value(value: float) -> float:
+    """Map a metric to a value safe to maximise: nan (e.g. a constant STS-B prediction) ranks last."""
+    return -math.inf if value is None or math.isnan(value) else value
+
+
+# ---------------------------------------------------------------------------------------------- SQuAD
+
+
+def normalize_answer(text: str) -> str:
+    """The official SQuAD normalisation: lower case, no punctuation, no articles, single spaces."""
+    text = text.lower()
+    exclude = set(string.punctuation)
+    text = "".join(ch for ch in text if ch not in exclude)
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def exact_match(prediction: str, gold: str) -> float:
+    return float(normalize_answer(prediction) == normalize_answer(gold))
+
+
+def token_f1(prediction: str, gold: str, version: str = "2.0") -> float:
+    """Token-overlap F1 of the official scripts.
+
+    v2.0 scores an empty prediction against an empty gold answer as 1 (and either empty alone as 0);
+    v1.1 has no empty answers and its script returns 0 whenever nothing overlaps.
+    """
+    pred_toks = normalize_answer(prediction).split()
+    gold_toks = normalize_answer(gold).split()
+    if version == "2.0" and (not pred_toks or not gold_toks):
+        return float(pred_toks == gold_toks)
+    common = collections.Counter(pred_toks) & collections.Counter(gold_toks)
+    num_same = sum(common.values())
+    if num_same == 0:
+        return 0.0
+    precision = num_same / len(pred_toks)
+    recall = num_same / len(gold_toks)
+    return 2 * precision * recall / (precision + recall)
+
+
+def _gold_answers(answers: Sequence[str], version: str) -> list[str]:
+    if version == "2.0":
+        # The v2.0 script drops gold answers that normalise to nothing; none left = unanswerable.
+        gold = [a for a in answers if normalize_answer(a)]
+        return gold or [""]
+    return list(answers)
+
+
+def squad_scores(
+    predictions: Mapping[str, str], references: Mapping[str, Sequence[str]], version: str = "2.0"
+) -> dict[str, float]:
+    """Exact match and F1 (in percent, as the official scripts print them).
+
+    ``references`` maps every question id to its gold answer texts (empty for an unanswerable v2.0
+    question). A question without a prediction counts as wrong, as in the official scripts. For v2.0
+    the result also has ``HasAns_*`` / ``NoAns_*`` breakdowns when both kinds are present.
+    """
+    if version not in ("1.1", "2.0"):
+        raise ValueError(f"SQuAD version must be '1.1' or '2.0', not {version!r}")
+    if not references:
+        raise ValueError("no SQuAD questions to score")
+    em, f1 = {}, {}
+    for qid, answers in references.items():
+        gold = _gold_answers(answers, version)
+        if version == "1.1" and not gold:
+            raise ValueError(
+                f"question {qid!r} has no gold answer; SQuAD v1.1 has none unanswerable (use --version 2.0)"
+            )
+        pred = predictions.get(qid)
+        if pred is None:
+            em[qid] = f1[qid] = 0.0
+            continue
+        em[qid] = max(exact_match(pred, g) for g in gold)
+        f1[qid] = max(token_f1(pred, g, version) for g in gold)
+    out = {
+        "exact": 100.0 * np.mean(list(em.values())),
+        "f1": 100.0 * np.mean(list(f1.values())),
+        "total": float(len(em)),
+    }
+    if version == "2.0":
+        # As in the official script, a question "has an answer" when its answer list is non-empty.
+        has_ans = [q for q, a in references.items() if len(a) > 0]
+        no_ans = [q for q, a in references.items() if len(a) == 0]
+        for name, ids in (("HasAns", has_ans), ("NoAns", no_ans)):
+            if ids:
+                out[f"{name}_exact"] = 100.0 * np.mean([em[q] for q in ids])
+                out[f"{name}_f1"] = 100.0 * np.mean([f1[q] for q in ids])
+                out[f"{name}_total"] = float(len(ids))
+    return {k: float(v) for k, v in out.items()}
+
+
+def best_null_threshold(
+    predictions: Mapping[str, str],
+    null_score_diffs: Mapping[str, float],
+    references: Mapping[str, Sequence[str]],
+) -> dict[str, float]:
+    """The official v2.0 script's ``best_exact``/``best_f1``: the best score over no-answer thresholds.
+
+    ``predictions`` are the best non-null spans; ``null_score_diffs[qid]`` is how much more the model
+    prefers "no answer" (null score minus best span score). Predicting "" for every question whose
+    diff exceeds the threshold, the search walks the questions in increasing diff order, exactly as
+    ``find_best_thresh`` does.
+    """
+    result: dict[str, float] = {}
+    for metric, fn in (("exact", exact_match), ("f1", token_f1)):
+        raw = {}
+        for qid, answers in references.items():
+            gold = _gold_answers(answers, "2.0")
+            pred = predictions.get(qid, "")
+            raw[qid] = max(fn(pred, g) for g in gold)
+        no_ans = {q for q, a in references.items() if len(a) == 0}
+        # Start from "answer nothing anywhere": every unanswerable question is right.
+        score = best = float(len(no_ans))
+        best_thresh = 0.0
+        for qid in sorted(references, key=lambda q: null_score_diffs.get(q, 0.0)):
+            if qid in no_ans:
+                diff = -1.0 if predictions.get(qid, "") else 0.0
+            else:
+                diff = raw[qid] if predictions.get(qid, "") else 0.0
+            score += diff
+            if score > best:
+                best, best_thresh = score, null_score_diffs.get(qid, 0.0)
+        result[f"best_{metric}"] = 100.0 * best / len(references)
+        result[f"best_{metric}_thresh"] = float(best_thresh)
+    return result

@@ -1,0 +1,100 @@
+"""From trials (one fine-tuning run each) to the numbers the paper reports.
+
+For each variant and task: the median over seeds of every metric, at the learning rate whose median
+selection score on the main dev split is best. The launchers print this at the end of a sweep and the
+report command computes it again from MLflow, with the same function.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Trial:
+    """One fine-tuning run: the best-epoch dev metrics of every evaluation split."""
+
+    variant: str
+    task: str
+    learning_rate: float
+    seed: int
+    metrics: dict[str, dict[str, float]]
+    """split -> metric -> value (GLUE: fractions; SQuAD: percent, as the official scripts)."""
+    model_dir: str = ""
+    """Where the fine-tuned model was saved ("" when it was not kept)."""
+
+
+@dataclass
+class Summary:
+    variant: str
+    task: str
+    learning_rate: float
+    seeds: list[int]
+    median: dict[str, dict[str, float]]
+    """split -> metric -> median over seeds."""
+    median_trial: Trial
+    """The trial whose selection score is nearest the median (the one kept for noise/cross-domain)."""
+    per_lr: dict[float, float] = field(default_factory=dict)
+    """Learning rate -> median selection score (to show the grid)."""
+
+
+def nest_metrics(flat: dict[str, float]) -> dict[str, dict[str, float]]:
+    """``{"validation/accuracy": x}`` -> ``{"validation": {"accuracy": x}}`` (keys without a split dropped)."""
+    out: dict[str, dict[str, float]] = {}
+    for key, value in flat.items():
+        split, _, metric = key.rpartition("/")
+        if split:
+            out.setdefault(split, {})[metric] = value
+    return out
+
+
+def prune_models(trials: list[Trial], keep: Trial) -> None:
+    """Delete the saved models of ``trials`` except ``keep``'s (call on rank 0 only)."""
+    for t in trials:
+        if t.model_dir and t.model_dir != keep.model_dir:
+            shutil.rmtree(t.model_dir, ignore_errors=True)
+
+
+def _nanmedian(values: list[float]) -> float:
+    finite = [v for v in values if v is not None and not math.isnan(v)]
+    return float(np.median(finite)) if finite else float("nan")
+
+
+def summarize(
+    trials: list[Trial], main_split: dict[str, str], select_metric: dict[str, str]
+) -> list[Summary]:
+    """Median over seeds at the best learning rate, per (variant, task).
+
+    ``main_split[task]`` and ``select_metric[task]`` name the split and metric that pick the learning
+    rate (GLUE: the task score on the matched/only dev split; SQuAD: F1).
+    """
+    groups: dict[tuple[str, str], dict[float, list[Trial]]] = defaultdict(lambda: defaultdict(list))
+    for t in trials:
+        groups[(t.variant, t.task)][t.learning_rate].append(t)
+    out = []
+    for (variant, task), by_lr in groups.items():
+        split, metric = main_split[task], select_metric[task]
+
+        def score(t: Trial, split: str = split, metric: str = metric) -> float:
+            return t.metrics.get(split, {}).get(metric, float("nan"))
+
+        per_lr = {lr: _nanmedian([score(t) for t in ts]) for lr, ts in by_lr.items()}
+        best_lr = max(per_lr, key=lambda lr: (-math.inf if math.isnan(per_lr[lr]) else per_lr[lr], -lr))
+        chosen = sorted(by_lr[best_lr], key=lambda t: t.seed)
+        median: dict[str, dict[str, float]] = {}
+        for sp in sorted({s for t in chosen for s in t.metrics}):
+            names = sorted({m for t in chosen for m in t.metrics.get(sp, {})})
+            median[sp] = {
+                m: _nanmedian([t.metrics.get(sp, {}).get(m, float("nan")) for t in chosen]) for m in names
+            }
+        target = per_lr[best_lr]
+        nearest = min(
+            chosen, key=lambda t: (abs(score(t) - target) if not math.isnan(score(t)) else math.inf, t.seed)
+        )
+        out.append(Summary(variant, task, best_lr, [t.seed for t in chosen], median, nearest, per_lr))
+    return sorted(out, key=lambda s: (s.variant, s.task))

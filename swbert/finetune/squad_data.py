@@ -1,0 +1,215 @@
+"""SQuAD v1.1 / v2.0: reading the official JSON files (or the Hub copies) and building windows.
+
+A context longer than the model's window is cut into overlapping windows (``doc_stride`` tokens of
+overlap) with the tokenizer's ``return_overflowing_tokens``; ``offset_mapping`` ties every context
+token back to its characters so a predicted token span becomes a substring of the context. Training
+windows that do not contain the whole answer (and unanswerable questions) point at ``[CLS]``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from swbert.finetune.glue_data import EncodedDataset
+
+HUB_DATASETS = {"1.1": "rajpurkar/squad", "2.0": "rajpurkar/squad_v2"}
+
+
+class SquadDataError(ValueError):
+    """A SQuAD file (or Hub split) that cannot be used as it is."""
+
+
+@dataclass
+class SquadExample:
+    qid: str
+    question: str
+    context: str
+    answers: list[str] = field(default_factory=list)
+    """Gold answer texts; empty for an unanswerable (v2.0) question."""
+    answer_starts: list[int] = field(default_factory=list)
+
+
+def read_squad_json(path: str | Path, version: str | None = None) -> list[SquadExample]:
+    """Read an official SQuAD file, checking that every answer's offsets match its context.
+
+    ``version`` ("1.1" or "2.0") is checked against the file's own ``version`` field when given.
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise SquadDataError(f"{path}: not a readable SQuAD JSON file ({e})") from e
+    if not isinstance(data, dict) or "data" not in data:
+        raise SquadDataError(f"{path}: no top-level 'data' list; is this an official SQuAD file?")
+    file_version = str(data.get("version", "")).lstrip("v")
+    if version is not None and file_version and file_version != version:
+        raise SquadDataError(f"{path}: the file says version {data['version']}, but --version is {version}")
+    examples: list[SquadExample] = []
+    for ai, article in enumerate(data["data"]):
+        for pi, para in enumerate(article.get("paragraphs", [])):
+            where = f"{path}, article {ai} ({article.get('title', '?')!r}), paragraph {pi}"
+            if "context" not in para or "qas" not in para:
+                raise SquadDataError(f"{where}: a paragraph needs 'context' and 'qas'")
+            context = para["context"]
+            for qa in para["qas"]:
+                for key in ("id", "question", "answers"):
+                    if key not in qa:
+                        raise SquadDataError(f"{where}, question {qa.get('id', '?')!r}: no {key!r} field")
+                texts, starts = [], []
+                for a in qa["answers"]:
+                    text, start = a["text"], int(a["answer_start"])
+                    found = context[start : start + len(text)]
+                    if found != text:
+                        raise SquadDataError(
+                            f"{where}, question {qa['id']!r}: answer {text!r} at offset {start} does not match "
+                            f"the context there ({found!r})"
+                        )
+                    texts.append(text)
+                    starts.append(start)
+                if not texts and not qa.get("is_impossible", False):
+                    raise SquadDataError(
+                        f"{where}, question {qa['id']!r}: no answers and not marked is_impossible"
+                    )
+                examples.append(SquadExample(qa["id"], qa["question"], context, texts, starts))
+    if not examples:
+        raise SquadDataError(f"{path}: no questions")
+    return examples
+
+
+def read_squad_hub(version: str, split: str) -> list[SquadExample]:
+    """Load ``rajpurkar/squad`` (v1.1) or ``rajpurkar/squad_v2`` (v2.0) from the Hub or the local cache."""
+    import datasets
+
+    name = HUB_DATASETS[version]
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as e:
+        raise SquadDataError(
+            f"could not load {name}:{split} ({e}); pass --train-file/--dev-file when offline"
+        ) from e
+    out = []
+    for row in ds:
+        ans = row["answers"]
+        out.append(
+            SquadExample(
+                row["id"], row["question"], row["context"], list(ans["text"]), list(ans["answer_start"])
+            )
+        )
+    if not out:
+        raise SquadDataError(f"{name}:{split}: no questions")
+    return out
+
+
+def _tokenize_windows(examples: list[SquadExample], tokenizer, max_length: int, doc_stride: int):
+    if not getattr(tokenizer, "is_fast", False):
+        raise SquadDataError(
+            f"{type(tokenizer).__name__} is not a fast tokenizer; SQuAD needs offset mappings"
+        )
+    if doc_stride >= max_length // 2:
+        raise SquadDataError(f"--doc-stride {doc_stride} must be well below --max-seq-length {max_length}")
+    if tokenizer.padding_side != "right":
+        raise SquadDataError(
+            "the tokenizer pads on the left; SQuAD windows assume question first, padding right"
+        )
+    # Leading white space in questions wastes window room and can even push the context out.
+    questions = [ex.question.lstrip() for ex in examples]
+    longest_q = max(len(tokenizer(q, add_special_tokens=False)["input_ids"]) for q in questions)
+    if max_length - longest_q - 3 <= doc_stride:
+        # The fast tokenizer panics (and kills the process) rather than raising in this case.
+        raise SquadDataError(
+            f"a question of {longest_q} tokens leaves no room for --doc-stride {doc_stride} in --max-seq-length {max_length}"
+        )
+    return tokenizer(
+        questions,
+        [ex.context for ex in examples],
+        truncation="only_second",
+        max_length=max_length,
+        stride=doc_stride,
+        return_overflowing_tokens=True,
+        return_offsets_mapping=True,
+        padding="max_length",
+    )
+
+
+def _cls_index(input_ids: list[int], tokenizer) -> int:
+    cls = tokenizer.cls_token_id
+    return input_ids.index(cls) if cls is not None and cls in input_ids else 0
+
+
+def _model_inputs(enc, use_token_type_ids: bool) -> dict[str, list]:
+    keys = ["input_ids", "attention_mask"] + (
+        ["token_type_ids"] if use_token_type_ids and "token_type_ids" in enc else []
+    )
+    return {k: enc[k] for k in keys}
+
+
+def encode_squad_train(
+    examples: list[SquadExample],
+    tokenizer,
+    max_length: int = 384,
+    doc_stride: int = 128,
+    use_token_type_ids: bool = True,
+) -> EncodedDataset:
+    """Training windows with ``start_positions``/``end_positions`` (``[CLS]`` when the answer is not inside)."""
+    enc = _tokenize_windows(examples, tokenizer, max_length, doc_stride)
+    starts, ends = [], []
+    for i, offsets in enumerate(enc["offset_mapping"]):
+        ex = examples[enc["overflow_to_sample_mapping"][i]]
+        cls = _cls_index(enc["input_ids"][i], tokenizer)
+        if not ex.answers:
+            starts.append(cls)
+            ends.append(cls)
+            continue
+        # Train on the first gold answer, as the official BERT recipe does.
+        a_start = ex.answer_starts[0]
+        a_end = a_start + len(ex.answers[0])
+        seq = enc.sequence_ids(i)
+        ctx = [t for t, s in enumerate(seq) if s == 1]
+        if not ctx or offsets[ctx[0]][0] > a_start or offsets[ctx[-1]][1] < a_end:
+            starts.append(cls)
+            ends.append(cls)
+            continue
+        s = next(t for t in ctx if offsets[t][1] > a_start)
+        e = next(t for t in reversed(ctx) if offsets[t][0] < a_end)
+        starts.append(s)
+        ends.append(e)
+    labels = {"start_positions": np.asarray(starts, np.int64), "end_positions": np.asarray(ends, np.int64)}
+    return EncodedDataset(_model_inputs(enc, use_token_type_ids), labels)
+
+
+@dataclass
+class SquadEvalFeatures:
+    """Evaluation windows plus what post-processing needs to map tokens back to text."""
+
+    dataset: EncodedDataset
+    example_index: list[int]
+    """Window -> index of its question in the example list."""
+    offsets: list[list[tuple[int, int] | None]]
+    """Window -> per-token character span in the context (None outside the context)."""
+    cls_index: list[int]
+
+
+def encode_squad_eval(
+    examples: list[SquadExample],
+    tokenizer,
+    max_length: int = 384,
+    doc_stride: int = 128,
+    use_token_type_ids: bool = True,
+) -> SquadEvalFeatures:
+    """Evaluation windows; tokens outside the context get a None offset so no span can land there."""
+    enc = _tokenize_windows(examples, tokenizer, max_length, doc_stride)
+    offsets = []
+    for i, off in enumerate(enc["offset_mapping"]):
+        seq = enc.sequence_ids(i)
+        offsets.append([tuple(o) if seq[t] == 1 else None for t, o in enumerate(off)])
+    cls = [_cls_index(ids, tokenizer) for ids in enc["input_ids"]]
+    return SquadEvalFeatures(
+        EncodedDataset(_model_inputs(enc, use_token_type_ids)),
+        list(enc["overflow_to_sample_mapping"]),
+        offsets,
+        cls,
+    )

@@ -1,0 +1,135 @@
+"""Tiny synthetic tasks in GLUE's TSV and SQuAD's JSON formats, plus a tiny checkpoint.
+
+For tests and smoke runs that must not download anything: the files have the exact layouts of the
+real ones (CoLA without a header, MNLI with matched/mismatched dev files, SQuAD's nested JSON), and the
+tasks are trivially learnable (a marker word decides the label), so a working pipeline beats chance
+by a wide margin within a few hundred steps of a tiny model.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from pathlib import Path
+
+from transformers import BertTokenizer
+
+from swbert import SWBertConfig, SWBertForMaskedLM
+from swbert.finetune.tasks import GlueTask, get_task
+
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+FILLER = "the a cat dog sat on mat ran to park big small red blue house tree car road sun day".split()
+MARKERS = ["alpha", "beta", "gamma"]
+SQUAD_WORDS = ["key", "where", "is", "what", "?", ".", ","]
+VOCAB = SPECIALS + FILLER + MARKERS + SQUAD_WORDS
+
+
+def make_tokenizer() -> BertTokenizer:
+    """A WordPiece tokenizer over :data:`VOCAB` (``[PAD]``=0 ... ``[MASK]``=4, as the real exports)."""
+    return BertTokenizer(vocab={w: i for i, w in enumerate(VOCAB)}, do_lower_case=True)
+
+
+def make_checkpoint(folder: str | Path, attention_type: str = "shared", seed: int = 0) -> Path:
+    """Save a tiny, randomly initialised masked-LM checkpoint and its tokenizer to ``folder``."""
+    import torch
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    config = SWBertConfig.from_size(
+        "tiny", vocab_size=len(VOCAB), attention_type=attention_type, max_position_embeddings=128
+    )
+    SWBertForMaskedLM(config).save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _sentence(rng: random.Random, marker: str | None, length: int = 6) -> str:
+    words = [rng.choice(FILLER) for _ in range(length)]
+    if marker is not None:
+        words.insert(rng.randrange(len(words) + 1), marker)
+    return " ".join(words)
+
+
+def _examples(task: GlueTask, n: int, rng: random.Random) -> list[tuple[str, str | None, str]]:
+    """(text_a, text_b, label as the TSV spells it); the label is decided by a marker word."""
+    out = []
+    for _ in range(n):
+        if task.is_regression:
+            k = rng.randrange(4)  # the score grows with the number of "alpha"s
+            a = " ".join([_sentence(rng, None, 3)] + ["alpha"] * k)
+            out.append((a, _sentence(rng, None), f"{k * 5 / 3:.3f}"))
+            continue
+        y = rng.randrange(task.num_labels)
+        if task.is_pair:
+            out.append((_sentence(rng, None), _sentence(rng, MARKERS[y]), task.tsv_label_values[y]))
+        else:
+            out.append((_sentence(rng, MARKERS[y]), None, task.tsv_label_values[y]))
+    return out
+
+
+def _write_tsv(task: GlueTask, path: Path, rows: list[tuple[str, str | None, str]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        w = csv.writer(f, delimiter="\t", quoting=csv.QUOTE_NONE, escapechar=None, lineterminator="\n")
+        if not task.tsv_has_header:
+            # CoLA: source, label, original label ('*' when unacceptable), sentence; no header row.
+            for a, _, y in rows:
+                w.writerow(["gj04", y, "" if y == "1" else "*", a])
+            return
+        # A realistic header: the columns we read plus a leading index column GLUE files also have.
+        cols = (
+            ["index", task.tsv_text_columns[0]]
+            + ([task.tsv_text_columns[1]] if task.is_pair else [])
+            + [task.tsv_label_column]
+        )
+        w.writerow(cols)
+        for i, (a, b, y) in enumerate(rows):
+            w.writerow([str(i), a] + ([b] if task.is_pair else []) + [y])
+
+
+def write_glue_fixture(
+    root: str | Path, tasks: list[str], n_train: int = 256, n_dev: int = 64, seed: int = 0
+) -> Path:
+    """Write ``tasks`` (e.g. ``["sst2", "mnli"]``) under ``root`` in GLUE's folder and file layout."""
+    root = Path(root)
+    rng = random.Random(seed)
+    for name in tasks:
+        task = get_task(name)
+        _write_tsv(task, root / task.tsv_dir / "train.tsv", _examples(task, n_train, rng))
+        for file in task.dev_splits.values():
+            _write_tsv(task, root / task.tsv_dir / file, _examples(task, n_dev, rng))
+    return root
+
+
+def write_squad_fixture(
+    path: str | Path, n: int = 64, version: str = "1.1", seed: int = 0, context_words: int = 40
+) -> Path:
+    """A SQuAD-format JSON file: "where is key ?" is answered by the marker word after "key".
+
+    For v2.0 every fourth question has no "key" in its context and is marked ``is_impossible``.
+    Contexts of ``context_words`` words are longer than small windows, so doc-stride windows are used.
+    """
+    rng = random.Random(seed)
+    articles = []
+    for i in range(n):
+        words = [rng.choice(FILLER) for _ in range(context_words)]
+        impossible = version == "2.0" and i % 4 == 3
+        answers = []
+        if not impossible:
+            pos = rng.randrange(context_words - 1)
+            target = rng.choice(MARKERS)
+            words[pos : pos + 2] = ["key", target]
+            context = " ".join(words)
+            start = len(" ".join(words[: pos + 1])) + 1
+            answers = [{"text": target, "answer_start": start}]
+        else:
+            context = " ".join(words)
+        qa = {"id": f"q{i}", "question": "where is key ?", "answers": answers}
+        if version == "2.0":
+            qa["is_impossible"] = impossible
+        articles.append({"title": f"article {i}", "paragraphs": [{"context": context, "qas": [qa]}]})
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"version": f"v{version}", "data": articles}), encoding="utf-8")
+    return path

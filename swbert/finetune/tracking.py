@@ -1,0 +1,98 @@
+"""MLflow logging for fine-tuning: one parent run per sweep, one child run per trial or evaluation.
+
+The store is ``MLFLOW_TRACKING_URI`` when set (a server), else a SQLite file in the output directory
+(MLflow 3's plain file store is in maintenance mode). Only rank 0 logs; other ranks get a no-op tracker.
+Child runs carry the tags the report command reads: ``swbert.kind`` (``glue_trial``, ``squad_trial``,
+``noise``, ``cross_domain``), ``swbert.variant``, ``swbert.task``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+KIND, VARIANT, TASK, CHECKPOINT = "swbert.kind", "swbert.variant", "swbert.task", "swbert.checkpoint"
+DEFAULT_EXPERIMENT = "swbert-finetune"
+
+
+def tracking_uri(output_dir: str | Path) -> str:
+    """``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<output_dir>/mlflow.db``."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
+
+
+class Tracker:
+    """A thin MLflow client wrapper; ``enabled=False`` (non-zero ranks) makes every call a no-op."""
+
+    def __init__(self, uri: str, experiment: str = DEFAULT_EXPERIMENT, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.parent_id: str | None = None
+        self.uri = uri
+        if not enabled:
+            return
+        from mlflow import MlflowClient
+
+        self.client = MlflowClient(uri)
+        exp = self.client.get_experiment_by_name(experiment)
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+
+    def _create(self, name: str, tags: dict[str, str], params: dict | None) -> str | None:
+        if not self.enabled:
+            return None
+        if self.parent_id:
+            tags = {**tags, "mlflow.parentRunId": self.parent_id}
+        run_id = self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
+        if params:
+            from mlflow.entities import Param
+
+            self.client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
+        return run_id
+
+    def log(self, run_id: str | None, metrics: dict[str, float], step: int = 0) -> None:
+        """Log finite metrics at ``step`` (MLflow rejects nan; a missing value reads as missing)."""
+        if not self.enabled or run_id is None:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [
+            Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None and math.isfinite(v)
+        ]
+        for i in range(0, len(batch), 1000):  # MLflow's per-request limit
+            self.client.log_batch(run_id, metrics=batch[i : i + 1000])
+
+    @contextlib.contextmanager
+    def sweep(self, name: str, kind: str, params: dict | None = None) -> Iterator[str | None]:
+        """The parent run of a sweep; its children are nested under it in the MLflow UI."""
+        run_id = self._create(name, {KIND: kind}, params)
+        self.parent_id = run_id
+        try:
+            yield run_id
+        except BaseException:
+            self._end(run_id, "FAILED")
+            raise
+        finally:
+            self.parent_id = None
+        self._end(run_id, "FINISHED")
+
+    @contextlib.contextmanager
+    def run(self, name: str, tags: dict[str, str], params: dict | None = None) -> Iterator[str | None]:
+        """A child run, marked FAILED (and the error re-raised) if its body raises."""
+        run_id = self._create(name, tags, params)
+        try:
+            yield run_id
+        except BaseException:
+            self._end(run_id, "FAILED")
+            raise
+        self._end(run_id, "FINISHED")
+
+    def _end(self, run_id: str | None, status: str) -> None:
+        if self.enabled and run_id is not None:
+            self.client.set_terminated(run_id, status)

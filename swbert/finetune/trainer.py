@@ -1,0 +1,307 @@
+"""The one fine-tuning loop, shared by GLUE and SQuAD.
+
+AdamW (no weight decay on biases, LayerNorm weights and other 1-D scales), linear warm-up then linear
+decay, gradient clipping, an evaluation on dev after every epoch, and the best epoch's weights kept and
+restored at the end (best-checkpoint selection; optional early stopping with ``patience``). Launched
+with a world size above one (``deepspeed`` or ``torchrun``), the same loop runs under
+``deepspeed.initialize``; the DeepSpeed config gets its batch size, clipping and precision from here,
+so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from swbert.finetune.metrics import selection_value
+from swbert.training.ds_config import load_ds_config, resolve_precision
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    """Fine-tuning hyper-parameters (defaults: the paper's appendix where it gives them)."""
+
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.1
+    epochs: int = 10
+    batch_size: int = 32
+    """Global batch size: split over ranks, so results do not depend on the number of GPUs."""
+    eval_batch_size: int = 128
+    warmup_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    patience: int = 0
+    """Stop after this many epochs without a better dev score (0: run all epochs)."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """auto: bf16 on GPU, fp32 on CPU (as pretraining). Single-process runs use autocast; fp16 needs
+    DeepSpeed's loss scaling."""
+    max_steps: int | None = None
+    """Stop after this many optimiser steps (smoke runs); the schedule is sized to it."""
+    deepspeed_config: str | None = None
+
+
+@dataclass
+class FitResult:
+    best_metrics: dict[str, float]
+    best_epoch: int
+    history: list[dict[str, float]] = field(default_factory=list)
+    steps: int = 0
+    train_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def dist_info() -> DistInfo:
+    """Rank and world size from the launcher's environment (``deepspeed``, ``torchrun``, ``srun``)."""
+    return DistInfo(
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+    )
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op in single-process runs)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def default_device(info: DistInfo | None = None) -> torch.device:
+    info = info or dist_info()
+    return torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def move(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    # BERT's recipe: biases and LayerNorm weights are not decayed; neither are other 1-D parameters
+    # (the shared attention's dq/dk/dv scales), which act like LayerNorm gains.
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _linear_schedule(
+    optimizer: torch.optim.Optimizer, warmup: int, total: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / max(1, warmup)
+        return max(0.0, (total - step) / max(1, total - warmup))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def deepspeed_config(path: str | Path, cfg: TrainConfig, world_size: int, precision: str) -> dict:
+    """Load a DeepSpeed JSON (a path or a shipped ``ds_configs/`` name) and fill it from ``cfg``.
+
+    Batch sizes, clipping and ``bf16``/``fp16`` are filled where "auto" or absent, as for pretraining.
+    An explicit value that disagrees with the fine-tuning flags is an error rather than a silent
+    override; so is an ``optimizer``/``scheduler`` section (the LR grid lives in the flags) or ZeRO-3
+    (best-epoch weights are kept as a full state dict, which stage 3 does not hold on any one rank).
+    """
+    ds = load_ds_config(path)
+    if cfg.batch_size % world_size:
+        raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by the world size {world_size}")
+    want = {
+        "train_batch_size": cfg.batch_size,
+        "train_micro_batch_size_per_gpu": cfg.batch_size // world_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": cfg.max_grad_norm,
+    }
+    for key, value in want.items():
+        have = ds.get(key, "auto")
+        if have != "auto" and have != value:
+            raise ValueError(
+                f'{path}: {key}={have} disagrees with the fine-tuning flags ({value}); set it to "auto"'
+            )
+        ds[key] = value
+    for key in ("optimizer", "scheduler"):
+        if key in ds:
+            raise ValueError(
+                f"{path}: remove the {key!r} section; fine-tuning sets AdamW and the LR schedule from its flags"
+            )
+    for dtype in ("bf16", "fp16"):
+        section = ds.setdefault(dtype, {})
+        enabled = section.get("enabled", "auto")
+        if enabled != "auto" and bool(enabled) != (precision == dtype):
+            raise ValueError(
+                f'{path}: {dtype}.enabled={enabled} but --precision is {precision}; set "enabled": "auto"'
+            )
+        section["enabled"] = precision == dtype
+    if ds.get("zero_optimization", {}).get("stage", 0) >= 3:
+        raise ValueError(
+            f"{path}: ZeRO stage 3 is not supported for fine-tuning; use stage 0-2 (e.g. zero2.json)"
+        )
+    return ds
+
+
+def _state_on_cpu(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def fit(
+    model: nn.Module,
+    train_set: Dataset,
+    collate: Callable,
+    evaluate: Callable[[nn.Module], dict[str, float]],
+    select: str,
+    cfg: TrainConfig,
+    log_metrics: Callable[[dict[str, float], int], None] | None = None,
+) -> FitResult:
+    """Fine-tune ``model`` in place; on return it holds the weights of the best dev epoch.
+
+    ``evaluate(model)`` returns dev metrics; ``select`` names the one to maximise. ``log_metrics``
+    (rank 0 only) receives the training loss and learning rate every few steps and the dev metrics
+    after every epoch (keys prefixed ``dev/``), with the optimiser step as ``step``.
+    """
+    info = dist_info()
+    if info.world_size > 1 and not cfg.deepspeed_config:
+        raise ValueError(
+            f"launched with world size {info.world_size}: pass --deepspeed CONFIG for multi-GPU fine-tuning"
+        )
+    use_ds = info.world_size > 1
+    if use_ds:
+        from swbert.training.dist import init_distributed
+
+        init_distributed()  # NCCL on GPU, gloo on CPU; sets this rank's GPU; a no-op when already up
+    device = default_device(info)
+    precision = resolve_precision(cfg.precision, device.type == "cuda")
+    if precision == "fp16" and not use_ds:
+        raise ValueError(
+            "--precision fp16 needs DeepSpeed's loss scaling; use bf16, or launch with --deepspeed"
+        )
+    model.to(device)
+    micro = cfg.batch_size // info.world_size
+    sampler = (
+        DistributedSampler(train_set, info.world_size, info.rank, shuffle=True, seed=cfg.seed)
+        if info.world_size > 1
+        else None
+    )
+    gen = torch.Generator().manual_seed(cfg.seed)
+    loader = DataLoader(
+        train_set,
+        batch_size=micro,
+        shuffle=sampler is None,
+        sampler=sampler,
+        generator=gen,
+        collate_fn=collate,
+        drop_last=False,
+    )
+    if len(loader) == 0:
+        raise ValueError("the training split is empty")
+    total = (
+        cfg.epochs * len(loader) if cfg.max_steps is None else min(cfg.max_steps, cfg.epochs * len(loader))
+    )
+    optimizer = torch.optim.AdamW(
+        _param_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=(0.9, 0.999), eps=1e-8
+    )
+    scheduler = _linear_schedule(optimizer, int(cfg.warmup_ratio * total), total)
+    engine = None
+    if use_ds:
+        import deepspeed
+
+        ds_cfg = deepspeed_config(cfg.deepspeed_config, cfg, info.world_size, precision)
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg
+        )
+    module = engine.module if engine is not None else model
+    # DeepSpeed casts the model itself; a single process gets bf16 autocast (fp32 master weights).
+    autocast = torch.autocast(
+        device.type, dtype=torch.bfloat16, enabled=engine is None and precision == "bf16"
+    )
+
+    result = FitResult(best_metrics={}, best_epoch=-1)
+    best_value, best_state, stale, step = -math.inf, None, 0, 0
+    start = time.perf_counter()
+    for epoch in range(cfg.epochs):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        module.train()
+        running, seen = 0.0, 0
+        for batch in loader:
+            batch = move(batch, device)
+            with autocast:
+                loss = (engine or model)(**batch).loss
+            if engine is not None:
+                engine.backward(loss)
+                engine.step()
+            else:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            step += 1
+            running += loss.item()
+            seen += 1
+            if log_metrics and info.is_main and (step % 50 == 0 or step == total):
+                log_metrics({"train/loss": running / seen, "train/lr": scheduler.get_last_lr()[0]}, step)
+                running, seen = 0.0, 0
+            if step >= total:
+                break
+        module.eval()
+        with torch.no_grad():
+            metrics = evaluate(module)
+        metrics["epoch"] = float(epoch)
+        result.history.append(metrics)
+        if log_metrics and info.is_main:
+            log_metrics(
+                {f"dev/{k}": v for k, v in metrics.items() if k != "epoch" and not math.isnan(v)}, step
+            )
+        value = selection_value(metrics[select])
+        if best_state is None or value > best_value:
+            best_value, best_state, stale = value, _state_on_cpu(module), 0
+            result.best_metrics, result.best_epoch = dict(metrics), epoch
+        else:
+            stale += 1
+        log.info(
+            "epoch %d step %d: %s=%.4f (best %.4f at epoch %d)",
+            epoch,
+            step,
+            select,
+            metrics[select],
+            best_value,
+            result.best_epoch,
+        )
+        if step >= total or (cfg.patience and stale >= cfg.patience):
+            break
+    result.steps = step
+    result.train_seconds = time.perf_counter() - start
+    if best_state is not None:
+        module.load_state_dict(best_state)
+    return result

@@ -1,0 +1,100 @@
+"""Embedding-noise robustness: level 0 is the clean evaluation; the noise has the stated scale."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from swbert.finetune.glue import evaluate_task, load_classifier, load_task_data, predict
+from swbert.finetune.glue_data import pad_collate
+from swbert.finetune.robustness import (
+    DEFAULT_LEVELS,
+    embedding_noise,
+    evaluate_under_noise,
+    mean_embedding_norm,
+)
+from swbert.finetune.synthetic import make_checkpoint, make_tokenizer, write_glue_fixture
+from swbert.finetune.tasks import get_task
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: more threads only contend
+    root = tmp_path_factory.mktemp("noise")
+    write_glue_fixture(root / "glue", ["sst2"], n_train=8, n_dev=96)
+    ckpt = make_checkpoint(root / "ckpt")
+    task = get_task("sst2")
+    tok = make_tokenizer()
+    data = load_task_data(task, tok, root / "glue", 32, True, with_train=False)
+    model = load_classifier(ckpt, task).eval()
+    collate = pad_collate(tok.pad_token_id)
+    yield model, data, collate
+    torch.set_num_threads(threads)
+
+
+def test_paper_levels():
+    assert DEFAULT_LEVELS == (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4)
+
+
+def test_level_zero_is_the_clean_evaluation(setup):
+    model, data, collate = setup
+    _, enc = data.dev["validation"]
+    clean = predict(model, enc, collate)
+    with embedding_noise(model, 0.0, mean_norm=1.0, seed=0):
+        assert torch.equal(torch.from_numpy(predict(model, enc, collate)), torch.from_numpy(clean))
+    with embedding_noise(model, 0.3, mean_norm=1.0, seed=0):
+        assert not torch.equal(torch.from_numpy(predict(model, enc, collate)), torch.from_numpy(clean))
+    assert not model.get_input_embeddings()._forward_hooks  # the hook is removed on exit
+    results = evaluate_under_noise(
+        model, lambda m: evaluate_task(m, data, collate), 1.0, levels=[0.0, 0.2], seeds=[0, 1]
+    )
+    assert results[(0.0, 0)] == results[(0.0, 1)] == evaluate_task(model, data, collate)
+
+
+def test_mean_norm_is_over_real_tokens(setup):
+    model, data, collate = setup
+    _, enc = data.dev["validation"]
+    got = mean_embedding_norm(model, DataLoader(enc, batch_size=7, collate_fn=collate))
+    weight = model.get_input_embeddings().weight.detach()
+    ids = torch.tensor([t for i in range(len(enc)) for t in enc[i]["input_ids"]])  # unpadded
+    assert got == pytest.approx(weight[ids].norm(dim=-1).mean().item(), rel=1e-5)
+    assert got != pytest.approx(weight.norm(dim=-1).mean().item(), rel=1e-3)  # not the vocabulary mean
+
+
+@pytest.mark.parametrize("level", [0.05, 0.4])
+def test_noise_scale_is_the_stated_fraction_of_the_mean_norm(setup, level):
+    model, data, collate = setup
+    _, enc = data.dev["validation"]
+    emb = model.get_input_embeddings()
+    mean_norm = mean_embedding_norm(model, DataLoader(enc, batch_size=32, collate_fn=collate))
+    batch = collate([enc[i] for i in range(len(enc))])
+    clean = emb(batch["input_ids"]).detach()
+    seen = []
+    with torch.no_grad(), embedding_noise(model, level, mean_norm, seed=3):
+        handle = emb.register_forward_hook(lambda m, i, out: seen.append(out.detach()))
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        handle.remove()
+    noise = (seen[0] - clean).reshape(-1, clean.shape[-1])  # (tokens, d)
+    rms = noise.norm(dim=-1).pow(2).mean().sqrt().item()
+    assert rms == pytest.approx(level * mean_norm, rel=0.03)
+    # spherical: every coordinate has the same spread
+    per_dim = noise.std(dim=0)
+    assert per_dim.std().item() / per_dim.mean().item() < 0.1
+    sigma = level * mean_norm / math.sqrt(clean.shape[-1])
+    assert noise.mean().abs().item() < 0.05 * sigma  # zero-mean
+
+
+def test_noise_seeds_are_reproducible_and_distinct(setup):
+    model, data, collate = setup
+    _, enc = data.dev["validation"]
+
+    def logits(seed):
+        with embedding_noise(model, 0.2, 1.0, seed=seed):
+            return predict(model, enc, collate)
+
+    assert (logits(1) == logits(1)).all()
+    assert not (logits(1) == logits(2)).all()

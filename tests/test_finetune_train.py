@@ -1,0 +1,179 @@
+"""End to end on CPU: GLUE and SQuAD launchers with tiny models, real MLflow stores, and the trainer."""
+
+from __future__ import annotations
+
+import json
+import math
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from swbert import SWBertConfig, SWBertForSequenceClassification
+from swbert.finetune.glue_data import EncodedDataset, pad_collate
+from swbert.finetune.synthetic import make_checkpoint, write_glue_fixture, write_squad_fixture
+from swbert.finetune.trainer import TrainConfig, deepspeed_config, fit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launcher(name: str):
+    return runpy.run_path(str(ROOT / "launchers" / f"{name}.py"), run_name="launcher")["main"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: more threads only contend
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    """One MLflow store for the module (creating a SQLite store costs seconds); an experiment per test."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+def runs_of(uri: str, experiment: str, filter_string: str = "") -> list:
+    client = MlflowClient(uri)
+    return client.search_runs([client.get_experiment_by_name(experiment).experiment_id], filter_string)
+
+
+@pytest.fixture(scope="module")
+def glue_run(tmp_path_factory, store):
+    """One GLUE sweep: four tasks, noise and cross-domain evaluation, through the launcher."""
+    root = tmp_path_factory.mktemp("glue_run")
+    write_glue_fixture(root / "glue", ["sst2", "stsb", "mrpc", "qnli"], n_train=192, n_dev=48)
+    ckpt = make_checkpoint(root / "ckpt")
+    out = root / "out"
+    argv = ["--checkpoint", f"tiny={ckpt}", "--tasks", "sst2", "stsb", "mrpc", "qnli", "--data-dir", str(root / "glue"),
+            "--output-dir", str(out), "--learning-rates", "3e-3", "--seeds", "1", "--epochs", "6", "--batch-size", "16",
+            "--max-seq-length", "32", "--noise-levels", "0", "0.2", "--noise-seeds", "0", "--cross-domain",
+            "--tracking-uri", store, "--experiment", "glue"]  # fmt: skip
+    assert launcher("finetune_glue")(argv) == 0
+    assert not (out / "mlflow.db").exists()  # --tracking-uri wins over the default store
+    return out, {
+        (r.data.tags["swbert.kind"], r.data.tags.get("swbert.task")): r for r in runs_of(store, "glue")
+    }
+
+
+def test_classifier_beats_chance_by_a_wide_margin(glue_run):
+    _, runs = glue_run
+    sst2 = runs[("glue_trial", "sst2")]
+    assert sst2.info.status == "FINISHED"
+    assert sst2.data.metrics["best/validation/accuracy"] >= 0.9  # chance is 0.5
+    assert sst2.data.params["learning_rate"] == "0.003" and sst2.data.params["weight_decay"] == "0.1"
+    parent = runs[("glue_sweep", None)]
+    assert sst2.data.tags["mlflow.parentRunId"] == parent.info.run_id  # one parent per sweep
+
+
+def test_regression_and_pair_tasks_produce_their_metrics(glue_run):
+    out, runs = glue_run
+    stsb = runs[("glue_trial", "stsb")].data.metrics
+    assert math.isfinite(stsb["best/validation/pearson"]) and math.isfinite(stsb["best/validation/spearman"])
+    kept = next((out / "tiny" / "stsb").iterdir())
+    config = SWBertConfig.from_pretrained(kept)
+    assert config.num_labels == 1 and config.problem_type == "regression" and config.glue_task == "stsb"
+    assert {"best/validation/accuracy", "best/validation/f1"} <= set(
+        runs[("glue_trial", "mrpc")].data.metrics
+    )
+    table = (out / "report" / "table1_glue.md").read_text()
+    assert table.splitlines()[2].startswith(
+        "| Model | QNLI (Acc) | SST-2 (Acc) | STS-B (P/S) | MRPC (Acc/F1) | Avg |"
+    )
+
+
+def test_noise_level_zero_matches_the_trial_and_cross_domain_is_logged(glue_run, store):
+    out, runs = glue_run
+    noise = runs[("noise", "sst2")]
+    client = MlflowClient(store)
+    curve = {m.step: m.value for m in client.get_metric_history(noise.info.run_id, "validation/accuracy")}
+    assert set(curve) == {0, 20}
+    assert curve[0] == runs[("glue_trial", "sst2")].data.metrics["best/validation/accuracy"]
+    cross = runs[("cross_domain", "mrpc")].data.metrics
+    assert set(cross) == {"mrpc/validation/accuracy", "qnli/validation/accuracy"}
+    assert (out / "report" / "table5_noise.png").stat().st_size > 0
+    assert "MRPC→QNLI" in (out / "report" / "table6_cross_domain.md").read_text()
+
+
+def test_evaluate_finetuned_reproduces_the_clean_score(glue_run, store, tmp_path):
+    out, runs = glue_run
+    kept = next((out / "tiny" / "sst2").iterdir())
+    argv = ["--evaluate-finetuned", "--checkpoint", f"tiny={kept}", "--data-dir", str(out.parent / "glue"),
+            "--output-dir", str(tmp_path), "--noise-levels", "0", "--noise-seeds", "5", "--max-seq-length", "32",
+            "--tracking-uri", store, "--experiment", "evaluate"]  # fmt: skip
+    assert launcher("finetune_glue")(argv) == 0
+    csv = (tmp_path / "report" / "table5_noise.csv").read_text().splitlines()
+    expected = 100 * runs[("glue_trial", "sst2")].data.metrics["best/validation/accuracy"]
+    assert float(csv[1].split(",")[2]) == pytest.approx(expected)
+
+
+def test_squad_v11_and_v20_end_to_end(tmp_path, store):
+    ckpt = make_checkpoint(tmp_path / "ckpt", attention_type="standard")
+    for v in ("1.1", "2.0"):
+        write_squad_fixture(tmp_path / f"train{v}.json", 64, v, seed=0)
+        write_squad_fixture(tmp_path / f"dev{v}.json", 16, v, seed=1)
+    argv = ["--checkpoint", str(ckpt), "--output-dir", str(tmp_path / "out"), "--learning-rates", "1e-3", "--seeds", "1",
+            "--epochs", "2", "--batch-size", "16", "--max-seq-length", "32", "--doc-stride", "8", "--keep", "none",
+            "--train-file", f"1.1={tmp_path / 'train1.1.json'}", f"2.0={tmp_path / 'train2.0.json'}",
+            "--dev-file", f"1.1={tmp_path / 'dev1.1.json'}", f"2.0={tmp_path / 'dev2.0.json'}",
+            "--tracking-uri", store, "--experiment", "squad"]  # fmt: skip
+    assert launcher("finetune_squad")(argv) == 0
+    runs = runs_of(store, "squad", "tags.`swbert.kind` = 'squad_trial'")
+    metrics = {r.data.tags["swbert.task"]: r.data.metrics for r in runs}
+    assert set(metrics) == {"squad1.1", "squad2.0"}
+    for m in metrics.values():
+        assert 0 <= m["best/validation/exact"] <= m["best/validation/f1"] <= 100
+    assert {"best/validation/HasAns_f1", "best/validation/NoAns_f1", "best/validation/best_f1"} <= set(
+        metrics["squad2.0"]
+    )
+    assert "| standard |" in (tmp_path / "out" / "report" / "table2_squad.md").read_text()
+
+
+def test_fit_restores_the_best_epoch_and_stops_early():
+    torch.manual_seed(0)
+    model = SWBertForSequenceClassification(SWBertConfig.from_size("tiny", vocab_size=32, num_labels=2))
+    data = EncodedDataset({"input_ids": [[2, 5 + i % 7, 3] for i in range(16)], "attention_mask": [[1, 1, 1]] * 16},
+                          {"labels": torch.tensor([i % 2 for i in range(16)]).numpy()})  # fmt: skip
+    scores, snapshots = iter([0.5, 0.9, 0.7, 0.6, 0.95]), []
+
+    def evaluate(m):
+        snapshots.append({k: v.clone() for k, v in m.state_dict().items()})
+        return {"validation/score": next(scores)}
+
+    cfg = TrainConfig(learning_rate=1e-3, epochs=5, batch_size=8, patience=2)
+    result = fit(model, data, pad_collate(0), evaluate, "validation/score", cfg)
+    assert result.best_epoch == 1 and len(result.history) == 4  # stopped after two epochs without progress
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, snapshots[1][k])
+    assert not torch.equal(snapshots[1]["classifier.weight"], snapshots[3]["classifier.weight"])
+
+
+def test_deepspeed_config_is_filled_from_the_flags(tmp_path):
+    cfg = TrainConfig(batch_size=32, max_grad_norm=1.0)
+    ds = deepspeed_config("zero2.json", cfg, world_size=4, precision="bf16")  # a shipped config, by name
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_clipping"]) == (
+        32,
+        8,
+        1.0,
+    )
+    assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+    assert ds["zero_optimization"]["stage"] == 2
+    path = tmp_path / "ds.json"
+    for content, message in [
+        (
+            {"train_batch_size": 64},
+            r"ds.json: train_batch_size=64 disagrees with the fine-tuning flags \(32\)",
+        ),
+        ({"bf16": {"enabled": True}}, r"bf16.enabled=True but --precision is fp32"),
+        ({"optimizer": {"type": "Adam"}}, "remove the 'optimizer' section"),
+        ({"zero_optimization": {"stage": 3}}, "ZeRO stage 3 is not supported"),
+    ]:
+        path.write_text(json.dumps(content))
+        with pytest.raises(ValueError, match=message):
+            deepspeed_config(path, cfg, world_size=4, precision="fp32")
+    with pytest.raises(ValueError, match="not divisible by the world size 3"):
+        deepspeed_config("zero1.json", cfg, world_size=3, precision="fp32")
