@@ -1,0 +1,136 @@
+"""Memory-mapped documents of one split of a preprocessed data folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from swbert.data._megatron import indexed_dataset
+from swbert.data.manifest import (
+    PREPROCESS_HINT,
+    SPLITS,
+    TOKENIZER_SUBDIR,
+    Split,
+    read_manifest,
+    shard_prefix,
+)
+from swbert.data.tokenizer import SPM_MODEL_NAME, tokenizer_hash
+
+
+class Corpus:
+    """The documents of one split, in manifest order (shard by shard), each a run of token ids.
+
+    Only the per-document index (length, shard, offset: 20 bytes a document) lives in memory;
+    token ids are read from the memory-mapped `.bin` files on demand. Pickles cheaply for
+    DataLoader workers: the shard files are reopened in each process.
+    """
+
+    def __init__(self, data_dir: Path, split: Split, manifest: dict[str, Any]) -> None:
+        self.data_dir = data_dir
+        self.split = split
+        self.manifest = manifest
+        self.tokenizer_hash: str = manifest["tokenizer"]["hash"]
+        self.vocab_size: int = int(manifest["tokenizer"]["vocab_size"])
+        tok_dir = data_dir / TOKENIZER_SUBDIR
+        self.tokenizer_dir: Path | None = tok_dir if (tok_dir / SPM_MODEL_NAME).is_file() else None
+        # Empty shards have no data to map (numpy refuses to mmap an empty file).
+        self.prefixes = [
+            str(shard_prefix(data_dir, shard["name"], split))
+            for shard in manifest["shards"]
+            if shard[split]["documents"] > 0
+        ]
+        self._datasets: list[Any] | None = None
+        lengths, shard_ids, offsets = [], [], []
+        for i, dataset in enumerate(self._open()):
+            seq_lengths = dataset.sequence_lengths.astype(np.int64)
+            doc_index = dataset.document_indices
+            # A long document is stored as several sequences; they are contiguous in `.bin`,
+            # so a document is the token span from its first sequence to its last.
+            ends = np.concatenate(([0], np.cumsum(seq_lengths)))
+            lengths.append(ends[doc_index[1:]] - ends[doc_index[:-1]])
+            offsets.append(ends[doc_index[:-1]])
+            shard_ids.append(np.full(len(doc_index) - 1, i, dtype=np.int32))
+        self.doc_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+        self._doc_shard = np.concatenate(shard_ids) if shard_ids else np.zeros(0, np.int32)
+        self._doc_offset = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)
+        self.num_tokens = int(self.doc_lengths.sum())
+
+    def _open(self) -> list[Any]:
+        if self._datasets is None:
+            module = indexed_dataset()
+            self._datasets = [module.IndexedDataset(prefix) for prefix in self.prefixes]
+        return self._datasets
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_datasets"] = None
+        return state
+
+    def __len__(self) -> int:
+        return len(self.doc_lengths)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.doc_lengths)
+
+    def read(self, doc: int, start: int = 0, length: int | None = None) -> np.ndarray:
+        """Token ids `[start, start + length)` of document `doc` (a read-only view of the mmap)."""
+        if length is None:
+            length = int(self.doc_lengths[doc]) - start
+        dataset = self._open()[self._doc_shard[doc]]
+        itemsize = np.dtype(dataset.index.dtype).itemsize
+        offset = (int(self._doc_offset[doc]) + start) * itemsize
+        return dataset.bin_reader.read(dtype=dataset.index.dtype, count=length, offset=offset)
+
+    def document(self, doc: int) -> np.ndarray:
+        """All token ids of document `doc`."""
+        return self.read(doc)
+
+
+def open_corpus(
+    data_dir: str | Path,
+    split: Split = "train",
+    expected_tokenizer_hash: str | None = None,
+) -> Corpus:
+    """Open one split of a folder written by `data_prep.preprocess`.
+
+    Checks cheaply (file sizes, not hashes: `python -m data_prep.verify` does those) so that a
+    job never trains on a half-written or truncated shard, and refuses shards made with another
+    tokenizer than `expected_tokenizer_hash` (e.g. the one a checkpoint was trained with).
+    """
+    data_dir = Path(data_dir)
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
+    manifest = read_manifest(data_dir)
+    verify_hint = f"check the folder with: python -m data_prep.verify {data_dir}"
+    for shard in manifest["shards"]:
+        record = shard[split]
+        if record["documents"] == 0:
+            continue
+        prefix = shard_prefix(data_dir, shard["name"], split)
+        for suffix in ("bin", "idx"):
+            path = Path(f"{prefix}.{suffix}")
+            expected = record[f"{suffix}_bytes"]
+            actual = path.stat().st_size if path.is_file() else None
+            if actual != expected:
+                found = "is missing" if actual is None else f"has {actual} bytes"
+                raise ValueError(
+                    f"{path} {found}, the manifest says {expected} bytes: the shard is damaged. "
+                    f"{verify_hint}, and rebuild it with {PREPROCESS_HINT.format(dir=data_dir)}"
+                )
+    recorded = manifest["tokenizer"]["hash"]
+    if expected_tokenizer_hash is not None and recorded != expected_tokenizer_hash:
+        raise ValueError(
+            f"{data_dir} holds shards tokenized with tokenizer {recorded[:12]}, but this run expects "
+            f"tokenizer {expected_tokenizer_hash[:12]} (e.g. the one its checkpoint was trained with). "
+            f"Preprocess the corpus with that tokenizer: {PREPROCESS_HINT.format(dir='NEW_DIR')}"
+        )
+    tok_dir = data_dir / TOKENIZER_SUBDIR
+    if (tok_dir / SPM_MODEL_NAME).is_file() and tokenizer_hash(tok_dir) != recorded:
+        raise ValueError(
+            f"{tok_dir} is not the tokenizer {data_dir / 'manifest.json'} names ({recorded[:12]}): "
+            f"it was replaced after preprocessing. {verify_hint}"
+        )
+    return Corpus(data_dir, split, manifest)
