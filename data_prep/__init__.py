@@ -1,0 +1,1 @@
+"""Offline preprocessing: tokenizer training, sharded tokenization, shard verification."""

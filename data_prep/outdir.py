@@ -1,0 +1,144 @@
+"""The preprocessing output folder: one writer at a time, and never a mix of two runs' shards."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from data_prep.sources import InputError
+from swbert.data.manifest import MANIFEST_NAME, SPLITS, TOKENIZER_SUBDIR, read_manifest
+
+LOCK_NAME = ".preprocess.lock"
+PLAN_NAME = "plan.json"
+
+
+class OutputLock:
+    """An exclusive `flock` on the output folder, released by the kernel even on `kill -9`."""
+
+    def __init__(self, output_dir: Path) -> None:
+        self.path = output_dir / LOCK_NAME
+        self.fd: int | None = None
+
+    def __enter__(self) -> OutputLock:
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self.fd)
+            raise InputError(
+                f"another preprocess (pid {holder}) is writing {self.path.parent}; wait for it to "
+                "finish or stop it, then re-run this command to resume"
+            ) from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.fd is not None
+        os.close(self.fd)  # closing the descriptor releases the lock
+
+
+def _is_ours(path: Path) -> bool:
+    name = path.name
+    return (
+        name in (MANIFEST_NAME, PLAN_NAME, TOKENIZER_SUBDIR)
+        or (name.startswith("shard_") and name.endswith((".json", ".bin", ".idx")))
+        or name.startswith((".shard_", f".{TOKENIZER_SUBDIR}.tmp-", ".plan.json.tmp-", ".manifest.json.tmp-"))
+    )
+
+
+def remove_outputs(output_dir: Path) -> None:
+    """Delete what preprocessing wrote in `output_dir` (only its own files, nothing else)."""
+    for path in output_dir.iterdir():
+        if _is_ours(path):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def remove_stale_temporaries(output_dir: Path) -> None:
+    """Remove the half-written files of a killed run (safe: we hold the folder's lock)."""
+    for path in output_dir.glob(".shard_*.tmp-*"):
+        path.unlink(missing_ok=True)
+
+
+def _describe_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
+    keys = [key for key in ("inputs", "config", "dtype", "format") if old.get(key) != new.get(key)]
+    if "config" in keys:
+        changed = sorted(k for k in new["config"] if old.get("config", {}).get(k) != new["config"][k])
+        keys[keys.index("config")] = f"settings ({', '.join(changed)})"
+    return ", ".join(keys) or "settings"
+
+
+def check_existing(
+    output_dir: Path, plan: dict[str, Any], plan_id: str, tokenizer_dir: Path, overwrite: bool
+) -> dict[str, Any] | None:
+    """Decide what to do with what `output_dir` already holds.
+
+    Returns the manifest when the same run already finished (nothing to do); None when the
+    folder is empty or holds a resumable part of this same run. Raises `InputError` when it
+    holds shards of another tokenizer, inputs or settings, unless `overwrite` (then deletes them).
+    """
+    old_plan: dict[str, Any] | None = None
+    manifest_path, plan_path = output_dir / MANIFEST_NAME, output_dir / PLAN_NAME
+    if manifest_path.is_file():
+        try:
+            old_plan = read_manifest(output_dir)
+        except ValueError:
+            old_plan = {}
+    elif plan_path.is_file():
+        try:
+            old_plan = json.loads(plan_path.read_text())
+        except ValueError:
+            old_plan = {}
+    elif any(output_dir.glob("shard_*")):
+        old_plan = {}  # shards without a plan: not written by this version
+    if old_plan is None or old_plan.get("plan_id") == plan_id:
+        if old_plan is not None and manifest_path.is_file():
+            if _sizes_ok(output_dir, old_plan):
+                return old_plan
+            manifest_path.unlink()  # damaged since: no longer complete until the rerun repairs it
+        return None
+    if overwrite:
+        remove_outputs(output_dir)
+        return None
+    old_hash = old_plan.get("tokenizer", {}).get("hash")
+    new_hash = plan["tokenizer"]["hash"]
+    hint = "Write to a new --output folder, or pass --overwrite to delete them."
+    if old_hash and old_hash != new_hash:
+        raise InputError(
+            f"{output_dir} holds shards made with another tokenizer ({old_hash[:12]}), not the one in "
+            f"{tokenizer_dir} ({new_hash[:12]}). {hint}"
+        )
+    what = _describe_difference(old_plan, plan) if old_plan else "an unknown run"
+    raise InputError(f"{output_dir} holds shards of another preprocessing run (differs in: {what}). {hint}")
+
+
+def _sizes_ok(output_dir: Path, manifest: dict[str, Any]) -> bool:
+    for shard in manifest.get("shards", []):
+        for split in SPLITS:
+            for suffix in ("bin", "idx"):
+                path = output_dir / f"{shard['name']}.{split}.{suffix}"
+                if not path.is_file() or path.stat().st_size != shard[split][f"{suffix}_bytes"]:
+                    return False
+    return True
+
+
+def finished_record(output_dir: Path, name: str, plan_id: str) -> dict[str, Any] | None:
+    """The record of a shard finished by this plan, or None when it must be (re)written."""
+    path = output_dir / f"{name}.json"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if record.get("plan_id") != plan_id:
+        return None
+    for split in SPLITS:
+        for suffix in ("bin", "idx"):
+            data = output_dir / f"{name}.{split}.{suffix}"
+            if not data.is_file() or data.stat().st_size != record[split][f"{suffix}_bytes"]:
+                return None
+    return record

@@ -1,0 +1,289 @@
+"""Inputs of the preprocessing CLIs: which files (or Hub dataset) to read, and where to cut them.
+
+A corpus is cut into chunks at document boundaries found from fixed byte targets, so the chunks
+(and therefore the shards, and the order of the documents in them) depend only on the inputs
+and `--shard-size`, never on the number of workers.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import socket
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+Kind = Literal["txt", "jsonl", "parquet", "hf"]
+SUFFIXES: dict[str, Kind] = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
+HF_PREFIX = "hf:"
+# A blank (whitespace-only) line separates documents in `--txt-documents blank` mode.
+BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
+
+
+class InputError(ValueError):
+    """A problem with the inputs that the user can fix; the CLIs print it without a traceback."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input: a local file, or a split of a Hugging Face dataset (`kind == "hf"`)."""
+
+    kind: Kind
+    path: str  # absolute file path, or the dataset name
+    size: int  # bytes of the file, or rows of the dataset
+    mtime_ns: int = 0
+    hf_config: str | None = None
+    hf_split: str = "train"
+    hf_fingerprint: str = ""  # changes when the Hub dataset's content changes
+    hf_files: tuple[str, ...] = ()  # its Arrow cache files, so workers never go online
+
+    def describe(self) -> dict[str, Any]:
+        """What the manifest records about this input (no cache paths: they vary by machine)."""
+        record = asdict(self)
+        record.pop("hf_files")
+        if self.kind != "hf":
+            for key in ("hf_config", "hf_split", "hf_fingerprint"):
+                record.pop(key)
+        return record
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The part of one source that becomes one shard: bytes, row groups or rows `[start, end)`."""
+
+    source: int
+    start: int
+    end: int
+    weight: int  # approximate raw bytes, for progress
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How documents are found in the inputs; part of the manifest, since it changes the shards."""
+
+    txt_documents: Literal["blank", "line"] = "blank"
+    text_field: str = "text"
+    invalid_utf8: Literal["replace", "skip"] = "replace"
+    max_line_bytes: int = 64 << 20
+    # Documents longer than this are read and tokenized in pieces cut at whitespace, which
+    # SentencePiece treats as a boundary anyway; memory stays bounded by one piece.
+    piece_bytes: int = 1 << 20
+
+
+def resolve_inputs(
+    inputs: list[str],
+    *,
+    text_field: str = "text",
+    hf_config: str | None = None,
+    hf_split: str = "train",
+) -> tuple[list[Source], list[str]]:
+    """Expand files and folders (recursively, sorted) and Hub names into sources.
+
+    Returns the sources and the empty files skipped inside folders. Raises `InputError` for a
+    missing path, an unsupported or empty file named explicitly, a folder with nothing to read,
+    or a dataset name that cannot be loaded.
+    """
+    if not inputs:
+        raise InputError("no --input given")
+    sources: list[Source] = []
+    skipped: list[str] = []
+    seen: set[str] = set()
+
+    def add_file(path: Path, explicit: bool) -> None:
+        kind = SUFFIXES.get(path.suffix.lower())
+        if kind is None:
+            raise InputError(f"{path}: unsupported file type {path.suffix!r}; use .txt, .jsonl or .parquet")
+        stat = path.stat()
+        if stat.st_size == 0:
+            if explicit:
+                raise InputError(f"{path} is empty; remove it from --input")
+            skipped.append(str(path))
+            return
+        resolved = str(path.resolve())
+        if resolved not in seen:
+            seen.add(resolved)
+            sources.append(Source(kind, resolved, stat.st_size, stat.st_mtime_ns))
+
+    for item in inputs:
+        if item.startswith(HF_PREFIX):
+            sources.append(_hub_source(item[len(HF_PREFIX) :], hf_config, hf_split, text_field))
+            continue
+        path = Path(item)
+        if path.is_dir():
+            files = sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file() and p.suffix.lower() in SUFFIXES and not p.name.startswith(".")
+            )
+            if not files:
+                raise InputError(f"folder {path} holds no .txt, .jsonl or .parquet file")
+            for file in files:
+                add_file(file, explicit=False)
+        elif path.is_file():
+            add_file(path, explicit=True)
+        elif _looks_like_path(item):
+            raise InputError(f"input {item} does not exist")
+        else:
+            sources.append(_hub_source(item, hf_config, hf_split, text_field))
+    if not sources:
+        raise InputError(f"every input is empty: {', '.join(skipped)}")
+    for source in sources:
+        if source.kind == "parquet":
+            _check_parquet(source, text_field)
+        elif source.kind == "jsonl":
+            _check_jsonl(source, text_field)
+    return sources, skipped
+
+
+# A Hub dataset is named `name` or `org/name`; anything else that does not exist is a bad path.
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def _looks_like_path(item: str) -> bool:
+    return not HUB_NAME.fullmatch(item) or Path(item).suffix.lower() in SUFFIXES
+
+
+def _check_parquet(source: Source, text_field: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.ParquetFile(source.path).schema_arrow
+    except (OSError, pa.ArrowException) as err:
+        raise InputError(f"{source.path} is not a readable Parquet file: {err}") from err
+    if text_field not in schema.names:
+        raise InputError(
+            f"{source.path} has no column {text_field!r} (columns: {', '.join(schema.names)}); "
+            "pass --text-field"
+        )
+    if not (
+        pa.types.is_string(schema.field(text_field).type)
+        or pa.types.is_large_string(schema.field(text_field).type)
+    ):
+        raise InputError(f"{source.path}: column {text_field!r} is {schema.field(text_field).type}, not text")
+
+
+def _check_jsonl(source: Source, text_field: str) -> None:
+    """Fail early on a wrong --text-field rather than skipping every line of a large file."""
+    limit = 1 << 20
+    with open(source.path, "rb") as stream:
+        while line := stream.readline(limit):
+            if len(line) == limit and not line.endswith(b"\n"):
+                return  # a huge first record: the reader checks it without holding it twice
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                return  # a bad line is counted and skipped by the reader; maybe the rest is fine
+            if isinstance(record, dict) and text_field not in record:
+                raise InputError(
+                    f"{source.path}: the first record has no field {text_field!r} "
+                    f"(fields: {', '.join(map(str, record))}); pass --text-field"
+                )
+            return
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hub answers at all; `datasets` would otherwise retry for half a minute."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def _hub_source(name: str, config: str | None, split: str, text_field: str) -> Source:
+    """Load (downloading when online, else from the local cache) a Hub dataset split."""
+    import datasets
+
+    online = _hub_reachable()
+    if not online:
+        os.environ["HF_HUB_OFFLINE"] = "1"  # use the cache if it has the dataset; fail fast if not
+        datasets.config.HF_HUB_OFFLINE = True
+    try:
+        dataset = datasets.load_dataset(name, config, split=split)
+    except Exception as err:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
+        where = "the Hub" if online else "the local cache (the Hub is unreachable: offline?)"
+        raise InputError(
+            f"input {name!r} is not a local file or folder, and loading it as a Hugging Face dataset "
+            f"(config {config!r}, split {split!r}) from {where} failed: {type(err).__name__}: {err}. "
+            "Pass local .txt/.jsonl/.parquet files, or check the name, --hf-config and --hf-split."
+        ) from err
+    if text_field not in dataset.column_names:
+        raise InputError(
+            f"dataset {name!r} has no column {text_field!r} (columns: {', '.join(dataset.column_names)}); "
+            "pass --text-field"
+        )
+    files = tuple(f["filename"] for f in dataset.cache_files)
+    if not files:
+        raise InputError(
+            f"dataset {name!r} is held in memory, not in Arrow cache files; save it to disk first"
+        )
+    return Source("hf", name, len(dataset), 0, config, split, dataset._fingerprint, files)
+
+
+def open_hub_dataset(source: Source) -> Any:
+    """The dataset of a `hf` source, memory-mapped from its Arrow cache files (no network)."""
+    import datasets
+
+    parts = [datasets.Dataset.from_file(path) for path in source.hf_files]
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def plan_chunks(sources: list[Source], shard_bytes: int, options: ReadOptions) -> list[Chunk]:
+    """Cut every source into chunks of about `shard_bytes`, each starting at a document boundary."""
+    chunks: list[Chunk] = []
+    for index, source in enumerate(sources):
+        if source.kind in ("txt", "jsonl"):
+            line_mode = source.kind == "jsonl" or options.txt_documents == "line"
+            chunks.extend(_byte_chunks(index, source, shard_bytes, line_mode))
+        elif source.kind == "parquet":
+            chunks.extend(_row_group_chunks(index, source, shard_bytes))
+        else:
+            dataset = open_hub_dataset(source)
+            bytes_per_row = max(1, dataset.data.nbytes // max(1, len(dataset)))
+            rows = max(1, shard_bytes // bytes_per_row)
+            for start in range(0, len(dataset), rows):
+                end = min(start + rows, len(dataset))
+                chunks.append(Chunk(index, start, end, (end - start) * bytes_per_row))
+    return chunks
+
+
+def _byte_chunks(index: int, source: Source, shard_bytes: int, line_mode: bool) -> list[Chunk]:
+    chunks = []
+    with open(source.path, "rb") as stream, mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        start = 0
+        while start < source.size:
+            target = start + shard_bytes
+            if target >= source.size:
+                end = source.size
+            elif line_mode:
+                newline = data.find(b"\n", target)
+                end = source.size if newline < 0 else newline + 1
+            else:
+                match = BLANK_LINE.search(data, target)
+                end = source.size if match is None else match.end()
+            chunks.append(Chunk(index, start, end, end - start))
+            start = end
+    return chunks
+
+
+def _row_group_chunks(index: int, source: Source, shard_bytes: int) -> list[Chunk]:
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(source.path).metadata
+    chunks, start, size = [], 0, 0
+    for group in range(meta.num_row_groups):
+        size += meta.row_group(group).total_byte_size
+        if size >= shard_bytes or group == meta.num_row_groups - 1:
+            chunks.append(Chunk(index, start, group + 1, size))
+            start, size = group + 1, 0
+    return chunks

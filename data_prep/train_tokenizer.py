@@ -1,0 +1,264 @@
+"""Train a SentencePiece tokenizer with BERT's special tokens at fixed ids.
+
+    python -m data_prep.train_tokenizer --input PATH [PATH ...] --output DIR --vocab-size N
+
+Reads every input once, keeps a uniform random sample of at most `--max-sentences` lines
+(reservoir sampling: memory is bounded by the sample, not the corpus), trains on the sample,
+and writes DIR/spm.model plus the Hugging Face files `AutoTokenizer.from_pretrained(DIR)` loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from data_prep import cli
+from data_prep.documents import DocumentReader, split_text
+from data_prep.hf_tokenizer import build_fast_tokenizer, save_hf_folder
+from data_prep.sources import InputError, ReadOptions, Source, plan_chunks, resolve_inputs
+from swbert.data.tokenizer import (
+    PAD_ID,
+    SPECIAL_TOKENS,
+    SPM_MODEL_NAME,
+    TOKENIZER_INFO_NAME,
+    UNK_ID,
+    tokenizer_hash,
+)
+
+log = logging.getLogger("data_prep.train_tokenizer")
+SENTENCE_CHARS = 2000  # longer lines are cut at whitespace: SentencePiece drops over-long sentences
+OUTPUT_FILES = (
+    SPM_MODEL_NAME,
+    TOKENIZER_INFO_NAME,
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+
+
+def iter_sentences(sources: list[Source], options: ReadOptions, stats: Counter) -> Iterator[str]:
+    """Every non-empty line of every document, in input order."""
+    whole = plan_chunks(sources, 1 << 62, options)  # one chunk per input: no cutting needed here
+    for chunk in whole:
+        for piece in DocumentReader(sources[chunk.source], chunk, options, stats):
+            for line in piece.text.split("\n"):
+                if line.strip():
+                    yield from split_text(line.strip(), SENTENCE_CHARS)
+
+
+def sample_sentences(sentences: Iterator[str], max_sentences: int, seed: int) -> tuple[list[str], int]:
+    """A uniform sample of at most `max_sentences` (reservoir sampling, deterministic given `seed`)."""
+    rng = random.Random(seed)
+    sample: list[str] = []
+    seen = 0
+    for seen, sentence in enumerate(sentences, start=1):
+        if len(sample) < max_sentences:
+            sample.append(sentence)
+        else:
+            j = rng.randrange(seen)
+            if j < max_sentences:
+                sample[j] = sentence
+    return sample, seen
+
+
+def train_tokenizer(
+    inputs: list[str],
+    output_dir: str | Path,
+    *,
+    vocab_size: int,
+    model_type: Literal["bpe", "unigram"] = "bpe",
+    max_sentences: int = 1_000_000,
+    character_coverage: float = 0.9995,
+    seed: int = 0,
+    threads: int | None = None,
+    options: ReadOptions | None = None,
+    hf_config: str | None = None,
+    hf_split: str = "train",
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Train and save the tokenizer folder; returns what `swbert_tokenizer.json` records."""
+    import sentencepiece as spm
+
+    started = time.perf_counter()
+    options = options or ReadOptions()
+    output_dir = Path(output_dir)
+    if (output_dir / SPM_MODEL_NAME).exists() and not overwrite:
+        raise InputError(
+            f"{output_dir / SPM_MODEL_NAME} exists; shards may have been made with it. "
+            "Choose another --output, or pass --overwrite to replace it."
+        )
+    if vocab_size < 300:
+        raise InputError(
+            f"--vocab-size {vocab_size} is too small: 256 byte pieces and the specials need room"
+        )
+    sources, _ = resolve_inputs(inputs, text_field=options.text_field, hf_config=hf_config, hf_split=hf_split)
+    stats: Counter = Counter()
+    sample, seen = sample_sentences(iter_sentences(sources, options, stats), max_sentences, seed)
+    if not sample:
+        raise InputError(f"the inputs hold no text to train on ({dict(stats) or 'all empty'})")
+    log.info(
+        "sampled %s of %s lines in %.1f s", f"{len(sample):,}", f"{seen:,}", time.perf_counter() - started
+    )
+
+    threads = threads or min(os.cpu_count() or 1, 16)
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sample),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            byte_fallback=True,  # rare characters become byte pieces instead of [UNK]
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=-1,
+            eos_id=-1,
+            pad_piece=SPECIAL_TOKENS[PAD_ID],
+            unk_piece=SPECIAL_TOKENS[UNK_ID],
+            # Control symbols take the next ids (2, 3, 4) and are never produced from raw text.
+            control_symbols=list(SPECIAL_TOKENS[2:]),
+            max_sentence_length=4 * SENTENCE_CHARS + 16,
+            num_threads=threads,
+            minloglevel=2,
+        )
+    except RuntimeError as err:
+        raise InputError(f"SentencePiece could not train (--vocab-size {vocab_size}?): {err}") from err
+
+    tmp = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / SPM_MODEL_NAME).write_bytes(model.getvalue())
+    save_hf_folder(tmp / SPM_MODEL_NAME, tmp)
+    identical, checked = _parity(tmp / SPM_MODEL_NAME, sample, seed)
+    info = {
+        "hash": tokenizer_hash(tmp),
+        "vocab_size": vocab_size,
+        "model_type": model_type,
+        "character_coverage": character_coverage,
+        "sentences_seen": seen,
+        "sentences_sampled": len(sample),
+        "max_sentences": max_sentences,
+        "seed": seed,
+        "threads": threads,
+        "inputs": [source.describe() for source in sources],
+        "read_options": {"txt_documents": options.txt_documents, "text_field": options.text_field},
+        "hf_parity": {"checked": checked, "identical": identical},
+        "input_counts": dict(sorted(stats.items())),
+    }
+    (tmp / TOKENIZER_INFO_NAME).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
+    _install(tmp, output_dir)
+    log.info(
+        "wrote %s (%s, %d pieces, hash %s) in %.1f s; the HF tokenizer agrees on %d of %d sampled lines",
+        output_dir,
+        model_type,
+        vocab_size,
+        info["hash"][:12],
+        time.perf_counter() - started,
+        identical,
+        checked,
+    )
+    if identical < checked and model_type == "bpe":
+        log.warning(
+            "the HF tokenizer differs from SentencePiece on %d lines: please report this", checked - identical
+        )
+    return info
+
+
+def _parity(spm_model: Path, sample: list[str], seed: int, count: int = 1000) -> tuple[int, int]:
+    """How many sampled lines the HF tokenizer encodes exactly as SentencePiece does."""
+    import sentencepiece as spm
+
+    lines = random.Random(seed).sample(sample, min(count, len(sample)))
+    reference = spm.SentencePieceProcessor(model_file=str(spm_model)).encode(lines)
+    fast = build_fast_tokenizer(spm_model).encode_batch(lines, add_special_tokens=False)
+    return sum(a == b.ids for a, b in zip(reference, fast)), len(lines)
+
+
+def _install(tmp: Path, output_dir: Path) -> None:
+    """Move the finished files into `output_dir`, replacing only this tool's own files."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for name in OUTPUT_FILES:
+        (output_dir / name).unlink(missing_ok=True)
+    for path in tmp.iterdir():
+        os.replace(path, output_dir / path.name)
+    tmp.rmdir()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m data_prep.train_tokenizer",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cli.add_input_arguments(parser)
+    parser.add_argument("--output", required=True, metavar="DIR", help="tokenizer folder to write")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        required=True,
+        metavar="N",
+        help="pieces in the vocabulary, the 5 specials and 256 byte pieces included",
+    )
+    parser.add_argument(
+        "--model-type",
+        choices=["bpe", "unigram"],
+        default="bpe",
+        help="SentencePiece algorithm; the HF tokenizer matches BPE id for id, unigram up to "
+        "ties between equal-score segmentations (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-sentences",
+        type=int,
+        default=1_000_000,
+        help="lines sampled uniformly from the inputs to train on (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--character-coverage",
+        type=float,
+        default=0.9995,
+        help="share of characters covered by pieces; the rest fall back to bytes (default: %(default)s)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: %(default)s)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="SentencePiece training threads; a unigram model depends on it, so fix it for "
+        "reproducibility (default: CPUs, at most 16)",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer in --output")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    train_tokenizer(
+        args.input,
+        args.output,
+        vocab_size=args.vocab_size,
+        model_type=args.model_type,
+        max_sentences=args.max_sentences,
+        character_coverage=args.character_coverage,
+        seed=args.seed,
+        threads=args.threads,
+        options=cli.read_options(args),
+        hf_config=args.hf_config,
+        hf_split=args.hf_split,
+        overwrite=args.overwrite,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run_main(main)

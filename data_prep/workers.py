@@ -1,0 +1,131 @@
+"""Run shard jobs on a pool of worker processes, with a progress bar fed by the workers."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from queue import Empty
+from typing import Any
+
+from data_prep.shard_writer import ShardJob, write_shard
+from data_prep.sources import InputError
+from swbert.data._megatron import indexed_dataset
+
+log = logging.getLogger("data_prep.preprocess")
+_queue: Any = None
+_parent_pid: int | None = None
+
+
+def _init_worker(queue: Any, parent_pid: int) -> None:
+    global _queue, _parent_pid
+    _queue, _parent_pid = queue, parent_pid
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+
+
+def _report(docs: int, tokens: int, progress: int) -> None:
+    _queue.put((docs, tokens, progress))
+
+
+def _run(job: ShardJob) -> dict[str, Any]:
+    return write_shard(job, _report, _parent_pid)
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    # fork shares the already-imported tokenizer and megatron modules (seconds per worker under
+    # spawn); the workers use neither threads nor torch ops, so forking is safe here.
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+
+
+def run_jobs(
+    jobs: list[ShardJob],
+    workers: int,
+    records: dict[int, dict[str, Any]],
+    *,
+    progress: bool,
+    total: int,
+    done: int,
+) -> tuple[int, int]:
+    """Write every job's shard, adding its record to `records`; returns (documents, tokens) written."""
+    if not jobs:
+        return 0, 0
+    from tqdm import tqdm
+
+    indexed_dataset()  # import before forking, so the workers share it instead of each importing it
+    context = _context()
+    queue = context.Queue()
+    tty = sys.stderr.isatty()
+    bar = tqdm(
+        total=total,
+        initial=done,
+        unit="B",
+        unit_scale=True,
+        disable=not progress,
+        mininterval=0.5 if tty else 30.0,
+        desc="preprocess",
+        file=sys.stderr,
+    )
+    docs = tokens = 0
+    started = time.perf_counter()
+
+    def drain() -> None:
+        nonlocal docs, tokens
+        while True:
+            try:
+                d, t, p = queue.get_nowait()
+            except Empty:
+                break
+            docs, tokens = docs + d, tokens + t
+            bar.update(p)
+        elapsed = max(time.perf_counter() - started, 1e-9)
+        bar.set_postfix_str(f"{docs / elapsed:,.0f} docs/s, {tokens / elapsed:,.0f} tokens/s", refresh=False)
+
+    pool = ProcessPoolExecutor(
+        min(workers, len(jobs)), mp_context=context, initializer=_init_worker, initargs=(queue, os.getpid())
+    )
+    futures = {pool.submit(_run, job): job for job in jobs}
+    remaining = set(futures)
+    clean = False
+    try:
+        while remaining:
+            finished, remaining = wait(remaining, timeout=0.2, return_when=FIRST_COMPLETED)
+            drain()
+            for future in finished:
+                records[futures[future].index] = _result(future, futures[future])
+        clean = True
+    except KeyboardInterrupt:
+        log.warning("interrupted: finished shards are kept; re-run the same command to resume")
+        raise
+    finally:
+        if not clean:  # stop the other workers now rather than after their current shard
+            processes = getattr(pool, "_processes", None) or {}  # private, but the only handle
+            for process in list(processes.values()):
+                process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        drain()
+        bar.close()
+    return docs, tokens
+
+
+def _result(future: Any, job: ShardJob) -> dict[str, Any]:
+    """The shard record, or an error that names the shard and its input."""
+    try:
+        return future.result()
+    except BrokenProcessPool as err:
+        raise RuntimeError(
+            f"a worker process died while writing {job.name} (killed, or out of memory?); finished "
+            "shards are kept: re-run the same command to resume"
+        ) from err
+    except InputError as err:
+        raise InputError(f"{job.name}: {err}") from err
+    except Exception as err:
+        raise RuntimeError(
+            f"writing {job.name} (from {job.source.path}, {job.chunk.start} to {job.chunk.end}) failed: "
+            f"{type(err).__name__}: {err}"
+        ) from err
