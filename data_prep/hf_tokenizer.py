@@ -81,23 +81,23 @@ def build_fast_tokenizer(spm_model: str | Path):  # -> tokenizers.Tokenizer
 
 
 def save_hf_folder(spm_model: str | Path, out_dir: str | Path) -> None:
-    """Write `tokenizer.json` and `tokenizer_config.json` that `AutoTokenizer` loads."""
-    from transformers import PreTrainedTokenizerFast
+    """Write `tokenizer.json` and `tokenizer_config.json` that `AutoTokenizer` loads.
 
+    Written directly rather than through transformers (whose import takes seconds); the
+    config names the generic fast-tokenizer class that every transformers version knows.
+    """
+    out_dir = Path(out_dir)
+    build_fast_tokenizer(spm_model).save(str(out_dir / "tokenizer.json"))
     pad, unk, cls, sep, mask = SPECIAL_TOKENS
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=build_fast_tokenizer(spm_model),
-        pad_token=pad,
-        unk_token=unk,
-        cls_token=cls,
-        sep_token=sep,
-        mask_token=mask,
-        model_max_length=MODEL_MAX_LENGTH,
-        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
-    )
-    tokenizer.save_pretrained(str(out_dir))
-    # Name the generic class that every transformers version knows (v5 writes its new alias).
-    config_path = Path(out_dir) / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": MODEL_MAX_LENGTH,
+        "model_input_names": ["input_ids", "token_type_ids", "attention_mask"],
+        "pad_token": pad,
+        "unk_token": unk,
+        "cls_token": cls,
+        "sep_token": sep,
+        "mask_token": mask,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

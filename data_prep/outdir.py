@@ -6,6 +6,7 @@ import fcntl
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from data_prep.sources import InputError
 from swbert.data.manifest import MANIFEST_NAME, SPLITS, TOKENIZER_SUBDIR, read_manifest
 
 LOCK_NAME = ".preprocess.lock"
+WAIT_SECONDS = 10.0
 PLAN_NAME = "plan.json"
 
 
@@ -25,15 +27,21 @@ class OutputLock:
 
     def __enter__(self) -> OutputLock:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self.fd)
-            raise InputError(
-                f"another preprocess (pid {holder}) is writing {self.path.parent}; wait for it to "
-                "finish or stop it, then re-run this command to resume"
-            ) from None
+        deadline = time.monotonic() + WAIT_SECONDS  # the processes of a killed run may still be exiting
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    continue
+                holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(self.fd)
+                raise InputError(
+                    f"another preprocess (pid {holder}) is writing {self.path.parent}; wait for it to "
+                    "finish or stop it, then re-run this command to resume"
+                ) from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, str(os.getpid()).encode(), 0)
         return self

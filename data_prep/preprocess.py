@@ -125,7 +125,7 @@ def preprocess(
     plan_id = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    with OutputLock(output_dir):
+    with OutputLock(output_dir) as lock:
         existing = check_existing(output_dir, plan, plan_id, tokenizer_dir, overwrite)
         if existing is not None:
             log.info("%s is already complete (manifest.json matches these inputs and settings)", output_dir)
@@ -168,6 +168,7 @@ def preprocess(
             progress=progress,
             total=sum(j.chunk.weight for j in jobs),
             done=sum(jobs[i].chunk.weight for i in records),
+            close_fds=(lock.fd,) if lock.fd is not None else (),
         )
         manifest = _assemble(plan, plan_id, [records[job.index] for job in jobs], skipped_files)
         if sum(manifest["splits"][s]["documents"] for s in SPLITS) == 0:

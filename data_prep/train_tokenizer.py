@@ -190,7 +190,8 @@ def _install(tmp: Path, output_dir: Path) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     for name in OUTPUT_FILES:
         (output_dir / name).unlink(missing_ok=True)
-    for path in tmp.iterdir():
+    # spm.model goes last: its presence means the folder is complete.
+    for path in sorted(tmp.iterdir(), key=lambda p: p.name == SPM_MODEL_NAME):
         os.replace(path, output_dir / path.name)
     tmp.rmdir()
 

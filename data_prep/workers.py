@@ -22,9 +22,11 @@ _queue: Any = None
 _parent_pid: int | None = None
 
 
-def _init_worker(queue: Any, parent_pid: int) -> None:
+def _init_worker(queue: Any, parent_pid: int, close_fds: tuple[int, ...]) -> None:
     global _queue, _parent_pid
     _queue, _parent_pid = queue, parent_pid
+    for fd in close_fds:  # the output folder's lock: it must die with the main process, not with us
+        os.close(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
 
 
@@ -51,8 +53,12 @@ def run_jobs(
     progress: bool,
     total: int,
     done: int,
+    close_fds: tuple[int, ...] = (),
 ) -> tuple[int, int]:
-    """Write every job's shard, adding its record to `records`; returns (documents, tokens) written."""
+    """Write every job's shard, adding its record to `records`; returns (documents, tokens) written.
+
+    `close_fds`: descriptors the forked workers must not keep open (the output folder's lock).
+    """
     if not jobs:
         return 0, 0
     from tqdm import tqdm
@@ -87,7 +93,10 @@ def run_jobs(
         bar.set_postfix_str(f"{docs / elapsed:,.0f} docs/s, {tokens / elapsed:,.0f} tokens/s", refresh=False)
 
     pool = ProcessPoolExecutor(
-        min(workers, len(jobs)), mp_context=context, initializer=_init_worker, initargs=(queue, os.getpid())
+        min(workers, len(jobs)),
+        mp_context=context,
+        initializer=_init_worker,
+        initargs=(queue, os.getpid(), close_fds),
     )
     futures = {pool.submit(_run, job): job for job in jobs}
     remaining = set(futures)
