@@ -110,7 +110,7 @@ class DocumentReader:
                 pos = 0
                 while (newline := buf.find(b"\n", pos)) >= 0:
                     if not dropping:
-                        yield buf[pos:newline].rstrip(b"\r"), True
+                        yield from self._parts(buf[pos:newline].rstrip(b"\r"), split_long)
                     dropping = False
                     pos = newline + 1
                 carry = b"" if dropping else buf[pos:]
@@ -123,7 +123,18 @@ class DocumentReader:
                     self.stats["oversized_lines"] += 1
                     carry, dropping = b"", True
         if carry:
-            yield carry.rstrip(b"\r"), True
+            yield from self._parts(carry.rstrip(b"\r"), split_long)
+
+    def _parts(self, line: bytes, split_long: bool) -> Iterator[tuple[bytes, bool]]:
+        """A complete line: in parts of at most a piece when `split_long`, else whole or skipped."""
+        if not split_long and len(line) > self.options.max_line_bytes:
+            self.stats["oversized_lines"] += 1
+            return
+        while split_long and len(line) > self.options.piece_bytes:
+            cut = cut_bytes(line, self.options.piece_bytes)
+            yield line[:cut], False
+            line = line[cut:]
+        yield line, True
 
     def _piece(self, data: bytes, first: bool, last: bool) -> Piece | None:
         """Decode one piece; None when nothing is to be emitted (empty or skipped document)."""

@@ -70,7 +70,8 @@ class ReadOptions:
     invalid_utf8: Literal["replace", "skip"] = "replace"
     max_line_bytes: int = 64 << 20
     # Documents longer than this are read and tokenized in pieces cut at whitespace, which
-    # SentencePiece treats as a boundary anyway; memory stays bounded by one piece.
+    # SentencePiece treats as a boundary anyway (so the ids are the same); memory stays bounded
+    # by one piece. A piece with no whitespace at all is cut at a character boundary instead.
     piece_bytes: int = 1 << 20
 
 

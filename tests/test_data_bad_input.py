@@ -1,0 +1,188 @@
+"""Bad input gives a clear error or a counted skip, never a crash inside a worker."""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+from collections import Counter
+from pathlib import Path
+from pydoc_data.topics import topics
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import sentencepiece as spm
+
+from data_prep import preprocess as preprocess_cli
+from data_prep import verify as verify_cli
+from data_prep.documents import DocumentReader
+from data_prep.preprocess import preprocess
+from data_prep.sources import Chunk, InputError, ReadOptions, Source
+from data_prep.train_tokenizer import train_tokenizer
+from swbert.data import open_corpus
+
+TEXTS = [topics[name] for name in sorted(topics)[:12]]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("bad")
+    corpus = root / "train.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    train_tokenizer([str(corpus)], root / "tok", vocab_size=600, threads=1)
+    return root / "tok"
+
+
+def run(inputs: list[Path], tok: Path, out: Path, **kwargs) -> dict:
+    kwargs = {"workers": 1, "valid_fraction": 0.0, "progress": False, **kwargs}
+    return preprocess([str(p) for p in inputs], tok, out, **kwargs).manifest
+
+
+def documents(out: Path) -> list[list[int]]:
+    corpus = open_corpus(out)
+    return [corpus.document(i).tolist() for i in range(len(corpus))]
+
+
+def test_missing_and_empty_inputs_are_clear_errors(tok: Path, tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="does not exist"):
+        run([tmp_path / "nope.txt"], tok, tmp_path / "o1")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(InputError, match="empty.txt is empty"):
+        run([tmp_path / "empty.txt"], tok, tmp_path / "o2")
+    (tmp_path / "odd.csv").write_text("a,b\n")
+    with pytest.raises(InputError, match="unsupported file type"):
+        run([tmp_path / "odd.csv"], tok, tmp_path / "o3")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "empty.txt").write_bytes(b"")
+    (folder / "ok.txt").write_text("some real text\n")
+    manifest = run([folder], tok, tmp_path / "o4")
+    assert manifest["skipped_input_files"] == [str(folder / "empty.txt")]
+    (tmp_path / "blank.txt").write_text("\n \n\t\n")
+    with pytest.raises(InputError, match="no document"):
+        run([tmp_path / "blank.txt"], tok, tmp_path / "o5")
+
+
+def test_invalid_utf8_is_replaced_or_skipped_and_counted(tok: Path, tmp_path: Path) -> None:
+    path = tmp_path / "mixed.txt"
+    path.write_bytes(b"good text here\n\nbad \xff\xfe bytes\n\nmore good text\n\ncut \xe2\x82 short\n")
+    replaced = run([path], tok, tmp_path / "replace")
+    assert replaced["counts"]["invalid_utf8_replaced"] == 2 and replaced["splits"]["train"]["documents"] == 4
+    skipped = run([path], tok, tmp_path / "skip", options=ReadOptions(invalid_utf8="skip"))
+    assert skipped["counts"]["invalid_utf8_skipped"] == 2 and skipped["splits"]["train"]["documents"] == 2
+
+
+def test_bad_json_lines_and_empty_documents_are_counted(tok: Path, tmp_path: Path) -> None:
+    path = tmp_path / "records.jsonl"
+    lines = [json.dumps({"text": "kept one"}), json.dumps({"text": ""}), json.dumps({"text": "  \n "}),
+             json.dumps({"title": "no text"}), "{not json", json.dumps([1, 2]), "", json.dumps({"text": "kept two"})]  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+    manifest = run([path], tok, tmp_path / "out")
+    assert manifest["splits"]["train"]["documents"] == 2
+    assert manifest["counts"] == {"empty_documents": 2, "invalid_json_lines": 1, "missing_text_field": 2}
+    with pytest.raises(InputError, match="--text-field"):
+        run([path], tok, tmp_path / "out2", options=ReadOptions(text_field="body"))
+
+
+def test_an_enormous_line_is_one_document_tokenized_in_pieces(tok: Path, tmp_path: Path) -> None:
+    sp = spm.SentencePieceProcessor(model_file=str(tok / "spm.model"))
+    line = " ".join(TEXTS).replace("\n", " ")[:60_000]
+    path = tmp_path / "huge.txt"
+    path.write_text("short first\n" + line + "\n" + "x" * 9000 + "\nshort last\n")
+    options = ReadOptions(txt_documents="line", piece_bytes=4096)
+    out = tmp_path / "out"
+    manifest = run([path], tok, out, options=options)
+    docs = documents(out)
+    assert manifest["splits"]["train"]["documents"] == 4
+    assert docs[1] == sp.encode(line)  # cutting at whitespace changes nothing
+    # No whitespace to cut at: cut at a character boundary, which starts a new word there.
+    assert sp.decode(docs[2]).replace(" ", "") == "x" * 9000
+    corpus = open_corpus(out)
+    pieces = len(line.encode()) // 4096 + 9000 // 4096  # the two long lines, a sequence per piece
+    assert len(corpus._open()[0].sequence_lengths) >= 2 + pieces
+
+    json_path = tmp_path / "huge.jsonl"
+    json_path.write_text("\n".join(json.dumps({"text": t}) for t in ["before", line, "after"]) + "\n")
+    manifest = run([json_path], tok, tmp_path / "json", options=ReadOptions(max_line_bytes=20_000))
+    assert manifest["counts"] == {"oversized_lines": 1} and manifest["splits"]["train"]["documents"] == 2
+
+
+def _peak_reading_one_line(path: Path, megabytes: int) -> tuple[int, int]:
+    with open(path, "w") as stream:
+        for _ in range(megabytes * 16):
+            stream.write("word " * 13_107)  # 64 KiB at a time, never a newline
+    size = path.stat().st_size
+    reader = DocumentReader(Source("txt", str(path), size), Chunk(0, 0, size, size), ReadOptions(), Counter())
+    tracemalloc.start()
+    pieces = sum(1 for _ in reader)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return pieces, peak
+
+
+def test_reading_an_enormous_line_takes_memory_for_one_piece_not_the_line(tmp_path: Path) -> None:
+    small_pieces, small_peak = _peak_reading_one_line(tmp_path / "8mb.txt", 8)
+    big_pieces, big_peak = _peak_reading_one_line(tmp_path / "32mb.txt", 32)
+    assert big_pieces >= 32 and big_pieces >= 3 * small_pieces
+    assert big_peak < 1.1 * small_peak and big_peak < (32 << 20) // 2, (small_peak, big_peak)
+
+
+def test_output_folder_of_another_tokenizer_is_refused(tok: Path, tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:4]))
+    out = tmp_path / "out"
+    run([path], tok, out)
+    other = tmp_path / "other_tok"
+    train_tokenizer([str(path)], other, vocab_size=500, threads=1)
+    with pytest.raises(InputError, match="another tokenizer.*--overwrite"):
+        run([path], other, out)
+    with pytest.raises(InputError, match="differs in: settings \\(valid_fraction\\)"):
+        run([path], tok, out, valid_fraction=0.5)
+    manifest = run([path], other, out, overwrite=True)
+    assert manifest["tokenizer"]["vocab_size"] == 500 and open_corpus(out).vocab_size == 500
+
+
+def test_parquet_and_hub_loader_give_the_same_documents_as_jsonl(
+    tok: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "part.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    table = pa.table({"text": TEXTS, "id": list(range(len(TEXTS)))})
+    pq.write_table(table, tmp_path / "part.parquet", row_group_size=5)
+    run([folder / "part.jsonl"], tok, tmp_path / "jsonl")
+    run([tmp_path / "part.parquet"], tok, tmp_path / "parquet", shard_bytes=4096)
+    run([f"hf:{folder}"], tok, tmp_path / "hub", shard_bytes=8192)  # the datasets code path, offline
+    assert documents(tmp_path / "jsonl") == documents(tmp_path / "parquet") == documents(tmp_path / "hub")
+    assert len(json.loads((tmp_path / "parquet" / "manifest.json").read_text())["shards"]) >= 2
+
+
+def test_unknown_dataset_name_offline_is_a_clear_error(tok: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(InputError, match="not a local file or folder.*Hugging Face.*offline"):
+        run(["no_such_corpus_anywhere"], tok, tmp_path / "out")
+
+
+def test_cli_prints_one_line_errors_and_documents_every_flag(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        preprocess_cli.cli.run_main(
+            lambda: preprocess_cli.main(
+                [
+                    "--input",
+                    str(tmp_path / "gone.txt"),
+                    "--tokenizer",
+                    str(tmp_path),
+                    "--output",
+                    str(tmp_path / "o"),
+                ]
+            )  # fmt: skip
+        )
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err and "spm.model" in err
+    for parser in (preprocess_cli.build_parser(), verify_cli.build_parser()):
+        for action in parser._actions:
+            assert action.help, action.option_strings

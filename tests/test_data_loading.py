@@ -1,0 +1,166 @@
+"""Training-side data: packing, the rank-independent sampler, and the masking collator."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import pickle
+from pathlib import Path
+from pydoc_data.topics import topics
+
+import numpy as np
+import pytest
+import torch
+
+from data_prep.preprocess import preprocess
+from data_prep.train_tokenizer import train_tokenizer
+from swbert.data import (
+    CLS_ID,
+    MASK_ID,
+    PAD_ID,
+    SEP_ID,
+    SPECIAL_IDS,
+    GlobalSampler,
+    MaskingCollator,
+    PackedSequences,
+    open_corpus,
+)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("loading")
+    corpus = root / "topics.jsonl"
+    with open(corpus, "w", encoding="utf-8") as stream:
+        for name in sorted(topics)[:25]:
+            stream.write(json.dumps({"text": topics[name]}) + "\n")
+    train_tokenizer([str(corpus)], root / "tok", vocab_size=600, threads=1)
+    preprocess([str(corpus)], root / "tok", root / "shards", workers=1, shard_bytes=40 << 10, progress=False)
+    return root / "shards"
+
+
+def test_packed_sequences_are_the_document_stream_cut_in_pieces(data_dir: Path) -> None:
+    corpus = open_corpus(data_dir)
+    assert len(corpus.prefixes) >= 2  # documents come from several shards
+    stream: list[int] = []
+    for doc in range(len(corpus)):
+        stream += corpus.document(doc).tolist() + [SEP_ID]
+    stream.pop()  # separators go between documents only
+    seq_len = 64
+    packed = PackedSequences(corpus, seq_len)
+    assert len(packed) == len(stream) // (seq_len - 2)
+    for i in [0, 1, len(packed) // 2, len(packed) - 1]:
+        sample = packed[i]
+        assert sample.dtype == torch.long and sample.shape == (seq_len,)
+        assert sample[0] == CLS_ID and sample[-1] == SEP_ID
+        assert sample[1:-1].tolist() == stream[i * (seq_len - 2) : (i + 1) * (seq_len - 2)]
+    every = torch.stack([packed[i] for i in range(len(packed))])
+    assert not (every == PAD_ID).any() and (every[:, 1:-1] == SEP_ID).sum() >= len(corpus) - 2
+    assert torch.equal(pickle.loads(pickle.dumps(packed))[3], packed[3])  # DataLoader workers reopen shards
+    with pytest.raises(IndexError):
+        packed[len(packed)]
+    with pytest.raises(ValueError, match="shorter seq_len"):
+        PackedSequences(corpus, corpus.num_tokens + len(corpus) + 5)
+
+
+def _batches(sampler: GlobalSampler, count: int) -> list[list[int]]:
+    return list(itertools.islice(iter(sampler), count))
+
+
+def test_sampler_order_does_not_depend_on_the_number_of_ranks() -> None:
+    n, steps = 37, 40  # 37 is prime: global batches straddle epoch boundaries
+    single = _batches(GlobalSampler(n, seed=3, micro_batch_size=4, dp_rank=0, dp_size=1), steps)
+    ranks = [
+        _batches(GlobalSampler(n, seed=3, micro_batch_size=2, dp_rank=r, dp_size=2), steps) for r in range(2)
+    ]
+    assert all(single[t] == ranks[0][t] + ranks[1][t] for t in range(steps))
+    stream = list(itertools.chain.from_iterable(single))
+    for epoch in range(3):
+        assert sorted(stream[epoch * n : (epoch + 1) * n]) == list(range(n))  # each epoch: every sample once
+    assert stream[:n] != stream[n : 2 * n]  # reshuffled per epoch
+    other_seed = _batches(GlobalSampler(n, seed=4, micro_batch_size=4, dp_rank=0, dp_size=1), steps)
+    assert other_seed != single
+    ordered = _batches(GlobalSampler(n, seed=3, micro_batch_size=4, dp_rank=0, dp_size=1, shuffle=False), 2)
+    assert ordered == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("k", [1, 9, 10])
+def test_sampler_resumes_exactly_even_with_another_dp_size(k: int) -> None:
+    n = 37
+    ranks = [GlobalSampler(n, seed=5, micro_batch_size=2, dp_rank=r, dp_size=2) for r in range(2)]
+    iterators = [iter(s) for s in ranks]
+    for _ in range(k):
+        for it in iterators:
+            next(it)
+    state = ranks[0].state_dict()
+    assert state == ranks[1].state_dict() and state["epoch"] * n + state["consumed"] == k * 4
+    expected = [next(iterators[0]) + next(iterators[1]) for _ in range(12)]
+    # Same dp size: each rank continues exactly.
+    again = GlobalSampler(n, seed=5, micro_batch_size=2, dp_rank=1, dp_size=2)
+    again.load_state_dict(state)
+    assert _batches(again, 12) == [batch[2:] for batch in expected]
+    # One rank with the whole global batch: sees the union of what the two ranks would have seen.
+    single = GlobalSampler(n, seed=5, micro_batch_size=4, dp_rank=0, dp_size=1)
+    single.load_state_dict(state)
+    assert _batches(single, 12) == expected
+
+
+def test_sampler_state_rewinds_over_prefetched_batches() -> None:
+    sampler = GlobalSampler(10, seed=0, micro_batch_size=3, dp_rank=0, dp_size=1)
+    batches = _batches(sampler, 5)
+    resumed = GlobalSampler(10, seed=0, micro_batch_size=3, dp_rank=0, dp_size=1)
+    resumed.load_state_dict(sampler.state_dict(in_flight=2))  # trained on 3, 2 were prefetched
+    assert _batches(resumed, 2) == batches[3:]
+    with pytest.raises(ValueError, match="seed"):
+        GlobalSampler(10, seed=1, micro_batch_size=3, dp_rank=0, dp_size=1).load_state_dict(
+            sampler.state_dict()
+        )
+
+
+def _big_batch(vocab: int = 1000) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randint(len(SPECIAL_IDS), vocab, (64, 512), generator=gen)
+    batch[:, 0], batch[:, -1], batch[:, 200] = CLS_ID, SEP_ID, SEP_ID
+    batch[-4:, 400:] = PAD_ID  # a padded tail
+    return batch
+
+
+def test_masking_statistics() -> None:
+    vocab, batch = 1000, _big_batch()
+    out = MaskingCollator(vocab)(batch, generator=torch.Generator().manual_seed(1))
+    special = torch.isin(batch, torch.tensor(SPECIAL_IDS))
+    selected = out["labels"] != -100
+    assert not (selected & special).any() and torch.equal(out["input_ids"][special], batch[special])
+    assert torch.equal(out["labels"][selected], batch[selected])
+    rate = selected.sum() / (~special).sum()
+    assert abs(rate - 0.15) < 0.005  # 32k candidates: the standard deviation is 0.002
+    masked = (out["input_ids"] == MASK_ID) & selected
+    replaced = (out["input_ids"] != batch) & selected & ~masked
+    kept = (out["input_ids"] == batch) & selected
+    n = selected.sum()
+    assert abs(masked.sum() / n - 0.8) < 0.02
+    assert abs(replaced.sum() / n - 0.1) < 0.015 and abs(kept.sum() / n - 0.1) < 0.015
+    assert not torch.isin(out["input_ids"][replaced], torch.tensor(SPECIAL_IDS)).any()
+    assert torch.equal(out["attention_mask"], (batch != PAD_ID).long())
+    assert torch.equal(out["attention_mask"][-1, 400:], torch.zeros(112, dtype=torch.long))
+
+
+def test_masking_is_reproducible_and_configurable() -> None:
+    batch = _big_batch()
+    collate = MaskingCollator(1000)
+    first = collate(list(batch), generator=torch.Generator().manual_seed(7))
+    again = collate(batch, generator=torch.Generator().manual_seed(7))
+    other = collate(batch, generator=torch.Generator().manual_seed(8))
+    assert all(torch.equal(first[key], again[key]) for key in first)
+    assert not torch.equal(first["labels"], other["labels"])
+    assert torch.equal(batch, _big_batch())  # the input is not modified in place
+    heavy = MaskingCollator(1000, mlm_probability=0.4)(batch, generator=torch.Generator().manual_seed(7))
+    special = torch.isin(batch, torch.tensor(SPECIAL_IDS))
+    assert abs((heavy["labels"] != -100).sum() / (~special).sum() - 0.4) < 0.01
+    with pytest.raises(ValueError):
+        MaskingCollator(1000, mlm_probability=1.5)
+
+
+def test_constants_match_the_tokenizer_contract() -> None:
+    assert (PAD_ID, CLS_ID, SEP_ID, MASK_ID) == (0, 2, 3, 4) and SPECIAL_IDS == (0, 1, 2, 3, 4)
+    assert np.iinfo(np.uint16).max > 8000  # default vocabularies fit the uint16 shards
