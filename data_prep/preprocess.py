@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from data_prep import cli
-from data_prep.outdir import OutputLock, check_existing, finished_record, remove_stale_temporaries
+from data_prep.outdir import PLAN_NAME, OutputLock, check_existing, finished_record, remove_stale_temporaries
 from data_prep.shard_writer import ShardJob
-from data_prep.sources import InputError, ReadOptions, plan_chunks, resolve_inputs
+from data_prep.sources import InputError, ReadOptions, Source, plan_chunks, resolve_inputs
 from data_prep.workers import run_jobs
 from swbert.data.manifest import (
     FORMAT,
@@ -49,13 +49,14 @@ class PreprocessResult:
     output_dir: Path
     shards_written: int
     shards_reused: int
-    seconds: float
+    seconds: float  # the whole call
+    work_seconds: float  # tokenizing and writing shards (throughput is measured over this)
     documents_written: int
     tokens_written: int
 
     @property
     def tokens_per_second(self) -> float:
-        return self.tokens_written / max(self.seconds, 1e-9)
+        return self.tokens_written / max(self.work_seconds, 1e-9)
 
 
 def _token_dtype(vocab_size: int) -> str:
@@ -73,6 +74,25 @@ def _copy_tokenizer(tokenizer_dir: Path, output_dir: Path, expected_hash: str) -
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target
+
+
+def _plan(
+    tokenizer_dir: Path, sources: list[Source], shard_bytes: int, valid_fraction: float, options: ReadOptions
+) -> dict[str, Any]:
+    """Everything that decides the shards' content; its hash identifies the run for resuming."""
+    import sentencepiece as spm
+
+    tok_hash = tokenizer_hash(tokenizer_dir)
+    info_path = tokenizer_dir / TOKENIZER_INFO_NAME
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    vocab_size = spm.SentencePieceProcessor(model_file=str(tokenizer_dir / SPM_MODEL_NAME)).get_piece_size()
+    return {
+        "format": FORMAT,
+        "tokenizer": {"hash": tok_hash, "vocab_size": vocab_size, "model_type": info.get("model_type")},
+        "dtype": _token_dtype(vocab_size),
+        "inputs": [source.describe() for source in sources],
+        "config": {"shard_bytes": shard_bytes, "valid_fraction": valid_fraction, **asdict(options)},
+    }
 
 
 def preprocess(
@@ -104,38 +124,29 @@ def preprocess(
         raise InputError(f"--shard-size must be positive, not {shard_bytes}")
     tokenizer_dir = Path(tokenizer_dir)
     try:
-        tok_hash = tokenizer_hash(tokenizer_dir)
+        tokenizer_hash(tokenizer_dir)  # a missing tokenizer is reported before any input is read
     except ValueError as err:
         raise InputError(str(err)) from err
-    info_path = tokenizer_dir / TOKENIZER_INFO_NAME
-    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
-    import sentencepiece as spm
-
-    vocab_size = spm.SentencePieceProcessor(model_file=str(tokenizer_dir / SPM_MODEL_NAME)).get_piece_size()
     sources, skipped_files = resolve_inputs(
         inputs, text_field=options.text_field, hf_config=hf_config, hf_split=hf_split
     )
-    plan = {
-        "format": FORMAT,
-        "tokenizer": {"hash": tok_hash, "vocab_size": vocab_size, "model_type": info.get("model_type")},
-        "dtype": _token_dtype(vocab_size),
-        "inputs": [source.describe() for source in sources],
-        "config": {"shard_bytes": shard_bytes, "valid_fraction": valid_fraction, **asdict(options)},
-    }
+    plan = _plan(tokenizer_dir, sources, shard_bytes, valid_fraction, options)
     plan_id = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     with OutputLock(output_dir) as lock:
         existing = check_existing(output_dir, plan, plan_id, tokenizer_dir, overwrite)
         if existing is not None:
-            log.info("%s is already complete (manifest.json matches these inputs and settings)", output_dir)
-            return PreprocessResult(
-                existing, output_dir, 0, len(existing["shards"]), time.perf_counter() - started, 0, 0
+            log.info(
+                "%s is already complete (its manifest.json matches these inputs and settings)", output_dir
             )
+            elapsed = time.perf_counter() - started
+            return PreprocessResult(existing, output_dir, 0, len(existing["shards"]), elapsed, 0.0, 0, 0)
         remove_stale_temporaries(output_dir)
-        write_json_atomic(output_dir / "plan.json", {**plan, "plan_id": plan_id})
-        tok_copy = _copy_tokenizer(tokenizer_dir, output_dir, tok_hash)
-        chunks = plan_chunks(sources, shard_bytes, options)
+        write_json_atomic(output_dir / PLAN_NAME, {**plan, "plan_id": plan_id})
+        spm_model = str(
+            _copy_tokenizer(tokenizer_dir, output_dir, plan["tokenizer"]["hash"]) / SPM_MODEL_NAME
+        )
         jobs = [
             ShardJob(
                 i,
@@ -143,48 +154,38 @@ def preprocess(
                 chunk,
                 sources[chunk.source],
                 options,
-                str(tok_copy / SPM_MODEL_NAME),
+                spm_model,
                 plan["dtype"],
                 valid_fraction,
                 plan_id,
                 str(output_dir),
-            )
-            for i, chunk in enumerate(chunks)
+            )  # fmt: skip
+            for i, chunk in enumerate(plan_chunks(sources, shard_bytes, options))
         ]
         records = {job.index: rec for job in jobs if (rec := finished_record(output_dir, job.name, plan_id))}
         pending = [job for job in jobs if job.index not in records]
         reused = len(records)
-        log.info(
-            "%d shards planned, %d already finished, %d to write with %d worker(s)",
-            len(jobs),
-            len(records),
-            len(pending),
-            min(workers, max(len(pending), 1)),
-        )
+        log.info("%d shards planned, %d finished before, %d to write with %d worker(s)",
+                 len(jobs), reused, len(pending), min(workers, max(len(pending), 1)))  # fmt: skip
+        work_started = time.perf_counter()
         docs, tokens = run_jobs(
             pending,
             workers,
             records,
             progress=progress,
-            total=sum(j.chunk.weight for j in jobs),
+            total=sum(job.chunk.weight for job in jobs),
             done=sum(jobs[i].chunk.weight for i in records),
             close_fds=(lock.fd,) if lock.fd is not None else (),
         )
+        work_seconds = time.perf_counter() - work_started
         manifest = _assemble(plan, plan_id, [records[job.index] for job in jobs], skipped_files)
-        if sum(manifest["splits"][s]["documents"] for s in SPLITS) == 0:
+        if sum(manifest["splits"][split]["documents"] for split in SPLITS) == 0:
             raise InputError(
                 f"the inputs hold no document ({_fmt_counts(manifest['counts']) or 'all empty'})"
             )
         write_json_atomic(output_dir / MANIFEST_NAME, manifest)
-    result = PreprocessResult(
-        manifest,
-        output_dir,
-        len(pending),
-        reused,
-        time.perf_counter() - started,
-        docs,
-        tokens,
-    )
+    elapsed = time.perf_counter() - started
+    result = PreprocessResult(manifest, output_dir, len(pending), reused, elapsed, work_seconds, docs, tokens)
     _log_summary(result)
     return result
 
@@ -233,10 +234,12 @@ def _log_summary(result: PreprocessResult) -> None:
         f"{train['tokens']:,}",
         f"{valid['tokens']:,}",
     )
+    work = max(result.work_seconds, 1e-9)
     log.info(
-        "throughput: %s docs/s, %s tokens/s",
-        f"{result.documents_written / seconds:,.0f}",
+        "throughput: %s docs/s, %s tokens/s (%.1f s tokenizing and writing)",
+        f"{result.documents_written / work:,.0f}",
         f"{result.tokens_per_second:,.0f}",
+        result.work_seconds,
     )
     if counts := _fmt_counts(manifest["counts"]):
         log.info("skipped or repaired input: %s", counts)

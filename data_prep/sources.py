@@ -203,12 +203,15 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 def _hub_source(name: str, config: str | None, split: str, text_field: str) -> Source:
     """Load (downloading when online, else from the local cache) a Hub dataset split."""
-    import datasets
-
     online = _hub_reachable()
     if not online:
-        os.environ["HF_HUB_OFFLINE"] = "1"  # use the cache if it has the dataset; fail fast if not
-        datasets.config.HF_HUB_OFFLINE = True
+        # Use the local cache if it has the dataset, and fail at once if not, instead of letting
+        # `datasets` retry the network for half a minute. Set before the import, which reads it.
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    import datasets
+
+    if not online:
+        datasets.config.HF_HUB_OFFLINE = True  # in case it was imported earlier
     try:
         dataset = datasets.load_dataset(name, config, split=split)
     except Exception as err:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
