@@ -135,6 +135,8 @@ def write_shard(job: ShardJob, report: Any = None, parent_pid: int | None = None
         for piece, ids in zip(batch, tokenizer.encode([p.text for p in batch])):
             if piece.first:
                 split_of_doc = "valid" if in_valid_split(piece.text, job.valid_fraction) else "train"
+            if piece.first and piece.last and not ids:  # e.g. only characters the normalizer drops
+                stats["empty_documents"] += 1
             writers[split_of_doc].add(ids, piece.first, piece.last)
         batch.clear()
         if parent_pid is not None and os.getppid() != parent_pid:
