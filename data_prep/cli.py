@@ -39,10 +39,11 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--txt-documents",
-        choices=["blank", "line"],
+        choices=["auto", "blank", "line"],
         default=defaults.txt_documents,
-        help="how .txt files delimit documents: blank lines between documents (BERT's format) or "
-        "one document per line (default: %(default)s)",
+        help="how .txt files delimit documents: blank lines between documents (BERT's format), one "
+        "document per line, or auto: blank if a file's first MiB holds a blank line, else line "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--text-field",

@@ -66,7 +66,7 @@ class DocumentReader:
         if kind == "jsonl":
             return self._jsonl()
         if kind == "txt":
-            return self._txt_lines() if self.options.txt_documents == "line" else self._txt_blocks()
+            return self._txt_lines() if self.source.documents == "line" else self._txt_blocks()
         return self._records()
 
     # -- bytes to text ---------------------------------------------------------------------

@@ -128,7 +128,11 @@ def preprocess(
     except ValueError as err:
         raise InputError(str(err)) from err
     sources, skipped_files = resolve_inputs(
-        inputs, text_field=options.text_field, hf_config=hf_config, hf_split=hf_split
+        inputs,
+        text_field=options.text_field,
+        txt_documents=options.txt_documents,
+        hf_config=hf_config,
+        hf_split=hf_split,
     )
     plan = _plan(tokenizer_dir, sources, shard_bytes, valid_fraction, options)
     plan_id = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
@@ -167,8 +171,7 @@ def preprocess(
         reused = len(records)
         log.info("%d shards planned, %d finished before, %d to write with %d worker(s)",
                  len(jobs), reused, len(pending), min(workers, max(len(pending), 1)))  # fmt: skip
-        work_started = time.perf_counter()
-        docs, tokens = run_jobs(
+        docs, tokens, work_seconds = run_jobs(
             pending,
             workers,
             records,
@@ -177,7 +180,6 @@ def preprocess(
             done=sum(jobs[i].chunk.weight for i in records),
             close_fds=(lock.fd,) if lock.fd is not None else (),
         )
-        work_seconds = time.perf_counter() - work_started
         manifest = _assemble(plan, plan_id, [records[job.index] for job in jobs], skipped_files)
         if sum(manifest["splits"][split]["documents"] for split in SPLITS) == 0:
             raise InputError(

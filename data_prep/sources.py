@@ -36,6 +36,7 @@ class Source:
     path: str  # absolute file path, or the dataset name
     size: int  # bytes of the file, or rows of the dataset
     mtime_ns: int = 0
+    documents: str = ""  # .txt only: "blank" (blank lines between documents) or "line"
     hf_config: str | None = None
     hf_split: str = "train"
     hf_fingerprint: str = ""  # changes when the Hub dataset's content changes
@@ -48,6 +49,8 @@ class Source:
         if self.kind != "hf":
             for key in ("hf_config", "hf_split", "hf_fingerprint"):
                 record.pop(key)
+        if self.kind != "txt":
+            record.pop("documents")
         return record
 
 
@@ -65,7 +68,7 @@ class Chunk:
 class ReadOptions:
     """How documents are found in the inputs; part of the manifest, since it changes the shards."""
 
-    txt_documents: Literal["blank", "line"] = "blank"
+    txt_documents: Literal["auto", "blank", "line"] = "auto"
     text_field: str = "text"
     invalid_utf8: Literal["replace", "skip"] = "replace"
     max_line_bytes: int = 64 << 20
@@ -79,6 +82,7 @@ def resolve_inputs(
     inputs: list[str],
     *,
     text_field: str = "text",
+    txt_documents: str = "auto",
     hf_config: str | None = None,
     hf_split: str = "train",
 ) -> tuple[list[Source], list[str]]:
@@ -107,7 +111,8 @@ def resolve_inputs(
         resolved = str(path.resolve())
         if resolved not in seen:
             seen.add(resolved)
-            sources.append(Source(kind, resolved, stat.st_size, stat.st_mtime_ns))
+            documents = _txt_documents(path, txt_documents) if kind == "txt" else ""
+            sources.append(Source(kind, resolved, stat.st_size, stat.st_mtime_ns, documents))
 
     for item in inputs:
         if item.startswith(HF_PREFIX):
@@ -138,6 +143,15 @@ def resolve_inputs(
         elif source.kind == "jsonl":
             _check_jsonl(source, text_field)
     return sources, skipped
+
+
+def _txt_documents(path: Path, mode: str) -> str:
+    """`auto`: blank-line documents (BERT's format) if the first MiB holds a blank line, else one per line."""
+    if mode != "auto":
+        return mode
+    with open(path, "rb") as stream:
+        head = stream.read(1 << 20)
+    return "blank" if BLANK_LINE.search(head) else "line"
 
 
 # A Hub dataset is named `name` or `org/name`; anything else that does not exist is a bad path.
@@ -231,7 +245,15 @@ def _hub_source(name: str, config: str | None, split: str, text_field: str) -> S
         raise InputError(
             f"dataset {name!r} is held in memory, not in Arrow cache files; save it to disk first"
         )
-    return Source("hf", name, len(dataset), 0, config, split, dataset._fingerprint, files)
+    return Source(
+        "hf",
+        name,
+        len(dataset),
+        hf_config=config,
+        hf_split=split,
+        hf_fingerprint=dataset._fingerprint,
+        hf_files=files,
+    )
 
 
 def open_hub_dataset(source: Source) -> Any:
@@ -247,7 +269,7 @@ def plan_chunks(sources: list[Source], shard_bytes: int, options: ReadOptions) -
     chunks: list[Chunk] = []
     for index, source in enumerate(sources):
         if source.kind in ("txt", "jsonl"):
-            line_mode = source.kind == "jsonl" or options.txt_documents == "line"
+            line_mode = source.kind == "jsonl" or source.documents == "line"
             chunks.extend(_byte_chunks(index, source, shard_bytes, line_mode))
         elif source.kind == "parquet":
             chunks.extend(_row_group_chunks(index, source, shard_bytes))

@@ -36,6 +36,7 @@ from swbert.data.tokenizer import (
 )
 
 log = logging.getLogger("data_prep.train_tokenizer")
+BYTE_FALLBACK_MIN_VOCAB = 1000
 SENTENCE_CHARS = 2000  # longer lines are cut at whitespace: SentencePiece drops over-long sentences
 OUTPUT_FILES = (
     SPM_MODEL_NAME,
@@ -79,6 +80,7 @@ def train_tokenizer(
     model_type: Literal["bpe", "unigram"] = "bpe",
     max_sentences: int = 1_000_000,
     character_coverage: float = 0.9995,
+    byte_fallback: bool | None = None,
     seed: int = 0,
     threads: int | None = None,
     options: ReadOptions | None = None,
@@ -86,7 +88,11 @@ def train_tokenizer(
     hf_split: str = "train",
     overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Train and save the tokenizer folder; returns what `swbert_tokenizer.json` records."""
+    """Train and save the tokenizer folder; returns what `swbert_tokenizer.json` records.
+
+    `byte_fallback=None` turns byte fallback on from `BYTE_FALLBACK_MIN_VOCAB` pieces: below,
+    256 byte pieces would crowd out the vocabulary of the tiny tokenizers tests and toy runs use.
+    """
     import sentencepiece as spm
 
     started = time.perf_counter()
@@ -97,11 +103,19 @@ def train_tokenizer(
             f"{output_dir / SPM_MODEL_NAME} exists; shards may have been made with it. "
             "Choose another --output, or pass --overwrite to replace it."
         )
-    if vocab_size < 300:
+    if byte_fallback is None:
+        byte_fallback = vocab_size >= BYTE_FALLBACK_MIN_VOCAB
+    if byte_fallback and vocab_size < 300:
         raise InputError(
-            f"--vocab-size {vocab_size} is too small: 256 byte pieces and the specials need room"
+            f"--vocab-size {vocab_size} leaves no room for 256 byte pieces; pass --byte-fallback no"
         )
-    sources, _ = resolve_inputs(inputs, text_field=options.text_field, hf_config=hf_config, hf_split=hf_split)
+    sources, _ = resolve_inputs(
+        inputs,
+        text_field=options.text_field,
+        txt_documents=options.txt_documents,
+        hf_config=hf_config,
+        hf_split=hf_split,
+    )
     stats: Counter = Counter()
     sample, seen = sample_sentences(iter_sentences(sources, options, stats), max_sentences, seed)
     if not sample:
@@ -119,7 +133,7 @@ def train_tokenizer(
             vocab_size=vocab_size,
             model_type=model_type,
             character_coverage=character_coverage,
-            byte_fallback=True,  # rare characters become byte pieces instead of [UNK]
+            byte_fallback=byte_fallback,  # rare characters become byte pieces instead of [UNK]
             pad_id=PAD_ID,
             unk_id=UNK_ID,
             bos_id=-1,
@@ -146,6 +160,7 @@ def train_tokenizer(
         "vocab_size": vocab_size,
         "model_type": model_type,
         "character_coverage": character_coverage,
+        "byte_fallback": byte_fallback,
         "sentences_seen": seen,
         "sentences_sampled": len(sample),
         "max_sentences": max_sentences,
@@ -230,6 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.9995,
         help="share of characters covered by pieces; the rest fall back to bytes (default: %(default)s)",
     )
+    parser.add_argument(
+        "--byte-fallback",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="encode characters outside the vocabulary as UTF-8 byte pieces instead of [UNK]; "
+        f"auto: yes from --vocab-size {BYTE_FALLBACK_MIN_VOCAB} (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: %(default)s)")
     parser.add_argument(
         "--threads",
@@ -251,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         model_type=args.model_type,
         max_sentences=args.max_sentences,
         character_coverage=args.character_coverage,
+        byte_fallback={"auto": None, "yes": True, "no": False}[args.byte_fallback],
         seed=args.seed,
         threads=args.threads,
         options=cli.read_options(args),

@@ -54,13 +54,15 @@ def run_jobs(
     total: int,
     done: int,
     close_fds: tuple[int, ...] = (),
-) -> tuple[int, int]:
-    """Write every job's shard, adding its record to `records`; returns (documents, tokens) written.
+) -> tuple[int, int, float]:
+    """Write every job's shard, adding its record to `records`.
+
+    Returns the documents and tokens written and the seconds spent (module imports excluded).
 
     `close_fds`: descriptors the forked workers must not keep open (the output folder's lock).
     """
     if not jobs:
-        return 0, 0
+        return 0, 0, 0.0
     from tqdm import tqdm
 
     indexed_dataset()  # import before forking, so the workers share it instead of each importing it
@@ -119,7 +121,7 @@ def run_jobs(
         pool.shutdown(wait=True, cancel_futures=True)
         drain()
         bar.close()
-    return docs, tokens
+    return docs, tokens, time.perf_counter() - started
 
 
 def _result(future: Any, job: ShardJob) -> dict[str, Any]:

@@ -72,6 +72,18 @@ def test_invalid_utf8_is_replaced_or_skipped_and_counted(tok: Path, tmp_path: Pa
     assert skipped["counts"]["invalid_utf8_skipped"] == 2 and skipped["splits"]["train"]["documents"] == 2
 
 
+def test_txt_documents_are_blank_line_blocks_or_lines_detected_per_file(tok: Path, tmp_path: Path) -> None:
+    (tmp_path / "blocks.txt").write_text("first document,\nstill the first.\n\nsecond document.\n")
+    (tmp_path / "lines.txt").write_text("one document.\nanother one.\na third.\n")
+    manifest = run([tmp_path / "blocks.txt", tmp_path / "lines.txt"], tok, tmp_path / "out")
+    assert [source["documents"] for source in manifest["inputs"]] == ["blank", "line"]
+    assert manifest["splits"]["train"]["documents"] == 2 + 3
+    forced = run(
+        [tmp_path / "blocks.txt"], tok, tmp_path / "forced", options=ReadOptions(txt_documents="line")
+    )
+    assert forced["splits"]["train"]["documents"] == 3 and forced["counts"] == {"empty_documents": 1}
+
+
 def test_bad_json_lines_and_empty_documents_are_counted(tok: Path, tmp_path: Path) -> None:
     path = tmp_path / "records.jsonl"
     lines = [json.dumps({"text": "kept one"}), json.dumps({"text": ""}), json.dumps({"text": "  \n "}),

@@ -33,12 +33,18 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("model_type", ["bpe", "unigram"])
-def test_hf_folder_encodes_like_sentencepiece(corpus: Path, tmp_path: Path, model_type: str) -> None:
-    info = train_tokenizer([str(corpus)], tmp_path, vocab_size=700, model_type=model_type, threads=1)
+@pytest.mark.parametrize(
+    ("model_type", "vocab_size", "byte_fallback"),
+    [("bpe", 1200, True), ("bpe", 300, False), ("unigram", 1000, True)],
+)
+def test_hf_folder_encodes_like_sentencepiece(
+    corpus: Path, tmp_path: Path, model_type: str, vocab_size: int, byte_fallback: bool
+) -> None:
+    info = train_tokenizer([str(corpus)], tmp_path, vocab_size=vocab_size, model_type=model_type, threads=1)
+    assert info["byte_fallback"] is byte_fallback  # on by default from 1000 pieces
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "spm.model"))
     hf = load_tokenizer(tmp_path)
-    assert info["hash"] == tokenizer_hash(tmp_path) and sp.get_piece_size() == len(hf) == 700
+    assert info["hash"] == tokenizer_hash(tmp_path) and sp.get_piece_size() == len(hf) == vocab_size
     for token_id, token in enumerate(SPECIAL_TOKENS):
         assert sp.id_to_piece(token_id) == token and hf.convert_tokens_to_ids(token) == token_id
     assert [hf.pad_token_id, hf.unk_token_id, hf.cls_token_id, hf.sep_token_id, hf.mask_token_id] == [
@@ -65,13 +71,14 @@ def test_hf_folder_encodes_like_sentencepiece(corpus: Path, tmp_path: Path, mode
     pair = hf("first text", "second")
     assert pair["input_ids"][0] == 2 and pair["input_ids"].count(3) == 2 and pair["input_ids"][-1] == 3
     assert set(pair["token_type_ids"]) == {0, 1}
-    assert (
-        hf.decode(hf("Hello, naïve world!")["input_ids"], skip_special_tokens=True) == "Hello, naïve world!"
-    )
+    if byte_fallback:
+        assert sp.unk_id() not in sp.encode("rare: 𝔘𝔫𝔦𝔠𝔬𝔡𝔢")  # bytes, not [UNK]
+        text = "Hello, naïve world!"
+        assert hf.decode(hf(text)["input_ids"], skip_special_tokens=True) == text
 
 
 def test_special_strings_in_text_never_become_special_ids(corpus: Path, tmp_path: Path) -> None:
-    train_tokenizer([str(corpus)], tmp_path, vocab_size=700, threads=1)
+    train_tokenizer([str(corpus)], tmp_path, vocab_size=1200, threads=1)
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "spm.model"))
     ids = sp.encode("a [MASK] and a [SEP] in raw text")  # what preprocessing stores
     assert not set(ids) & {0, 1, 2, 3, 4}
