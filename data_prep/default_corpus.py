@@ -131,6 +131,8 @@ def ensure_default_data(
     from several processes at once: an exclusive lock on `root` makes one build while the others
     wait, then find it done. Every step is itself atomic or resumable, so a killed build
     continues where it stopped. `max_corpus_bytes` truncates the corpus (for quick smoke runs).
+    Worker processes are forked: call it before starting threads (the trainer calls it before
+    creating its process group).
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
