@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         required=True,
         metavar="N",
-        help="pieces in the vocabulary, the 5 specials and 256 byte pieces included",
+        help="pieces in the vocabulary, the 5 specials (and 256 byte pieces, with byte fallback) included",
     )
     parser.add_argument(
         "--model-type",
