@@ -129,6 +129,20 @@ def launch(
     )
 
 
+def run_single(
+    args: list[str], timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`python launchers/pretrain.py ...`: one process, no launcher (start-up errors, small runs)."""
+    return subprocess.run(
+        [sys.executable, "launchers/pretrain.py", *args],
+        cwd=REPO,
+        env=env or job_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def start(
     nproc: int, args: list[str], env: dict[str, str] | None = None, log: Path | None = None
 ) -> subprocess.Popen:

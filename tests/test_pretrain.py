@@ -13,12 +13,10 @@ import swbert  # noqa: F401  (registers the Auto classes)
 from tests.launch_utils import (
     REPO,
     job_env,
-    kill_group,
     launch,
     make_data_dir,
     read_metrics,
-    start,
-    wait_for,
+    run_single,
 )
 
 
@@ -106,15 +104,11 @@ def test_resume_after_kill_is_exact(stage, data_dir, tmp_path):
     full = tmp_path / "full"
     check_ok(launch(2, tiny_args(data_dir, full, *common)))
     cut = tmp_path / "cut"
-    proc = start(
-        2,
-        tiny_args(data_dir, cut, *common, "--train-steps", "100000", "--save-interval", str(k)),
-        log=tmp_path / "cut.log",
+    killed = launch(
+        2, tiny_args(data_dir, cut, *common), env=job_env(SWBERT_FAULT_KILL_AFTER_STEP=str(k + 2))
     )
-    try:
-        wait_for(lambda: (cut / "checkpoints" / "latest").is_file(), proc=proc)
-    finally:
-        kill_group(proc)  # kill -9, wherever it is
+    assert killed.returncode != 0  # kill -9 two steps after the checkpoint at step k
+    assert max(read_metrics(cut)) == k + 2
     assert (cut / "checkpoints" / "latest").read_text() == f"step_{k:08d}"
     resumed = launch(2, tiny_args(data_dir, cut, *common, "--resume", "auto"))
     check_ok(resumed)
@@ -167,23 +161,28 @@ def test_nonfinite_steps_in_a_row_stop_cleanly(data_dir, tmp_path):
 
 
 def test_bad_input_errors_name_what_to_change(data_dir, tmp_path):
+    """Each is refused at start-up, before any process group exists, naming what to change."""
     out = tmp_path / "run"
-    bad = launch(1, tiny_args(data_dir, out, "--global-batch-size", "6", "--micro-batch-size", "4"))
-    assert bad.returncode != 0 and "global_batch_size=6 is not divisible by micro_batch_size=4" in bad.stderr
-    bad = launch(1, tiny_args(data_dir, out, "--precision", "fp16"))
-    assert bad.returncode != 0 and "fp16 needs a GPU" in bad.stderr
-    bad = launch(1, tiny_args(tmp_path, out))
+    bad = run_single(tiny_args(data_dir, out, "--global-batch-size", "6", "--micro-batch-size", "4"))
+    assert bad.returncode == 2 and "global_batch_size=6 is not divisible by micro_batch_size=4" in bad.stderr
+    bad = run_single(tiny_args(data_dir, out, "--precision", "fp16"))
+    assert bad.returncode == 2 and "fp16 needs a GPU" in bad.stderr
+    bad = run_single(tiny_args(tmp_path, out))
     assert (
-        bad.returncode != 0
+        bad.returncode == 2
         and "holds no manifest.json" in bad.stderr
         and "data_prep.preprocess" in bad.stderr
     )
-    # a checkpoint of another shape
-    check_ok(launch(1, tiny_args(data_dir, out, "--train-steps", "2", "--save-interval", "2")))
-    bad = launch(1, tiny_args(data_dir, out, "--train-steps", "2"))
-    assert bad.returncode != 0 and "already holds a run with checkpoints; pass --resume auto" in bad.stderr
-    bad = launch(1, tiny_args(data_dir, out, "--attention-type", "standard", "--resume", "auto"))
-    assert bad.returncode != 0 and "attention_type: checkpoint 'shared' vs this run 'standard'" in bad.stderr
+    bad = run_single(
+        tiny_args(data_dir, out, "--deepspeed-config", str(REPO / "ds_configs" / "zero2_fp16.json"))
+    )
+    assert bad.returncode == 2 and "fp16.enabled=True but the run's precision is fp32" in bad.stderr
+    # a run folder that already holds checkpoints, and a checkpoint of another shape
+    check_ok(run_single(tiny_args(data_dir, out, "--train-steps", "2", "--save-interval", "2")))
+    bad = run_single(tiny_args(data_dir, out, "--train-steps", "2"))
+    assert bad.returncode == 2 and "already holds a run with checkpoints; pass --resume auto" in bad.stderr
+    bad = run_single(tiny_args(data_dir, out, "--attention-type", "standard", "--resume", "auto"))
+    assert bad.returncode == 2 and "attention_type: checkpoint 'shared' vs this run 'standard'" in bad.stderr
 
 
 def test_config_typos_and_recipes():

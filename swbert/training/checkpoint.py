@@ -37,6 +37,12 @@ def tag_for(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def fault_kill(variable: str, step: int) -> None:
+    """Fault injection for tests and drills: rank 0 kills itself (-9) at `step` when `variable` names it."""
+    if dist.get_rank() == 0 and os.environ.get(variable) == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -80,8 +86,7 @@ def save(
     torch.save(rng_state(), tag_dir / f"rng_rank{rank:05d}.pt")
     engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client_state, save_latest=False)
     # save_checkpoint returns after a barrier: every rank's shards are on disk now
-    if rank == 0 and os.environ.get("SWBERT_FAULT_KILL_IN_SAVE") == str(step):
-        os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die before the pointer moves
+    fault_kill("SWBERT_FAULT_KILL_IN_SAVE", step)  # die with the shards written, the pointer not moved
     if rank == 0:
         _atomic_write(tag_dir / "swbert_meta.json", json.dumps(meta, indent=1))
         _atomic_write(ckpt_root / LATEST, tag)

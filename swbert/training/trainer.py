@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 from swbert.models import SWBertConfig, SWBertForMaskedLM
-from swbert.models.flops import masked_lm_flops
+from swbert.models.flops import masked_lm_flops, masked_lm_params
 from swbert.training import checkpoint as ckpt
 from swbert.training.config import TrainConfig, dump_config
 from swbert.training.data import TrainingData, prepare_data
-from swbert.training.dist import init_distributed, set_cpu_threads
+from swbert.training.dist import init_distributed, map_launcher_env, set_cpu_threads
 from swbert.training.ds_config import build_ds_config, offloads_optimizer, resolve_precision, zero_stage
 from swbert.training.metrics import MetricsLogger, device_peak_tflops, memory_gib
 from swbert.training.optim import build_optimizer, build_scheduler
@@ -53,10 +53,6 @@ class Layout:
 def build_layout(config: TrainConfig, rank: int, world: int) -> tuple[Layout, Any]:
     """Tensor-parallel groups from megatron-core when tp > 1 (returns the DeepSpeed mpu too)."""
     tp = config.tensor_parallel
-    if world % tp != 0:
-        raise ValueError(
-            f"world size {world} is not divisible by --tensor-parallel {tp}; launch a multiple of {tp} ranks"
-        )
     if tp == 1:
         return Layout(rank, world, 1, world, rank), None
     from swbert import parallel
@@ -75,30 +71,31 @@ class Trainer:
         cfg = self.config
         self.output_dir = Path(cfg.output_dir or f"runs/{cfg.size}-{cfg.attention_type}")
         self.run_name = cfg.run_name or f"{cfg.size}-{cfg.attention_type}"
-        if cfg.resume == "none" and ckpt.read_latest(self.output_dir / "checkpoints"):
+        self.ckpt_root = self.output_dir / "checkpoints"
+        # Everything that can be wrong with the request is checked before the process group
+        # starts, so a bad flag fails at once on every rank instead of hanging a collective.
+        if cfg.resume == "none" and ckpt.read_latest(self.ckpt_root):
             raise ValueError(
                 f"{self.output_dir} already holds a run with checkpoints; pass --resume auto to continue it, "
                 "or choose a new --output-dir"
             )
-        data_dir = prepare_data(cfg.data_dir, self.output_dir)  # before the process group: no hang on error
-        rank, self.local_rank, world = init_distributed()
-        set_cpu_threads(cfg.num_threads)
+        map_launcher_env()
+        world = int(os.environ["WORLD_SIZE"])
+        if world % cfg.tensor_parallel != 0:
+            raise ValueError(
+                f"world size {world} is not divisible by --tensor-parallel {cfg.tensor_parallel}; "
+                f"launch a multiple of {cfg.tensor_parallel} ranks"
+            )
+        dp_size = world // cfg.tensor_parallel
         self.on_gpu = torch.cuda.is_available()
-        self.device = torch.device("cuda", self.local_rank) if self.on_gpu else torch.device("cpu")
         self.precision = resolve_precision(cfg.precision, self.on_gpu)
-        self.layout, mpu = build_layout(cfg, rank, world)
-        self.is_main = rank == 0
-        self.ds_config = build_ds_config(cfg, self.layout.dp_size, self.precision)
-        _, self.micro_bs, self.accum = cfg.batch_layout(self.layout.dp_size)
+        self.ds_config = build_ds_config(cfg, dp_size, self.precision)
+        _, self.micro_bs, self.accum = cfg.batch_layout(dp_size)
+        data_dir = prepare_data(cfg.data_dir, self.output_dir)
         self.data = TrainingData(data_dir, cfg.seq_len, cfg.mlm_probability, cfg.seed)
         self.total_steps = cfg.train_steps
         if cfg.train_tokens is not None:
             self.total_steps = math.ceil(cfg.train_tokens / (cfg.global_batch_size * cfg.seq_len))
-        if zero_stage(self.ds_config) == 0 and self.precision != "fp16" and self.is_main:
-            log.warning(
-                "ZeRO stage 0: DeepSpeed does not check gradients for NaN/inf; non-finite steps are not skipped"
-            )
-
         self.model_config = SWBertConfig.from_size(
             cfg.size,
             attention_type=cfg.attention_type,
@@ -107,6 +104,34 @@ class Trainer:
             hidden_dropout_prob=cfg.hidden_dropout,
             attention_probs_dropout_prob=cfg.attention_dropout,
         )
+        self.meta = {
+            "model": {
+                "size": cfg.size,
+                "attention_type": cfg.attention_type,
+                "vocab_size": self.data.vocab_size,
+                "hidden_size": self.model_config.hidden_size,
+                "num_hidden_layers": self.model_config.num_hidden_layers,
+                "tokenizer_hash": self.data.tokenizer_hash,
+            },
+            "model_config": self.model_config.to_dict(),
+            "tensor_parallel": cfg.tensor_parallel,
+            "tokenizer_dir": str(self.data.tokenizer_dir) if self.data.tokenizer_dir else None,
+        }
+        self.resume_from = ckpt.resolve_resume(cfg.resume, self.ckpt_root)
+        if self.resume_from is None and cfg.resume not in ("none", "auto"):
+            raise FileNotFoundError(f"--resume {cfg.resume}: nothing to resume from")
+        if self.resume_from is not None:
+            ckpt.check_compatible(self.resume_from[0] / self.resume_from[1], self.meta)
+
+        rank, self.local_rank, world = init_distributed()
+        set_cpu_threads(cfg.num_threads)
+        self.device = torch.device("cuda", self.local_rank) if self.on_gpu else torch.device("cpu")
+        self.layout, mpu = build_layout(cfg, rank, world)
+        self.is_main = rank == 0
+        if zero_stage(self.ds_config) == 0 and self.precision != "fp16" and self.is_main:
+            log.warning(
+                "ZeRO stage 0: DeepSpeed does not check gradients for NaN/inf; non-finite steps are not skipped"
+            )
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         model = SWBertForMaskedLM(self.model_config)
         if self.layout.tp_size > 1:
@@ -126,20 +151,6 @@ class Trainer:
             mpu=mpu,
             dist_init_required=False,
         )
-        self.ckpt_root = self.output_dir / "checkpoints"
-        self.meta = {
-            "model": {
-                "size": cfg.size,
-                "attention_type": cfg.attention_type,
-                "vocab_size": self.data.vocab_size,
-                "hidden_size": self.model_config.hidden_size,
-                "num_hidden_layers": self.model_config.num_hidden_layers,
-                "tokenizer_hash": self.data.tokenizer_hash,
-            },
-            "model_config": self.model_config.to_dict(),
-            "tensor_parallel": self.layout.tp_size,
-            "tokenizer_dir": str(self.data.tokenizer_dir) if self.data.tokenizer_dir else None,
-        }
         self.step, self.samples_consumed = 0, 0
         self.tokens_per_step = cfg.global_batch_size * cfg.seq_len
         flops = masked_lm_flops(self.model_config, cfg.seq_len, cfg.mlm_probability)
@@ -156,7 +167,6 @@ class Trainer:
             self.ckpt_root.mkdir(parents=True, exist_ok=True)
             ckpt.discard_incomplete(self.ckpt_root)
         dist.barrier()
-        self._maybe_resume()
         self.metrics = None
         if self.is_main:
             params = {
@@ -166,21 +176,18 @@ class Trainer:
                 "grad_accum_steps": self.accum,
                 "precision": self.precision,
                 "zero_stage": zero_stage(self.ds_config),
-                "parameters": sum(p.numel() for p in SWBertForMaskedLM(self.model_config).parameters()),
+                "parameters": masked_lm_params(self.model_config),
             }
             self.metrics = MetricsLogger(self.output_dir, self.run_name, params, cfg.mlflow)
             self.metrics.artifact(self.output_dir / "resolved_config.yaml")
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
+        self._maybe_resume()  # last: it restores the RNG streams, so nothing after it may draw from them
 
     def _maybe_resume(self) -> None:
-        target = ckpt.resolve_resume(self.config.resume, self.ckpt_root)
-        if target is None:
-            if self.config.resume not in ("none", "auto"):
-                raise FileNotFoundError(f"--resume {self.config.resume}: nothing to resume from")
+        if self.resume_from is None:
             return
-        load_dir, tag = target
-        ckpt.check_compatible(load_dir / tag, self.meta)
+        load_dir, tag = self.resume_from
         state = ckpt.load(self.engine, load_dir, tag)
         self.step, self.samples_consumed = state["step"], state["samples_consumed"]
         if self.is_main:
@@ -336,6 +343,7 @@ class Trainer:
                     save_pending = not applied
                     if applied:
                         last_saved = self.save()
+                ckpt.fault_kill("SWBERT_FAULT_KILL_AFTER_STEP", self.step)
                 if self._should_stop():
                     last_saved = (
                         last_saved
