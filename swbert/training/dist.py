@@ -48,10 +48,16 @@ def die_with_launcher() -> None:
         pass
 
 
-def init_distributed(timeout_minutes: float = 30.0) -> tuple[int, int, int]:
-    """Start DeepSpeed's process group (NCCL on GPU, gloo on CPU). Returns (rank, local_rank, world)."""
+def init_distributed(timeout_minutes: float | None = None) -> tuple[int, int, int]:
+    """Start DeepSpeed's process group (NCCL on GPU, gloo on CPU). Returns (rank, local_rank, world).
+
+    The collective timeout (default 30 min) can be set per job with SWBERT_DIST_TIMEOUT_MIN: a rank
+    that dies then fails the others after that long instead of the backend's default.
+    """
     import deepspeed
 
+    if timeout_minutes is None:
+        timeout_minutes = float(os.environ.get("SWBERT_DIST_TIMEOUT_MIN", "30"))
     launched = "RANK" in os.environ
     map_launcher_env()
     if launched:
