@@ -423,6 +423,8 @@ def run(config: TrainConfig) -> dict[str, Any]:
         level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    for noisy in ("megatron", "mlflow.store.db.utils", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)  # per-shard index logs drown the progress
     trainer = Trainer(config)
     try:
         return trainer.run()
