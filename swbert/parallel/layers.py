@@ -1,0 +1,187 @@
+"""The tensor-parallel modules `parallelize` puts into the model: megatron-core layers behind the
+interfaces of the modules they replace, so the model code calls them unchanged.
+
+megatron-core's linears return `(output, bias)`; the subclasses here return the tensor. Parameters
+keep their TP=1 names (`...proj.weight` holds this rank's rows), so a TP=k state dict differs from
+the TP=1 one only in shapes (see `swbert.parallel.plan`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import ModelParallelConfig
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_from_tensor_model_parallel_region,
+    get_cuda_rng_tracker,
+    reduce_from_tensor_model_parallel_region,
+    vocab_parallel_cross_entropy,
+)
+from torch import nn
+from transformers.modeling_outputs import MaskedLMOutput
+
+from swbert.models import SWBertForMaskedLM
+from swbert.models.modeling import IGNORE_INDEX
+
+
+def _no_init(_: torch.Tensor) -> None:
+    """Weights are copied from the TP=1 model, never initialised here."""
+
+
+def megatron_config(tp_size: int, dtype: torch.dtype) -> ModelParallelConfig:
+    """Parameters are allocated on the CPU like the model's own and filled by copying."""
+    return ModelParallelConfig(
+        tensor_model_parallel_size=tp_size,
+        params_dtype=dtype,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+    )
+
+
+def mark_tensor_parallel(param: torch.Tensor, dim: int) -> None:
+    """Tag a sharded parameter the way megatron-core does, for DeepSpeed's gradient norm.
+
+    DeepSpeed counts a parameter once per model-parallel group unless it carries
+    `tensor_model_parallel`; megatron sets it only when it initialises the weight itself, which
+    `perform_initialization=False` skips.
+    """
+    param.tensor_model_parallel = True
+    param.partition_dim = dim
+    param.partition_stride = 1
+
+
+class ColumnLinear(ColumnParallelLinear):
+    """`nn.Linear` split by output features: this rank's rows of W and b; input replicated."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, config: ModelParallelConfig) -> None:
+        super().__init__(in_features, out_features, config=config, init_method=_no_init, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x)[0]
+
+
+class RowLinear(RowParallelLinear):
+    """`nn.Linear` split by input features; the partial products are summed by one all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, config: ModelParallelConfig) -> None:
+        super().__init__(
+            in_features,
+            out_features,
+            config=config,
+            init_method=_no_init,
+            bias=bias,
+            input_is_parallel=True,
+            skip_bias_add=False,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x)[0]
+
+
+class VocabEmbedding(VocabParallelEmbedding):
+    """`nn.Embedding` split by vocabulary rows, keeping its `padding_idx` (no gradient to [PAD])."""
+
+    def __init__(self, num_embeddings: int, dim: int, padding_idx: int | None, config: ModelParallelConfig):
+        super().__init__(num_embeddings, dim, init_method=_no_init, config=config)
+        self.padding_idx = padding_idx
+        inside = padding_idx is not None and self.vocab_start_index <= padding_idx < self.vocab_end_index
+        self.local_padding_idx = padding_idx - self.vocab_start_index if inside else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)  # other ranks' tokens
+        local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
+        h = F.embedding(local_ids, self.weight, padding_idx=self.local_padding_idx)  # (B, S, d)
+        h = h.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(h, group=self.tp_group)  # sum over ranks
+
+
+class VocabParallelDecoder(ColumnParallelLinear):
+    """The MLM decoder, tied to the vocab-parallel word embedding: local logits (N, V / tp)."""
+
+    def __init__(self, embedding: VocabEmbedding, bias: bool, config: ModelParallelConfig) -> None:
+        super().__init__(
+            embedding.embedding_dim,
+            embedding.num_embeddings,
+            config=config,
+            init_method=_no_init,
+            bias=bias,
+            skip_weight_param_allocation=True,
+        )
+        self.weight = embedding.weight  # the same Parameter, as `tie_word_embeddings` does at TP=1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x)[0]
+
+
+class ForkedRNGKernel(nn.Module):
+    """Runs an attention kernel under megatron's per-rank RNG state.
+
+    Each rank holds different heads, so their attention-dropout masks must be independent draws;
+    the default generator is identical across a tensor-parallel group (see `manual_seed`).
+    """
+
+    def __init__(self, kernel: nn.Module) -> None:
+        super().__init__()
+        self.kernel = kernel
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+        if not self.training:
+            return self.kernel(q, k, v, mask)
+        with get_cuda_rng_tracker().fork():
+            return self.kernel(q, k, v, mask)
+
+
+class TensorParallelMaskedLM(SWBertForMaskedLM):
+    """`SWBertForMaskedLM` whose loss is a vocab-parallel cross entropy.
+
+    `parallelize` switches the model's class to this one (as `torch.distributed.fsdp.fully_shard`
+    does), so `isinstance(model, SWBertForMaskedLM)` still holds and the call signature is the
+    same. Vocabulary-wide logits never exist on one rank for the loss; the returned `logits` are
+    gathered (full vocabulary, as at TP=1) for metrics such as MLM accuracy.
+    """
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+        **_: object,
+    ) -> MaskedLMOutput:
+        out = self.bert(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_hidden_states
+        )
+        h = out.last_hidden_state  # (B, S, d), replicated over the tensor-parallel group
+        gather = gather_from_tensor_model_parallel_region
+        if labels is None:
+            return MaskedLMOutput(logits=gather(self.mlm_head(h)), hidden_states=out.hidden_states)
+        selected = labels != IGNORE_INDEX  # (B, S)
+        local_logits = self.mlm_head(h[selected])  # (N, V / tp): only the labelled positions
+        target = labels[selected]  # (N,)
+        logits = gather(local_logits)  # before the loss: megatron's cross entropy works in place
+        if target.numel() == 0:
+            loss = local_logits.sum() * 0.0  # keeps the graph, as at TP=1
+        else:
+            loss = vocab_parallel_cross_entropy(local_logits.float(), target).mean()
+        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+    def save_pretrained(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError(
+            "this model is split over tensor-parallel ranks; export with "
+            "swbert.parallel.gather_state_dict(model) or `python -m swbert.parallel.convert CKPT OUT --hf`"
+        )
+
+
+def copy_into(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `tensors` (this rank's shards) into `module`'s parameters of the same names."""
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, value in tensors.items():
+            params[name].copy_(value)

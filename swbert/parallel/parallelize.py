@@ -1,0 +1,155 @@
+"""`parallelize(model, tp_size)`: tensor parallelism applied to a TP=1 model from outside.
+
+A fixed, logged sequence of steps; each swaps modules or parameters for the sharded ones of
+`swbert.parallel.plan` and copies this rank's slice of the TP=1 weights into them, so the
+parallel model computes the same function as the model it was made from.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from swbert.models import SWBertForMaskedLM
+from swbert.models.attention import SelfAttention
+from swbert.parallel import plan
+from swbert.parallel.layers import (
+    ColumnLinear,
+    ForkedRNGKernel,
+    RowLinear,
+    TensorParallelMaskedLM,
+    VocabEmbedding,
+    VocabParallelDecoder,
+    mark_tensor_parallel,
+    megatron_config,
+)
+from swbert.parallel.state import dims, log_rank0
+
+_STEPS = 6
+
+
+def parallelize(model: SWBertForMaskedLM, tp_size: int) -> SWBertForMaskedLM:
+    """Split `model` over the tensor-parallel group, in place; returns it. No-op at `tp_size == 1`.
+
+    Call after `swbert.parallel.initialize(tp_size)` and before `deepspeed.initialize`. Every rank
+    of a tensor-parallel group must call it; the weights of TP rank 0 are used (step 1), so the
+    ranks need not have built identical models.
+    """
+    if tp_size == 1:
+        log_rank0("tensor parallel 1: model unchanged")
+        return model
+    if not isinstance(model, SWBertForMaskedLM):
+        raise TypeError(f"parallelize supports SWBertForMaskedLM, got {type(model).__name__}")
+    if isinstance(model, TensorParallelMaskedLM):
+        raise RuntimeError("this model is already tensor-parallel")
+    d = dims()
+    if d.tp_size != tp_size:
+        raise ValueError(
+            f"parallelize(tp_size={tp_size}) but the process groups were made for {d.tp_size}; "
+            f"call swbert.parallel.initialize({tp_size}) first"
+        )
+    config = model.config
+    plan.check_divisible(config, tp_size)
+    step = _Step(tp_size)
+
+    step("broadcast TP rank 0's weights over the tensor-parallel group")
+    _broadcast(model, d.tp_group)
+
+    step("word embeddings -> VocabParallelEmbedding (%d rows per rank)", config.vocab_size // tp_size)
+    embeddings = model.bert.embeddings
+    old = embeddings.word_embeddings
+    mcfg = megatron_config(tp_size, old.weight.dtype)
+    word = VocabEmbedding(old.num_embeddings, old.embedding_dim, old.padding_idx, mcfg)
+    _fill(word, {"weight": old.weight}, d.tp_rank, tp_size, dims_={"weight": 0})
+    embeddings.word_embeddings = word.to(old.weight.device)
+
+    step(
+        "%d layers: %s attention by heads (%d per rank), out_proj row; MLP fc1 column, fc2 row",
+        len(model.bert.encoder.layers),
+        config.attention_type,
+        config.num_attention_heads // tp_size,
+    )
+    for layer in model.bert.encoder.layers:
+        _split_by_plan(layer.attn, plan.ATTENTION_PLANS[config.attention_type], mcfg, d.tp_rank, tp_size)
+        _split_by_plan(layer.mlp, plan.MLP_PLAN, mcfg, d.tp_rank, tp_size)
+
+    step("attention kernels fork megatron's per-rank RNG state (independent dropout per head)")
+    for layer in model.bert.encoder.layers:
+        _wrap_kernel(layer.attn)
+
+    step("MLM decoder -> vocab-parallel, tied to the word-embedding shard; loss -> vocab-parallel CE")
+    head = model.mlm_head
+    decoder = VocabParallelDecoder(word, bias=head.decoder.bias is not None, config=mcfg)
+    if head.decoder.bias is not None:
+        _fill(decoder, {"bias": head.decoder.bias}, d.tp_rank, tp_size, dims_={"bias": 0})
+    head.decoder = decoder.to(old.weight.device)
+    model.__class__ = TensorParallelMaskedLM
+
+    step("tag sharded parameters (tensor_model_parallel) for DeepSpeed's gradient norm")
+    for name, param in model.named_parameters():
+        dim = plan.partition_dim(name, config)
+        if dim is not None:
+            mark_tensor_parallel(param, dim)
+    return model
+
+
+class _Step:
+    """Numbered log lines, so a run's log shows the exact sequence that was applied."""
+
+    def __init__(self, tp_size: int) -> None:
+        self.n = 0
+        self.tp_size = tp_size
+
+    def __call__(self, msg: str, *args: object) -> None:
+        self.n += 1
+        log_rank0(f"parallelize(tp={self.tp_size}) step {self.n}/{_STEPS}: {msg}", *args)
+
+
+def _broadcast(model: nn.Module, group: dist.ProcessGroup) -> None:
+    src = dist.get_global_rank(group, 0)
+    on_gpu = dist.get_backend(group) == "nccl"
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            buf = t.data.cuda() if on_gpu and not t.is_cuda else t.data
+            dist.broadcast(buf, src, group=group)
+            if buf is not t.data:
+                t.data.copy_(buf)
+
+
+def _fill(
+    module: nn.Module,
+    full: dict[str, torch.Tensor],
+    tp_rank: int,
+    tp_size: int,
+    dims_: dict[str, int | None],
+) -> None:
+    """Copy this rank's slices of the TP=1 tensors `full` into `module`'s parameters."""
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, tensor in full.items():
+            params[name].copy_(plan.shard(tensor.detach().cpu(), dims_[name], tp_rank, tp_size))
+
+
+def _split_by_plan(
+    parent: nn.Module, table: dict[str, plan.Split], mcfg: object, tp_rank: int, tp_size: int
+) -> None:
+    for attr, split in table.items():
+        old = getattr(parent, attr)
+        if split == "heads":  # a per-head parameter (dq, dk, dv or U): keep this rank's heads
+            setattr(parent, attr, nn.Parameter(plan.shard(old.detach(), 0, tp_rank, tp_size)))
+            continue
+        has_bias = old.bias is not None
+        if split == "column":
+            new = ColumnLinear(old.in_features, old.out_features, has_bias, mcfg)
+            dims_ = {"weight": 0, "bias": 0}
+        else:
+            new = RowLinear(old.in_features, old.out_features, has_bias, mcfg)
+            dims_ = {"weight": 1, "bias": None}
+        tensors = {"weight": old.weight, **({"bias": old.bias} if has_bias else {})}
+        _fill(new, tensors, tp_rank, tp_size, dims_)
+        setattr(parent, attr, new.to(old.weight.device))
+
+
+def _wrap_kernel(attn: SelfAttention) -> None:
+    attn.kernel = ForkedRNGKernel(attn.kernel)

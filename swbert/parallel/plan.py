@@ -1,0 +1,84 @@
+"""How each parameter is split over tensor-parallel ranks: one table, used by `parallelize` to swap
+modules and by the checkpoint tools to shard and merge state dicts.
+
+Every split is into `tp` equal contiguous chunks. Attention projections are split by output
+features, which is by heads (`split_heads` views features as (H, Dh), head-major), so rank r owns
+heads [r H/tp, (r+1) H/tp) and computes their Q, K, V with no communication:
+
+    standard    q_proj, k_proj, v_proj column                       out_proj row
+    shared      proj (Ws, bs) column; dq, dk, dv by heads            out_proj row
+    symmetric   q_proj, v_proj column                                out_proj row
+    pairwise    q_proj, v_proj column; pair (one U per head) by heads out_proj row
+
+MLP: fc1 column, fc2 row. Word embedding and the tied MLM decoder (weight and bias): by
+vocabulary rows. Everything else (LayerNorms, position and token-type embeddings, row-parallel
+biases, the MLM transform) is replicated.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import torch
+
+from swbert.models import SWBertConfig
+
+Split = Literal["column", "row", "heads"]
+
+ATTENTION_PLANS: dict[str, dict[str, Split]] = {
+    "standard": {"q_proj": "column", "k_proj": "column", "v_proj": "column", "out_proj": "row"},
+    "shared": {"proj": "column", "dq": "heads", "dk": "heads", "dv": "heads", "out_proj": "row"},
+    "symmetric": {"q_proj": "column", "v_proj": "column", "out_proj": "row"},
+    "pairwise": {"q_proj": "column", "v_proj": "column", "pair": "heads", "out_proj": "row"},
+}
+MLP_PLAN: dict[str, Split] = {"fc1": "column", "fc2": "row"}
+VOCAB_PARALLEL = ("embeddings.word_embeddings.weight", "mlm_head.decoder.weight", "mlm_head.decoder.bias")
+
+_LAYER_PARAM = re.compile(r"(?:^|\.)layers\.\d+\.(attn|mlp)\.(\w+?)(?:\.(weight|bias))?$")
+
+
+def partition_dim(name: str, config: SWBertConfig) -> int | None:
+    """The dimension along which TP=1 tensor `name` is split over ranks; None if replicated."""
+    if name.endswith(VOCAB_PARALLEL):
+        return 0
+    m = _LAYER_PARAM.search(name)
+    if m is None:
+        return None
+    block, module, kind = m.groups()
+    split = (ATTENTION_PLANS[config.attention_type] if block == "attn" else MLP_PLAN).get(module)
+    if split == "column" or split == "heads":
+        return 0
+    if split == "row":
+        return 1 if kind == "weight" else None  # the bias is added once, after the all-reduce
+    return None
+
+
+def shard(full: torch.Tensor, dim: int | None, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Rank `tp_rank`'s chunk of a TP=1 tensor (the tensor itself if replicated)."""
+    if dim is None or tp_size == 1:
+        return full
+    return full.chunk(tp_size, dim=dim)[tp_rank].clone()
+
+
+def check_divisible(config: SWBertConfig, tp_size: int) -> None:
+    """Raise a ValueError saying what to change when the model cannot be split `tp_size` ways."""
+    flag = f"--tensor-parallel {tp_size}"
+    if config.num_attention_heads % tp_size:
+        ok = [t for t in range(1, config.num_attention_heads + 1) if config.num_attention_heads % t == 0]
+        raise ValueError(
+            f"num_attention_heads={config.num_attention_heads} is not divisible by {flag}: each rank "
+            f"owns whole heads; use a tensor-parallel size in {ok}"
+        )
+    if config.intermediate_size % tp_size:
+        raise ValueError(
+            f"intermediate_size={config.intermediate_size} is not divisible by {flag}; "
+            "use a tensor-parallel size that divides it"
+        )
+    if config.vocab_size % tp_size:
+        padded = -(-config.vocab_size // tp_size) * tp_size
+        raise ValueError(
+            f"vocab_size={config.vocab_size} is not divisible by {flag}: the embedding and the MLM "
+            f"decoder are split by vocabulary rows. Pad the model's vocabulary (vocab_size={padded}, or "
+            f"a multiple of 128 x {tp_size} for faster GEMMs); ids beyond the tokenizer's are never used"
+        )

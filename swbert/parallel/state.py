@@ -1,0 +1,198 @@
+"""Process groups: megatron-core's `parallel_state`, the sizes the trainer needs, and DeepSpeed's `mpu`.
+
+Ranks are laid out tensor-parallel first (megatron-core's default order): with 4 processes and
+TP=2, ranks {0, 1} and {2, 3} each hold one copy of the model split in two, and ranks {0, 2} and
+{1, 3} are the data-parallel groups that all-reduce (or ZeRO-partition) gradients.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import random as mcore_random
+
+from swbert.parallel import cpu_compat
+
+logger = logging.getLogger(__name__)
+
+# megatron-core's offset between the data-parallel seed and the tensor-parallel ("model-parallel-rng")
+# seeds; any positive value works, this one keeps seeds comparable with Megatron-LM runs.
+_TP_SEED_OFFSET = 2718
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes, ranks and groups of this process."""
+
+    tp_size: int
+    dp_size: int
+    tp_rank: int
+    dp_rank: int
+    tp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+
+    @property
+    def is_tp_enabled(self) -> bool:
+        return self.tp_size > 1
+
+
+def log_rank0(msg: str, *args: object) -> None:
+    """Log on global rank 0 only (every rank does the same steps; one copy is enough)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info(msg, *args)
+
+
+def initialize(tp_size: int, seed: int = 1234) -> ParallelDims:
+    """Create the tensor- and data-parallel groups; data-parallel size = world size / `tp_size`.
+
+    Call after `deepspeed.init_distributed` (or `torch.distributed.init_process_group`) and, on
+    GPU, after `torch.cuda.set_device(local_rank)`. Without CUDA it first applies
+    `swbert.parallel.cpu_compat`. Calling it again with the same `tp_size` returns the same dims.
+    `seed` seeds the RNGs as `manual_seed` describes.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: call deepspeed.init_distributed() (gloo on CPU, "
+            "nccl on GPU) before swbert.parallel.initialize()"
+        )
+    world = dist.get_world_size()
+    if tp_size < 1 or world % tp_size != 0:
+        raise ValueError(
+            f"--tensor-parallel {tp_size} does not divide the number of processes ({world}); launch a "
+            f"multiple of {tp_size} processes (e.g. torchrun --nproc_per_node {max(tp_size, 1)}) or pick a "
+            f"tensor-parallel size that divides {world}"
+        )
+    cpu_compat.apply()
+    if parallel_state.model_parallel_is_initialized():
+        current = parallel_state.get_tensor_model_parallel_world_size()
+        if current != tp_size:
+            raise RuntimeError(
+                f"model-parallel groups already exist with tensor-parallel size {current}; "
+                f"call swbert.parallel.destroy() before initializing with {tp_size}"
+            )
+    else:
+        # megatron's extra gloo groups serve its own distributed optimizer, which DeepSpeed replaces.
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp_size, create_gloo_process_groups=False
+        )
+        log_rank0("tensor parallel %d x data parallel %d over %d processes", tp_size, world // tp_size, world)
+    manual_seed(seed)
+    return dims()
+
+
+def dims() -> ParallelDims:
+    """The `ParallelDims` of this process (after `initialize`)."""
+    _require_initialized()
+    return ParallelDims(
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        dp_group=parallel_state.get_data_parallel_group(),
+    )
+
+
+def is_initialized() -> bool:
+    return parallel_state.model_parallel_is_initialized()
+
+
+def destroy() -> None:
+    """Drop the groups (e.g. between tests, or before re-initializing with another size)."""
+    parallel_state.destroy_model_parallel()
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the default generators with `seed + dp_rank` and megatron's tracker per TP rank.
+
+    Within a tensor-parallel group every rank must draw the same dropout masks on the replicated
+    activations (embeddings, residual branches), or the copies of the residual stream drift apart;
+    the default generator is therefore seeded by data-parallel rank only. Attention-probability
+    dropout acts on each rank's own heads and forks megatron's "model-parallel-rng" state, which
+    differs on every rank.
+    """
+    d = dims()
+    torch.manual_seed(seed + d.dp_rank)  # also seeds CUDA when present
+    tracker = mcore_random.get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + _TP_SEED_OFFSET + dist.get_rank())
+
+
+def rng_tracker_states() -> dict[str, torch.Tensor]:
+    """megatron's tracker states, to save with a checkpoint for an exact resume."""
+    return dict(mcore_random.get_cuda_rng_tracker().get_states())
+
+
+def set_rng_tracker_states(states: dict[str, torch.Tensor]) -> None:
+    """Restore what `rng_tracker_states` returned (same rank, same tensor-parallel size)."""
+    mcore_random.get_cuda_rng_tracker().set_states(dict(states))
+
+
+def _require_initialized() -> None:
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("call swbert.parallel.initialize(tp_size) first")
+
+
+class DeepSpeedMPU:
+    """The groups in the interface DeepSpeed expects of `deepspeed.initialize(..., mpu=...)`.
+
+    megatron-core's `parallel_state` dropped `get_model_parallel_*`, which DeepSpeed calls (with
+    pipeline size 1, "model parallel" is tensor parallel). Without an `mpu`, DeepSpeed takes every
+    process for a data-parallel replica: it broadcasts TP rank 0's shards over the others at
+    start-up and averages gradients of different shards, and the run finishes with a wrong model.
+
+    It deliberately has no `get_sequence_parallel_*` methods: DeepSpeed reads those as its own
+    (Ulysses) sequence parallelism, which is unrelated to megatron's.
+    """
+
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        return parallel_state.get_tensor_model_parallel_group()
+
+    def get_model_parallel_rank(self) -> int:
+        return parallel_state.get_tensor_model_parallel_rank()
+
+    def get_model_parallel_world_size(self) -> int:
+        return parallel_state.get_tensor_model_parallel_world_size()
+
+    def get_tensor_model_parallel_group(self) -> dist.ProcessGroup:
+        return parallel_state.get_tensor_model_parallel_group()
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return parallel_state.get_tensor_model_parallel_rank()
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return parallel_state.get_tensor_model_parallel_world_size()
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return parallel_state.get_tensor_model_parallel_src_rank()
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return parallel_state.get_data_parallel_group()
+
+    def get_data_parallel_rank(self) -> int:
+        return parallel_state.get_data_parallel_rank()
+
+    def get_data_parallel_world_size(self) -> int:
+        return parallel_state.get_data_parallel_world_size()
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+
+    def get_pipeline_model_parallel_group(self) -> dist.ProcessGroup:
+        return parallel_state.get_pipeline_model_parallel_group()
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return parallel_state.get_pipeline_model_parallel_rank()
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return parallel_state.get_pipeline_model_parallel_world_size()
+
+
+def mpu() -> DeepSpeedMPU:
+    """The object to pass as `deepspeed.initialize(..., mpu=swbert.parallel.mpu())`."""
+    _require_initialized()
+    return DeepSpeedMPU()
