@@ -13,11 +13,14 @@ See docs/parallelism.md.
 
 from swbert.parallel.checkpoint import (
     check_checkpoint,
+    checkpoint_client_state,
     checkpoint_tp_size,
     gather_state_dict,
     gather_tensors,
+    is_universal,
     merge_state_dicts,
     shard_state_dict,
+    universal_checkpoint_info,
 )
 from swbert.parallel.parallelize import parallelize
 from swbert.parallel.plan import check_divisible, partition_dim
@@ -38,6 +41,7 @@ __all__ = [
     "DeepSpeedMPU",
     "ParallelDims",
     "check_checkpoint",
+    "checkpoint_client_state",
     "check_divisible",
     "checkpoint_tp_size",
     "destroy",
@@ -45,6 +49,7 @@ __all__ = [
     "gather_state_dict",
     "gather_tensors",
     "initialize",
+    "is_universal",
     "is_initialized",
     "manual_seed",
     "merge_state_dicts",
@@ -54,4 +59,5 @@ __all__ = [
     "rng_tracker_states",
     "set_rng_tracker_states",
     "shard_state_dict",
+    "universal_checkpoint_info",
 ]

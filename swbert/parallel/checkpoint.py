@@ -1,8 +1,14 @@
 """State dicts across tensor-parallel sizes: gather a sharded model into TP=1, shard TP=1 for TP=k,
-merge saved shards, and read the tensor-parallel size of a DeepSpeed checkpoint.
+merge saved shards, and what a DeepSpeed checkpoint must carry to be resharded later.
 
 A TP=k state dict has the TP=1 keys; tensors that `plan.partition_dim` names are rank r's chunk r
 of k along that dimension, every other tensor is the full one.
+
+Checkpoints change tensor-parallel (and data-parallel) size with optimizer state through
+DeepSpeed's universal checkpoint: `checkpoint_client_state` records, in every checkpoint, which
+parameters are split along which dimension (`universal_checkpoint_info`, derived from the same
+`plan`), and `python -m swbert.parallel.convert universal` turns a checkpoint into one that loads
+at any size.
 """
 
 from __future__ import annotations
@@ -12,14 +18,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from deepspeed.checkpoint import constants as ds_ckpt
 from torch import nn
 
-from swbert.models import SWBertConfig
+from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.parallel import plan
 from swbert.parallel.state import dims
 
 # DeepSpeed's per-TP-rank module files: <dir>/<tag>/mp_rank_00_model_states.pt, mp_rank_01_...
 _MODEL_STATES = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+CONFIG_KEY = "model_config"  # client-state key holding SWBertConfig.to_dict()
 
 
 def _tensors(state: dict[str, object]) -> dict[str, torch.Tensor]:
@@ -81,11 +89,38 @@ def gather_tensors(local: dict[str, torch.Tensor], config: SWBertConfig) -> dict
     return full
 
 
+def universal_checkpoint_info(config: SWBertConfig) -> dict[str, object]:
+    """The layout DeepSpeed's universal checkpoint needs: replicated and row-parallel parameters by
+    exact name (everything else is split along dim 0), from `plan.partition_dim`."""
+    with torch.device("meta"):  # names only; no memory
+        names = [name for name, _ in SWBertForMaskedLM(config).named_parameters()]
+    exact = [(name, plan.partition_dim(name, config)) for name in names]
+    return {
+        ds_ckpt.UNIVERSAL_CHECKPOINT_VERSION_KEY: ds_ckpt.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        ds_ckpt.TP_REPLICATED_PARAMETER_PATTERNS: [re.escape(n) + "$" for n, d in exact if d is None],
+        ds_ckpt.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [re.escape(n) + "$" for n, d in exact if d == 1],
+    }
+
+
+def checkpoint_client_state(config: SWBertConfig) -> dict[str, object]:
+    """Entries to merge into `engine.save_checkpoint(..., client_state=...)` on every save: the model
+    config (for export to Hugging Face) and the universal-checkpoint layout (for resharding)."""
+    return {
+        CONFIG_KEY: config.to_dict(),
+        ds_ckpt.UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(config),
+    }
+
+
+def is_universal(ckpt_dir: str | Path) -> bool:
+    """Whether `ckpt_dir` holds a universal checkpoint (loads at any size with `load_universal`)."""
+    return (Path(ckpt_dir) / "latest_universal").is_file()
+
+
 def resolve_tag(ckpt_dir: str | Path, tag: str | None = None) -> str:
     """`tag`, or the one DeepSpeed's `latest` file names."""
     if tag is not None:
         return tag
-    latest = Path(ckpt_dir) / "latest"
+    latest = Path(ckpt_dir) / ("latest_universal" if is_universal(ckpt_dir) else "latest")
     if not latest.is_file():
         raise FileNotFoundError(f"{ckpt_dir} has no 'latest' file; pass the checkpoint tag (--tag)")
     return latest.read_text().strip()
@@ -115,15 +150,17 @@ def checkpoint_tp_size(ckpt_dir: str | Path, tag: str | None = None) -> int:
 def check_checkpoint(ckpt_dir: str | Path, tp_size: int, tag: str | None = None) -> None:
     """Raise before DeepSpeed loads a checkpoint saved with another tensor-parallel size.
 
-    DeepSpeed would otherwise try its Megatron-LM merge/split heuristics, which do not know this
-    model's layout, or fail on a missing file.
+    Call it before `engine.load_checkpoint`. DeepSpeed would otherwise apply its Megatron-LM
+    merge/split heuristics, which do not know this model's layout, or fail on a missing file.
+    Universal checkpoints load at any size and pass.
     """
+    if is_universal(ckpt_dir):
+        return
     saved = checkpoint_tp_size(ckpt_dir, tag)
     if saved != tp_size:
         tag = resolve_tag(ckpt_dir, tag)
         raise ValueError(
             f"checkpoint {Path(ckpt_dir) / tag} was saved with --tensor-parallel {saved}, this run uses "
-            f"{tp_size}. Convert it first: python -m swbert.parallel.convert {ckpt_dir} NEW_DIR "
-            f"--tensor-parallel {tp_size} --tag {tag}; then load NEW_DIR (weights only: the optimizer "
-            f"state is not carried across sizes)"
+            f"{tp_size}. Convert it first: python -m swbert.parallel.convert universal {ckpt_dir} NEW_DIR "
+            f"--tag {tag}, then resume from NEW_DIR (DeepSpeed config: checkpoint.load_universal=true)"
         )

@@ -53,7 +53,15 @@ def mark_tensor_parallel(param: torch.Tensor, dim: int) -> None:
     param.partition_stride = 1
 
 
-class ColumnLinear(ColumnParallelLinear):
+class _NoExtraState:
+    """megatron-core layers save an empty `_extra_state` entry (for Transformer Engine); without it a
+    TP=k state dict has exactly the TP=1 keys, which DeepSpeed's checkpoint tools also expect."""
+
+    get_extra_state = nn.Module.get_extra_state
+    set_extra_state = nn.Module.set_extra_state
+
+
+class ColumnLinear(_NoExtraState, ColumnParallelLinear):
     """`nn.Linear` split by output features: this rank's rows of W and b; input replicated."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, config: ModelParallelConfig) -> None:
@@ -63,7 +71,7 @@ class ColumnLinear(ColumnParallelLinear):
         return super().forward(x)[0]
 
 
-class RowLinear(RowParallelLinear):
+class RowLinear(_NoExtraState, RowParallelLinear):
     """`nn.Linear` split by input features; the partial products are summed by one all-reduce."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, config: ModelParallelConfig) -> None:
@@ -98,7 +106,7 @@ class VocabEmbedding(VocabParallelEmbedding):
         return reduce_from_tensor_model_parallel_region(h, group=self.tp_group)  # sum over ranks
 
 
-class VocabParallelDecoder(ColumnParallelLinear):
+class VocabParallelDecoder(_NoExtraState, ColumnParallelLinear):
     """The MLM decoder, tied to the vocab-parallel word embedding: local logits (N, V / tp)."""
 
     def __init__(self, embedding: VocabEmbedding, bias: bool, config: ModelParallelConfig) -> None:

@@ -1,0 +1,165 @@
+"""Convert DeepSpeed checkpoints between tensor-parallel sizes and into Hugging Face folders.
+
+python -m swbert.parallel.convert universal CKPT_DIR OUT_DIR [--tag T]
+    Any TP / DP size and ZeRO stage -> a universal checkpoint, with optimizer state, that resumes at
+    any tensor- and data-parallel size (DeepSpeed config: "checkpoint": {"load_universal": true}).
+python -m swbert.parallel.convert hf CKPT_DIR OUT_DIR [--tag T] [--config config.json]
+    A TP=k checkpoint (ZeRO 0-2, or a universal one for ZeRO-3) -> a merged Hugging Face folder.
+python -m swbert.parallel.convert reshard CKPT_DIR OUT_DIR --tensor-parallel K [--tag T]
+    Weights only, for a checkpoint saved without swbert's client state: TP=k -> TP=K DeepSpeed
+    files; load with engine.load_checkpoint(OUT_DIR, load_module_only=True).
+
+CKPT_DIR is the folder given to `engine.save_checkpoint`; the tag defaults to its `latest`.
+The model config comes from the checkpoint (`checkpoint_client_state`) or `--config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from deepspeed.checkpoint import constants as ds_ckpt
+
+from swbert.models import SWBertConfig, SWBertForMaskedLM
+from swbert.parallel.checkpoint import (
+    CONFIG_KEY,
+    is_universal,
+    merge_state_dicts,
+    model_state_files,
+    resolve_tag,
+    shard_state_dict,
+)
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _config(saved: dict, config_path: str | None) -> SWBertConfig:
+    if config_path is not None:
+        return SWBertConfig.from_json_file(config_path)
+    if CONFIG_KEY not in saved:
+        raise ValueError(
+            "the checkpoint does not record the model config (save with client_state="
+            "swbert.parallel.checkpoint_client_state(config)); pass --config path/to/config.json"
+        )
+    return SWBertConfig.from_dict(saved[CONFIG_KEY])
+
+
+def full_state_dict(
+    ckpt_dir: str | Path, tag: str | None = None, config_path: str | None = None
+) -> tuple[dict[str, torch.Tensor], SWBertConfig]:
+    """The merged TP=1 weights and the model config of a DeepSpeed checkpoint (plain or universal)."""
+    tag = resolve_tag(ckpt_dir, tag)
+    files = model_state_files(ckpt_dir, tag)
+    first = _load(files[0])
+    config = _config(first, config_path)
+    if is_universal(ckpt_dir):  # full fp32 tensors, one folder per parameter
+        zero = Path(ckpt_dir) / tag / "zero"
+        with torch.device("meta"):
+            names = [n for n, _ in SWBertForMaskedLM(config).named_parameters()]
+        return {n: _load(zero / n / "fp32.pt")[ds_ckpt.PARAM] for n in names}, config
+    shards = [first["module"]] + [_load(f)["module"] for f in files[1:]]
+    if any(t.numel() == 0 for t in shards[0].values() if isinstance(t, torch.Tensor)):
+        raise ValueError(
+            f"{Path(ckpt_dir) / tag} keeps its weights in ZeRO-3 partitions; convert it first: "
+            f"python -m swbert.parallel.convert universal {ckpt_dir} UC_DIR --tag {tag}, then export UC_DIR"
+        )
+    return merge_state_dicts(shards, config), config
+
+
+def to_hf(
+    ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = None, config_path: str | None = None
+) -> Path:
+    """Write a Hugging Face folder (config.json, model.safetensors) with the merged weights."""
+    state, config = full_state_dict(ckpt_dir, tag, config_path)
+    model = SWBertForMaskedLM(config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(model._tied_weights_keys)
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"checkpoint does not match the config: missing {missing}, unexpected {unexpected}")
+    model.save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+def to_universal(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = None) -> Path:
+    """DeepSpeed's `ds_to_universal` on one checkpoint; OUT_DIR/<tag> resumes at any size."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    tag = resolve_tag(ckpt_dir, tag)
+    if ds_ckpt.UNIVERSAL_CHECKPOINT_INFO not in _load(model_state_files(ckpt_dir, tag)[0]):
+        raise ValueError(
+            f"{Path(ckpt_dir) / tag} was saved without its parameter layout (client_state="
+            "swbert.parallel.checkpoint_client_state(config)); use `reshard` (weights only) instead"
+        )
+    args = argparse.Namespace(
+        input_folder=str(Path(ckpt_dir) / tag),
+        output_folder=str(Path(out_dir) / tag),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=False,
+    )
+    ds_to_universal.main(args)  # also writes OUT_DIR/latest_universal
+    return Path(out_dir)
+
+
+# Per-file metadata that describes the saved shapes; it would be wrong for the new size.
+_SHAPE_KEYS = ("module", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "shared_params")
+
+
+def reshard(
+    ckpt_dir: str | Path,
+    out_dir: str | Path,
+    tp_size: int,
+    tag: str | None = None,
+    config_path: str | None = None,
+) -> Path:
+    """Weights-only DeepSpeed files for TP=`tp_size` (no optimizer state)."""
+    tag = resolve_tag(ckpt_dir, tag)
+    state, config = full_state_dict(ckpt_dir, tag, config_path)
+    meta = {k: v for k, v in _load(model_state_files(ckpt_dir, tag)[0]).items() if k not in _SHAPE_KEYS}
+    folder = Path(out_dir) / tag
+    folder.mkdir(parents=True, exist_ok=True)
+    for rank in range(tp_size):
+        shard = shard_state_dict(state, rank, tp_size, config)
+        torch.save(
+            {**meta, "module": shard, "mp_world_size": tp_size},
+            folder / f"mp_rank_{rank:02d}_model_states.pt",
+        )
+    (Path(out_dir) / "latest").write_text(tag)
+    return Path(out_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m swbert.parallel.convert", description=__doc__.split("\n")[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_ in (
+        ("universal", "resumable at any TP/DP size, with optimizer state"),
+        ("hf", "merged Hugging Face folder"),
+        ("reshard", "weights-only DeepSpeed files for another TP size"),
+    ):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("ckpt_dir", help="folder given to engine.save_checkpoint")
+        p.add_argument("out_dir")
+        p.add_argument("--tag", default=None, help="checkpoint tag (default: the one in CKPT_DIR/latest)")
+        if name != "universal":
+            p.add_argument("--config", default=None, help="config.json, if the checkpoint lacks it")
+        if name == "reshard":
+            p.add_argument("--tensor-parallel", type=int, required=True, dest="tp_size")
+    args = parser.parse_args(argv)
+    if args.command == "universal":
+        out = to_universal(args.ckpt_dir, args.out_dir, args.tag)
+    elif args.command == "hf":
+        out = to_hf(args.ckpt_dir, args.out_dir, args.tag, args.config)
+    else:
+        out = reshard(args.ckpt_dir, args.out_dir, args.tp_size, args.tag, args.config)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
