@@ -25,8 +25,9 @@ from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.parallel import plan
 from swbert.parallel.state import dims
 
-# DeepSpeed's per-TP-rank module files: <dir>/<tag>/mp_rank_00_model_states.pt, mp_rank_01_...
-_MODEL_STATES = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+# DeepSpeed's per-TP-rank module files: <dir>/<tag>/mp_rank_00_model_states.pt, mp_rank_01_...; under
+# ZeRO-3 one per data- and tensor-parallel rank, zero_pp_rank_<dp>_mp_rank_<tp>_model_states.pt.
+_MODEL_STATES = re.compile(r"(?:zero_pp_rank_0_)?mp_rank_(\d+)_model_states\.pt")
 CONFIG_KEY = "model_config"  # client-state key holding SWBertConfig.to_dict()
 
 
@@ -131,8 +132,8 @@ def model_state_files(ckpt_dir: str | Path, tag: str | None = None) -> list[Path
     folder = Path(ckpt_dir) / resolve_tag(ckpt_dir, tag)
     found = sorted(
         (int(m.group(1)), p)
-        for p in folder.glob("mp_rank_*_model_states.pt")
-        if (m := _MODEL_STATES.match(p.name))
+        for p in folder.glob("*mp_rank_*_model_states.pt")
+        if (m := _MODEL_STATES.fullmatch(p.name))
     )
     if not found:
         raise FileNotFoundError(f"{folder} holds no mp_rank_*_model_states.pt: not a DeepSpeed checkpoint")

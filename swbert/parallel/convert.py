@@ -4,7 +4,7 @@ python -m swbert.parallel.convert universal CKPT_DIR OUT_DIR [--tag T]
     Any TP / DP size and ZeRO stage -> a universal checkpoint, with optimizer state, that resumes at
     any tensor- and data-parallel size (DeepSpeed config: "checkpoint": {"load_universal": true}).
 python -m swbert.parallel.convert hf CKPT_DIR OUT_DIR [--tag T] [--config config.json]
-    A TP=k checkpoint (ZeRO 0-2, or a universal one for ZeRO-3) -> a merged Hugging Face folder.
+    A TP=k checkpoint (any ZeRO stage, or a universal one) -> a merged Hugging Face folder.
 python -m swbert.parallel.convert reshard CKPT_DIR OUT_DIR --tensor-parallel K [--tag T]
     Weights only, for a checkpoint saved without swbert's client state: TP=k -> TP=K DeepSpeed
     files; load with engine.load_checkpoint(OUT_DIR, load_module_only=True).
@@ -16,6 +16,7 @@ The model config comes from the checkpoint (`checkpoint_client_state`) or `--con
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 import torch
@@ -24,7 +25,6 @@ from deepspeed.checkpoint import constants as ds_ckpt
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.parallel.checkpoint import (
     CONFIG_KEY,
-    is_universal,
     merge_state_dicts,
     model_state_files,
     resolve_tag,
@@ -47,26 +47,33 @@ def _config(saved: dict, config_path: str | None) -> SWBertConfig:
     return SWBertConfig.from_dict(saved[CONFIG_KEY])
 
 
+def merged_state_dict(tag_dir: str | Path, config: SWBertConfig) -> dict[str, torch.Tensor]:
+    """The TP=1 weights of one checkpoint folder (`<dir>/<tag>`): any TP size, any ZeRO stage.
+
+    ZeRO 0-2 checkpoints hold each TP rank's weights in its model file; ZeRO-3 ones only in the
+    optimizer partitions, which DeepSpeed's universal conversion reassembles (in a temporary
+    folder; the checkpoint must have been saved with `checkpoint_client_state`).
+    """
+    tag_dir = Path(tag_dir)
+    if (tag_dir / "zero").is_dir():  # universal: full fp32 tensors, one folder per parameter
+        with torch.device("meta"):
+            names = [n for n, _ in SWBertForMaskedLM(config).named_parameters()]
+        return {n: _load(tag_dir / "zero" / n / "fp32.pt")[ds_ckpt.PARAM] for n in names}
+    shards = [_load(f)["module"] for f in model_state_files(tag_dir.parent, tag_dir.name)]
+    if any(t.numel() == 0 for t in shards[0].values() if isinstance(t, torch.Tensor)):  # ZeRO-3 placeholders
+        with tempfile.TemporaryDirectory() as tmp:
+            to_universal(tag_dir.parent, tmp, tag_dir.name)
+            return merged_state_dict(Path(tmp) / tag_dir.name, config)
+    return merge_state_dicts(shards, config)
+
+
 def full_state_dict(
     ckpt_dir: str | Path, tag: str | None = None, config_path: str | None = None
 ) -> tuple[dict[str, torch.Tensor], SWBertConfig]:
     """The merged TP=1 weights and the model config of a DeepSpeed checkpoint (plain or universal)."""
     tag = resolve_tag(ckpt_dir, tag)
-    files = model_state_files(ckpt_dir, tag)
-    first = _load(files[0])
-    config = _config(first, config_path)
-    if is_universal(ckpt_dir):  # full fp32 tensors, one folder per parameter
-        zero = Path(ckpt_dir) / tag / "zero"
-        with torch.device("meta"):
-            names = [n for n, _ in SWBertForMaskedLM(config).named_parameters()]
-        return {n: _load(zero / n / "fp32.pt")[ds_ckpt.PARAM] for n in names}, config
-    shards = [first["module"]] + [_load(f)["module"] for f in files[1:]]
-    if any(t.numel() == 0 for t in shards[0].values() if isinstance(t, torch.Tensor)):
-        raise ValueError(
-            f"{Path(ckpt_dir) / tag} keeps its weights in ZeRO-3 partitions; convert it first: "
-            f"python -m swbert.parallel.convert universal {ckpt_dir} UC_DIR --tag {tag}, then export UC_DIR"
-        )
-    return merge_state_dicts(shards, config), config
+    config = _config(_load(model_state_files(ckpt_dir, tag)[0]), config_path)
+    return merged_state_dict(Path(ckpt_dir) / tag, config), config
 
 
 def to_hf(

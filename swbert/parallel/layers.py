@@ -15,6 +15,7 @@ from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
     get_cuda_rng_tracker,
     reduce_from_tensor_model_parallel_region,
@@ -62,10 +63,29 @@ class _NoExtraState:
 
 
 class ColumnLinear(_NoExtraState, ColumnParallelLinear):
-    """`nn.Linear` split by output features: this rank's rows of W and b; input replicated."""
+    """`nn.Linear` split by output features: this rank's rows of W and b; input replicated.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, config: ModelParallelConfig) -> None:
-        super().__init__(in_features, out_features, config=config, init_method=_no_init, bias=bias)
+    Its backward all-reduces the input gradient over the tensor-parallel group, unless
+    `reduce_input_grad=False`: then the caller reduces once for several linears reading the same
+    input (`copy_input_to_tp_region`).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        config: ModelParallelConfig,
+        reduce_input_grad: bool = True,
+    ) -> None:
+        super().__init__(
+            in_features,
+            out_features,
+            config=config,
+            init_method=_no_init,
+            bias=bias,
+            disable_grad_reduce=not reduce_input_grad,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return super().forward(x)[0]
@@ -122,6 +142,17 @@ class VocabParallelDecoder(_NoExtraState, ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return super().forward(x)[0]
+
+
+def copy_input_to_tp_region(module: nn.Module, args: tuple) -> tuple:
+    """Forward pre-hook on an attention module: identity forward, input-gradient all-reduce backward.
+
+    Q, K and V projections read the same input; megatron fuses them into one linear to all-reduce
+    the input gradient once. Our variants keep separate, paper-named projections, so each is built
+    with `reduce_input_grad=False` and this hook reduces their summed gradient once per layer.
+    """
+    x, *rest = args
+    return (copy_to_tensor_model_parallel_region(x), *rest)
 
 
 class ForkedRNGKernel(nn.Module):

@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch import nn
 
 from swbert.models import SWBertForMaskedLM
-from swbert.models.attention import SelfAttention
 from swbert.parallel import plan
 from swbert.parallel.layers import (
     ColumnLinear,
@@ -21,6 +20,7 @@ from swbert.parallel.layers import (
     TensorParallelMaskedLM,
     VocabEmbedding,
     VocabParallelDecoder,
+    copy_input_to_tp_region,
     mark_tensor_parallel,
     megatron_config,
 )
@@ -71,12 +71,20 @@ def parallelize(model: SWBertForMaskedLM, tp_size: int) -> SWBertForMaskedLM:
         config.num_attention_heads // tp_size,
     )
     for layer in model.bert.encoder.layers:
-        _split_by_plan(layer.attn, plan.ATTENTION_PLANS[config.attention_type], mcfg, d.tp_rank, tp_size)
+        _split_by_plan(
+            layer.attn,
+            plan.ATTENTION_PLANS[config.attention_type],
+            mcfg,
+            d.tp_rank,
+            tp_size,
+            fused_input=True,
+        )
         _split_by_plan(layer.mlp, plan.MLP_PLAN, mcfg, d.tp_rank, tp_size)
 
-    step("attention kernels fork megatron's per-rank RNG state (independent dropout per head)")
+    step("attention: one input-gradient all-reduce for all projections; kernel forks the per-rank RNG")
     for layer in model.bert.encoder.layers:
-        _wrap_kernel(layer.attn)
+        layer.attn.register_forward_pre_hook(copy_input_to_tp_region)
+        layer.attn.kernel = ForkedRNGKernel(layer.attn.kernel)  # independent dropout per head
 
     step("MLM decoder -> vocab-parallel, tied to the word-embedding shard; loss -> vocab-parallel CE")
     head = model.mlm_head
@@ -132,8 +140,15 @@ def _fill(
 
 
 def _split_by_plan(
-    parent: nn.Module, table: dict[str, plan.Split], mcfg: object, tp_rank: int, tp_size: int
+    parent: nn.Module,
+    table: dict[str, plan.Split],
+    mcfg: object,
+    tp_rank: int,
+    tp_size: int,
+    fused_input: bool = False,
 ) -> None:
+    """Swap `parent`'s submodules/parameters per `table`. `fused_input`: the column linears leave
+    the input-gradient all-reduce to a `copy_input_to_tp_region` hook on `parent`."""
     for attr, split in table.items():
         old = getattr(parent, attr)
         if split == "heads":  # a per-head parameter (dq, dk, dv or U): keep this rank's heads
@@ -141,7 +156,7 @@ def _split_by_plan(
             continue
         has_bias = old.bias is not None
         if split == "column":
-            new = ColumnLinear(old.in_features, old.out_features, has_bias, mcfg)
+            new = ColumnLinear(old.in_features, old.out_features, has_bias, mcfg, not fused_input)
             dims_ = {"weight": 0, "bias": 0}
         else:
             new = RowLinear(old.in_features, old.out_features, has_bias, mcfg)
@@ -149,7 +164,3 @@ def _split_by_plan(
         tensors = {"weight": old.weight, **({"bias": old.bias} if has_bias else {})}
         _fill(new, tensors, tp_rank, tp_size, dims_)
         setattr(parent, attr, new.to(old.weight.device))
-
-
-def _wrap_kernel(attn: SelfAttention) -> None:
-    attn.kernel = ForkedRNGKernel(attn.kernel)
