@@ -47,10 +47,10 @@ def _engine(model: torch.nn.Module, stage: int, with_mpu: bool = True, **config:
     return engine
 
 
-def _tp_model(ref: SWBertForMaskedLM, tp: int) -> SWBertForMaskedLM:
+def _tp_model(ref: SWBertForMaskedLM, tp: int, sequence_parallel: bool = False) -> SWBertForMaskedLM:
     model = SWBertForMaskedLM(ref.config)
     model.load_state_dict(ref.state_dict())
-    return parallelize(model, tp)
+    return parallelize(model, tp, sequence_parallel=sequence_parallel)
 
 
 class _Reference:
@@ -108,9 +108,21 @@ def _training_and_mpu_wiring(stage: int, steps: int) -> None:
                 assert_close(p.detach(), mine[n], rtol=0, atol=LR / 10, msg=lambda m, n=n: f"{n}: {m}")
     assert_close(losses, expected, rtol=1e-4, atol=1e-4)
 
+    # sequence parallelism: LayerNorm and row-bias gradients are summed over the group before
+    # DeepSpeed sees them
+    reference = _Reference(reference_model(config))
+    engine = _engine(_tp_model(reference_model(config), 2, sequence_parallel=True), stage)
+    for step in range(5):
+        batch = mlm_batch(200 + step)
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        assert_close(loss.item(), reference.step([batch])[0], rtol=1e-4, atol=1e-4)
+
 
 @pytest.mark.slow
 def test_tp2_zero2_trains_like_tp1_and_needs_the_mpu():
+    """20 ZeRO-2 steps at TP=2 x DP=1 (then 5 with sequence parallelism) give the TP=1 losses."""
     run_ranks(_training_and_mpu_wiring, 2, 2, 20, deepspeed=True)
 
 

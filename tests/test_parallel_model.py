@@ -1,5 +1,6 @@
 """`parallelize` preserves the function: TP=2 loss, logits and (gathered) gradients equal TP=1's,
-for every attention variant; state dicts shard and merge exactly; bad sizes give clear errors."""
+for every attention variant, with and without sequence parallelism; state dicts shard and merge
+exactly; bad sizes give clear errors."""
 
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ from swbert.parallel.layers import ColumnLinear, RowLinear, TensorParallelMasked
 from tests.test_parallel_harness import mlm_batch, reference_model, run_ranks, tiny_config
 
 
-def _check_variant(attention_type: str) -> None:
+def _check_variant(attention_type: str, sequence_parallel: bool) -> None:
     config = tiny_config(attention_type)
     ref = reference_model(config)
     model = SWBertForMaskedLM(config)
     model.load_state_dict(ref.state_dict())
     d = initialize(2)
-    parallelize(model, 2)
+    parallelize(model, 2, sequence_parallel=sequence_parallel)
     attn = model.bert.encoder.layers[0].attn
     assert isinstance(attn.out_proj, RowLinear)
     assert isinstance(model.bert.embeddings.word_embeddings, VocabEmbedding)
@@ -68,7 +69,8 @@ def _check_variant(attention_type: str) -> None:
 
 def _all_variants() -> None:
     for attention_type in ATTENTION_TYPES:
-        _check_variant(attention_type)
+        for sequence_parallel in (False, True):
+            _check_variant(attention_type, sequence_parallel)
     # bad input inside a real group: a world of 2 cannot be split 3 ways
     with pytest.raises(
         ValueError, match=r"--tensor-parallel 3 does not divide the number of processes \(2\)"
@@ -80,11 +82,14 @@ def _all_variants() -> None:
     with pytest.raises(ValueError, match=r"num_attention_heads=3 is not divisible by --tensor-parallel 2"):
         parallelize(model, 2)
     assert not isinstance(model, TensorParallelMaskedLM)  # refused before anything was swapped
+    model = parallelize(SWBertForMaskedLM(tiny_config()), 2, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"sequence length 15 is not divisible by --tensor-parallel 2"):
+        model(input_ids=torch.ones(2, 15, dtype=torch.long))
     dist.barrier()
 
 
 @pytest.mark.slow
-def test_tp2_equals_tp1_for_every_variant():
+def test_tp2_equals_tp1_for_every_variant_with_and_without_sequence_parallelism():
     run_ranks(_all_variants, 2)
 
 

@@ -16,6 +16,7 @@ The model config comes from the checkpoint (`checkpoint_client_state`) or `--con
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -110,6 +111,8 @@ def to_universal(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = No
         inject_missing_state=False,
     )
     ds_to_universal.main(args)  # also writes OUT_DIR/latest_universal
+    for meta in (Path(ckpt_dir) / tag).glob("*.json"):  # the trainer's metadata travels along
+        shutil.copy2(meta, Path(out_dir) / tag / meta.name)
     return Path(out_dir)
 
 

@@ -26,6 +26,7 @@ from transformers.modeling_outputs import MaskedLMOutput
 
 from swbert.models import SWBertForMaskedLM
 from swbert.models.modeling import IGNORE_INDEX
+from swbert.parallel.sequence import reduce_scatter_seq
 
 
 def _no_init(_: torch.Tensor) -> None:
@@ -92,9 +93,17 @@ class ColumnLinear(_NoExtraState, ColumnParallelLinear):
 
 
 class RowLinear(_NoExtraState, RowParallelLinear):
-    """`nn.Linear` split by input features; the partial products are summed by one all-reduce."""
+    """`nn.Linear` split by input features; the partial products are summed by one all-reduce, or
+    with `reduce_scatter_output` by a reduce-scatter along the sequence (sequence parallelism)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, config: ModelParallelConfig) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        config: ModelParallelConfig,
+        reduce_scatter_output: bool = False,
+    ) -> None:
         super().__init__(
             in_features,
             out_features,
@@ -104,9 +113,13 @@ class RowLinear(_NoExtraState, RowParallelLinear):
             input_is_parallel=True,
             skip_bias_add=False,
         )
+        self.reduce_scatter_output = reduce_scatter_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return super().forward(x)[0]
+        if not self.reduce_scatter_output:
+            return super().forward(x)[0]
+        y = reduce_scatter_seq(F.linear(x, self.weight), self.tp_group)  # (B, S/tp, d)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabEmbedding(VocabParallelEmbedding):
@@ -155,22 +168,23 @@ def copy_input_to_tp_region(module: nn.Module, args: tuple) -> tuple:
     return (copy_to_tensor_model_parallel_region(x), *rest)
 
 
-class ForkedRNGKernel(nn.Module):
-    """Runs an attention kernel under megatron's per-rank RNG state.
+class ForkedRNG(nn.Module):
+    """Runs `module` (an attention kernel, a dropout) under megatron's per-rank RNG state in training.
 
-    Each rank holds different heads, so their attention-dropout masks must be independent draws;
-    the default generator is identical across a tensor-parallel group (see `manual_seed`).
+    The default generator is identical across a tensor-parallel group (see `manual_seed`); where
+    ranks hold different data (their own heads, or their own tokens under sequence parallelism)
+    the dropout masks must be independent draws.
     """
 
-    def __init__(self, kernel: nn.Module) -> None:
+    def __init__(self, module: nn.Module) -> None:
         super().__init__()
-        self.kernel = kernel
+        self.module = module
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+    def forward(self, *args: torch.Tensor | None) -> torch.Tensor:
         if not self.training:
-            return self.kernel(q, k, v, mask)
+            return self.module(*args)
         with get_cuda_rng_tracker().fork():
-            return self.kernel(q, k, v, mask)
+            return self.module(*args)
 
 
 class TensorParallelMaskedLM(SWBertForMaskedLM):

@@ -1,4 +1,4 @@
-"""`parallelize(model, tp_size)`: tensor parallelism applied to a TP=1 model from outside.
+"""`parallelize(model, tp_size)`: tensor (and sequence) parallelism applied to a TP=1 model from outside.
 
 A fixed, logged sequence of steps; each swaps modules or parameters for the sharded ones of
 `swbert.parallel.plan` and copies this rank's slice of the TP=1 weights into them, so the
@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch import nn
 
 from swbert.models import SWBertForMaskedLM
-from swbert.parallel import plan
+from swbert.parallel import plan, sequence
 from swbert.parallel.layers import (
     ColumnLinear,
-    ForkedRNGKernel,
+    ForkedRNG,
     RowLinear,
     TensorParallelMaskedLM,
     VocabEmbedding,
@@ -26,15 +26,16 @@ from swbert.parallel.layers import (
 )
 from swbert.parallel.state import dims, log_rank0
 
-_STEPS = 6
+_STEPS = 7
 
 
-def parallelize(model: SWBertForMaskedLM, tp_size: int) -> SWBertForMaskedLM:
+def parallelize(model: SWBertForMaskedLM, tp_size: int, sequence_parallel: bool = False) -> SWBertForMaskedLM:
     """Split `model` over the tensor-parallel group, in place; returns it. No-op at `tp_size == 1`.
 
     Call after `swbert.parallel.initialize(tp_size)` and before `deepspeed.initialize`. Every rank
     of a tensor-parallel group must call it; the weights of TP rank 0 are used (step 1), so the
-    ranks need not have built identical models.
+    ranks need not have built identical models. `sequence_parallel` also splits the activations
+    between the tensor-parallel regions along the sequence (`swbert.parallel.sequence`).
     """
     if tp_size == 1:
         log_rank0("tensor parallel 1: model unchanged")
@@ -52,6 +53,8 @@ def parallelize(model: SWBertForMaskedLM, tp_size: int) -> SWBertForMaskedLM:
     config = model.config
     plan.check_divisible(config, tp_size)
     step = _Step(tp_size)
+    layers = model.bert.encoder.layers
+    sp = sequence_parallel
 
     step("broadcast TP rank 0's weights over the tensor-parallel group")
     _broadcast(model, d.tp_group)
@@ -66,25 +69,20 @@ def parallelize(model: SWBertForMaskedLM, tp_size: int) -> SWBertForMaskedLM:
 
     step(
         "%d layers: %s attention by heads (%d per rank), out_proj row; MLP fc1 column, fc2 row",
-        len(model.bert.encoder.layers),
+        len(layers),
         config.attention_type,
         config.num_attention_heads // tp_size,
     )
-    for layer in model.bert.encoder.layers:
-        _split_by_plan(
-            layer.attn,
-            plan.ATTENTION_PLANS[config.attention_type],
-            mcfg,
-            d.tp_rank,
-            tp_size,
-            fused_input=True,
-        )
-        _split_by_plan(layer.mlp, plan.MLP_PLAN, mcfg, d.tp_rank, tp_size)
+    attention_plan = plan.ATTENTION_PLANS[config.attention_type]
+    for layer in layers:
+        _split_by_plan(layer.attn, attention_plan, mcfg, d.tp_rank, tp_size, region_entry=True, seq=sp)
+        _split_by_plan(layer.mlp, plan.MLP_PLAN, mcfg, d.tp_rank, tp_size, region_entry=sp, seq=sp)
 
     step("attention: one input-gradient all-reduce for all projections; kernel forks the per-rank RNG")
-    for layer in model.bert.encoder.layers:
-        layer.attn.register_forward_pre_hook(copy_input_to_tp_region)
-        layer.attn.kernel = ForkedRNGKernel(layer.attn.kernel)  # independent dropout per head
+    for layer in layers:
+        if not sp:  # with sequence parallelism the region entry is the all-gather of step 7
+            layer.attn.register_forward_pre_hook(copy_input_to_tp_region)
+        layer.attn.kernel = ForkedRNG(layer.attn.kernel)  # independent dropout per head
 
     step("MLM decoder -> vocab-parallel, tied to the word-embedding shard; loss -> vocab-parallel CE")
     head = model.mlm_head
@@ -99,6 +97,26 @@ def parallelize(model: SWBertForMaskedLM, tp_size: int) -> SWBertForMaskedLM:
         dim = plan.partition_dim(name, config)
         if dim is not None:
             mark_tensor_parallel(param, dim)
+
+    if not sp:
+        step("sequence parallelism: off")
+        return model
+    step("sequence parallelism: LayerNorm/dropout/residual on S/%d tokens per rank", tp_size)
+    group = d.tp_group
+    embeddings.register_forward_hook(sequence.scatter_output_hook(group))
+    model.bert.encoder.register_forward_hook(sequence.gather_encoder_output_hook(group))
+    for layer in layers:
+        layer.attn.register_forward_pre_hook(sequence.gather_seq_pre_hook(group))
+        layer.mlp.register_forward_pre_hook(sequence.gather_seq_pre_hook(group))
+        layer.dropout = ForkedRNG(layer.dropout)  # each rank drops out its own tokens
+        for param in (
+            *layer.attn_norm.parameters(),
+            *layer.mlp_norm.parameters(),
+            layer.attn.out_proj.bias,
+            layer.mlp.fc2.bias,
+        ):
+            if param is not None:
+                sequence.sum_grad_over_group(param, group)
     return model
 
 
@@ -145,10 +163,15 @@ def _split_by_plan(
     mcfg: object,
     tp_rank: int,
     tp_size: int,
-    fused_input: bool = False,
+    region_entry: bool,
+    seq: bool,
 ) -> None:
-    """Swap `parent`'s submodules/parameters per `table`. `fused_input`: the column linears leave
-    the input-gradient all-reduce to a `copy_input_to_tp_region` hook on `parent`."""
+    """Swap `parent`'s submodules/parameters per `table`.
+
+    `region_entry`: a hook on `parent` makes its input enter the tensor-parallel region (one
+    backward all-reduce or, with `seq`, an all-gather), so column linears skip their own.
+    `seq`: row linears end with a reduce-scatter along the sequence instead of an all-reduce.
+    """
     for attr, split in table.items():
         old = getattr(parent, attr)
         if split == "heads":  # a per-head parameter (dq, dk, dv or U): keep this rank's heads
@@ -156,10 +179,10 @@ def _split_by_plan(
             continue
         has_bias = old.bias is not None
         if split == "column":
-            new = ColumnLinear(old.in_features, old.out_features, has_bias, mcfg, not fused_input)
+            new = ColumnLinear(old.in_features, old.out_features, has_bias, mcfg, not region_entry)
             dims_ = {"weight": 0, "bias": 0}
         else:
-            new = RowLinear(old.in_features, old.out_features, has_bias, mcfg)
+            new = RowLinear(old.in_features, old.out_features, has_bias, mcfg, reduce_scatter_output=seq)
             dims_ = {"weight": 1, "bias": None}
         tensors = {"weight": old.weight, **({"bias": old.bias} if has_bias else {})}
         _fill(new, tensors, tp_rank, tp_size, dims_)
