@@ -1,6 +1,6 @@
 """Convert DeepSpeed checkpoints between tensor-parallel sizes and into Hugging Face folders.
 
-python -m swbert.parallel.convert universal CKPT_DIR OUT_DIR [--tag T]
+python -m swbert.parallel.convert universal CKPT_DIR OUT_DIR [--tag T] [--config config.json]
     Any TP / DP size and ZeRO stage -> a universal checkpoint, with optimizer state, that resumes at
     any tensor- and data-parallel size (DeepSpeed config: "checkpoint": {"load_universal": true}).
 python -m swbert.parallel.convert hf CKPT_DIR OUT_DIR [--tag T] [--config config.json]
@@ -30,6 +30,7 @@ from swbert.parallel.checkpoint import (
     model_state_files,
     resolve_tag,
     shard_state_dict,
+    universal_checkpoint_info,
 )
 
 
@@ -37,9 +38,9 @@ def _load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _config(saved: dict, config_path: str | None) -> SWBertConfig:
-    if config_path is not None:
-        return SWBertConfig.from_json_file(config_path)
+def _config(saved: dict, config: SWBertConfig | None) -> SWBertConfig:
+    if config is not None:
+        return config
     if CONFIG_KEY not in saved:
         raise ValueError(
             "the checkpoint does not record the model config (save with client_state="
@@ -63,25 +64,25 @@ def merged_state_dict(tag_dir: str | Path, config: SWBertConfig) -> dict[str, to
     shards = [_load(f)["module"] for f in model_state_files(tag_dir.parent, tag_dir.name)]
     if any(t.numel() == 0 for t in shards[0].values() if isinstance(t, torch.Tensor)):  # ZeRO-3 placeholders
         with tempfile.TemporaryDirectory() as tmp:
-            to_universal(tag_dir.parent, tmp, tag_dir.name)
+            to_universal(tag_dir.parent, tmp, tag_dir.name, config)
             return merged_state_dict(Path(tmp) / tag_dir.name, config)
     return merge_state_dicts(shards, config)
 
 
 def full_state_dict(
-    ckpt_dir: str | Path, tag: str | None = None, config_path: str | None = None
+    ckpt_dir: str | Path, tag: str | None = None, config: SWBertConfig | None = None
 ) -> tuple[dict[str, torch.Tensor], SWBertConfig]:
     """The merged TP=1 weights and the model config of a DeepSpeed checkpoint (plain or universal)."""
     tag = resolve_tag(ckpt_dir, tag)
-    config = _config(_load(model_state_files(ckpt_dir, tag)[0]), config_path)
+    config = _config(_load(model_state_files(ckpt_dir, tag)[0]), config)
     return merged_state_dict(Path(ckpt_dir) / tag, config), config
 
 
 def to_hf(
-    ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = None, config_path: str | None = None
+    ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = None, config: SWBertConfig | None = None
 ) -> Path:
     """Write a Hugging Face folder (config.json, model.safetensors) with the merged weights."""
-    state, config = full_state_dict(ckpt_dir, tag, config_path)
+    state, config = full_state_dict(ckpt_dir, tag, config)
     model = SWBertForMaskedLM(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(model._tied_weights_keys)
@@ -91,29 +92,47 @@ def to_hf(
     return Path(out_dir)
 
 
-def to_universal(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = None) -> Path:
-    """DeepSpeed's `ds_to_universal` on one checkpoint; OUT_DIR/<tag> resumes at any size."""
+def to_universal(
+    ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = None, config: SWBertConfig | None = None
+) -> Path:
+    """DeepSpeed's `ds_to_universal` on one checkpoint; OUT_DIR/<tag> resumes at any size.
+
+    The parameter layout comes from the checkpoint (`checkpoint_client_state`) or, for one saved
+    without it, is derived from the model config (`config`, or the one recorded in the checkpoint).
+    """
     from deepspeed.checkpoint import ds_to_universal
 
     tag = resolve_tag(ckpt_dir, tag)
-    if ds_ckpt.UNIVERSAL_CHECKPOINT_INFO not in _load(model_state_files(ckpt_dir, tag)[0]):
-        raise ValueError(
-            f"{Path(ckpt_dir) / tag} was saved without its parameter layout (client_state="
-            "swbert.parallel.checkpoint_client_state(config)); use `reshard` (weights only) instead"
+    source = Path(ckpt_dir) / tag
+    first = _load(model_state_files(ckpt_dir, tag)[0])
+    with tempfile.TemporaryDirectory() as staging:
+        if ds_ckpt.UNIVERSAL_CHECKPOINT_INFO not in first:
+            source = _with_layout(source, Path(staging) / tag, _config(first, config))
+        args = argparse.Namespace(
+            input_folder=str(source),
+            output_folder=str(Path(out_dir) / tag),
+            num_extract_workers=1,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=False,
         )
-    args = argparse.Namespace(
-        input_folder=str(Path(ckpt_dir) / tag),
-        output_folder=str(Path(out_dir) / tag),
-        num_extract_workers=1,
-        num_merge_workers=1,
-        keep_temp_folder=False,
-        strict=True,
-        inject_missing_state=False,
-    )
-    ds_to_universal.main(args)  # also writes OUT_DIR/latest_universal
+        ds_to_universal.main(args)  # also writes OUT_DIR/latest_universal
     for meta in (Path(ckpt_dir) / tag).glob("*.json"):  # the trainer's metadata travels along
         shutil.copy2(meta, Path(out_dir) / tag / meta.name)
     return Path(out_dir)
+
+
+def _with_layout(tag_dir: Path, staging: Path, config: SWBertConfig) -> Path:
+    """A view of `tag_dir` (links) whose model files also carry the universal-checkpoint layout."""
+    staging.mkdir(parents=True)
+    layout = universal_checkpoint_info(config)
+    for f in tag_dir.iterdir():
+        if f.name.endswith("model_states.pt"):
+            torch.save({**_load(f), ds_ckpt.UNIVERSAL_CHECKPOINT_INFO: layout}, staging / f.name)
+        else:
+            (staging / f.name).symlink_to(f.resolve())
+    return staging
 
 
 # Per-file metadata that describes the saved shapes; it would be wrong for the new size.
@@ -125,11 +144,11 @@ def reshard(
     out_dir: str | Path,
     tp_size: int,
     tag: str | None = None,
-    config_path: str | None = None,
+    config: SWBertConfig | None = None,
 ) -> Path:
     """Weights-only DeepSpeed files for TP=`tp_size` (no optimizer state)."""
     tag = resolve_tag(ckpt_dir, tag)
-    state, config = full_state_dict(ckpt_dir, tag, config_path)
+    state, config = full_state_dict(ckpt_dir, tag, config)
     meta = {k: v for k, v in _load(model_state_files(ckpt_dir, tag)[0]).items() if k not in _SHAPE_KEYS}
     folder = Path(out_dir) / tag
     folder.mkdir(parents=True, exist_ok=True)
@@ -157,17 +176,17 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("ckpt_dir", help="folder given to engine.save_checkpoint")
         p.add_argument("out_dir")
         p.add_argument("--tag", default=None, help="checkpoint tag (default: the one in CKPT_DIR/latest)")
-        if name != "universal":
-            p.add_argument("--config", default=None, help="config.json, if the checkpoint lacks it")
+        p.add_argument("--config", default=None, help="config.json, if the checkpoint lacks it")
         if name == "reshard":
             p.add_argument("--tensor-parallel", type=int, required=True, dest="tp_size")
     args = parser.parse_args(argv)
+    config = SWBertConfig.from_json_file(args.config) if args.config else None
     if args.command == "universal":
-        out = to_universal(args.ckpt_dir, args.out_dir, args.tag)
+        out = to_universal(args.ckpt_dir, args.out_dir, args.tag, config)
     elif args.command == "hf":
-        out = to_hf(args.ckpt_dir, args.out_dir, args.tag, args.config)
+        out = to_hf(args.ckpt_dir, args.out_dir, args.tag, config)
     else:
-        out = reshard(args.ckpt_dir, args.out_dir, args.tp_size, args.tag, args.config)
+        out = reshard(args.ckpt_dir, args.out_dir, args.tp_size, args.tag, config)
     print(f"wrote {out}")
 
 
