@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-pytest.importorskip("data_prep", reason="the pretraining job needs the data pipeline (data_prep)")
-pytest.importorskip("swbert.data", reason="the pretraining job needs the data pipeline (swbert.data)")
+pytest.importorskip("data_prep.train_tokenizer", reason="the pretraining job needs the data pipeline")
+pytest.importorskip("swbert.data", reason="the pretraining job needs the data pipeline")
 
 from swbert.models import SWBertForMaskedLM  # noqa: E402
 from tests.launch_utils import launch, make_data_dir, read_metrics  # noqa: E402

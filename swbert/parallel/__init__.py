@@ -4,7 +4,7 @@ Order of calls in a trainer::
 
     deepspeed.init_distributed(dist_backend="gloo" or "nccl")
     dims = swbert.parallel.initialize(tp_size, seed)          # groups; dp_size = world / tp_size
-    model = swbert.parallel.parallelize(SWBertForMaskedLM(config), tp_size)
+    model = swbert.parallel.parallelize(SWBertForMaskedLM(config), tp_size)  # sequence_parallel=...
     engine, *_ = deepspeed.initialize(model=model, ..., mpu=swbert.parallel.mpu())
     loss = engine(**batch).loss                               # vocab-parallel under TP
 

@@ -16,6 +16,7 @@ The model config comes from the checkpoint (`checkpoint_client_state`) or `--con
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -38,15 +39,22 @@ def _load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _config(saved: dict, config: SWBertConfig | None) -> SWBertConfig:
+# The pretraining job keeps the model config in a metadata file next to DeepSpeed's.
+_JOB_META = "swbert_meta.json"
+
+
+def _config(saved: dict, config: SWBertConfig | None, tag_dir: Path) -> SWBertConfig:
+    """`config`, else the one recorded in the checkpoint (client state, or the job's metadata)."""
     if config is not None:
         return config
-    if CONFIG_KEY not in saved:
-        raise ValueError(
-            "the checkpoint does not record the model config (save with client_state="
-            "swbert.parallel.checkpoint_client_state(config)); pass --config path/to/config.json"
-        )
-    return SWBertConfig.from_dict(saved[CONFIG_KEY])
+    if CONFIG_KEY in saved:
+        return SWBertConfig.from_dict(saved[CONFIG_KEY])
+    if (tag_dir / _JOB_META).is_file():
+        return SWBertConfig.from_dict(json.loads((tag_dir / _JOB_META).read_text())[CONFIG_KEY])
+    raise ValueError(
+        f"{tag_dir} does not record the model config (save with client_state="
+        "swbert.parallel.checkpoint_client_state(config)); pass --config path/to/config.json"
+    )
 
 
 def merged_state_dict(tag_dir: str | Path, config: SWBertConfig) -> dict[str, torch.Tensor]:
@@ -74,7 +82,7 @@ def full_state_dict(
 ) -> tuple[dict[str, torch.Tensor], SWBertConfig]:
     """The merged TP=1 weights and the model config of a DeepSpeed checkpoint (plain or universal)."""
     tag = resolve_tag(ckpt_dir, tag)
-    config = _config(_load(model_state_files(ckpt_dir, tag)[0]), config)
+    config = _config(_load(model_state_files(ckpt_dir, tag)[0]), config, Path(ckpt_dir) / tag)
     return merged_state_dict(Path(ckpt_dir) / tag, config), config
 
 
@@ -107,7 +115,7 @@ def to_universal(
     first = _load(model_state_files(ckpt_dir, tag)[0])
     with tempfile.TemporaryDirectory() as staging:
         if ds_ckpt.UNIVERSAL_CHECKPOINT_INFO not in first:
-            source = _with_layout(source, Path(staging) / tag, _config(first, config))
+            source = _with_layout(source, Path(staging) / tag, _config(first, config, source))
         args = argparse.Namespace(
             input_folder=str(source),
             output_folder=str(Path(out_dir) / tag),
