@@ -228,13 +228,5 @@ class TensorParallelMaskedLM(SWBertForMaskedLM):
     def save_pretrained(self, *args: object, **kwargs: object) -> None:
         raise RuntimeError(
             "this model is split over tensor-parallel ranks; export with "
-            "swbert.parallel.gather_state_dict(model) or `python -m swbert.parallel.convert CKPT OUT --hf`"
+            "swbert.parallel.gather_state_dict(model), or from a checkpoint: python -m swbert.parallel.convert hf CKPT_DIR OUT_DIR"
         )
-
-
-def copy_into(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy `tensors` (this rank's shards) into `module`'s parameters of the same names."""
-    params = dict(module.named_parameters())
-    with torch.no_grad():
-        for name, value in tensors.items():
-            params[name].copy_(value)
