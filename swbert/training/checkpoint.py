@@ -47,7 +47,23 @@ def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
+    tracker = _tp_rng_tracker()
+    if tracker is not None:
+        state["tensor_parallel"] = tracker.rng_tracker_states()
     return state
+
+
+def _tp_rng_tracker():
+    """swbert.parallel when tensor parallelism is active (megatron's per-rank RNG streams), else None."""
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        return None
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    from swbert import parallel
+
+    return parallel
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -56,6 +72,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    tracker = _tp_rng_tracker()
+    if "tensor_parallel" in state and tracker is not None:
+        tracker.set_rng_tracker_states(state["tensor_parallel"])
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -57,7 +57,7 @@ def build_layout(config: TrainConfig, rank: int, world: int) -> tuple[Layout, An
         return Layout(rank, world, 1, world, rank), None
     from swbert import parallel
 
-    dims = parallel.initialize(tp)
+    dims = parallel.initialize(tp, seed=config.seed)
     return Layout(rank, world, tp, dims.dp_size, dims.dp_rank, dims.dp_group), parallel.mpu()
 
 
