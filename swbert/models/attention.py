@@ -13,6 +13,7 @@ tensor-parallel wrapper that shards the projections by heads needs no change her
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,70 @@ class EagerKernel(nn.Module):
 KERNELS: dict[str, type[nn.Module]] = {"sdpa": SDPAKernel, "eager": EagerKernel}
 
 
+def _view_key(t: torch.Tensor) -> tuple:
+    """Tensors with equal keys are the same view of the same memory."""
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+
+class RebuildFromS:
+    """Saved-tensor hooks for one kernel call: a tensor that is S scaled by a vector is kept as
+    (S, vector) and rebuilt by one elementwise product in backward, so autograd keeps S instead
+    of Q and V. Tensors it does not recognise are kept as they are.
+
+    It composes with saved-tensor hooks already active (activation checkpointing, CPU offload):
+    S and every tensor it does not rebuild go through those. Under torch.compile, or where the
+    hooks are disabled, it does nothing; the compiler makes the same trade by itself.
+    """
+
+    def __init__(
+        self,
+        s: torch.Tensor,
+        scaled: list[tuple[torch.Tensor, torch.Tensor]],
+        split: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.active = (
+            torch.is_grad_enabled()
+            and s.requires_grad
+            and not torch.compiler.is_compiling()
+            and torch._C._autograd._saved_tensors_hooks_is_enabled()
+        )
+        if not self.active:
+            return
+        self.s = s
+        self.split = split
+        # the vectors are detached: they are read, not differentiated, when rebuilding
+        self.scales = {_view_key(t): scale.detach() for t, scale in scaled if t is not None}
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        self.outer_pack, self.outer_unpack = outer if outer is not None else (None, None)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def _pack_outer(self, t: torch.Tensor) -> object:
+        return t if self.outer_pack is None else self.outer_pack(t)
+
+    def _unpack_outer(self, packed: object) -> torch.Tensor:
+        return packed if self.outer_unpack is None else self.outer_unpack(packed)
+
+    def pack(self, t: torch.Tensor) -> tuple:
+        scale = self.scales.get(_view_key(t))
+        if scale is None:
+            return (False, self._pack_outer(t), None)
+        return (True, self._pack_outer(self.s), scale)
+
+    def unpack(self, packed: tuple) -> torch.Tensor:
+        rebuild, inner, scale = packed
+        t = self._unpack_outer(inner)
+        return self.split(t * scale) if rebuild else t
+
+    def __enter__(self) -> RebuildFromS:
+        if self.active:
+            self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.active:
+            self.hooks.__exit__(*exc)
+
+
 class SelfAttention(nn.Module):
     """Common part: split heads, run the kernel, merge heads, project out."""
 
@@ -67,6 +132,9 @@ class SelfAttention(nn.Module):
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values, each (B, H, S, Dh)."""
         raise NotImplementedError
+
+    def fold_for_inference(self) -> None:
+        """Rewrite parameters into a cheaper form computing the same function (a no-op by default)."""
 
     def split_heads(self, t: torch.Tensor) -> torch.Tensor:
         B, S, _ = t.shape
@@ -113,10 +181,43 @@ class SharedAttention(SelfAttention):
         self.dq = nn.Parameter(torch.ones(d))
         self.dk = nn.Parameter(torch.ones(d))
         self.dv = nn.Parameter(torch.ones(d))
+        self.folded = False  # set by fold_for_inference(): dq holds dq*dk, dv lives in out_proj
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q, K, V as the paper writes them; `forward` computes the same attention with less work."""
         s = self.proj(x)  # (B, S, d); one GEMM instead of three
         return self.split_heads(s * self.dq), self.split_heads(s * self.dk), self.split_heads(s * self.dv)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        # Q K^T = S diag(dq*dk) S^T: only the product matters, so the keys can be S itself and one
+        # elementwise product fewer is needed. Q and V are S scaled by a vector: autograd keeps S and
+        # rebuilds them in backward instead of holding two more (B, S, d) activations.
+        B, S, _ = x.shape
+        s = self.proj(x)  # (B, S, d)
+        qk = self.dq if self.folded else self.dq * self.dk  # (d,)
+        q = self.split_heads(s * qk)  # (B, H, S, Dh)
+        k = self.split_heads(s)  # (B, H, S, Dh), a view of S
+        v = k if self.folded else self.split_heads(s * self.dv)  # folded: dv lives in out_proj
+        with RebuildFromS(s, [(q, qk), (v, self.dv)], self.split_heads):
+            y = self.kernel(q, k, v, mask)  # (B, H, S, Dh)
+        return self.out_proj(y.transpose(1, 2).reshape(B, S, -1))
+
+    @torch.no_grad()
+    def fold_for_inference(self) -> None:
+        """Fold dk into dq and dv into the output projection; the layer computes the same function.
+
+        Afterwards dk = dv = 1, so the parameters still describe a valid shared layer (a saved
+        state dict loads into an unfolded model with the same outputs), and `forward` skips the
+        products with them. Meant for inference: training a folded layer leaves dk and dv unused.
+        """
+        if self.folded:
+            return
+        self.dq.mul_(self.dk)
+        self.dk.fill_(1.0)
+        # A (S diag(dv)) W^T = (A S) (W diag(dv))^T: attention is linear in V column by column
+        self.out_proj.weight.mul_(self.dv)  # (out, in): dv scales the input columns
+        self.dv.fill_(1.0)
+        self.folded = True
 
 
 class SymmetricAttention(SelfAttention):

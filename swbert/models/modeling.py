@@ -19,7 +19,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
 )
 
-from swbert.models.attention import PairwiseAttention, SharedAttention, build_attention
+from swbert.models.attention import PairwiseAttention, SelfAttention, SharedAttention, build_attention
 from swbert.models.config import SWBertConfig
 
 IGNORE_INDEX = -100
@@ -122,10 +122,18 @@ class Pooler(nn.Module):
 
 
 def key_padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """(B, S) 1/0 mask -> (B, 1, 1, S) bool for the kernel. None keeps the unmasked fast path."""
+    """(B, S) 1/0 mask -> (B, 1, 1, S) bool for the kernel. None keeps the unmasked fast path.
+
+    A mask with nothing padded (packed pretraining batches) is dropped: with any mask the fused GPU
+    kernels fall back from flash attention to slower ones. Checking costs one host sync, which is
+    skipped under torch.compile (the mask is then kept; the result is the same).
+    """
     if attention_mask is None:
         return None
-    return attention_mask.bool()[:, None, None, :]
+    mask = attention_mask.bool()
+    if not torch.compiler.is_compiling() and bool(mask.all()):
+        return None
+    return mask[:, None, None, :]
 
 
 class SWBertPreTrainedModel(PreTrainedModel):
@@ -133,6 +141,19 @@ class SWBertPreTrainedModel(PreTrainedModel):
     base_model_prefix = "bert"
     supports_gradient_checkpointing = True
     _no_split_modules = ["Block"]
+
+    def optimize_for_inference(self) -> SWBertPreTrainedModel:
+        """Fold parameters that training keeps apart into a cheaper equivalent; returns self in eval mode.
+
+        For `shared`, dq*dk becomes one vector on the query side and dv moves into the output
+        projection (`SharedAttention.fold_for_inference`); the other variants have nothing to fold.
+        Eval outputs are unchanged up to float rounding. Fold after loading weights, not before
+        training: a folded shared layer leaves dk and dv unused.
+        """
+        for module in self.modules():
+            if isinstance(module, SelfAttention):
+                module.fold_for_inference()
+        return self.eval()
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

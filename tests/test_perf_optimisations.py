@@ -1,0 +1,191 @@
+"""Every performance optimisation computes what the plain path computes: outputs and gradients."""
+
+import copy
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from benchmarks.train_step import activation_bytes
+from swbert import ATTENTION_TYPES, SWBertConfig, SWBertForMaskedLM, SWBertForSequenceClassification
+from swbert.models.attention import SelfAttention, SharedAttention
+from swbert.models.modeling import key_padding_mask
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def tiny(**overrides) -> SWBertConfig:
+    overrides = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, **overrides}
+    return SWBertConfig.from_size("tiny", vocab_size=101, max_position_embeddings=64, **overrides)
+
+
+def batch(B: int = 3, S: int = 12, padded: bool = True) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 101, (B, S), generator=g)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[-1, S // 2 :] = 0
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    labels[:, ::3] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def randomise(model: torch.nn.Module) -> None:
+    """Every parameter away from its initial value; the diagonals take both signs."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith((".dq", ".dk", ".dv")):
+                p.copy_(torch.randn_like(p))
+            else:
+                p.add_(torch.randn_like(p) * 0.05)
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture
+def plain_shared(monkeypatch):
+    """Switches SharedAttention to the paper's path: Q, K, V materialised, then the common forward."""
+
+    def use_plain() -> None:
+        monkeypatch.setattr(SharedAttention, "forward", SelfAttention.forward)
+
+    return use_plain
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_shared_layer_fast_path_equals_plain_path(kernel, padded):
+    torch.manual_seed(0)
+    attn = SharedAttention(tiny(attention_type="shared", attention_kernel=kernel))
+    randomise(attn)
+    x = torch.randn(3, 12, 64)
+    mask = torch.ones(3, 12, dtype=torch.bool)
+    if padded:
+        mask[1, 7:] = False
+    mask = mask[:, None, None, :]
+    w = torch.randn(3, 12, 64)  # a loss that weighs every output differently
+    results = []
+    for forward in (SelfAttention.forward, SharedAttention.forward):
+        xi = x.clone().requires_grad_()
+        attn.zero_grad()
+        y = forward(attn, xi, mask)
+        (y * w).sum().backward()
+        results.append((y.detach(), xi.grad, grads(attn)))
+    (y0, gx0, g0), (y1, gx1, g1) = results
+    assert_close(y1, y0, **TOL)
+    assert_close(gx1, gx0, **TOL)
+    assert g0.keys() == g1.keys() == {n for n, _ in attn.named_parameters()}
+    for name in g0:
+        assert_close(g1[name], g0[name], **TOL, msg=name)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_shared_masked_lm_loss_and_gradients_equal_plain_path(plain_shared, checkpointing):
+    torch.manual_seed(0)
+    model = SWBertForMaskedLM(tiny(attention_type="shared"))
+    randomise(model)
+    if checkpointing:  # non-reentrant checkpointing composes with the rebuild hooks
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    inputs = batch()
+    loss = model(**inputs).loss
+    loss.backward()
+    fast = grads(model)
+    model.zero_grad()
+    plain_shared()
+    ref = model(**inputs).loss
+    ref.backward()
+    assert_close(loss, ref, **TOL)
+    assert fast.keys() == grads(model).keys()
+    for name, g in grads(model).items():
+        assert_close(fast[name], g, **TOL, msg=name)
+
+
+def test_shared_rebuild_composes_with_outer_saved_tensor_hooks(plain_shared):
+    """Under CPU offload hooks, S goes through them and the gradients are unchanged."""
+    torch.manual_seed(0)
+    model = SWBertForMaskedLM(tiny(attention_type="shared"))
+    randomise(model)
+    inputs = batch()
+    with torch.autograd.graph.save_on_cpu():
+        model(**inputs).loss.backward()
+    fast = grads(model)
+    model.zero_grad()
+    plain_shared()
+    model(**inputs).loss.backward()
+    for name, g in grads(model).items():
+        assert_close(fast[name], g, **TOL, msg=name)
+
+
+def test_shared_keeps_less_for_backward_than_standard_and_the_plain_path(plain_shared):
+    """With the fused kernel, shared keeps S (not Q, K, V): two (B, S, d) tensors per layer fewer
+    than standard, which keeps its Q, K and V."""
+    inputs = batch(B=4, S=16, padded=False)
+    inputs.pop("attention_mask")
+    sizes = {}
+    for variant in ("standard", "shared"):
+        torch.manual_seed(0)
+        sizes[variant] = activation_bytes(SWBertForMaskedLM(tiny(attention_type=variant)).train(), inputs)
+    plain_shared()
+    torch.manual_seed(0)
+    sizes["shared_plain"] = activation_bytes(SWBertForMaskedLM(tiny(attention_type="shared")).train(), inputs)
+    config = tiny()
+    unit = 4 * 16 * config.hidden_size * 4  # one (B, S, d) fp32 activation
+    layers = config.num_hidden_layers
+    # (the shared layer keeps the d-vector dq*dk besides: a fraction of a unit)
+    assert sizes["standard"] - sizes["shared"] > 1.9 * layers * unit
+    assert sizes["shared_plain"] - sizes["shared"] > 2.9 * layers * unit
+
+
+@pytest.mark.parametrize("variant", ATTENTION_TYPES)
+def test_optimize_for_inference_keeps_outputs(variant, tmp_path):
+    torch.manual_seed(0)
+    model = SWBertForMaskedLM(tiny(attention_type=variant))
+    randomise(model)
+    model.eval()
+    inputs = batch()
+    inputs.pop("labels")
+    expected = model(**inputs).logits
+    folded = copy.deepcopy(model).optimize_for_inference()
+    assert not folded.training
+    valid = inputs["attention_mask"].bool()
+    assert_close(folded(**inputs).logits[valid], expected[valid], **TOL)
+    assert folded.optimize_for_inference() is folded  # folding twice changes nothing
+    assert_close(folded(**inputs).logits[valid], expected[valid], **TOL)
+    # the folded parameters still describe the same model when loaded unfolded
+    folded.save_pretrained(tmp_path)
+    reloaded = SWBertForMaskedLM.from_pretrained(tmp_path).eval()
+    assert_close(reloaded(**inputs).logits[valid], expected[valid], **TOL)
+    if variant == "shared":
+        attn = folded.bert.encoder.layers[0].attn
+        assert attn.folded and torch.equal(attn.dk, torch.ones_like(attn.dk))
+        assert torch.equal(attn.dv, torch.ones_like(attn.dv))
+        assert not torch.allclose(attn.dq, model.bert.encoder.layers[0].attn.dq)
+
+
+def test_optimize_for_inference_on_a_classifier():
+    torch.manual_seed(0)
+    model = SWBertForSequenceClassification(tiny(attention_type="shared", num_labels=3))
+    randomise(model)
+    model.eval()
+    inputs = batch()
+    inputs.pop("labels")
+    expected = model(**inputs).logits
+    assert_close(copy.deepcopy(model).optimize_for_inference()(**inputs).logits, expected, **TOL)
+
+
+def test_an_all_ones_attention_mask_takes_the_unmasked_path():
+    ones = torch.ones(2, 5, dtype=torch.long)
+    assert key_padding_mask(ones) is None
+    padded = ones.clone()
+    padded[1, 3:] = 0
+    assert key_padding_mask(padded).shape == (2, 1, 1, 5)
+    torch.manual_seed(0)
+    model = SWBertForMaskedLM(tiny()).eval()
+    ids = batch()["input_ids"]
+    assert torch.equal(
+        model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, model(input_ids=ids).logits
+    )
