@@ -1,0 +1,392 @@
+"""Training-step throughput and activation memory: transformers' BERT against swbert's variants.
+
+One process builds every model at the same shape, then times forward + backward + optimizer step
+in interleaved repetitions after a warm-up (the order rotates every repetition, so a slow spell of
+a shared machine hits every model alike) and prints the median of each and the ratios that matter:
+
+    python benchmarks/train_step.py                       # BERT-base, seq 128, batch 8
+    python benchmarks/train_step.py --seq-len 512 --batch 4 --reps 10
+    python benchmarks/train_step.py --smoke               # tiny shape, seconds (run by the tests)
+
+The reference is what a user would otherwise run: `transformers.BertForMaskedLM` with
+`attn_implementation="sdpa"`, labels set to -100 on the unmasked positions (15% masked), the same
+optimizer (torch AdamW) and the same dtype. On a GPU the default dtype is bf16, SDPA picks the
+fused (flash / memory-efficient / cuDNN) kernels, and MFU is printed next to the throughput.
+
+Activation memory is the bytes of the distinct tensors autograd saves for backward in one forward
+pass (parameters excluded), read through `torch.autograd.graph.saved_tensors_hooks`, which works on
+every device; on a GPU the peak allocated memory of a step above what was resident before it is
+printed as well. `--inference` adds eval-mode latency of `shared` before and after
+`optimize_for_inference()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+from swbert.models import SWBertConfig, SWBertForMaskedLM
+from swbert.models.flops import masked_lm_flops
+
+MODELS: tuple[str, ...] = ("hf", "standard", "shared", "symmetric", "pairwise")
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Dense bf16 peak of the accelerators MFU is quoted against (TFLOP/s); others need --peak-tflops.
+PEAK_TFLOPS: dict[str, float] = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+MASK_PROB = 0.15
+
+
+@dataclass
+class Result:
+    """Medians over the timed repetitions of one model."""
+
+    name: str
+    params: int
+    step_s: list[float] = field(default_factory=list)  # wall clock
+    cpu_s: list[float] = field(default_factory=list)  # this process's CPU time
+    activation_bytes: int = 0
+    peak_step_bytes: int | None = None  # GPU only: max allocated during a step minus before it
+    flops_per_token: float = 0.0  # training FLOPs (forward + backward) per input token
+
+    clock: str = "wall"
+
+    @property
+    def median_s(self) -> float:
+        """Median seconds per step on the clock the throughput is quoted on."""
+        return statistics.median(self.cpu_s if self.clock == "process" else self.step_s)
+
+    def tokens_per_s(self, tokens: int) -> float:
+        return tokens / self.median_s
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="base", help="named size from swbert.models.SIZES (default: base)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions of every model")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument(
+        "--dropout",
+        type=float,
+        default=None,
+        help="override hidden and attention dropout (default: 0.1, BERT's)",
+    )
+    p.add_argument("--compile", action="store_true", help="torch.compile every model (the reference too)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument(
+        "--clock",
+        choices=("wall", "process"),
+        default="wall",
+        help="time steps by the wall clock, or by this process's CPU time: on a CPU shared with other "
+        "jobs, with --threads 1, the CPU time is the time the step would take on an idle core",
+    )
+    p.add_argument("--peak-tflops", type=float, default=None, help="accelerator peak for MFU")
+    p.add_argument("--inference", action="store_true", help="also time shared before/after the fold")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--smoke", action="store_true", help="tiny shape, 2 reps: checks that the script runs")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.size, args.seq_len, args.batch, args.reps, args.warmup = "tiny", 16, 2, 2, 1
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    args.dtype = args.dtype or ("bf16" if args.device.type == "cuda" else "fp32")
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(args.models) - set(MODELS))
+    if unknown:
+        p.error(f"--models: unknown {unknown}; choose from {', '.join(MODELS)}")
+    return args
+
+
+def swbert_config(args: argparse.Namespace, attention_type: str = "standard") -> SWBertConfig:
+    overrides = {}
+    if args.dropout is not None:
+        overrides = dict(hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout)
+    max_pos = max(512, args.seq_len)
+    return SWBertConfig.from_size(
+        args.size, attention_type=attention_type, max_position_embeddings=max_pos, **overrides
+    )
+
+
+def build_model(name: str, args: argparse.Namespace) -> nn.Module:
+    """`hf` is transformers' BertForMaskedLM with the same fields as swbert's config."""
+    if name == "hf":
+        c = swbert_config(args)
+        hf_config = transformers.BertConfig(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            num_hidden_layers=c.num_hidden_layers,
+            num_attention_heads=c.num_attention_heads,
+            intermediate_size=c.intermediate_size,
+            hidden_act=c.hidden_act,
+            hidden_dropout_prob=c.hidden_dropout_prob,
+            attention_probs_dropout_prob=c.attention_probs_dropout_prob,
+            max_position_embeddings=c.max_position_embeddings,
+            layer_norm_eps=c.layer_norm_eps,
+            attn_implementation="sdpa",
+        )
+        return transformers.BertForMaskedLM(hf_config)
+    return SWBertForMaskedLM(swbert_config(args, name))
+
+
+def make_batch(
+    vocab: int, batch: int, seq_len: int, seed: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Random tokens with exactly round(15%) masked positions; labels are -100 elsewhere.
+
+    No padding (pretraining packs documents into full sequences), so no attention mask is passed.
+    """
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab, (batch, seq_len), generator=g)
+    n_masked = max(1, round(MASK_PROB * batch * seq_len))
+    where = torch.randperm(batch * seq_len, generator=g)[:n_masked]
+    labels = torch.full_like(ids, -100)
+    labels.view(-1)[where] = ids.view(-1)[where]
+    ids.view(-1)[where] = min(103, vocab - 1)  # [MASK] in BERT's vocabulary
+    return {"input_ids": ids.to(device), "labels": labels.to(device)}
+
+
+def training_flops_per_token(name: str, args: argparse.Namespace) -> float:
+    """The reference computes its 30k-way head on every token; swbert on the masked ones only."""
+    config = swbert_config(args, "standard" if name == "hf" else name)
+    fraction = 1.0 if name == "hf" else MASK_PROB
+    return masked_lm_flops(config, args.seq_len, predicted_fraction=fraction).training
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def activation_bytes(model: nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    """Bytes of the distinct non-parameter storages autograd keeps for backward after a forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**batch).loss
+    del loss  # frees the graph
+    return sum(saved.values())
+
+
+def make_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]
+) -> Callable[[], None]:
+    def step() -> None:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """torch AdamW, the same for every model: the fused kernel (one pass over the parameters, on CPU
+    several times faster than the multi-tensor path), else the multi-tensor one."""
+    params = list(model.parameters())
+    try:
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
+    except RuntimeError:
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, foreach=True)
+
+
+def timed(step: Callable[[], None], device: torch.device) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one call."""
+    synchronize(device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    step()
+    synchronize(device)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def peak_step_bytes(step: Callable[[], None], device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def peak_tflops(args: argparse.Namespace) -> float | None:
+    if args.peak_tflops is not None:
+        return args.peak_tflops
+    if args.device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(args.device)
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def run_training(args: argparse.Namespace) -> tuple[dict[str, Result], int]:
+    dtype = DTYPES[args.dtype]
+    tokens = args.batch * args.seq_len
+    steps: dict[str, Callable[[], None]] = {}
+    results: dict[str, Result] = {}
+    for name in args.models:
+        torch.manual_seed(args.seed)
+        model = build_model(name, args).to(device=args.device, dtype=dtype).train()
+        batch = make_batch(model.config.vocab_size, args.batch, args.seq_len, args.seed, args.device)
+        results[name] = Result(
+            name=name,
+            clock=args.clock,
+            params=sum(p.numel() for p in model.parameters()),
+            activation_bytes=activation_bytes(model, batch),
+            flops_per_token=training_flops_per_token(name, args),
+        )
+        if args.compile:
+            model = torch.compile(model)
+        optimizer = make_optimizer(model)
+        steps[name] = make_step(model, optimizer, batch)
+    for rep in range(args.warmup + args.reps):
+        k = rep % len(args.models)
+        for name in args.models[k:] + args.models[:k]:
+            wall, cpu = timed(steps[name], args.device)
+            if rep >= args.warmup:
+                results[name].step_s.append(wall)
+                results[name].cpu_s.append(cpu)
+    for name in args.models:
+        results[name].peak_step_bytes = peak_step_bytes(steps[name], args.device)
+    return results, tokens
+
+
+def run_inference(args: argparse.Namespace) -> dict[str, float]:
+    """Eval latency of `shared` as trained and after `optimize_for_inference()`; outputs must match."""
+    dtype = DTYPES[args.dtype]
+    torch.manual_seed(args.seed)
+    plain = SWBertForMaskedLM(swbert_config(args, "shared")).to(device=args.device, dtype=dtype).eval()
+    with torch.no_grad():  # away from the ones the diagonals start at, so the fold has work to do
+        for name, p in plain.named_parameters():
+            if name.endswith((".dq", ".dk", ".dv")):
+                p.uniform_(0.5, 1.5)
+    folded = SWBertForMaskedLM(plain.config).to(device=args.device, dtype=dtype)
+    folded.load_state_dict(plain.state_dict())
+    folded.optimize_for_inference()
+    ids = make_batch(plain.config.vocab_size, args.batch, args.seq_len, args.seed, args.device)["input_ids"]
+    models = {"shared": plain, "shared_folded": folded}
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    with torch.inference_mode():
+        torch.testing.assert_close(folded(input_ids=ids).logits, plain(input_ids=ids).logits, **tol)
+        names = list(models)
+        for rep in range(args.warmup + 4 * args.reps):
+            for name in names[rep % 2 :] + names[: rep % 2]:
+                wall, cpu = timed(lambda m=models[name]: m(input_ids=ids), args.device)
+                if rep >= args.warmup:
+                    times[name].append(cpu if args.clock == "process" else wall)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def machine() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads"
+
+
+def report(
+    args: argparse.Namespace, results: dict[str, Result], tokens: int, inference: dict[str, float]
+) -> dict:
+    peak = peak_tflops(args)
+    print(
+        f"# {args.size}, seq {args.seq_len}, batch {args.batch} ({tokens} tokens/step), {args.dtype}, "
+        f"{args.device.type}{' compiled' if args.compile else ''}; {machine()}; torch {torch.__version__}, "
+        f"transformers {transformers.__version__}; median of {args.reps} interleaved reps after "
+        f"{args.warmup} warm-up; throughput on the {args.clock} clock"
+    )
+    header = f"{'model':<10} {'params':>12} {'wall s':>8} {'cpu s':>8} {'tokens/s':>10} {'TFLOP/s':>8}"
+    header += f" {'act. MiB':>9}" + (f" {'peak MiB':>9}" if args.device.type == "cuda" else "")
+    print(header + (f" {'MFU':>6}" if peak else ""))
+    rows = {}
+    for name, r in results.items():
+        tps = r.tokens_per_s(tokens)
+        tflops = r.flops_per_token * tps / 1e12
+        line = (
+            f"{name:<10} {r.params:>12,} {statistics.median(r.step_s):>8.3f} {statistics.median(r.cpu_s):>8.3f} "
+            f"{tps:>10.1f} {tflops:>8.3f} {r.activation_bytes / 2**20:>9.1f}"
+        )
+        if r.peak_step_bytes is not None:
+            line += f" {r.peak_step_bytes / 2**20:>9.1f}"
+        print(line + (f" {100 * tflops / peak:>5.1f}%" if peak else ""))
+        rows[name] = dict(asdict(r), median_s=r.median_s, tokens_per_s=tps, tflops=tflops)
+    ratios: dict[str, float] = {}
+    std = results.get("standard")
+    for name in ("shared", "symmetric", "pairwise"):
+        if std is not None and name in results:
+            r = results[name]
+            ratios[f"{name}/standard"] = std.median_s / r.median_s
+            ratios[f"{name}/standard activation memory"] = r.activation_bytes / std.activation_bytes
+            print(
+                f"{name}/standard throughput {std.median_s / r.median_s:.3f}x "
+                f"(training FLOPs {std.flops_per_token / r.flops_per_token:.3f}x fewer), "
+                f"activation memory {r.activation_bytes / std.activation_bytes:.3f}x"
+            )
+    if std is not None and "hf" in results:
+        hf = results["hf"]
+        ratios["standard/hf"] = hf.median_s / std.median_s
+        ratios["standard/hf activation memory"] = std.activation_bytes / hf.activation_bytes
+        print(
+            f"swbert standard / transformers BertForMaskedLM throughput {hf.median_s / std.median_s:.3f}x "
+            f"(training FLOPs {hf.flops_per_token / std.flops_per_token:.3f}x fewer), "
+            f"activation memory {std.activation_bytes / hf.activation_bytes:.3f}x"
+        )
+    if inference:
+        speedup = inference["shared"] / inference["shared_folded"]
+        ratios["shared fold speedup"] = speedup
+        print(
+            f"inference, eval forward of {tokens} tokens: shared {1e3 * inference['shared']:.1f} ms, after "
+            f"optimize_for_inference() {1e3 * inference['shared_folded']:.1f} ms ({speedup:.3f}x), outputs equal"
+        )
+    return {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "machine": machine(),
+        "torch": torch.__version__,
+        "tokens_per_step": tokens,
+        "models": rows,
+        "ratios": ratios,
+        "inference_s": inference,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results, tokens = run_training(args)
+    inference = run_inference(args) if args.inference else {}
+    out = report(args, results, tokens, inference)
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
