@@ -1,6 +1,8 @@
 """Every performance optimisation computes what the plain path computes: outputs and gradients."""
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -189,3 +191,23 @@ def test_an_all_ones_attention_mask_takes_the_unmasked_path():
     assert torch.equal(
         model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, model(input_ids=ids).logits
     )
+
+
+def test_shared_keeps_s_but_not_under_checkpointing():
+    """Without checkpointing the graph holds S; under checkpointing nothing may (the rebuild hooks
+    pack S through checkpointing's own hooks and must not hold it themselves)."""
+    inputs = batch()
+    alive = {}
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = SWBertForMaskedLM(tiny(attention_type="shared")).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        refs = []
+        for layer in model.bert.encoder.layers:
+            layer.attn.proj.register_forward_hook(lambda m, i, out, refs=refs: refs.append(weakref.ref(out)))
+        loss = model(**inputs).loss  # the graph is alive until backward
+        gc.collect()
+        alive[checkpointing] = sum(r() is not None for r in refs)
+        loss.backward()
+    assert alive == {False: 2, True: 0}

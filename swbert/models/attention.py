@@ -77,19 +77,22 @@ class RebuildFromS:
         scaled: list[tuple[torch.Tensor, torch.Tensor]],
         split: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
+        hooks = torch._C._autograd
         self.active = (
             torch.is_grad_enabled()
             and s.requires_grad
             and not torch.compiler.is_compiling()
-            and torch._C._autograd._saved_tensors_hooks_is_enabled()
+            and hasattr(hooks, "_top_saved_tensors_default_hooks")  # private API: do without it
+            and hooks._saved_tensors_hooks_is_enabled()
         )
         if not self.active:
             return
         self.s = s
         self.split = split
-        # the vectors are detached: they are read, not differentiated, when rebuilding
-        self.scales = {_view_key(t): scale.detach() for t, scale in scaled if t is not None}
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        # The vectors are kept as they are (a parameter stays a parameter, so a sharded-parameter
+        # engine that gathers it for this module's backward serves the rebuild as well).
+        self.scales = {_view_key(t): scale for t, scale in scaled}
+        outer = hooks._top_saved_tensors_default_hooks(True)
         self.outer_pack, self.outer_unpack = outer if outer is not None else (None, None)
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
@@ -118,6 +121,9 @@ class RebuildFromS:
     def __exit__(self, *exc: object) -> None:
         if self.active:
             self.hooks.__exit__(*exc)
+            # The unpack hook lives as long as the graph: it must not hold S, which is packed
+            # (through the outer hooks, if any) into every record that needs it.
+            self.s = None
 
 
 class SelfAttention(nn.Module):
