@@ -180,7 +180,7 @@ def activation_bytes(model: nn.Module, batch: dict[str, torch.Tensor]) -> int:
         storage = t.untyped_storage()
         if storage.data_ptr() not in params:
             saved[storage.data_ptr()] = storage.nbytes()
-        return t
+        return t.detach()  # a saved output kept as itself would keep the discarded graph alive
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(**batch).loss

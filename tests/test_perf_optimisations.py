@@ -2,16 +2,16 @@
 
 import copy
 import gc
-import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.testing import assert_close
 
 from benchmarks.train_step import activation_bytes
 from swbert import ATTENTION_TYPES, SWBertConfig, SWBertForMaskedLM, SWBertForSequenceClassification
-from swbert.models.attention import SelfAttention, SharedAttention
-from swbert.models.modeling import key_padding_mask
+from swbert.models.attention import RebuildFromS, SelfAttention, SharedAttention, unfused_attention
+from swbert.models.modeling import Dropout, key_padding_mask
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -58,11 +58,39 @@ def plain_shared(monkeypatch):
     return use_plain
 
 
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_unfused_kernel_equals_sdpa(dropout, padded):
+    """The CPU path for attention dropout computes what SDPA computes, with the same random stream."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 12, 16) for _ in range(3))
+    mask = None
+    if padded:
+        mask = torch.ones(3, 1, 1, 12, dtype=torch.bool)
+        mask[1, ..., 7:] = False
+    w = torch.randn(3, 4, 12, 16)
+    results = []
+    for attend in (unfused_attention, None):
+        qi, ki, vi = (t.clone().requires_grad_() for t in (q, k, v))
+        torch.manual_seed(1)
+        if attend is None:
+            y = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, dropout_p=dropout)
+        else:
+            y = attend(qi, ki, vi, mask, dropout)
+        (y * w).sum().backward()
+        results.append((y.detach(), qi.grad, ki.grad, vi.grad))
+    for got, expected in zip(*results):
+        assert_close(got, expected, **TOL)
+
+
 @pytest.mark.parametrize("kernel", ["sdpa", "eager"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_shared_layer_fast_path_equals_plain_path(kernel, padded):
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_shared_layer_fast_path_equals_plain_path(kernel, padded, dropout):
     torch.manual_seed(0)
-    attn = SharedAttention(tiny(attention_type="shared", attention_kernel=kernel))
+    attn = SharedAttention(
+        tiny(attention_type="shared", attention_kernel=kernel, attention_probs_dropout_prob=dropout)
+    )
     randomise(attn)
     x = torch.randn(3, 12, 64)
     mask = torch.ones(3, 12, dtype=torch.bool)
@@ -74,6 +102,7 @@ def test_shared_layer_fast_path_equals_plain_path(kernel, padded):
     for forward in (SelfAttention.forward, SharedAttention.forward):
         xi = x.clone().requires_grad_()
         attn.zero_grad()
+        torch.manual_seed(2)  # the same dropout mask on both paths
         y = forward(attn, xi, mask)
         (y * w).sum().backward()
         results.append((y.detach(), xi.grad, grads(attn)))
@@ -122,18 +151,37 @@ def test_shared_rebuild_composes_with_outer_saved_tensor_hooks(plain_shared):
         assert_close(fast[name], g, **TOL, msg=name)
 
 
-def test_shared_keeps_less_for_backward_than_standard_and_the_plain_path(plain_shared):
-    """With the fused kernel, shared keeps S (not Q, K, V): two (B, S, d) tensors per layer fewer
-    than standard, which keeps its Q, K and V."""
+def test_dropout_keeps_a_bool_mask_and_draws_what_nn_dropout_draws():
+    x = torch.randn(4, 16, 64, requires_grad=True)
+    ours, ref = Dropout(0.1).train(), torch.nn.Dropout(0.1).train()
+    outs = []
+    for module in (ours, ref):
+        torch.manual_seed(3)
+        y = module(x)
+        outs.append((y, torch.autograd.grad(y.sum(), x)[0]))
+    assert_close(outs[0], outs[1])
+    assert ours.eval()(x) is x
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t.detach(), lambda t: t):
+        ours.train()(x)
+    assert saved == [torch.bool]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_shared_keeps_less_for_backward_than_standard_and_the_plain_path(plain_shared, dropout):
+    """Shared keeps S (not Q, K, V): two (B, S, d) tensors per layer fewer than standard, which
+    keeps its Q, K and V (the fused kernel), or copies of them (the unfused CPU path for dropout)."""
     inputs = batch(B=4, S=16, padded=False)
     inputs.pop("attention_mask")
     sizes = {}
     for variant in ("standard", "shared"):
         torch.manual_seed(0)
-        sizes[variant] = activation_bytes(SWBertForMaskedLM(tiny(attention_type=variant)).train(), inputs)
+        config = tiny(attention_type=variant, attention_probs_dropout_prob=dropout)
+        sizes[variant] = activation_bytes(SWBertForMaskedLM(config).train(), inputs)
     plain_shared()
     torch.manual_seed(0)
-    sizes["shared_plain"] = activation_bytes(SWBertForMaskedLM(tiny(attention_type="shared")).train(), inputs)
+    config = tiny(attention_type="shared", attention_probs_dropout_prob=dropout)
+    sizes["shared_plain"] = activation_bytes(SWBertForMaskedLM(config).train(), inputs)
     config = tiny()
     unit = 4 * 16 * config.hidden_size * 4  # one (B, S, d) fp32 activation
     layers = config.num_hidden_layers
@@ -193,21 +241,18 @@ def test_an_all_ones_attention_mask_takes_the_unmasked_path():
     )
 
 
-def test_shared_keeps_s_but_not_under_checkpointing():
-    """Without checkpointing the graph holds S; under checkpointing nothing may (the rebuild hooks
-    pack S through checkpointing's own hooks and must not hold it themselves)."""
-    inputs = batch()
-    alive = {}
-    for checkpointing in (False, True):
-        torch.manual_seed(0)
-        model = SWBertForMaskedLM(tiny(attention_type="shared")).train()
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        refs = []
-        for layer in model.bert.encoder.layers:
-            layer.attn.proj.register_forward_hook(lambda m, i, out, refs=refs: refs.append(weakref.ref(out)))
-        loss = model(**inputs).loss  # the graph is alive until backward
-        gc.collect()
-        alive[checkpointing] = sum(r() is not None for r in refs)
-        loss.backward()
-    assert alive == {False: 2, True: 0}
+def test_rebuild_hooks_hold_nothing_after_the_kernel_call():
+    """The unpack hooks live as long as the graph; S must reach them only through what was packed
+    (under checkpointing that is checkpointing's handle, which frees S until recomputation)."""
+    torch.manual_seed(0)
+    model = SWBertForMaskedLM(tiny(attention_type="shared")).train()
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if isinstance(o, RebuildFromS)}
+    loss = model(**batch()).loss  # the graph is alive until backward
+    gc.collect()
+    live = [o for o in gc.get_objects() if isinstance(o, RebuildFromS) and id(o) not in before]
+    assert len(live) == model.config.num_hidden_layers
+    assert all(h.s is None for h in live)
+    del loss, live  # a graph discarded without backward is freed, hooks included
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, RebuildFromS) and id(o) not in before]

@@ -13,7 +13,6 @@ tensor-parallel wrapper that shards the projections by heads needs no change her
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,17 +21,52 @@ from torch import nn
 from swbert.models.config import SWBertConfig
 
 
+def unfused_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float
+) -> torch.Tensor:
+    """Softmax attention from batched matrix products, for where no fused kernel applies.
+
+    It computes what SDPA's own math fallback computes, with the same dropout random stream, but
+    keeps less for backward: no scaled copies of Q and K (1/sqrt(Dh) rides on the product) and a
+    bool dropout mask instead of a float one. Inputs laid out head-major (contiguous (B, H, S, Dh))
+    are read in place; others are copied once.
+    """
+    B, H, S, Dh = q.shape
+    Sk = k.shape[-2]
+    qf, kf, vf = (t.reshape(B * H, t.shape[-2], Dh) for t in (q, k, v))  # views when head-major
+    ignored = qf.new_empty(1, 1, 1)  # beta=0: baddbmm does not read it
+    scores = torch.baddbmm(ignored, qf, kf.transpose(1, 2), beta=0.0, alpha=Dh**-0.5)  # (B*H, S, Sk)
+    if mask is not None:
+        # the most negative finite value rather than -inf: a query whose keys are all masked gets
+        # uniform weights instead of NaN (key padding never masks every key of a real sequence)
+        scores.view(B, H, S, Sk).masked_fill_(~mask, torch.finfo(scores.dtype).min)
+    probs = scores.softmax(dim=-1)
+    if dropout_p > 0.0:
+        probs = torch.native_dropout(probs, dropout_p, True)[0]
+    return torch.bmm(probs, vf).view(B, H, S, Dh)
+
+
 class SDPAKernel(nn.Module):
-    """`scaled_dot_product_attention`: flash / memory-efficient kernels on GPU, fused on CPU."""
+    """`scaled_dot_product_attention`: flash / memory-efficient kernels on GPU, fused on CPU.
+
+    PyTorch has no fused CPU kernel with dropout: there SDPA falls back to its math path, and this
+    kernel runs `unfused_attention` instead, which computes the same and keeps less for backward.
+    """
 
     def __init__(self, dropout: float) -> None:
         super().__init__()
         self.dropout = dropout
 
+    def unfused(self, device: torch.device) -> bool:
+        """Whether a call on this device computes from batched matrix products (no fused kernel)."""
+        return self.training and self.dropout > 0.0 and device.type == "cpu"
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         # q, k, v: (B, H, S, Dh); mask: (B, 1, 1, S) bool, True where a key may be attended
+        if self.unfused(q.device):
+            return unfused_attention(q, k, v, mask, self.dropout)
         p = self.dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
 
@@ -43,6 +77,9 @@ class EagerKernel(nn.Module):
     def __init__(self, dropout: float) -> None:
         super().__init__()
         self.dropout = nn.Dropout(dropout)
+
+    def unfused(self, device: torch.device) -> bool:
+        return True
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
@@ -56,27 +93,17 @@ class EagerKernel(nn.Module):
 KERNELS: dict[str, type[nn.Module]] = {"sdpa": SDPAKernel, "eager": EagerKernel}
 
 
-def _view_key(t: torch.Tensor) -> tuple:
-    """Tensors with equal keys are the same view of the same memory."""
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
-
-
 class RebuildFromS:
-    """Saved-tensor hooks for one kernel call: a tensor that is S scaled by a vector is kept as
-    (S, vector) and rebuilt by one elementwise product in backward, so autograd keeps S instead
-    of Q and V. Tensors it does not recognise are kept as they are.
+    """Saved-tensor hooks for one kernel call: a tensor that is S scaled by a vector, or a view of
+    one, is kept as (S, vector) and rebuilt by one elementwise product in backward, so autograd
+    keeps S instead of Q and V. Tensors it does not recognise are kept as they are.
 
     It composes with saved-tensor hooks already active (activation checkpointing, CPU offload):
     S and every tensor it does not rebuild go through those. Under torch.compile, or where the
     hooks are disabled, it does nothing; the compiler makes the same trade by itself.
     """
 
-    def __init__(
-        self,
-        s: torch.Tensor,
-        scaled: list[tuple[torch.Tensor, torch.Tensor]],
-        split: Callable[[torch.Tensor], torch.Tensor],
-    ) -> None:
+    def __init__(self, s: torch.Tensor, scaled: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         hooks = torch._C._autograd
         self.active = (
             torch.is_grad_enabled()
@@ -87,31 +114,37 @@ class RebuildFromS:
         )
         if not self.active:
             return
-        self.s = s
-        self.split = split
-        # The vectors are kept as they are (a parameter stays a parameter, so a sharded-parameter
+        self.s: torch.Tensor | None = s
+        # Keyed by storage: the kernel may save a view (a reshape, a transpose) of Q or V. The
+        # vectors are kept as they are (a parameter stays a parameter, so a sharded-parameter
         # engine that gathers it for this module's backward serves the rebuild as well).
-        self.scales = {_view_key(t): scale for t, scale in scaled}
+        self.scales = {t.untyped_storage().data_ptr(): scale for t, scale in scaled if t is not s}
         outer = hooks._top_saved_tensors_default_hooks(True)
         self.outer_pack, self.outer_unpack = outer if outer is not None else (None, None)
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def _pack_outer(self, t: torch.Tensor) -> object:
-        return t if self.outer_pack is None else self.outer_pack(t)
+        # detached: a saved output would otherwise point back at its own node, a reference
+        # cycle through C++ that keeps a discarded graph (never run backward) alive
+        return t.detach() if self.outer_pack is None else self.outer_pack(t)
 
     def _unpack_outer(self, packed: object) -> torch.Tensor:
         return packed if self.outer_unpack is None else self.outer_unpack(packed)
 
     def pack(self, t: torch.Tensor) -> tuple:
-        scale = self.scales.get(_view_key(t))
+        scale = self.scales.get(t.untyped_storage().data_ptr())
         if scale is None:
-            return (False, self._pack_outer(t), None)
-        return (True, self._pack_outer(self.s), scale)
+            return (None, self._pack_outer(t))
+        # S * scale is laid out like the original product, so the same strides address the view
+        return ((scale, t.shape, t.stride(), t.storage_offset()), self._pack_outer(self.s))
 
     def unpack(self, packed: tuple) -> torch.Tensor:
-        rebuild, inner, scale = packed
+        recipe, inner = packed
         t = self._unpack_outer(inner)
-        return self.split(t * scale) if rebuild else t
+        if recipe is None:
+            return t
+        scale, shape, stride, offset = recipe
+        return (t * scale).as_strided(shape, stride, offset)
 
     def __enter__(self) -> RebuildFromS:
         if self.active:
@@ -199,13 +232,17 @@ class SharedAttention(SelfAttention):
         # elementwise product fewer is needed. Q and V are S scaled by a vector: autograd keeps S and
         # rebuilds them in backward instead of holding two more (B, S, d) activations.
         B, S, _ = x.shape
-        s = self.proj(x)  # (B, S, d)
-        qk = self.dq if self.folded else self.dq * self.dk  # (d,)
-        q = self.split_heads(s * qk)  # (B, H, S, Dh)
-        k = self.split_heads(s)  # (B, H, S, Dh), a view of S
-        v = k if self.folded else self.split_heads(s * self.dv)  # folded: dv lives in out_proj
-        with RebuildFromS(s, [(q, qk), (v, self.dv)], self.split_heads):
-            y = self.kernel(q, k, v, mask)  # (B, H, S, Dh)
+        s = self.split_heads(self.proj(x))  # (B, H, S, Dh), a view of the (B, S, d) product
+        if self.kernel.unfused(s.device):
+            # batched matrix products read head-major operands in place: one copy of S here
+            # instead of copies of Q, K and V inside the kernel
+            s = s.contiguous()
+        qk = (self.dq if self.folded else self.dq * self.dk).view(-1, 1, self.head_dim)  # (H, 1, Dh)
+        dv = self.dv.view(-1, 1, self.head_dim)  # (H, 1, Dh)
+        q = s * qk
+        v = s if self.folded else s * dv  # folded: dv lives in out_proj
+        with RebuildFromS(s, [(q, qk), (v, dv)]):
+            y = self.kernel(q, s, v, mask)  # (B, H, S, Dh)
         return self.out_proj(y.transpose(1, 2).reshape(B, S, -1))
 
     @torch.no_grad()

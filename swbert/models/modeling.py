@@ -25,6 +25,21 @@ from swbert.models.config import SWBertConfig
 IGNORE_INDEX = -100
 
 
+class Dropout(nn.Dropout):
+    """`nn.Dropout` that keeps a bool mask for backward on every device.
+
+    On CPU `F.dropout` keeps a float mask (4 bytes per element) for backward; `native_dropout`, which
+    GPUs use anyway, keeps a bool one (1 byte) and draws the same random numbers.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if self.p == 1.0 or self.inplace:
+            return super().forward(x)
+        return torch.native_dropout(x, self.p, True)[0]
+
+
 class Embeddings(nn.Module):
     """Word + learned position + token type embeddings, then LayerNorm and dropout."""
 
@@ -35,7 +50,7 @@ class Embeddings(nn.Module):
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, d)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, d)
         self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(
         self,
@@ -82,7 +97,7 @@ class Block(nn.Module):
         self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = MLP(config)
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         x = self.attn_norm(x + self.dropout(self.attn(x, mask)))
@@ -302,7 +317,7 @@ class SWBertForSequenceClassification(SWBertPreTrainedModel):
         self.num_labels = config.num_labels
         self.bert = SWBertModel(config)
         p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        self.dropout = nn.Dropout(p)
+        self.dropout = Dropout(p)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
