@@ -190,11 +190,18 @@ def test_shared_keeps_less_for_backward_than_standard_and_the_plain_path(plain_s
     assert sizes["shared_plain"] - sizes["shared"] > 2.9 * layers * unit
 
 
-@pytest.mark.parametrize("variant", ATTENTION_TYPES)
-def test_optimize_for_inference_keeps_outputs(variant, tmp_path):
+@pytest.mark.parametrize(
+    ("variant", "signs"), [(v, "mixed") for v in ATTENTION_TYPES] + [("shared", "positive")]
+)
+def test_optimize_for_inference_keeps_outputs(variant, signs, tmp_path):
     torch.manual_seed(0)
     model = SWBertForMaskedLM(tiny(attention_type=variant))
     randomise(model)
+    if signs == "positive":  # dq*dk > 0 everywhere: the fold moves everything into the projections
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith((".dq", ".dk", ".dv")):
+                    p.abs_().add_(0.1)
     model.eval()
     inputs = batch()
     inputs.pop("labels")
@@ -211,9 +218,10 @@ def test_optimize_for_inference_keeps_outputs(variant, tmp_path):
     assert_close(reloaded(**inputs).logits[valid], expected[valid], **TOL)
     if variant == "shared":
         attn = folded.bert.encoder.layers[0].attn
-        assert attn.folded and torch.equal(attn.dk, torch.ones_like(attn.dk))
+        assert attn.folded == {"mixed": "query", "positive": "projection"}[signs]
+        assert torch.equal(attn.dk, torch.ones_like(attn.dk))
         assert torch.equal(attn.dv, torch.ones_like(attn.dv))
-        assert not torch.allclose(attn.dq, model.bert.encoder.layers[0].attn.dq)
+        assert torch.equal(attn.dq, torch.ones_like(attn.dq)) == (signs == "positive")
 
 
 def test_optimize_for_inference_on_a_classifier():

@@ -220,7 +220,9 @@ class SharedAttention(SelfAttention):
         self.dq = nn.Parameter(torch.ones(d))
         self.dk = nn.Parameter(torch.ones(d))
         self.dv = nn.Parameter(torch.ones(d))
-        self.folded = False  # set by fold_for_inference(): dq holds dq*dk, dv lives in out_proj
+        # set by fold_for_inference(): "query" (dq holds dq*dk, dv lives in out_proj) or
+        # "projection" (all three live in proj and out_proj: Q = K = V = S)
+        self.folded = ""
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q, K, V as the paper writes them; `forward` computes the same attention with less work."""
@@ -239,28 +241,42 @@ class SharedAttention(SelfAttention):
             s = s.contiguous()
         qk = (self.dq if self.folded else self.dq * self.dk).view(-1, 1, self.head_dim)  # (H, 1, Dh)
         dv = self.dv.view(-1, 1, self.head_dim)  # (H, 1, Dh)
-        q = s * qk
-        v = s if self.folded else s * dv  # folded: dv lives in out_proj
+        q = s if self.folded == "projection" else s * qk
+        v = s if self.folded else s * dv
         with RebuildFromS(s, [(q, qk), (v, dv)]):
             y = self.kernel(q, s, v, mask)  # (B, H, S, Dh)
         return self.out_proj(y.transpose(1, 2).reshape(B, S, -1))
 
     @torch.no_grad()
     def fold_for_inference(self) -> None:
-        """Fold dk into dq and dv into the output projection; the layer computes the same function.
+        """Fold the diagonals into the projections; the layer computes the same function.
 
-        Afterwards dk = dv = 1, so the parameters still describe a valid shared layer (a saved
-        state dict loads into an unfolded model with the same outputs), and `forward` skips the
-        products with them. Meant for inference: training a folded layer leaves dk and dv unused.
+        Attention is linear in V column by column, A (S diag(dv)) = (A S) diag(dv), so dv moves
+        into the output projection. When every entry of p = dq*dk is positive,
+        S diag(p) S^T = S' S'^T with S' = S diag(sqrt(p)), so sqrt(p) moves into `proj` (and
+        1/sqrt(p) into the output projection): Q = K = V = S', no elementwise work at all.
+        Otherwise p stays on the query side. Afterwards the diagonals that moved are ones, so the
+        parameters still describe a valid shared layer (a saved state dict loads into an unfolded
+        model with the same outputs). Meant for inference: a folded layer leaves them unused.
         """
         if self.folded:
             return
-        self.dq.mul_(self.dk)
+        p = self.dq * self.dk
+        out_scale = self.dv.clone()
+        if bool((p > 0).all()):
+            root = p.sqrt()
+            self.proj.weight.mul_(root[:, None])  # (out, in): scales the rows, i.e. the outputs
+            if self.proj.bias is not None:
+                self.proj.bias.mul_(root)
+            out_scale.div_(root)
+            self.dq.fill_(1.0)
+            self.folded = "projection"
+        else:
+            self.dq.copy_(p)
+            self.folded = "query"
+        self.out_proj.weight.mul_(out_scale)  # (out, in): scales the input columns
         self.dk.fill_(1.0)
-        # A (S diag(dv)) W^T = (A S) (W diag(dv))^T: attention is linear in V column by column
-        self.out_proj.weight.mul_(self.dv)  # (out, in): dv scales the input columns
         self.dv.fill_(1.0)
-        self.folded = True
 
 
 class SymmetricAttention(SelfAttention):
