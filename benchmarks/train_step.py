@@ -273,6 +273,8 @@ def run_training(args: argparse.Namespace) -> tuple[dict[str, Result], int]:
             if rep >= args.warmup:
                 results[name].step_s.append(wall)
                 results[name].cpu_s.append(cpu)
+            if not args.smoke:  # progress, on stderr: a long run that is stopped still says something
+                print(f"rep {rep} {name}: {wall:.3f} s wall, {cpu:.3f} s cpu", file=sys.stderr, flush=True)
     for name in args.models:
         results[name].peak_step_bytes = peak_step_bytes(steps[name], args.device)
     return results, tokens

@@ -235,9 +235,10 @@ class SharedAttention(SelfAttention):
         # rebuilds them in backward instead of holding two more (B, S, d) activations.
         B, S, _ = x.shape
         s = self.split_heads(self.proj(x))  # (B, H, S, Dh), a view of the (B, S, d) product
-        if self.kernel.unfused(s.device):
+        unfused = getattr(self.kernel, "unfused", None)  # a wrapped kernel may not say: then fused
+        if unfused is not None and unfused(s.device):
             # batched matrix products read head-major operands in place: one copy of S here
-            # instead of copies of Q, K and V inside the kernel
+            # instead of copies of Q, K and V inside the kernel (the result is the same either way)
             s = s.contiguous()
         qk = (self.dq if self.folded else self.dq * self.dk).view(-1, 1, self.head_dim)  # (H, 1, Dh)
         dv = self.dv.view(-1, 1, self.head_dim)  # (H, 1, Dh)
