@@ -2,7 +2,9 @@
 
 import json
 
-from benchmarks import train_step
+import pytest
+
+from benchmarks import pretrain_e2e, train_step
 
 
 def test_train_step_benchmark_smoke(tmp_path, capsys):
@@ -25,3 +27,12 @@ def test_train_step_benchmark_smoke(tmp_path, capsys):
     assert json.loads((tmp_path / "result.json").read_text())["ratios"] == out["ratios"]
     printed = capsys.readouterr().out
     assert "shared/standard throughput" in printed and "outputs equal" in printed
+
+
+@pytest.mark.slow
+def test_pretrain_e2e_benchmark_smoke(tmp_path):
+    """One real 2-rank DeepSpeed launch; most of its time is start-up."""
+    out = pretrain_e2e.main(["--smoke", "--output-dir", str(tmp_path), "--json", str(tmp_path / "r.json")])
+    assert list(out["tokens_per_s"]) == ["shared"] and out["tokens_per_s"]["shared"] > 0
+    assert len(out["windows"]["shared"]) == 1  # the first of two windows is warm-up, dropped
+    assert (tmp_path / "shared-0" / "metrics.jsonl").is_file()
