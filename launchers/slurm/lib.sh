@@ -85,8 +85,9 @@ swbert_job() {
 
     local recipe
     recipe=$(swbert_arg config "${args[@]}")
-    if [[ -n $recipe && ! -f $recipe ]]; then
-        swbert_die "recipe $recipe not found (--config); paths are relative to $SWBERT_ROOT"
+    if [[ -n $recipe && ! -f $recipe && ! -f swbert/recipes/$recipe.yaml ]]; then
+        swbert_die "recipe $recipe not found (--config): neither a file under $SWBERT_ROOT nor a shipped" \
+            "recipe ($(cd swbert/recipes 2>/dev/null && ls -- *.yaml 2>/dev/null | sed 's/\.yaml$//' | tr '\n' ' '))"
     fi
 
     # Nodes and processes: what the allocation holds, checked against what was asked for.
