@@ -78,7 +78,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--experiment", default="swbert-scaling", help="MLflow experiment")
     parser.add_argument("--emit-slurm", action="store_true", help="write the grid as a SLURM job array")
     parser.add_argument("--nodes", type=int, default=1, help="with --emit-slurm: nodes per grid point")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="with --emit-slurm")
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=8, help="with --emit-slurm; 0: CPU nodes with one process each"
+    )
     parser.add_argument(
         "--collect",
         type=Path,

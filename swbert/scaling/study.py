@@ -199,13 +199,14 @@ def emit_slurm(
     """Write the grid as a sweep file for `pretrain.sbatch --sweep` and return (file, sbatch command).
 
     Each array task runs one grid point for `cfg.steps` steps into output_dir/points/NAME; collect the
-    results afterwards with `launchers/scaling_study.py --collect output_dir`.
+    results afterwards with `launchers/scaling_study.py --collect output_dir`. `gpus_per_node=0`
+    means CPU nodes: one process per node and no GPU request.
     """
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    precision = cfg.precision if cfg.precision != "auto" else "bf16"
+    precision = cfg.precision if cfg.precision != "auto" else ("bf16" if gpus_per_node else "fp32")
     grid = build_grid(cfg.sizes, cfg.attentions, cfg.layouts, cfg.seq_len, cfg.micro_batch, precision)  # type: ignore[arg-type]
-    world = nodes * gpus_per_node
+    world = nodes * max(gpus_per_node, 1)
     lines, names = [f"# scaling grid: {nodes} node(s) x {gpus_per_node} GPU(s); one line per array task"], []
     for point in grid:
         if world % point.layout.tp:
@@ -237,8 +238,10 @@ def emit_slurm(
     ]  # fmt: skip
     if cfg.data_dir:
         common += ["--data-dir", cfg.data_dir]
+    # gpus_per_node = 0: CPU nodes, one process each, no GPU request.
+    gres = [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
     command = shlex.join(
-        ["sbatch", f"--array=0-{len(names) - 1}", f"--nodes={nodes}", f"--gpus-per-node={gpus_per_node}",
+        ["sbatch", f"--array=0-{len(names) - 1}", f"--nodes={nodes}", *gres,
          "--job-name=swbert-scaling", "launchers/slurm/pretrain.sbatch", "--sweep", str(sweep), *common,
          *(extra or [])]
     )  # fmt: skip
@@ -251,7 +254,7 @@ def collect(output_dir: Path) -> list[dict[str, Any]]:
     spec = json.loads((output_dir / "grid.json").read_text())
     study = spec["study"]
     cfg = StudyConfig(**{**study, "output_dir": output_dir})
-    world = spec["nodes"] * spec["gpus_per_node"]
+    world = spec["nodes"] * max(spec["gpus_per_node"], 1)
     grid = {
         p.name: p
         for p in build_grid(
