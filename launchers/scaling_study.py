@@ -74,6 +74,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="vocabulary of the closed forms (default: the data's when measuring, else 30522)",
     )
     parser.add_argument("--point-timeout", type=float, default=1800, help="seconds per measured run")
+    parser.add_argument(
+        "--memory-limit-gib",
+        type=float,
+        default=None,
+        help="host memory measured runs may use (default: what is available)",
+    )
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep the measured runs' checkpoints")
     parser.add_argument("--experiment", default="swbert-scaling", help="MLflow experiment")
     parser.add_argument("--emit-slurm", action="store_true", help="write the grid as a SLURM job array")
@@ -104,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             seq_len=args.seq_len, micro_batch=args.micro_batch, precision=args.precision, gpus=args.gpus,
             nproc=args.nproc, measure=not args.no_measure, measure_max_params=args.measure_max_params,
             steps=args.steps, data_dir=args.data_dir, vocab_size=args.vocab_size,
-            point_timeout_s=args.point_timeout, keep_checkpoints=args.keep_checkpoints,
+            point_timeout_s=args.point_timeout, memory_limit_gib=args.memory_limit_gib, keep_checkpoints=args.keep_checkpoints,
             experiment=args.experiment,
         )  # fmt: skip
         if args.emit_slurm:

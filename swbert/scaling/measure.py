@@ -38,8 +38,11 @@ class Hardware:
     host_bytes: float  # available host memory
 
     @classmethod
-    def detect(cls, ranks: int) -> Hardware:
+    def detect(cls, ranks: int, memory_limit_gib: float | None = None) -> Hardware:
+        """This machine; `memory_limit_gib` caps the host memory measured runs may plan to use."""
         host = float(psutil.virtual_memory().available)
+        if memory_limit_gib is not None:
+            host = min(host, memory_limit_gib * GIB)
         try:
             import torch
 

@@ -52,9 +52,10 @@ class ParamTensor:
 def model_tensors(config: SWBertConfig) -> list[ParamTensor]:
     """The parameter tensors of `SWBertForMaskedLM`, by formula (the tied decoder weight once).
 
-    Tensor parallelism shards the attention projections and their per-head parameters
-    (column-parallel), the output projection's weight (row-parallel), the MLP's first layer
-    (column) and the second layer's weight (row); the rest is replicated.
+    Tensor parallelism (swbert.parallel's plan) shards the attention projections and their
+    per-head parameters (column-parallel), the output projection's weight (row-parallel), the
+    MLP's first layer (column) and the second layer's weight (row), and the word embedding with
+    the tied decoder's bias by vocabulary rows; the rest is replicated.
     """
     d, f, h, dh = (
         config.hidden_size,
@@ -63,7 +64,7 @@ def model_tensors(config: SWBertConfig) -> list[ParamTensor]:
         config.head_dim,
     )
     out = [
-        ParamTensor("embeddings.word", config.vocab_size * d, False),
+        ParamTensor("embeddings.word", config.vocab_size * d, True),
         ParamTensor("embeddings.position", config.max_position_embeddings * d, False),
         ParamTensor("embeddings.token_type", config.type_vocab_size * d, False),
         ParamTensor("embeddings.norm.weight", d, False),
@@ -97,14 +98,14 @@ def model_tensors(config: SWBertConfig) -> list[ParamTensor]:
         ParamTensor("mlm_head.dense.bias", d, False),
         ParamTensor("mlm_head.norm.weight", d, False),
         ParamTensor("mlm_head.norm.bias", d, False),
-        ParamTensor("mlm_head.decoder.bias", config.vocab_size, False),
+        ParamTensor("mlm_head.decoder.bias", config.vocab_size, True),
     ]
     return out
 
 
 def rank_tensor_sizes(config: SWBertConfig, tp: int = 1) -> list[int]:
     """Sizes of the parameter tensors one tensor-parallel rank holds."""
-    for name in ("num_attention_heads", "intermediate_size"):
+    for name in ("num_attention_heads", "intermediate_size", "vocab_size"):
         if getattr(config, name) % tp:
             raise ValueError(f"tensor parallel size {tp} does not divide {name}={getattr(config, name)}")
     return [t.numel // tp if t.tp_sharded else t.numel for t in model_tensors(config)]

@@ -8,6 +8,9 @@ Run under a distributed launcher; rank 0 prints one JSON line per configuration:
 For each ZeRO stage and precision it builds `SWBertForMaskedLM`, wraps it in a DeepSpeed engine,
 runs two steps and, after the second backward, sums the bytes of every tensor the engine reaches
 (parameters, ZeRO partitions, gradients, optimizer states, buffers), each storage once.
+
+With `--tensor-parallel N` it instead splits the model with `swbert.parallel` and prints, for
+every rank, the parameters it holds next to `params_per_rank`.
 """
 
 from __future__ import annotations
@@ -121,17 +124,32 @@ def measure(config: SWBertConfig, zero: int, precision: str, bucket: int, persis
     }
 
 
+def tensor_parallel_params(config: SWBertConfig, tp: int) -> dict[str, Any]:
+    """Parameters one rank holds after `swbert.parallel.parallelize`, and the closed form."""
+    import torch.distributed as dist
+
+    from swbert import parallel
+
+    if not parallel.is_initialized():
+        parallel.initialize(tp)
+    torch.manual_seed(0)
+    model = parallel.parallelize(SWBertForMaskedLM(config), tp)
+    held = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())
+    return {"tp": tp, "rank": dist.get_rank(), "held": held, "closed_form": params_per_rank(config, tp)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--size", default="small")
-    parser.add_argument("--attention-type", default="shared")
+    parser.add_argument("--attention-type", nargs="+", default=["shared"])
     parser.add_argument("--vocab-size", type=int, default=None)
     parser.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--bucket", type=int, default=1_000_000, help="reduce/allgather bucket (elements)")
     parser.add_argument("--persistence", type=int, default=100_000, help="ZeRO-3 persistence threshold")
+    parser.add_argument("--tensor-parallel", type=int, default=0, help="count TP shards instead")
     args = parser.parse_args(argv)
 
     import deepspeed
@@ -139,12 +157,17 @@ def main(argv: list[str] | None = None) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
-    config = SWBertConfig.from_size(args.size, attention_type=args.attention_type, **overrides)
-    for zero in args.zero:
-        for precision in args.precision:
-            row = measure(config, zero, precision, args.bucket, args.persistence)
-            if dist.get_rank() == 0:
-                print(json.dumps(row), flush=True)
+    for attention in args.attention_type:
+        config = SWBertConfig.from_size(args.size, attention_type=attention, **overrides)
+        if args.tensor_parallel:
+            row = tensor_parallel_params(config, args.tensor_parallel)
+            print(json.dumps({"attention": attention, **row}), flush=True)
+            continue
+        for zero in args.zero:
+            for precision in args.precision:
+                row = measure(config, zero, precision, args.bucket, args.persistence)
+                if dist.get_rank() == 0:
+                    print(json.dumps({"attention": attention, **row}), flush=True)
     dist.destroy_process_group()
 
 

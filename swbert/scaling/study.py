@@ -40,6 +40,7 @@ class StudyConfig:
     data_dir: str | None = None
     vocab_size: int | None = None  # default: the data's vocabulary when measuring, else BERT's
     point_timeout_s: float = 1800
+    memory_limit_gib: float | None = None  # plan measured runs within this much host memory
     keep_checkpoints: bool = False
     experiment: str = "swbert-scaling"
 
@@ -105,7 +106,7 @@ def run_study(cfg: StudyConfig) -> list[dict[str, Any]]:
     """Every grid point: closed forms, then a measured run if it fits; rows as written to the CSV."""
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    hardware = Hardware.detect(cfg.nproc)
+    hardware = Hardware.detect(cfg.nproc, cfg.memory_limit_gib)
     on_cpu = hardware.accelerator == "cpu"
     precision = cfg.precision if cfg.precision != "auto" else ("fp32" if cfg.measure and on_cpu else "bf16")
     grid = build_grid(cfg.sizes, cfg.attentions, cfg.layouts, cfg.seq_len, cfg.micro_batch, precision)  # type: ignore[arg-type]
