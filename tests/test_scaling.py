@@ -50,12 +50,20 @@ def test_zero_stages_shrink_memory_as_the_closed_forms_say():
     assert offload.host == pytest.approx(16 * n / 8) and offload.device < z[3]
     both = model_state_bytes(config, Layout(zero=3, offload="params"), 8, "bf16", reduce_bucket_size=0)
     assert both.device < offload.device and both.host > offload.host
+    # NVMe pays off for big models: xl on 2 ranks, with the generated configs' 100M-element sub-groups
+    xl = SWBertConfig.from_size("xl", attention_type="shared")
+    cpu = model_state_bytes(xl, Layout(zero=3, offload="params"), 2, "bf16")
+    nvme = model_state_bytes(
+        xl, Layout(zero=3, offload="params", device="nvme"), 2, "bf16", sub_group_size=10**8
+    )
+    assert nvme.disk == cpu.host and nvme.device == cpu.device and nvme.host < cpu.host / 3
 
 
 def test_layout_names_parse_and_bad_ones_are_refused():
     assert Layout.parse("tp2-z1") == Layout(tp=2, zero=1)
     assert Layout.parse("z3-offload") == Layout(zero=3, offload="optimizer")
     assert Layout.parse("z3-offload-params").name == "tp1-z3-offload-params"
+    assert Layout.parse("z3-offload-params-nvme") == Layout(zero=3, offload="params", device="nvme")
     for bad, message in (
         ("z4", "not like"),
         ("z1-offload-params", "needs ZeRO stage 3"),
@@ -78,13 +86,15 @@ def test_generated_deepspeed_configs_are_filled_by_the_trainer(tmp_path):
     from swbert.training.config import TrainConfig
     from swbert.training.ds_config import build_ds_config
 
-    for layout in ("z0", "z1", "z2", "z3", "z3-offload", "z3-offload-params"):
-        path = write_ds_config(Layout.parse(layout), tmp_path)
+    for layout in ("z0", "z1", "z2", "z3", "z3-offload", "z3-offload-params", "z3-offload-params-nvme"):
+        path = write_ds_config(Layout.parse(layout), tmp_path / "ds", tmp_path / "swap")
         config = TrainConfig(deepspeed_config=str(path), global_batch_size=16, micro_batch_size=4)
         ds = build_ds_config(config, dp_size=2, precision="bf16")
         assert ds["train_batch_size"] == 16 and ds["gradient_accumulation_steps"] == 2
         assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
         assert ds["zero_optimization"]["stage"] == Layout.parse(layout).zero
+    assert ds["zero_optimization"]["offload_param"]["nvme_path"] == str(tmp_path / "swap")
+    assert (tmp_path / "swap").is_dir()
 
 
 def _torchrun(args: list[str], timeout: float = 900) -> list[dict]:

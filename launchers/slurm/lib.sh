@@ -125,8 +125,8 @@ swbert_job() {
     export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
     export NNODES=$nnodes NPROC_PER_NODE=$per_node RDZV_ID=swbert-$SLURM_JOB_ID
     export RDZV_TIMEOUT=${RDZV_TIMEOUT:-600}
-    # Collective timeout (minutes) for DeepSpeed's process groups; a hung collective fails then.
-    export DEEPSPEED_TIMEOUT=${SWBERT_DIST_TIMEOUT_MIN:-${DEEPSPEED_TIMEOUT:-30}}
+    # Collective timeout (minutes) of the trainer's process groups: a hung collective fails then.
+    export SWBERT_DIST_TIMEOUT_MIN=${SWBERT_DIST_TIMEOUT_MIN:-30}
     # NCCL: turn a timed-out collective into an error that ends the job instead of a hang.
     export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
     export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
@@ -147,7 +147,7 @@ swbert_job() {
     {
         echo "# restart $restart, $(date '+%F %T')"
         echo "job=$SLURM_JOB_ID tag=$tag nodes=$SLURM_JOB_NODELIST nnodes=$nnodes per_node=$per_node launcher=$launch_mode"
-        echo "master=$MASTER_ADDR:$MASTER_PORT rdzv_timeout=${RDZV_TIMEOUT}s dist_timeout=${DEEPSPEED_TIMEOUT}min"
+        echo "master=$MASTER_ADDR:$MASTER_PORT rdzv_timeout=${RDZV_TIMEOUT}s dist_timeout=${SWBERT_DIST_TIMEOUT_MIN}min"
         printf 'command: %s' "$entry"
         printf ' %q' "${args[@]}"
         echo

@@ -51,7 +51,7 @@ DS_TEMPLATE: dict[str, Any] = {
 }
 
 
-def ds_config_for(layout: Layout) -> dict[str, Any]:
+def ds_config_for(layout: Layout, nvme_path: str = "runs/nvme") -> dict[str, Any]:
     """A DeepSpeed config for the layout's ZeRO stage and offload (batch and precision: "auto")."""
     ds = copy.deepcopy(DS_TEMPLATE)
     zero = ds["zero_optimization"]
@@ -61,17 +61,32 @@ def ds_config_for(layout: Layout) -> dict[str, Any]:
     else:
         del zero["allgather_bucket_size"]
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+    target: dict[str, Any] = {"device": layout.device, "pin_memory": True}
+    if layout.device == "nvme":
+        target["nvme_path"] = nvme_path
+        # Swap sub-groups of 100M elements: bounds the optimizer's host buffers (4 x 400 MB).
+        zero["sub_group_size"] = 100_000_000
+        ds["aio"] = {
+            "block_size": 1_048_576,
+            "queue_depth": 8,
+            "single_submit": False,
+            "overlap_events": True,
+        }
     if layout.offload != "none":
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        zero["offload_optimizer"] = {**target, "buffer_count": 4}
     if layout.offload == "params":
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        zero["offload_param"] = {**target, "buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 0}
     return ds
 
 
-def write_ds_config(layout: Layout, folder: Path) -> Path:
+def write_ds_config(layout: Layout, folder: Path, nvme_path: Path | None = None) -> Path:
+    """The layout's DeepSpeed config as folder/LAYOUT.json (NVMe swap files under `nvme_path`)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{layout.name}.json"
-    path.write_text(json.dumps(ds_config_for(layout), indent=2) + "\n")
+    nvme = nvme_path or folder.parent / "nvme"
+    if layout.device == "nvme":
+        nvme.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(ds_config_for(layout, str(nvme)), indent=2) + "\n")
     return path
 
 
@@ -168,6 +183,7 @@ def estimate(
         "mem_activations_gib": acts / GIB,
         "mem_device_gib": (states.device + acts) / GIB,
         "mem_host_gib": states.host / GIB,
+        "disk_gib": states.disk / GIB,
     }
     for stage in range(4):
         other = Layout(tp=layout.tp, zero=stage)

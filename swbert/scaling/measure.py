@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,25 +37,29 @@ class Hardware:
     ranks: int  # processes a measured run starts
     device_bytes: float  # per rank on GPU; on CPU the host memory the ranks share
     host_bytes: float  # available host memory
+    disk_bytes: float = float("inf")  # free disk where NVMe offload swaps
 
     @classmethod
-    def detect(cls, ranks: int, memory_limit_gib: float | None = None) -> Hardware:
+    def detect(
+        cls, ranks: int, memory_limit_gib: float | None = None, swap_dir: Path | None = None
+    ) -> Hardware:
         """This machine; `memory_limit_gib` caps the host memory measured runs may plan to use."""
         host = float(psutil.virtual_memory().available)
         if memory_limit_gib is not None:
             host = min(host, memory_limit_gib * GIB)
-        try:
-            import torch
+        disk = float("inf")
+        if swap_dir is not None:
+            probe = swap_dir
+            while not probe.exists():
+                probe = probe.parent
+            disk = float(shutil.disk_usage(probe).free)
+        import torch
 
-            if torch.cuda.is_available():
-                if torch.cuda.device_count() < ranks:
-                    raise ValueError(
-                        f"--nproc {ranks} but this machine has {torch.cuda.device_count()} GPU(s)"
-                    )
-                return cls("cuda", ranks, float(torch.cuda.mem_get_info()[1]), host)
-        except ImportError:  # pragma: no cover - torch is a dependency
-            pass
-        return cls("cpu", ranks, host, host)
+        if torch.cuda.is_available():
+            if torch.cuda.device_count() < ranks:
+                raise ValueError(f"--nproc {ranks} but this machine has {torch.cuda.device_count()} GPU(s)")
+            return cls("cuda", ranks, float(torch.cuda.mem_get_info()[1]), host, disk)
+        return cls("cpu", ranks, host, host, disk)
 
     def fits(self, row: dict[str, Any], headroom: float = 0.9) -> str | None:
         """None when the estimate fits, else the reason (with the numbers) it does not."""
@@ -69,6 +74,9 @@ class Hardware:
             need_host = self.ranks * per_rank_host
         else:
             need_host = self.ranks * (per_rank_device + per_rank_host)
+        need_disk = self.ranks * row.get("disk_gib", 0.0) * GIB
+        if need_disk > headroom * self.disk_bytes:
+            return f"estimated {need_disk / GIB:.1f} GiB of NVMe swap > {headroom:.0%} of {self.disk_bytes / GIB:.1f} GiB free"
         if need_host > headroom * self.host_bytes:
             return (
                 f"estimated {need_host / GIB:.1f} GiB of host memory for {self.ranks} rank(s) > "

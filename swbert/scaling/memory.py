@@ -19,7 +19,9 @@ in bf16).
 
 With the optimizer offloaded, master weights, Adam states and an fp32 copy of the gradient
 partition live in host memory; with parameters offloaded too (stage 3), so does the parameter
-partition.
+partition. Offloaded to NVMe (ZeRO-Infinity), they live on disk and host memory holds only the
+swap buffers (`buffer_count` x `buffer_size` for parameters, `buffer_count` x `sub_group_size`
+fp32 elements for the optimizer).
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ from swbert.models.config import SWBertConfig
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Offload = Literal["none", "optimizer", "params"]
+OffloadDevice = Literal["cpu", "nvme"]
 
 GIB = 1024**3
 ADAM_BYTES = 8  # fp32 first and second moments
 MASTER_BYTES = 4  # fp32 master weights
 DEFAULT_REDUCE_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size default (elements)
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default
+OPTIMIZER_SWAP_BUFFERS = 4  # DeepSpeed's offload_optimizer buffer_count default (fp32 sub-groups)
 
 
 @dataclass(frozen=True)
@@ -118,11 +122,12 @@ def params_per_rank(config: SWBertConfig, tp: int = 1) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """A parallel layout: tensor-parallel size, ZeRO stage and what is offloaded to host memory."""
+    """A parallel layout: tensor-parallel size, ZeRO stage, what is offloaded and where to."""
 
     tp: int = 1
     zero: int = 0
     offload: Offload = "none"
+    device: OffloadDevice = "cpu"  # where offloaded states go: host memory or NVMe
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -133,24 +138,29 @@ class Layout:
             raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3")
         if self.offload == "params" and self.zero != 3:
             raise ValueError("parameter offload needs ZeRO stage 3")
+        if self.device == "nvme" and self.zero != 3:
+            raise ValueError("NVMe offload needs ZeRO stage 3")
 
     @property
     def name(self) -> str:
         suffix = {"none": "", "optimizer": "-offload", "params": "-offload-params"}[self.offload]
-        return f"tp{self.tp}-z{self.zero}{suffix}"
+        return f"tp{self.tp}-z{self.zero}{suffix}" + ("-nvme" if self.device == "nvme" else "")
 
     @classmethod
     def parse(cls, text: str) -> Layout:
-        """`tp2-z1`, `z3-offload`, `tp1-z3-offload-params` (parts in any order, tp1/none by default)."""
-        match = re.fullmatch(r"(?:tp(\d+)-?)?z([0-3])(-offload(?:-params)?)?(?:-tp(\d+))?", text.strip())
-        if not match:
+        """`tp2-z1`, `z3-offload`, `tp1-z3-offload-params`, `z3-offload-params-nvme` (tp1 by default)."""
+        match = re.fullmatch(
+            r"(?:tp(\d+)-?)?z([0-3])(-offload(?:-params)?)?(-nvme)?(?:-tp(\d+))?", text.strip()
+        )
+        if not match or (match.group(4) and not match.group(3)):
             raise ValueError(
-                f"layout {text!r} is not like tp2-z1, z2, z3-offload or z3-offload-params "
-                "(tensor-parallel size, ZeRO stage, what is offloaded)"
+                f"layout {text!r} is not like tp2-z1, z2, z3-offload, z3-offload-params or "
+                "z3-offload-params-nvme (tensor-parallel size, ZeRO stage, what is offloaded, where to)"
             )
-        tp = int(match.group(1) or match.group(4) or 1)
+        tp = int(match.group(1) or match.group(5) or 1)
         offload = {None: "none", "-offload": "optimizer", "-offload-params": "params"}[match.group(3)]
-        return cls(tp=tp, zero=int(match.group(2)), offload=offload)
+        device = "nvme" if match.group(4) else "cpu"
+        return cls(tp=tp, zero=int(match.group(2)), offload=offload, device=device)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -164,6 +174,7 @@ class StateMemory:
     buffers: float
     device: float  # on the accelerator (on CPU-only machines: the same host memory)
     host: float  # in host memory because of offload
+    disk: float = 0.0  # on NVMe because of offload
 
     @property
     def total(self) -> float:
@@ -181,6 +192,9 @@ def model_state_bytes(
     precision: Precision = "bf16",
     reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET,
     persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
+    sub_group_size: int = 1_000_000_000,
+    param_buffer_count: int = 5,
+    param_buffer_size: int = 100_000_000,
 ) -> StateMemory:
     """Model-state bytes of one rank after backward (see the module docstring for the layout)."""
     if dp < 1:
@@ -204,7 +218,7 @@ def model_state_bytes(
         grads = p * n / dp
         master, optimizer = MASTER_BYTES * n / dp, ADAM_BYTES * n / dp
         buffers = float(p * reduce_bucket_size)
-    host = 0.0
+    host = disk = 0.0
     if layout.offload != "none":
         # Master weights, Adam states and an fp32 gradient partition for the CPU optimizer.
         host = master + optimizer + 4 * n / dp
@@ -212,8 +226,13 @@ def model_state_bytes(
     if layout.offload == "params":
         host += p * n / dp
         params -= p * n / dp
+    if layout.device == "nvme":
+        # On disk; host memory keeps the swap buffers (DeepSpeed's defaults or the config's).
+        disk, host = host, float(OPTIMIZER_SWAP_BUFFERS * 4 * min(sub_group_size, n / dp))
+        if layout.offload == "params":
+            host += param_buffer_count * param_buffer_size * p
     device = params + grads + master + optimizer + buffers
-    return StateMemory(params, grads, master, optimizer, buffers, device, host)
+    return StateMemory(params, grads, master, optimizer, buffers, device, host, disk)
 
 
 def deepspeed_estimate(config: SWBertConfig, layout: Layout, dp: int) -> tuple[float, float] | None:
@@ -280,7 +299,11 @@ def activation_bytes(
 def zero_config_values(ds_config: dict[str, Any] | None) -> dict[str, int]:
     """The bucket and persistence settings `model_state_bytes` needs, from a DeepSpeed config."""
     zero = (ds_config or {}).get("zero_optimization", {})
+    param_offload = zero.get("offload_param") or {}
     return {
+        "sub_group_size": int(zero.get("sub_group_size", 1_000_000_000)),
+        "param_buffer_count": int(param_offload.get("buffer_count", 5)),
+        "param_buffer_size": int(param_offload.get("buffer_size", 100_000_000)),
         "reduce_bucket_size": int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)),
         "persistence_threshold": int(
             zero.get("stage3_param_persistence_threshold", DEFAULT_PERSISTENCE_THRESHOLD)

@@ -106,7 +106,7 @@ def run_study(cfg: StudyConfig) -> list[dict[str, Any]]:
     """Every grid point: closed forms, then a measured run if it fits; rows as written to the CSV."""
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    hardware = Hardware.detect(cfg.nproc, cfg.memory_limit_gib)
+    hardware = Hardware.detect(cfg.nproc, cfg.memory_limit_gib, out / "nvme")
     on_cpu = hardware.accelerator == "cpu"
     precision = cfg.precision if cfg.precision != "auto" else ("fp32" if cfg.measure and on_cpu else "bf16")
     grid = build_grid(cfg.sizes, cfg.attentions, cfg.layouts, cfg.seq_len, cfg.micro_batch, precision)  # type: ignore[arg-type]
@@ -171,6 +171,7 @@ def evaluate_point(
     m = run_point(point, ds_config, point_dir, hardware, cfg.steps, data_dir, cfg.point_timeout_s)
     if not cfg.keep_checkpoints:
         _remove_tree(point_dir / "checkpoints")
+    _remove_tree(cfg.output_dir / "nvme")  # NVMe swap files of the run
     row.update(m.row())
     row["measured_ranks"] = hardware.ranks
     row["estimated_local_gib"] = local_row["mem_device_gib"] + local_row["mem_host_gib"]
