@@ -19,7 +19,7 @@ NODE_LAUNCH = str(REPO / "launchers" / "slurm" / "node_launch.sh")
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    return make_data_dir(tmp_path_factory.mktemp("multinode-data"), vocab_size=320)
+    return make_data_dir(tmp_path_factory.mktemp("multinode-data"))
 
 
 def tiny(data_dir: Path, out: Path) -> list[str]:

@@ -133,7 +133,7 @@ def test_closed_form_tensor_parallel_shards_match_parallelized_models():
 @pytest.mark.slow
 def test_driver_runs_a_small_grid_end_to_end(tmp_path_factory):
     """Tiny points measured with the real trainer; an xl point that cannot fit is skipped, not run."""
-    data = make_data_dir(tmp_path_factory.mktemp("scaling-data"), vocab_size=320)
+    data = make_data_dir(tmp_path_factory.mktemp("scaling-data"))
     out = tmp_path_factory.mktemp("scaling")
     result = subprocess.run(
         [sys.executable, "launchers/scaling_study.py", "--output-dir", str(out), "--sizes", "tiny", "xl",
@@ -150,7 +150,7 @@ def test_driver_runs_a_small_grid_end_to_end(tmp_path_factory):
         assert tiny["status"] == "measured", tiny
         assert float(tiny["tokens_per_s"]) > 0 and float(tiny["loss_last"]) > 0
         assert float(tiny["peak_rss_gib"]) > 0.1
-        assert int(tiny["vocab_size"]) == 320 and tiny["precision"] == "fp32"
+        assert int(tiny["vocab_size"]) == 96 and tiny["precision"] == "fp32"
         xl = rows[f"xl-{attention}-tp1-z2"]
         assert xl["status"] == "skipped" and "does not fit this machine" in xl["reason"], xl
         assert not (out / "points" / xl["name"]).exists()

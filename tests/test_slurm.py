@@ -140,7 +140,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    return make_data_dir(tmp_path_factory.mktemp("slurm-data"), vocab_size=320)
+    return make_data_dir(tmp_path_factory.mktemp("slurm-data"))
 
 
 def tiny(data_dir: Path, out: Path, *extra: str) -> list[str]:
@@ -254,3 +254,33 @@ def test_scaling_grid_runs_as_a_job_array(cluster, data_dir, tmp_path):
         assert row["status"] == "measured" and float(row["tokens_per_s"]) > 0, row
         assert float(row["loss_last"]) > 0
     assert (out / "plots" / "throughput.png").stat().st_size > 0
+
+
+def test_finetune_job_on_one_node(cluster, tmp_path):
+    """finetune.sbatch runs the GLUE launcher on a tiny checkpoint; a wrong task family is refused."""
+    from swbert.finetune.synthetic import make_checkpoint, write_glue_fixture
+
+    write_glue_fixture(tmp_path / "glue", ["sst2"], n_train=64, n_dev=16)
+    checkpoint = make_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "glue-out"
+    job = cluster.sbatch(
+        "--nodes=1",
+        f"--output={tmp_path}/slurm-%j.out",
+        "launchers/slurm/finetune.sbatch",
+        "glue",
+        *("--checkpoint", f"tiny={checkpoint}", "--tasks", "sst2", "--data-dir", str(tmp_path / "glue")),
+        *("--output-dir", str(out), "--learning-rates", "1e-3", "--seeds", "1", "--epochs", "1"),
+        *("--batch-size", "16", "--max-seq-length", "32"),
+        env={"SWBERT_LOG_ROOT": str(tmp_path / "logs")},
+    )
+    bogus = cluster.sbatch(f"--output={tmp_path}/slurm-%j.out", "launchers/slurm/finetune.sbatch", "mnli")
+    cluster.wait(job, timeout=300)
+    cluster.wait(bogus, timeout=60)
+    text = (tmp_path / f"slurm-{job}.out").read_text()
+    assert cluster.accounting(job)[-1] == ("COMPLETED", "0:0"), text + cluster.logs()
+    assert (out / "mlflow.db").is_file()
+    assert "--resume" not in (tmp_path / "logs" / f"swbert-finetune-{job}" / "job.txt").read_text()
+    assert cluster.accounting(bogus)[-1] == ("FAILED", "2:0")
+    assert (
+        "first argument must be glue or squad (got 'mnli')" in (tmp_path / f"slurm-{bogus}.out").read_text()
+    )

@@ -140,9 +140,12 @@ swbert_job() {
     if [[ -z $(swbert_arg output-dir "${args[@]}") ]]; then
         args=(--output-dir "runs/$name-$tag" "${args[@]}")
     fi
-    # Resume: `auto` unless the user chose otherwise; always `auto` after a requeue.
-    [[ -n $(swbert_arg resume "${args[@]}") ]] || args+=(--resume auto)
-    ((restart == 0)) || args+=(--resume auto)
+    # Resume (entry points that checkpoint): `auto` unless the user chose otherwise; always `auto`
+    # after a requeue.
+    if [[ ${SWBERT_RESUMABLE:-1} == 1 ]]; then
+        [[ -n $(swbert_arg resume "${args[@]}") ]] || args+=(--resume auto)
+        ((restart == 0)) || args+=(--resume auto)
+    fi
 
     {
         echo "# restart $restart, $(date '+%F %T')"
