@@ -80,6 +80,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="host memory measured runs may use (default: what is available)",
     )
+    parser.add_argument(
+        "--nvme-path",
+        type=Path,
+        default=None,
+        help="swap folder for *-nvme layouts, on a fast local disk (default: OUTPUT_DIR/nvme)",
+    )
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep the measured runs' checkpoints")
     parser.add_argument("--experiment", default="swbert-scaling", help="MLflow experiment")
     parser.add_argument("--emit-slurm", action="store_true", help="write the grid as a SLURM job array")
@@ -110,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
             seq_len=args.seq_len, micro_batch=args.micro_batch, precision=args.precision, gpus=args.gpus,
             nproc=args.nproc, measure=not args.no_measure, measure_max_params=args.measure_max_params,
             steps=args.steps, data_dir=args.data_dir, vocab_size=args.vocab_size,
-            point_timeout_s=args.point_timeout, memory_limit_gib=args.memory_limit_gib, keep_checkpoints=args.keep_checkpoints,
+            point_timeout_s=args.point_timeout, memory_limit_gib=args.memory_limit_gib,
+            nvme_path=args.nvme_path, keep_checkpoints=args.keep_checkpoints,
             experiment=args.experiment,
         )  # fmt: skip
         if args.emit_slurm:

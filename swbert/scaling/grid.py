@@ -184,6 +184,8 @@ def estimate(
         "mem_device_gib": (states.device + acts) / GIB,
         "mem_host_gib": states.host / GIB,
         "disk_gib": states.disk / GIB,
+        # The trainer builds the whole fp32 model on every rank before DeepSpeed partitions it.
+        "mem_init_gib": 4 * params_per_rank(config, layout.tp) / GIB,
     }
     for stage in range(4):
         other = Layout(tp=layout.tp, zero=stage)

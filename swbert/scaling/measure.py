@@ -63,20 +63,25 @@ class Hardware:
 
     def fits(self, row: dict[str, Any], headroom: float = 0.9) -> str | None:
         """None when the estimate fits, else the reason (with the numbers) it does not."""
-        per_rank_device = row["mem_device_gib"] * GIB
-        per_rank_host = row["mem_host_gib"] * GIB + RUNTIME_GIB_PER_RANK * GIB
+        device = row["mem_device_gib"] * GIB
+        host = row["mem_host_gib"] * GIB
+        init = row.get("mem_init_gib", 0.0) * GIB  # the whole fp32 model, built in host memory first
+        runtime = RUNTIME_GIB_PER_RANK * GIB
         if self.accelerator == "cuda":
-            if per_rank_device > headroom * self.device_bytes:
+            if device > headroom * self.device_bytes:
                 return (
-                    f"estimated {per_rank_device / GIB:.1f} GiB per GPU > {headroom:.0%} of "
+                    f"estimated {device / GIB:.1f} GiB per GPU > {headroom:.0%} of "
                     f"{self.device_bytes / GIB:.1f} GiB"
                 )
-            need_host = self.ranks * per_rank_host
+            need_host = self.ranks * (max(host, init) + runtime)
         else:
-            need_host = self.ranks * (per_rank_device + per_rank_host)
+            need_host = self.ranks * (max(device + host, init) + runtime)
         need_disk = self.ranks * row.get("disk_gib", 0.0) * GIB
         if need_disk > headroom * self.disk_bytes:
-            return f"estimated {need_disk / GIB:.1f} GiB of NVMe swap > {headroom:.0%} of {self.disk_bytes / GIB:.1f} GiB free"
+            return (
+                f"estimated {need_disk / GIB:.1f} GiB of NVMe swap > {headroom:.0%} of "
+                f"{self.disk_bytes / GIB:.1f} GiB free"
+            )
         if need_host > headroom * self.host_bytes:
             return (
                 f"estimated {need_host / GIB:.1f} GiB of host memory for {self.ranks} rank(s) > "

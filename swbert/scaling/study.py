@@ -41,6 +41,7 @@ class StudyConfig:
     vocab_size: int | None = None  # default: the data's vocabulary when measuring, else BERT's
     point_timeout_s: float = 1800
     memory_limit_gib: float | None = None  # plan measured runs within this much host memory
+    nvme_path: Path | None = None  # swap folder of NVMe offload (default: output_dir/nvme)
     keep_checkpoints: bool = False
     experiment: str = "swbert-scaling"
 
@@ -106,7 +107,7 @@ def run_study(cfg: StudyConfig) -> list[dict[str, Any]]:
     """Every grid point: closed forms, then a measured run if it fits; rows as written to the CSV."""
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    hardware = Hardware.detect(cfg.nproc, cfg.memory_limit_gib, out / "nvme")
+    hardware = Hardware.detect(cfg.nproc, cfg.memory_limit_gib, _nvme(cfg))
     on_cpu = hardware.accelerator == "cpu"
     precision = cfg.precision if cfg.precision != "auto" else ("fp32" if cfg.measure and on_cpu else "bf16")
     grid = build_grid(cfg.sizes, cfg.attentions, cfg.layouts, cfg.seq_len, cfg.micro_batch, precision)  # type: ignore[arg-type]
@@ -167,11 +168,12 @@ def evaluate_point(
         row.update(status="skipped", reason=f"does not fit this machine: {reason}")
         return row
     point_dir = cfg.output_dir / "points" / point.name
-    ds_config = write_ds_config(point.layout, cfg.output_dir / "ds_configs")
+    ds_config = write_ds_config(point.layout, cfg.output_dir / "ds_configs", _nvme(cfg))
     m = run_point(point, ds_config, point_dir, hardware, cfg.steps, data_dir, cfg.point_timeout_s)
     if not cfg.keep_checkpoints:
         _remove_tree(point_dir / "checkpoints")
-    _remove_tree(cfg.output_dir / "nvme")  # NVMe swap files of the run
+    if point.layout.device == "nvme":
+        _remove_tree(_nvme(cfg))  # the run's swap files
     row.update(m.row())
     row["measured_ranks"] = hardware.ranks
     row["estimated_local_gib"] = local_row["mem_device_gib"] + local_row["mem_host_gib"]
@@ -184,6 +186,10 @@ def _data_vocab(data_dir: str | None) -> int | None:
     if data_dir and manifest.is_file():
         return int(json.loads(manifest.read_text())["tokenizer"]["vocab_size"])
     return None
+
+
+def _nvme(cfg: StudyConfig) -> Path:
+    return Path(cfg.nvme_path) if cfg.nvme_path else cfg.output_dir / "nvme"
 
 
 def _remove_tree(path: Path) -> None:
@@ -214,7 +220,7 @@ def emit_slurm(
         if world % point.layout.tp:
             lines.append(f"# skipped {point.name}: tensor-parallel size does not divide {world} GPUs")
             continue
-        ds_config = write_ds_config(point.layout, out / "ds_configs")
+        ds_config = write_ds_config(point.layout, out / "ds_configs", _nvme(cfg))
         dp = world // point.layout.tp
         args = [
             "--size", point.size, "--attention-type", point.attention,
