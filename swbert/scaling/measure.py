@@ -99,9 +99,10 @@ class Measurement:
     step_time_s: float | None = None
     loss_first: float | None = None
     loss_last: float | None = None
-    peak_rss_gib: float | None = None  # all processes of the run together
-    peak_rank_rss_gib: float | None = None  # the largest single process
+    peak_rss_gib: float | None = None  # all processes of the run together, start-up to final save
+    peak_rank_rss_gib: float | None = None  # the largest single process, start-up to final save
     peak_device_gib: float | None = None  # the trainer's own peak (GPU allocator), when reported
+    train_rss_gib: float | None = None  # rank 0's resident memory at the logged steps (CPU runs)
     records: list[dict[str, Any]] = field(default_factory=list)
 
     def row(self) -> dict[str, Any]:
@@ -245,6 +246,8 @@ def parse_metrics(output_dir: Path, point: GridPoint, m: Measurement, dp: int) -
     if rates:
         m.tokens_per_s = sum(rates) / len(rates)
         m.step_time_s = point.micro_batch * dp * point.seq_len / m.tokens_per_s
-    device = [r[k] for r in records for k in ("mem_allocated_gib",) if r.get(k) is not None]
+    device = [r["mem_allocated_gib"] for r in records if r.get("mem_allocated_gib") is not None]
     m.peak_device_gib = max(device) if device else None
+    rss = [r["mem_rss_gib"] for r in records if r.get("mem_rss_gib") is not None]
+    m.train_rss_gib = max(rss) if rss else None
     return m

@@ -87,7 +87,7 @@ def plot(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
                     color=f"C{stage}",
                     label=f"ZeRO-{stage} {attention}",
                 )
-        for key, marker, label in (("peak_rank_rss_gib", "x", "measured RSS, largest rank"),
+        for key, marker, label in (("train_rss_gib", "x", "measured RSS while training, rank 0"),
                                    ("peak_device_gib", "+", "measured GPU peak")):  # fmt: skip
             for (attention,), pts in _series(measured, key, ("attention",)).items():
                 ax.plot(*zip(*pts), marker, color="k", label=f"{label} ({attention})")

@@ -229,7 +229,11 @@ def emit_slurm(
             "--global-batch-size", str(point.micro_batch * dp), "--precision", precision,
             "--output-dir", str(out / "points" / point.name),
         ]  # fmt: skip
-        lines.append(shlex.join(args))
+        if any(ch.isspace() for arg in args for ch in arg):
+            raise ValueError(
+                f"{point.name}: a path with spaces cannot go in a sweep file ({args}); use another --output-dir"
+            )
+        lines.append(" ".join(args))
         names.append(point.name)
     sweep = out / "sweep.txt"
     sweep.write_text("\n".join(lines) + "\n")
