@@ -1,0 +1,253 @@
+"""Measured short runs: the real pretraining launcher on this machine, one grid point at a time.
+
+Each point runs `launchers/pretrain.py` under torchrun in its own process group with a time
+limit, while the resident memory of all its processes is sampled; the trainer's metrics.jsonl
+gives loss and throughput. A point that fails (out of memory, a bad layout) is recorded with the
+reason and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from swbert.scaling.grid import GridPoint
+from swbert.scaling.memory import GIB
+
+REPO = Path(__file__).resolve().parents[2]
+RUNTIME_GIB_PER_RANK = 0.8  # resident memory of a rank before the model: torch, DeepSpeed, data
+
+
+@dataclass
+class Hardware:
+    """What this machine offers to measured runs."""
+
+    accelerator: str  # "cuda" or "cpu"
+    ranks: int  # processes a measured run starts
+    device_bytes: float  # per rank on GPU; on CPU the host memory the ranks share
+    host_bytes: float  # available host memory
+    disk_bytes: float = float("inf")  # free disk where NVMe offload swaps
+
+    @classmethod
+    def detect(
+        cls, ranks: int, memory_limit_gib: float | None = None, swap_dir: Path | None = None
+    ) -> Hardware:
+        """This machine; `memory_limit_gib` caps the host memory measured runs may plan to use."""
+        host = float(psutil.virtual_memory().available)
+        if memory_limit_gib is not None:
+            host = min(host, memory_limit_gib * GIB)
+        disk = float("inf")
+        if swap_dir is not None:
+            probe = swap_dir
+            while not probe.exists():
+                probe = probe.parent
+            disk = float(shutil.disk_usage(probe).free)
+        import torch
+
+        if torch.cuda.is_available():
+            if torch.cuda.device_count() < ranks:
+                raise ValueError(f"--nproc {ranks} but this machine has {torch.cuda.device_count()} GPU(s)")
+            return cls("cuda", ranks, float(torch.cuda.mem_get_info()[1]), host, disk)
+        return cls("cpu", ranks, host, host, disk)
+
+    def fits(self, row: dict[str, Any], headroom: float = 0.9) -> str | None:
+        """None when the estimate fits, else the reason (with the numbers) it does not."""
+        device = row["mem_device_gib"] * GIB
+        host = row["mem_host_gib"] * GIB
+        init = row.get("mem_init_gib", 0.0) * GIB  # the whole fp32 model, built in host memory first
+        runtime = RUNTIME_GIB_PER_RANK * GIB
+        if self.accelerator == "cuda":
+            if device > headroom * self.device_bytes:
+                return (
+                    f"estimated {device / GIB:.1f} GiB per GPU > {headroom:.0%} of "
+                    f"{self.device_bytes / GIB:.1f} GiB"
+                )
+            need_host = self.ranks * (max(host, init) + runtime)
+        else:
+            need_host = self.ranks * (max(device + host, init) + runtime)
+        need_disk = self.ranks * row.get("disk_gib", 0.0) * GIB
+        if need_disk > headroom * self.disk_bytes:
+            return (
+                f"estimated {need_disk / GIB:.1f} GiB of NVMe swap > {headroom:.0%} of "
+                f"{self.disk_bytes / GIB:.1f} GiB free"
+            )
+        if need_host > headroom * self.host_bytes:
+            return (
+                f"estimated {need_host / GIB:.1f} GiB of host memory for {self.ranks} rank(s) > "
+                f"{headroom:.0%} of {self.host_bytes / GIB:.1f} GiB available"
+            )
+        return None
+
+
+@dataclass
+class Measurement:
+    status: str  # "measured" or "failed"
+    reason: str = ""
+    wall_s: float = 0.0
+    tokens_per_s: float | None = None
+    step_time_s: float | None = None
+    loss_first: float | None = None
+    loss_last: float | None = None
+    peak_rss_gib: float | None = None  # all processes of the run together, start-up to final save
+    peak_rank_rss_gib: float | None = None  # the largest single process, start-up to final save
+    peak_device_gib: float | None = None  # the trainer's own peak (GPU allocator), when reported
+    train_rss_gib: float | None = None  # rank 0's resident memory at the logged steps (CPU runs)
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def row(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "records"}
+
+
+class MemorySampler(threading.Thread):
+    """Samples the resident memory of a process tree until stopped."""
+
+    def __init__(self, pid: int, interval: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.interval = pid, interval
+        self.peak_total = self.peak_single = 0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                root = psutil.Process(self.pid)
+                rss = []
+                for proc in [root, *root.children(recursive=True)]:
+                    try:
+                        rss.append(proc.memory_info().rss)
+                    except psutil.Error:
+                        pass
+                self.peak_total = max(self.peak_total, sum(rss))
+                self.peak_single = max(self.peak_single, max(rss, default=0))
+            except psutil.Error:
+                pass
+            self._stop_event.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+
+def pretrain_args(point: GridPoint, ds_config: Path, output_dir: Path, steps: int, dp: int) -> list[str]:
+    """Arguments of `launchers/pretrain.py` for a short measured run of `point`."""
+    return [
+        "--size", point.size,
+        "--attention-type", point.attention,
+        "--seq-len", str(point.seq_len),
+        "--micro-batch-size", str(point.micro_batch),
+        "--global-batch-size", str(point.micro_batch * dp),
+        "--precision", point.precision,
+        "--tensor-parallel", str(point.layout.tp),
+        "--deepspeed-config", str(ds_config),
+        "--train-steps", str(steps),
+        "--warmup-steps", "1",
+        "--log-interval", "1",
+        "--eval-interval", str(steps + 1),
+        "--eval-batches", "1",
+        "--save-interval", str(steps + 1),
+        "--keep-checkpoints", "1",
+        "--export", "false",
+        "--mlflow", "false",
+        "--progress-bar", "false",
+        "--resume", "none",
+        "--output-dir", str(output_dir),
+    ]  # fmt: skip
+
+
+def _last_error(log: Path) -> str:
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if line.startswith("error:") or "Error" in line.split(":")[0]:
+            return line[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def run_point(
+    point: GridPoint,
+    ds_config: Path,
+    output_dir: Path,
+    hardware: Hardware,
+    steps: int,
+    data_dir: str | None = None,
+    timeout_s: float = 1800,
+    extra_env: dict[str, str] | None = None,
+) -> Measurement:
+    """Run `steps` optimizer steps of `point` with `hardware.ranks` processes and measure them."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    dp = hardware.ranks // point.layout.tp
+    args = pretrain_args(point, ds_config, output_dir, steps, dp)
+    if data_dir:
+        args += ["--data-dir", data_dir]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", str(hardware.ranks), str(REPO / "launchers" / "pretrain.py"), *args,
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
+    env.pop("MLFLOW_TRACKING_URI", None)  # the study records the point; the run keeps no store
+    if hardware.accelerator == "cpu":
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    log = output_dir / "run.log"
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        sampler = MemorySampler(proc.pid)
+        sampler.start()
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+        finally:
+            sampler.stop()
+    wall = time.perf_counter() - start
+    m = Measurement(status="failed", wall_s=wall)
+    m.peak_rss_gib = sampler.peak_total / GIB
+    m.peak_rank_rss_gib = sampler.peak_single / GIB
+    if rc is None:
+        m.reason = f"timed out after {timeout_s:.0f} s (--point-timeout); log: {log}"
+        return m
+    if rc != 0:
+        killed = f"killed by signal {-rc} (out of memory?)" if rc < 0 else f"exit status {rc}"
+        m.reason = f"{killed}: {_last_error(log)}; log: {log}"
+        return m
+    return parse_metrics(output_dir, point, m, dp)
+
+
+def parse_metrics(output_dir: Path, point: GridPoint, m: Measurement, dp: int) -> Measurement:
+    """Fill loss, throughput and the trainer's memory figures from metrics.jsonl."""
+    path = output_dir / "metrics.jsonl"
+    if not path.is_file():
+        m.status, m.reason = "failed", f"no {path}"
+        return m
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    m.records = records
+    if not records:
+        m.status, m.reason = "failed", f"{path} is empty"
+        return m
+    m.status = "measured"
+    m.loss_first, m.loss_last = records[0]["loss"], records[-1]["loss"]
+    # The first step pays for warm-up (allocations, kernel selection): leave it out when possible.
+    timed = records[1:] or records
+    rates = [r["tokens_per_s"] for r in timed if r.get("tokens_per_s")]
+    if rates:
+        m.tokens_per_s = sum(rates) / len(rates)
+        m.step_time_s = point.micro_batch * dp * point.seq_len / m.tokens_per_s
+    device = [r["mem_allocated_gib"] for r in records if r.get("mem_allocated_gib") is not None]
+    m.peak_device_gib = max(device) if device else None
+    rss = [r["mem_rss_gib"] for r in records if r.get("mem_rss_gib") is not None]
+    m.train_rss_gib = max(rss) if rss else None
+    return m

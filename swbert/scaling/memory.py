@@ -1,0 +1,311 @@
+"""Closed-form memory per rank: model states by ZeRO stage (with offload and tensor parallelism),
+DeepSpeed's own estimators, and an activation estimate.
+
+Model states follow the tensors a DeepSpeed engine holds after `backward` (measured tensor by
+tensor in tests/test_scaling_memory.py). With p = 2 (bf16/fp16) or 4 (fp32) bytes per parameter,
+N parameters per model-parallel rank and G data-parallel ranks, bytes per parameter are
+
+    stage 0   p params + p grads + 4 fp32 master (mixed precision only) + 8 Adam (m, v)
+    stage 1/2 p params + p/G grads + 4/G fp32 master + 8/G Adam
+    stage 3   p/G params + p/G grads + 4/G fp32 master + 8/G Adam, plus a gradient bucket and
+              the small tensors kept whole
+
+DeepSpeed keeps an fp32 master partition in stages 1-3 even when training in fp32. In stage 1
+DeepSpeed reduces gradients in buckets during backward, as in stage 2, so after backward the two
+hold the same tensors (the ZeRO paper's stage 1 keeps full gradients). Stage 3 keeps parameters
+up to `stage3_param_persistence_threshold` elements whole on every rank (besides their partition)
+and allocates a gradient bucket of `reduce_bucket_size` elements up front (500M by default: 1 GB
+in bf16).
+
+With the optimizer offloaded, master weights, Adam states and an fp32 copy of the gradient
+partition live in host memory; with parameters offloaded too (stage 3), so does the parameter
+partition. Offloaded to NVMe (ZeRO-Infinity), they live on disk and host memory holds only the
+swap buffers (`buffer_count` x `buffer_size` for parameters, `buffer_count` x `sub_group_size`
+fp32 elements for the optimizer).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from swbert.models.config import SWBertConfig
+
+Precision = Literal["fp32", "bf16", "fp16"]
+Offload = Literal["none", "optimizer", "params"]
+OffloadDevice = Literal["cpu", "nvme"]
+
+GIB = 1024**3
+ADAM_BYTES = 8  # fp32 first and second moments
+MASTER_BYTES = 4  # fp32 master weights
+DEFAULT_REDUCE_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size default (elements)
+DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default
+OPTIMIZER_SWAP_BUFFERS = 4  # DeepSpeed's offload_optimizer buffer_count default (fp32 sub-groups)
+
+
+@dataclass(frozen=True)
+class ParamTensor:
+    """One parameter tensor of `SWBertForMaskedLM` and whether tensor parallelism shards it."""
+
+    name: str
+    numel: int
+    tp_sharded: bool
+
+
+def model_tensors(config: SWBertConfig) -> list[ParamTensor]:
+    """The parameter tensors of `SWBertForMaskedLM`, by formula (the tied decoder weight once).
+
+    Tensor parallelism (swbert.parallel's plan) shards the attention projections and their
+    per-head parameters (column-parallel), the output projection's weight (row-parallel), the
+    MLP's first layer (column) and the second layer's weight (row), and the word embedding with
+    the tied decoder's bias by vocabulary rows; the rest is replicated.
+    """
+    d, f, h, dh = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_attention_heads,
+        config.head_dim,
+    )
+    out = [
+        ParamTensor("embeddings.word", config.vocab_size * d, True),
+        ParamTensor("embeddings.position", config.max_position_embeddings * d, False),
+        ParamTensor("embeddings.token_type", config.type_vocab_size * d, False),
+        ParamTensor("embeddings.norm.weight", d, False),
+        ParamTensor("embeddings.norm.bias", d, False),
+    ]
+    attention = {
+        "standard": [("q.weight", d * d), ("q.bias", d), ("k.weight", d * d), ("k.bias", d)]
+        + [("v.weight", d * d), ("v.bias", d)],
+        "shared": [("s.weight", d * d), ("s.bias", d), ("dq", d), ("dk", d), ("dv", d)],
+        "symmetric": [("q.weight", d * d), ("q.bias", d), ("v.weight", d * d), ("v.bias", d)],
+        "pairwise": [("q.weight", d * d), ("q.bias", d), ("v.weight", d * d), ("v.bias", d)]
+        + [("pair", h * dh * dh)],
+    }[config.attention_type]
+    for i in range(config.num_hidden_layers):
+        layer = [ParamTensor(f"layer{i}.attn.{n}", k, True) for n, k in attention]
+        layer += [
+            ParamTensor(f"layer{i}.attn.out.weight", d * d, True),
+            ParamTensor(f"layer{i}.attn.out.bias", d, False),
+            ParamTensor(f"layer{i}.attn_norm.weight", d, False),
+            ParamTensor(f"layer{i}.attn_norm.bias", d, False),
+            ParamTensor(f"layer{i}.mlp.fc1.weight", f * d, True),
+            ParamTensor(f"layer{i}.mlp.fc1.bias", f, True),
+            ParamTensor(f"layer{i}.mlp.fc2.weight", d * f, True),
+            ParamTensor(f"layer{i}.mlp.fc2.bias", d, False),
+            ParamTensor(f"layer{i}.mlp_norm.weight", d, False),
+            ParamTensor(f"layer{i}.mlp_norm.bias", d, False),
+        ]
+        out += layer
+    out += [
+        ParamTensor("mlm_head.dense.weight", d * d, False),
+        ParamTensor("mlm_head.dense.bias", d, False),
+        ParamTensor("mlm_head.norm.weight", d, False),
+        ParamTensor("mlm_head.norm.bias", d, False),
+        ParamTensor("mlm_head.decoder.bias", config.vocab_size, True),
+    ]
+    return out
+
+
+def rank_tensor_sizes(config: SWBertConfig, tp: int = 1) -> list[int]:
+    """Sizes of the parameter tensors one tensor-parallel rank holds."""
+    for name in ("num_attention_heads", "intermediate_size", "vocab_size"):
+        if getattr(config, name) % tp:
+            raise ValueError(f"tensor parallel size {tp} does not divide {name}={getattr(config, name)}")
+    return [t.numel // tp if t.tp_sharded else t.numel for t in model_tensors(config)]
+
+
+def params_per_rank(config: SWBertConfig, tp: int = 1) -> int:
+    """Parameters held by one tensor-parallel rank (the whole model when tp = 1)."""
+    return sum(rank_tensor_sizes(config, tp))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: tensor-parallel size, ZeRO stage, what is offloaded and where to."""
+
+    tp: int = 1
+    zero: int = 0
+    offload: Offload = "none"
+    device: OffloadDevice = "cpu"  # where offloaded states go: host memory or NVMe
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tensor parallel size must be >= 1, got {self.tp}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero}")
+        if self.offload == "optimizer" and self.zero == 0:
+            raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3")
+        if self.offload == "params" and self.zero != 3:
+            raise ValueError("parameter offload needs ZeRO stage 3")
+        if self.device == "nvme" and self.zero != 3:
+            raise ValueError("NVMe offload needs ZeRO stage 3")
+
+    @property
+    def name(self) -> str:
+        suffix = {"none": "", "optimizer": "-offload", "params": "-offload-params"}[self.offload]
+        return f"tp{self.tp}-z{self.zero}{suffix}" + ("-nvme" if self.device == "nvme" else "")
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """`tp2-z1`, `z3-offload`, `tp1-z3-offload-params`, `z3-offload-params-nvme` (tp1 by default)."""
+        match = re.fullmatch(
+            r"(?:tp(\d+)-?)?z([0-3])(-offload(?:-params)?)?(-nvme)?(?:-tp(\d+))?", text.strip()
+        )
+        if not match or (match.group(4) and not match.group(3)):
+            raise ValueError(
+                f"layout {text!r} is not like tp2-z1, z2, z3-offload, z3-offload-params or "
+                "z3-offload-params-nvme (tensor-parallel size, ZeRO stage, what is offloaded, where to)"
+            )
+        tp = int(match.group(1) or match.group(5) or 1)
+        offload = {None: "none", "-offload": "optimizer", "-offload-params": "params"}[match.group(3)]
+        device = "nvme" if match.group(4) else "cpu"
+        return cls(tp=tp, zero=int(match.group(2)), offload=offload, device=device)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class StateMemory:
+    """Bytes of model states on one rank, split by kind and by where they live."""
+
+    params: float
+    grads: float
+    master: float
+    optimizer: float
+    buffers: float
+    device: float  # on the accelerator (on CPU-only machines: the same host memory)
+    host: float  # in host memory because of offload
+    disk: float = 0.0  # on NVMe because of offload
+
+    @property
+    def total(self) -> float:
+        return self.device + self.host
+
+
+def param_bytes(precision: Precision) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def model_state_bytes(
+    config: SWBertConfig,
+    layout: Layout,
+    dp: int,
+    precision: Precision = "bf16",
+    reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET,
+    persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
+    sub_group_size: int = 1_000_000_000,
+    param_buffer_count: int = 5,
+    param_buffer_size: int = 100_000_000,
+) -> StateMemory:
+    """Model-state bytes of one rank after backward (see the module docstring for the layout)."""
+    if dp < 1:
+        raise ValueError(f"data-parallel size must be >= 1, got {dp}")
+    sizes = rank_tensor_sizes(config, layout.tp)
+    n = sum(sizes)
+    p = param_bytes(precision)
+    mixed = precision != "fp32"
+    if layout.zero == 0:
+        params, grads = p * n, p * n
+        master, optimizer = (MASTER_BYTES * n if mixed else 0), ADAM_BYTES * n
+        buffers = 0.0
+    elif layout.zero in (1, 2):
+        params, grads = p * n, p * n / dp
+        master, optimizer = MASTER_BYTES * n / dp, ADAM_BYTES * n / dp
+        buffers = 0.0
+    else:
+        # Small tensors stay gathered on every rank on top of their partition.
+        persistent = sum(s for s in sizes if s <= persistence_threshold)
+        params = p * (n / dp + persistent)
+        grads = p * n / dp
+        master, optimizer = MASTER_BYTES * n / dp, ADAM_BYTES * n / dp
+        buffers = float(p * reduce_bucket_size)
+    host = disk = 0.0
+    if layout.offload != "none":
+        # Master weights, Adam states and an fp32 gradient partition for the CPU optimizer.
+        host = master + optimizer + 4 * n / dp
+        master = optimizer = 0.0
+    if layout.offload == "params":
+        host += p * n / dp
+        params -= p * n / dp
+    if layout.device == "nvme":
+        # On disk; host memory keeps the swap buffers (DeepSpeed's defaults or the config's).
+        disk, host = host, float(OPTIMIZER_SWAP_BUFFERS * 4 * min(sub_group_size, n / dp))
+        if layout.offload == "params":
+            host += param_buffer_count * param_buffer_size * p
+    device = params + grads + master + optimizer + buffers
+    return StateMemory(params, grads, master, optimizer, buffers, device, host, disk)
+
+
+def deepspeed_estimate(config: SWBertConfig, layout: Layout, dp: int) -> tuple[float, float] | None:
+    """(device, host) bytes from DeepSpeed's own estimators for mixed precision, or None (stage 0/1).
+
+    DeepSpeed counts the peak inside the optimizer step (fp32 gradient copies included) and pads
+    host memory by 1.5x, so it is above `model_state_bytes` by design.
+    """
+    n = params_per_rank(config, layout.tp)
+    offload = layout.offload != "none"
+    if layout.zero == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        host, device = estimate_zero2_model_states_mem_needs(n, dp, 1, cpu_offload=offload)
+        return float(device), float(host)
+    if layout.zero == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        largest = max(rank_tensor_sizes(config, layout.tp))
+        host, device, _ = estimate_zero3_model_states_mem_needs(
+            n, largest, dp, 1, cpu_offload=offload, cpu_offload_params=layout.offload == "params"
+        )
+        return float(device), float(host)
+    return None
+
+
+# Activation bytes per token per layer, in units of the hidden size at 16-bit precision, stored for
+# backward without recomputation (Korthikanti et al., 2022: 34 for BERT/GPT attention + MLP, of
+# which 10 stay whole under tensor parallelism). The variants differ in what attention keeps:
+# `shared` also keeps S (the common projection, needed for the dq/dk/dv gradients), `symmetric`
+# has no separate keys, `pairwise` keeps Q U^T as its keys.
+ACTIVATION_UNITS = {"standard": 34, "shared": 36, "symmetric": 32, "pairwise": 36}
+REPLICATED_UNITS = 10  # layer-norm inputs and dropout masks that tensor parallelism does not split
+
+
+def activation_bytes(
+    config: SWBertConfig,
+    seq_len: int,
+    micro_batch: int,
+    precision: Precision = "bf16",
+    tp: int = 1,
+    fused_attention: bool = True,
+    predicted_fraction: float = 0.15,
+) -> float:
+    """Estimated activation bytes of one rank for one micro-batch (no activation checkpointing).
+
+    `fused_attention`: a flash / memory-efficient kernel keeps no S x S score matrices (GPU); the
+    math kernel (CPU, or dropout on attention probabilities) keeps scores, probabilities and the
+    dropout mask: 5 a s bytes per token at 16-bit.
+    """
+    d, a, s, b = config.hidden_size, config.num_attention_heads, seq_len, micro_batch
+    scale = param_bytes(precision) / 2
+    units = ACTIVATION_UNITS[config.attention_type]
+    per_layer = s * b * d * (REPLICATED_UNITS + (units - REPLICATED_UNITS) / tp) * scale
+    if not fused_attention:
+        per_layer += 5 * a * s * s * b / tp * scale
+    embeddings = s * b * d * 2 * scale
+    predicted = predicted_fraction * s * b
+    # MLM head on the predicted positions: transform activations and fp32 logits for the loss.
+    head = predicted * (d * 8 * scale + config.vocab_size * (2 * scale + 4))
+    return config.num_hidden_layers * per_layer + embeddings + head
+
+
+def zero_config_values(ds_config: dict[str, Any] | None) -> dict[str, int]:
+    """The bucket and persistence settings `model_state_bytes` needs, from a DeepSpeed config."""
+    zero = (ds_config or {}).get("zero_optimization", {})
+    param_offload = zero.get("offload_param") or {}
+    return {
+        "sub_group_size": int(zero.get("sub_group_size", 1_000_000_000)),
+        "param_buffer_count": int(param_offload.get("buffer_count", 5)),
+        "param_buffer_size": int(param_offload.get("buffer_size", 100_000_000)),
+        "reduce_bucket_size": int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)),
+        "persistence_threshold": int(
+            zero.get("stage3_param_persistence_threshold", DEFAULT_PERSISTENCE_THRESHOLD)
+        ),
+    }

@@ -1,0 +1,175 @@
+"""Check the closed-form model-state memory against what a DeepSpeed engine really holds.
+
+Run under a distributed launcher; rank 0 prints one JSON line per configuration:
+
+    torchrun --nproc-per-node 2 -m swbert.scaling.memory_check --size small --vocab-size 2048 \\
+        --zero 0 1 2 3 --precision fp32 bf16
+
+For each ZeRO stage and precision it builds `SWBertForMaskedLM`, wraps it in a DeepSpeed engine,
+runs two steps and, after the second backward, sums the bytes of every tensor the engine reaches
+(parameters, ZeRO partitions, gradients, optimizer states, buffers), each storage once.
+
+With `--tensor-parallel N` it instead splits the model with `swbert.parallel` and prints, for
+every rank, the parameters it holds next to `params_per_rank`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from typing import Any
+
+import torch
+
+from swbert.models import SWBertConfig, SWBertForMaskedLM
+from swbert.scaling.memory import Layout, model_state_bytes, params_per_rank
+
+# Objects whose attributes are followed when collecting tensors: the engine, its optimizer and the
+# module tree. Anything else (process groups, loggers, the config) is not walked.
+_WALKED_MODULES = ("deepspeed", "torch.optim", "swbert", "transformers")
+
+
+def held_tensor_bytes(root: Any) -> int:
+    """Bytes of all tensor storages reachable from `root` through DeepSpeed/torch objects."""
+    seen: set[int] = set()
+    storages: dict[int, int] = {}
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type != "meta":
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            if obj.grad is not None:
+                stack.append(obj.grad)
+            stack.extend(getattr(obj, "__dict__", {}).values())  # e.g. ZeRO-3's ds_tensor
+        elif isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        elif isinstance(obj, torch.nn.Module) or type(obj).__module__.startswith(_WALKED_MODULES):
+            stack.extend(vars(obj).values())
+    return sum(storages.values())
+
+
+def ds_config(zero: int, precision: str, bucket: int, persistence: int) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "zero_optimization": {
+            "stage": zero,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+            "stage3_prefetch_bucket_size": bucket,
+            "stage3_param_persistence_threshold": persistence,
+        },
+        # A torch Adam: no C++ op to build; the states are the same fp32 m and v.
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+    }
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def measure(config: SWBertConfig, zero: int, precision: str, bucket: int, persistence: int) -> dict[str, Any]:
+    import deepspeed
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = SWBertForMaskedLM(config)
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=ds_config(zero, precision, bucket, persistence),
+    )
+    del model
+    held = 0
+    for step in range(2):
+        ids = torch.randint(0, config.vocab_size, (2, 64))
+        labels = ids.clone()
+        labels[:, ::2] = -100
+        loss = engine(input_ids=ids, labels=labels).loss
+        engine.backward(loss)
+        del loss
+        if step == 1:  # optimizer states exist from the first step; gradients are still held
+            gc.collect()
+            held = held_tensor_bytes(engine)
+        engine.step()
+    dp = dist.get_world_size()
+    estimate = model_state_bytes(
+        config,
+        Layout(zero=zero),
+        dp,
+        precision,  # type: ignore[arg-type]
+        reduce_bucket_size=bucket,
+        persistence_threshold=persistence,
+    )
+    engine.destroy()
+    del engine
+    gc.collect()
+    return {
+        "zero": zero,
+        "precision": precision,
+        "dp": dp,
+        "params": params_per_rank(config),
+        "measured_bytes": held,
+        "closed_form_bytes": estimate.total,
+        "relative_error": (estimate.total - held) / held,
+    }
+
+
+def tensor_parallel_params(config: SWBertConfig, tp: int) -> dict[str, Any]:
+    """Parameters one rank holds after `swbert.parallel.parallelize`, and the closed form."""
+    import torch.distributed as dist
+
+    from swbert import parallel
+
+    if not parallel.is_initialized():
+        parallel.initialize(tp)
+    torch.manual_seed(0)
+    model = parallel.parallelize(SWBertForMaskedLM(config), tp)
+    held = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())
+    return {"tp": tp, "rank": dist.get_rank(), "held": held, "closed_form": params_per_rank(config, tp)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--attention-type", nargs="+", default=["shared"])
+    parser.add_argument("--vocab-size", type=int, default=None)
+    parser.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--bucket", type=int, default=1_000_000, help="reduce/allgather bucket (elements)")
+    parser.add_argument("--persistence", type=int, default=100_000, help="ZeRO-3 persistence threshold")
+    parser.add_argument("--tensor-parallel", type=int, default=0, help="count TP shards instead")
+    args = parser.parse_args(argv)
+
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
+    for attention in args.attention_type:
+        config = SWBertConfig.from_size(args.size, attention_type=attention, **overrides)
+        if args.tensor_parallel:
+            row = tensor_parallel_params(config, args.tensor_parallel)
+            print(json.dumps({"attention": attention, **row}), flush=True)
+            continue
+        for zero in args.zero:
+            for precision in args.precision:
+                row = measure(config, zero, precision, args.bucket, args.persistence)
+                if dist.get_rank() == 0:
+                    print(json.dumps({"attention": attention, **row}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

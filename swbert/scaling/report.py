@@ -1,0 +1,102 @@
+"""The study's table (CSV) and plots: throughput, memory and loss against size, shared vs standard."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+STYLE = {"standard": "--", "shared": "-", "symmetric": ":", "pairwise": "-."}
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
+    """One row per grid point; the columns are the union of all rows' keys, in first-seen order."""
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in columns})
+    return path
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _series(
+    rows: list[dict[str, Any]], key: str, group: tuple[str, ...]
+) -> dict[tuple, list[tuple[float, float]]]:
+    """{group values: [(params, value), ...]} over the rows that have `key`, sorted by size."""
+    out: dict[tuple, list[tuple[float, float]]] = {}
+    for row in rows:
+        value = row.get(key)
+        if value is None or value == "":
+            continue
+        out.setdefault(tuple(row[g] for g in group), []).append((float(row["params"]), float(value)))
+    return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+def plot(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
+    """throughput.png, memory.png, loss.png (only those with data); returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    measured = [r for r in rows if r.get("status") == "measured"]
+
+    def axes(title: str, ylabel: str):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        return fig, ax
+
+    def save(fig, ax, name: str) -> None:
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(folder / name, dpi=120)
+        plt.close(fig)
+        written.append(folder / name)
+
+    tput = _series(measured, "tokens_per_s", ("attention", "layout"))
+    if tput:
+        fig, ax = axes("Measured training throughput", "tokens / s")
+        ax.set_yscale("log")
+        for (attention, layout), pts in tput.items():
+            ax.plot(*zip(*pts), STYLE.get(attention, "-"), marker="o", label=f"{attention} {layout}")
+        save(fig, ax, "throughput.png")
+
+    if rows:
+        fig, ax = axes("Memory per GPU by ZeRO stage (closed form) and measured peaks", "GiB")
+        ax.set_yscale("log")
+        for stage in range(4):
+            for (attention,), pts in _series(rows, f"mem_z{stage}_gib", ("attention",)).items():
+                ax.plot(
+                    *zip(*pts),
+                    STYLE.get(attention, "-"),
+                    color=f"C{stage}",
+                    label=f"ZeRO-{stage} {attention}",
+                )
+        for key, marker, label in (("train_rss_gib", "x", "measured RSS while training, rank 0"),
+                                   ("peak_device_gib", "+", "measured GPU peak")):  # fmt: skip
+            for (attention,), pts in _series(measured, key, ("attention",)).items():
+                ax.plot(*zip(*pts), marker, color="k", label=f"{label} ({attention})")
+        save(fig, ax, "memory.png")
+
+    loss = _series(measured, "loss_last", ("attention", "layout"))
+    if loss:
+        fig, ax = axes("Loss after the measured steps", "MLM loss")
+        for (attention, layout), pts in loss.items():
+            ax.plot(*zip(*pts), STYLE.get(attention, "-"), marker="o", label=f"{attention} {layout}")
+        save(fig, ax, "loss.png")
+    return written

@@ -1,0 +1,293 @@
+"""The scaling study: closed forms for every grid point, measured runs where the machine allows,
+one MLflow run per point under a parent run, a CSV and plots; or the grid as a SLURM job array.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shlex
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from swbert.scaling.grid import BERT_VOCAB, GridPoint, build_grid, estimate, write_ds_config
+from swbert.scaling.measure import Hardware, Measurement, parse_metrics, run_point
+from swbert.scaling.memory import Layout
+from swbert.scaling.report import plot, write_csv
+
+log = logging.getLogger("swbert.scaling")
+
+
+@dataclass
+class StudyConfig:
+    """What to sweep and how; see `launchers/scaling_study.py --help`."""
+
+    output_dir: Path
+    sizes: list[str] = field(default_factory=lambda: ["tiny", "mini", "small", "base", "large", "xl"])
+    attentions: list[str] = field(default_factory=lambda: ["standard", "shared"])
+    layouts: list[str] = field(default_factory=lambda: ["z0", "z1", "z2", "z3", "z3-offload"])
+    seq_len: int = 128
+    micro_batch: int = 8
+    precision: str = "auto"  # auto: fp32 when measuring on CPU, else bf16
+    gpus: int | None = None  # devices the closed forms assume (default: --nproc)
+    nproc: int = 2  # processes of a measured run on this machine
+    measure: bool = True
+    measure_max_params: float = math.inf  # estimate only above this many parameters
+    steps: int = 5  # optimizer steps of a measured run
+    data_dir: str | None = None
+    vocab_size: int | None = None  # default: the data's vocabulary when measuring, else BERT's
+    point_timeout_s: float = 1800
+    memory_limit_gib: float | None = None  # plan measured runs within this much host memory
+    nvme_path: Path | None = None  # swap folder of NVMe offload (default: output_dir/nvme)
+    keep_checkpoints: bool = False
+    experiment: str = "swbert-scaling"
+
+
+def tracking_uri(output_dir: Path) -> str:
+    import os
+
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(output_dir / 'mlflow.db').resolve()}"
+
+
+def _numeric(row: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for key, value in row.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if math.isfinite(value):
+            out[key] = float(value)
+    return out
+
+
+class Recorder:
+    """MLflow: a parent run for the study, a nested run per grid point."""
+
+    def __init__(self, cfg: StudyConfig) -> None:
+        import mlflow
+
+        self.mlflow = mlflow
+        self.uri = tracking_uri(cfg.output_dir)
+        mlflow.set_tracking_uri(self.uri)
+        mlflow.set_experiment(cfg.experiment)
+        self.parent = mlflow.start_run(run_name=f"scaling-{time.strftime('%Y%m%d-%H%M%S')}")
+        spec = {k: (",".join(v) if isinstance(v, list) else str(v)) for k, v in asdict(cfg).items()}
+        mlflow.log_params(spec)
+
+    def point(self, row: dict[str, Any], records: list[dict[str, Any]]) -> None:
+        mlflow = self.mlflow
+        with mlflow.start_run(run_name=row["name"], nested=True):
+            params = ("size", "attention", "layout", "tp", "zero", "offload", "precision", "seq_len",
+                      "micro_batch", "gpus", "dp", "vocab_size")  # fmt: skip
+            mlflow.log_params({k: row[k] for k in params if k in row})
+            mlflow.set_tags({"status": row["status"], "reason": row.get("reason", "")[:5000]})
+            mlflow.log_metrics(_numeric({k: v for k, v in row.items() if k not in params}))
+            for record in records:
+                step = int(record["step"])
+                mlflow.log_metrics(_numeric({k: record.get(k) for k in ("loss", "tokens_per_s")}), step=step)
+
+    def close(self, artifacts: list[Path]) -> None:
+        for path in artifacts:
+            self.mlflow.log_artifact(str(path))
+        self.mlflow.end_run()
+
+
+def _prepare_data(cfg: StudyConfig) -> tuple[str, int]:
+    """The shards measured runs read (the embedded default corpus unless --data-dir) and their vocab."""
+    from swbert.training.data import prepare_data
+
+    path = prepare_data(cfg.data_dir, cfg.output_dir)
+    manifest = json.loads((Path(path) / "manifest.json").read_text())
+    return str(path), int(manifest["tokenizer"]["vocab_size"])
+
+
+def run_study(cfg: StudyConfig) -> list[dict[str, Any]]:
+    """Every grid point: closed forms, then a measured run if it fits; rows as written to the CSV."""
+    out = cfg.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    hardware = Hardware.detect(cfg.nproc, cfg.memory_limit_gib, _nvme(cfg))
+    on_cpu = hardware.accelerator == "cpu"
+    precision = cfg.precision if cfg.precision != "auto" else ("fp32" if cfg.measure and on_cpu else "bf16")
+    grid = build_grid(cfg.sizes, cfg.attentions, cfg.layouts, cfg.seq_len, cfg.micro_batch, precision)  # type: ignore[arg-type]
+    gpus = cfg.gpus or cfg.nproc
+    data_dir, vocab = None, cfg.vocab_size or BERT_VOCAB
+    if cfg.measure:
+        data_dir, data_vocab = _prepare_data(cfg)
+        vocab = cfg.vocab_size or data_vocab
+    recorder = Recorder(cfg)
+    rows: list[dict[str, Any]] = []
+    csv_path = out / "scaling.csv"
+    artifacts: list[Path] = []
+    try:
+        for i, point in enumerate(grid):
+            row = evaluate_point(
+                point, cfg, hardware, gpus, vocab, data_dir, fused=not (cfg.measure and on_cpu)
+            )
+            rows.append(row)
+            recorder.point(row, row.pop("_records", []))
+            write_csv(rows, csv_path)  # after every point: an interrupted sweep keeps what it has
+            log.info("[%d/%d] %s: %s %s", i + 1, len(grid), point.name, row["status"], row.get("reason", ""))
+        artifacts = [csv_path, *plot(rows, out / "plots")]
+    finally:
+        recorder.close(artifacts)
+    return rows
+
+
+def evaluate_point(
+    point: GridPoint,
+    cfg: StudyConfig,
+    hardware: Hardware,
+    gpus: int,
+    vocab: int,
+    data_dir: str | None,
+    fused: bool,
+) -> dict[str, Any]:
+    """Closed forms for `point`, and a measured run unless it cannot or should not run here."""
+    try:
+        row = estimate(point, gpus, vocab, fused_attention=fused)
+    except ValueError as err:
+        return {"name": point.name, "size": point.size, "attention": point.attention,
+                "layout": point.layout.name, "status": "skipped", "reason": str(err)}  # fmt: skip
+    row.update(status="estimated", reason="")
+    if not cfg.measure:
+        return row
+    if row["params"] > cfg.measure_max_params:
+        row["reason"] = f"not measured: {row['params']:,} parameters > --measure-max-params"
+        return row
+    local = point.layout.tp
+    if hardware.ranks % local:
+        row.update(
+            status="skipped", reason=f"tensor-parallel size {local} does not divide --nproc {hardware.ranks}"
+        )
+        return row
+    local_row = estimate(point, hardware.ranks, vocab, fused_attention=fused)
+    reason = hardware.fits(local_row)
+    if reason:
+        row.update(status="skipped", reason=f"does not fit this machine: {reason}")
+        return row
+    point_dir = cfg.output_dir / "points" / point.name
+    ds_config = write_ds_config(point.layout, cfg.output_dir / "ds_configs", _nvme(cfg))
+    m = run_point(point, ds_config, point_dir, hardware, cfg.steps, data_dir, cfg.point_timeout_s)
+    if not cfg.keep_checkpoints:
+        _remove_tree(point_dir / "checkpoints")
+    if point.layout.device == "nvme":
+        _remove_tree(_nvme(cfg))  # the run's swap files
+    row.update(m.row())
+    row["measured_ranks"] = hardware.ranks
+    row["estimated_local_gib"] = local_row["mem_device_gib"] + local_row["mem_host_gib"]
+    row["_records"] = m.records
+    return row
+
+
+def _data_vocab(data_dir: str | None) -> int | None:
+    manifest = Path(data_dir or "") / "manifest.json"
+    if data_dir and manifest.is_file():
+        return int(json.loads(manifest.read_text())["tokenizer"]["vocab_size"])
+    return None
+
+
+def _nvme(cfg: StudyConfig) -> Path:
+    return Path(cfg.nvme_path) if cfg.nvme_path else cfg.output_dir / "nvme"
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- SLURM job array -----------------------------------------------------------------------------
+
+
+def emit_slurm(
+    cfg: StudyConfig, nodes: int, gpus_per_node: int, extra: list[str] | None = None
+) -> tuple[Path, str]:
+    """Write the grid as a sweep file for `pretrain.sbatch --sweep` and return (file, sbatch command).
+
+    Each array task runs one grid point for `cfg.steps` steps into output_dir/points/NAME; collect the
+    results afterwards with `launchers/scaling_study.py --collect output_dir`. `gpus_per_node=0`
+    means CPU nodes: one process per node and no GPU request.
+    """
+    out = cfg.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    precision = cfg.precision if cfg.precision != "auto" else ("bf16" if gpus_per_node else "fp32")
+    grid = build_grid(cfg.sizes, cfg.attentions, cfg.layouts, cfg.seq_len, cfg.micro_batch, precision)  # type: ignore[arg-type]
+    world = nodes * max(gpus_per_node, 1)
+    lines, names = [f"# scaling grid: {nodes} node(s) x {gpus_per_node} GPU(s); one line per array task"], []
+    for point in grid:
+        if world % point.layout.tp:
+            lines.append(f"# skipped {point.name}: tensor-parallel size does not divide {world} GPUs")
+            continue
+        ds_config = write_ds_config(point.layout, out / "ds_configs", _nvme(cfg))
+        dp = world // point.layout.tp
+        args = [
+            "--size", point.size, "--attention-type", point.attention,
+            "--tensor-parallel", str(point.layout.tp), "--deepspeed-config", str(ds_config),
+            "--seq-len", str(point.seq_len), "--micro-batch-size", str(point.micro_batch),
+            "--global-batch-size", str(point.micro_batch * dp), "--precision", precision,
+            "--output-dir", str(out / "points" / point.name),
+        ]  # fmt: skip
+        if any(ch.isspace() for arg in args for ch in arg):
+            raise ValueError(
+                f"{point.name}: a path with spaces cannot go in a sweep file ({args}); use another --output-dir"
+            )
+        lines.append(" ".join(args))
+        names.append(point.name)
+    sweep = out / "sweep.txt"
+    sweep.write_text("\n".join(lines) + "\n")
+    (out / "grid.json").write_text(
+        json.dumps({"study": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()
+                              if k != "measure_max_params"},
+                    "nodes": nodes, "gpus_per_node": gpus_per_node, "precision": precision, "points": names},
+                   indent=2)
+    )  # fmt: skip
+    common = [
+        "--train-steps", str(cfg.steps), "--warmup-steps", "1", "--log-interval", "1",
+        "--eval-interval", str(cfg.steps + 1), "--eval-batches", "1", "--save-interval", str(cfg.steps + 1),
+        "--export", "false", "--mlflow", "false", "--progress-bar", "false",
+    ]  # fmt: skip
+    if cfg.data_dir:
+        common += ["--data-dir", cfg.data_dir]
+    # gpus_per_node = 0: CPU nodes, one process each, no GPU request.
+    gres = [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
+    command = shlex.join(
+        ["sbatch", f"--array=0-{len(names) - 1}", f"--nodes={nodes}", *gres,
+         "--job-name=swbert-scaling", "launchers/slurm/pretrain.sbatch", "--sweep", str(sweep), *common,
+         *(extra or [])]
+    )  # fmt: skip
+    (out / "submit.sh").write_text(f"#!/bin/bash\n# from the repository root\n{command}\n")
+    return sweep, command
+
+
+def collect(output_dir: Path) -> list[dict[str, Any]]:
+    """Rows for a grid run as a job array (see `emit_slurm`): closed forms plus each point's metrics."""
+    spec = json.loads((output_dir / "grid.json").read_text())
+    study = spec["study"]
+    cfg = StudyConfig(**{**study, "output_dir": output_dir})
+    world = spec["nodes"] * max(spec["gpus_per_node"], 1)
+    grid = {
+        p.name: p
+        for p in build_grid(
+            cfg.sizes, cfg.attentions, cfg.layouts, cfg.seq_len, cfg.micro_batch, spec["precision"]
+        )
+    }
+    vocab = cfg.vocab_size or _data_vocab(cfg.data_dir) or BERT_VOCAB
+    recorder = Recorder(cfg)
+    rows = []
+    for name in spec["points"]:
+        point = grid[name]
+        row = estimate(point, world, vocab)
+        point_dir = output_dir / "points" / name
+        m = parse_metrics(point_dir, point, Measurement(status="failed"), world // point.layout.tp)
+        row.update(m.row())
+        rows.append(row)
+        recorder.point(row, m.records)
+    csv_path = write_csv(rows, output_dir / "scaling.csv")
+    artifacts = [csv_path, *plot(rows, output_dir / "plots")]
+    recorder.close(artifacts)
+    return rows
+
+
+__all__ = ["Layout", "StudyConfig", "collect", "emit_slurm", "run_study"]

@@ -1,0 +1,109 @@
+"""Two "nodes" on one machine: two per-node launchers with distinct node ranks meeting at a
+127.0.0.1 rendezvous, through launchers/slurm/node_launch.sh (what each SLURM node runs)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from torch.testing import assert_close
+
+from tests.launch_utils import REPO, free_port, job_env, make_data_dir, read_metrics, torchrun_cmd
+
+pytestmark = pytest.mark.slow
+
+NODE_LAUNCH = str(REPO / "launchers" / "slurm" / "node_launch.sh")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return make_data_dir(tmp_path_factory.mktemp("multinode-data"))
+
+
+def tiny(data_dir: Path, out: Path) -> list[str]:
+    return [
+        "launchers/pretrain.py", "--config", "tiny_cpu", "--data-dir", str(data_dir),
+        "--output-dir", str(out), "--train-steps", "8", "--log-interval", "1", "--save-interval", "100",
+        "--mlflow", "false", "--export", "false",
+        # 8 sequences = 4 per rank x 2 ranks without accumulation: a run with another world size fails
+        "--grad-accum-steps", "1",
+    ]  # fmt: skip
+
+
+def node(
+    rank: int, nnodes: int, port: int, args: list[str], timeout: int = 600, **env: str
+) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["bash", NODE_LAUNCH, *args],
+        cwd=REPO,
+        env=job_env(
+            NNODES=str(nnodes),
+            NODE_RANK=str(rank),
+            NPROC_PER_NODE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RDZV_ID="two-nodes",
+            RDZV_TIMEOUT=str(timeout),
+            **env,
+        ),  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def test_two_nodes_give_the_losses_of_one_node_with_two_processes(data_dir, tmp_path):
+    port = free_port()
+    two = [node(r, 2, port, tiny(data_dir, tmp_path / "two-nodes")) for r in (0, 1)]
+    one = subprocess.Popen(
+        torchrun_cmd(2, tiny(data_dir, tmp_path / "one-node")[1:]),
+        cwd=REPO,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    outputs = [p.communicate(timeout=900)[0] for p in (*two, one)]
+    for proc, text in zip((*two, one), outputs):
+        assert proc.returncode == 0, text[-4000:]
+    assert "node_launch: node 0/2" in outputs[0] and "node_launch: node 1/2" in outputs[1]
+    two_nodes, one_node = read_metrics(tmp_path / "two-nodes"), read_metrics(tmp_path / "one-node")
+    assert sorted(two_nodes) == sorted(one_node) == list(range(1, 9))
+    # Two ranks in both runs; the same samples per step, so the same losses (up to summation order).
+    for step in one_node:
+        assert_close(two_nodes[step]["loss"], one_node[step]["loss"], rtol=1e-5, atol=1e-6)
+    assert one_node[8]["loss"] != one_node[1]["loss"]
+
+
+def test_unreachable_rendezvous_fails_within_the_timeout_naming_it(tmp_path):
+    port = free_port()  # nothing listens there
+    start = time.time()
+    proc = node(1, 2, port, ["launchers/pretrain.py", "--output-dir", str(tmp_path / "x")], timeout=5)
+    output = proc.communicate(timeout=60)[0]
+    elapsed = time.time() - start
+    assert proc.returncode != 0
+    assert f"rendezvous 127.0.0.1:{port} not reachable after 5s" in output, output
+    assert elapsed < 15, elapsed
+
+
+def test_a_missing_node_fails_within_the_timeout_naming_the_rendezvous(data_dir, tmp_path):
+    port = free_port()
+    start = time.time()
+    proc = node(0, 2, port, tiny(data_dir, tmp_path / "alone"), timeout=10)
+    output = proc.communicate(timeout=240)[0]
+    elapsed = time.time() - start
+    assert proc.returncode != 0
+    assert f"rendezvous 127.0.0.1:{port} (id two-nodes): not all 2 node(s) joined within" in output, output[
+        -3000:
+    ]
+    assert "RDZV_TIMEOUT=10s" in output
+    assert elapsed < 10 + 60, elapsed  # the timeout plus interpreter start-up, never a hang
+
+
+def test_node_rank_outside_the_job_is_refused(tmp_path):
+    proc = node(2, 2, free_port(), ["launchers/pretrain.py"])
+    output = proc.communicate(timeout=30)[0]
+    assert proc.returncode != 0 and "NODE_RANK=2 is outside 0..1 (NNODES=2)" in output

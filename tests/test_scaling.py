@@ -1,0 +1,172 @@
+"""Scaling study: closed forms against instantiated models and DeepSpeed engines; the driver end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sqlite3
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+from swbert.models import ATTENTION_TYPES, SIZES, SWBertConfig, SWBertForMaskedLM
+from swbert.models.flops import masked_lm_params
+from swbert.scaling.grid import build_grid, estimate
+from swbert.scaling.memory import Layout, model_state_bytes, model_tensors, params_per_rank
+from swbert.scaling.report import read_csv
+from tests.launch_utils import REPO, job_env, make_data_dir, torchrun_cmd
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("attention", ATTENTION_TYPES)
+def test_tensor_table_matches_the_instantiated_model(size, attention):
+    """Every parameter tensor of the real model, by formula: same count, same sizes."""
+    config = SWBertConfig.from_size(size, attention_type=attention)
+    with torch.device("meta"):
+        model = SWBertForMaskedLM(config)
+    real = Counter(p.numel() for p in model.parameters())  # the tied decoder weight counted once
+    assert Counter(t.numel for t in model_tensors(config)) == real
+    assert params_per_rank(config) == sum(p.numel() for p in model.parameters()) == masked_lm_params(config)
+
+
+def test_sizes_span_tiny_to_over_a_billion():
+    params = {s: params_per_rank(SWBertConfig.from_size(s, attention_type="standard")) for s in SIZES}
+    assert params["base"] == 109_514_298
+    assert 330e6 < params["large"] < 345e6
+    assert params["xl"] >= 1e9 and params_per_rank(SWBertConfig.from_size("xl")) >= 1e9  # shared too
+
+
+def test_zero_stages_shrink_memory_as_the_closed_forms_say():
+    config = SWBertConfig.from_size("base", attention_type="shared")
+    n = params_per_rank(config)
+    z = [model_state_bytes(config, Layout(zero=k), 8, "bf16", reduce_bucket_size=0).total for k in range(4)]
+    assert z[0] == 16 * n  # 2 params + 2 grads + 4 master + 8 Adam
+    assert z[1] == z[2] == pytest.approx(2 * n + 14 * n / 8)
+    assert z[3] < z[2] < z[0]
+    offload = model_state_bytes(config, Layout(zero=3, offload="optimizer"), 8, "bf16", reduce_bucket_size=0)
+    assert offload.host == pytest.approx(16 * n / 8) and offload.device < z[3]
+    both = model_state_bytes(config, Layout(zero=3, offload="params"), 8, "bf16", reduce_bucket_size=0)
+    assert both.device < offload.device and both.host > offload.host
+    # NVMe pays off for big models: xl on 2 ranks, with the generated configs' 100M-element sub-groups
+    xl = SWBertConfig.from_size("xl", attention_type="shared")
+    cpu = model_state_bytes(xl, Layout(zero=3, offload="params"), 2, "bf16")
+    nvme = model_state_bytes(
+        xl, Layout(zero=3, offload="params", device="nvme"), 2, "bf16", sub_group_size=10**8
+    )
+    assert nvme.disk == cpu.host and nvme.device == cpu.device and nvme.host < cpu.host / 3
+
+
+def test_layout_names_parse_and_bad_ones_are_refused():
+    assert Layout.parse("tp2-z1") == Layout(tp=2, zero=1)
+    assert Layout.parse("z3-offload") == Layout(zero=3, offload="optimizer")
+    assert Layout.parse("z3-offload-params").name == "tp1-z3-offload-params"
+    assert Layout.parse("z3-offload-params-nvme") == Layout(zero=3, offload="params", device="nvme")
+    for bad, message in (
+        ("z4", "not like"),
+        ("z1-offload-params", "needs ZeRO stage 3"),
+        ("z0-offload", "1, 2 or 3"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            Layout.parse(bad)
+    with pytest.raises(ValueError, match="unknown size 'huge'"):
+        build_grid(["huge"], ["shared"], ["z1"])
+    point = build_grid(["base"], ["shared"], ["tp4-z1"])[0]
+    with pytest.raises(ValueError, match="vocab_size=30522"):
+        estimate(point, 8)
+    with pytest.raises(ValueError, match="not divisible by tensor-parallel size 4"):
+        estimate(point, 6, vocab_size=30720)
+
+
+def test_generated_deepspeed_configs_are_filled_by_the_trainer(tmp_path):
+    """Batch sizes and precision stay "auto": the trainer fills them from its own config."""
+    from swbert.scaling.grid import write_ds_config
+    from swbert.training.config import TrainConfig
+    from swbert.training.ds_config import build_ds_config
+
+    for layout in ("z0", "z1", "z2", "z3", "z3-offload", "z3-offload-params", "z3-offload-params-nvme"):
+        path = write_ds_config(Layout.parse(layout), tmp_path / "ds", tmp_path / "swap")
+        config = TrainConfig(deepspeed_config=str(path), global_batch_size=16, micro_batch_size=4)
+        ds = build_ds_config(config, dp_size=2, precision="bf16")
+        assert ds["train_batch_size"] == 16 and ds["gradient_accumulation_steps"] == 2
+        assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+        assert ds["zero_optimization"]["stage"] == Layout.parse(layout).zero
+    assert ds["zero_optimization"]["offload_param"]["nvme_path"] == str(tmp_path / "swap")
+    assert (tmp_path / "swap").is_dir()
+
+
+def _torchrun(args: list[str], timeout: float = 900) -> list[dict]:
+    result = subprocess.run(
+        torchrun_cmd(2, ["swbert.scaling.memory_check", *args], script="-m"),
+        cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_closed_form_memory_matches_deepspeed_engines_within_one_percent():
+    """2 ranks: the bytes a DeepSpeed engine holds after backward vs `model_state_bytes`, stages 0-3."""
+    rows = _torchrun(["--size", "medium", "--vocab-size", "2048", "--zero", "0", "1", "2", "3",
+                      "--precision", "fp32", "bf16"])  # fmt: skip
+    assert len(rows) == 8
+    for row in rows:
+        assert row["dp"] == 2
+        assert abs(row["relative_error"]) < 0.01, row
+    by = {(r["zero"], r["precision"]): r["measured_bytes"] for r in rows}
+    assert by[(3, "fp32")] < by[(2, "fp32")] < by[(0, "fp32")]
+
+
+@pytest.mark.slow
+def test_closed_form_tensor_parallel_shards_match_parallelized_models():
+    if importlib.util.find_spec("swbert.parallel") is None:
+        pytest.skip("swbert.parallel (tensor parallelism) is not in this tree")
+    rows = _torchrun(["--size", "tiny", "--vocab-size", "512", "--tensor-parallel", "2",
+                      "--attention-type", *ATTENTION_TYPES])  # fmt: skip
+    assert len(rows) == 2 * len(ATTENTION_TYPES)
+    for row in rows:
+        assert row["held"] == row["closed_form"], row
+
+
+@pytest.mark.slow
+def test_driver_runs_a_small_grid_end_to_end(tmp_path_factory):
+    """Tiny points measured with the real trainer; an xl point that cannot fit is skipped, not run."""
+    data = make_data_dir(tmp_path_factory.mktemp("scaling-data"))
+    out = tmp_path_factory.mktemp("scaling")
+    result = subprocess.run(
+        [sys.executable, "launchers/scaling_study.py", "--output-dir", str(out), "--sizes", "tiny", "xl",
+         "--attention", "standard", "shared", "--layouts", "z2", "--steps", "3", "--seq-len", "64",
+         "--micro-batch", "4", "--nproc", "2", "--data-dir", str(data), "--point-timeout", "600",
+         "--memory-limit-gib", "8"],
+        cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    rows = {r["name"]: r for r in read_csv(out / "scaling.csv")}
+    assert set(rows) == {f"{s}-{a}-tp1-z2" for s in ("tiny", "xl") for a in ("standard", "shared")}
+    for attention in ("standard", "shared"):
+        tiny = rows[f"tiny-{attention}-tp1-z2"]
+        assert tiny["status"] == "measured", tiny
+        assert float(tiny["tokens_per_s"]) > 0 and float(tiny["loss_last"]) > 0
+        assert float(tiny["peak_rss_gib"]) > 0.1
+        assert int(tiny["vocab_size"]) == 96 and tiny["precision"] == "fp32"
+        xl = rows[f"xl-{attention}-tp1-z2"]
+        assert xl["status"] == "skipped" and "does not fit this machine" in xl["reason"], xl
+        assert not (out / "points" / xl["name"]).exists()
+    # shared has fewer parameters and FLOPs than standard at the same size
+    assert int(rows["xl-shared-tp1-z2"]["params"]) < int(rows["xl-standard-tp1-z2"]["params"])
+    for name in ("throughput.png", "memory.png", "loss.png"):
+        assert (out / "plots" / name).stat().st_size > 1000
+    # MLflow: one parent run and a nested run per point, with its status and the measured steps.
+    db = sqlite3.connect(out / "mlflow.db")
+    runs = dict(db.execute("select run_uuid, name from runs").fetchall())
+    parents = [r for r in runs if not db.execute(
+        "select 1 from tags where run_uuid=? and key='mlflow.parentRunId'", (r,)).fetchone()]  # fmt: skip
+    assert len(parents) == 1 and len(runs) == 5
+    status = dict(db.execute("select r.name, t.value from runs r join tags t on t.run_uuid = r.run_uuid "
+                             "where t.key = 'status'").fetchall())  # fmt: skip
+    assert status == {name: rows[name]["status"] for name in rows}
+    steps = db.execute("select count(*) from metrics m join runs r on r.run_uuid = m.run_uuid "
+                       "where r.name = 'tiny-shared-tp1-z2' and m.key = 'loss'").fetchone()[0]  # fmt: skip
+    assert steps == 3

@@ -1,0 +1,286 @@
+"""The sbatch scripts against a real SLURM: munged, slurmctld and two slurmd "nodes" on this host.
+
+launchers/slurm/local_cluster.sh installs the Debian packages when missing and starts the daemons
+from a private state folder; the fixture stops them by pid at the end, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from swbert.scaling.report import read_csv
+from tests.launch_utils import REPO, job_env, make_data_dir, read_metrics
+
+pytestmark = pytest.mark.slow
+
+CLUSTER_SCRIPT = REPO / "launchers" / "slurm" / "local_cluster.sh"
+PRETRAIN_SBATCH = "launchers/slurm/pretrain.sbatch"
+
+
+def _skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "a local SLURM needs root (slurmd runs jobs as their user, munged as the munge user)"
+    if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
+        return "SLURM is not installed and apt-get is unavailable to install it"
+    return None
+
+
+def _free_ports(count: int) -> int:
+    """The first of `count` consecutive free TCP ports (slurmd ports must be consecutive)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count > 65000:
+            continue
+        ok = True
+        for port in range(base, base + count):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no consecutive free ports")
+
+
+class Cluster:
+    def __init__(self, state: Path) -> None:
+        self.state = state
+        node_port = _free_ports(2)
+        self.env = job_env(
+            SWBERT_SLURM_DIR=str(state),
+            SWBERT_SLURM_NODES="2",
+            SWBERT_SLURM_CTLD_PORT=str(_free_ports(1)),
+            SWBERT_SLURM_NODE_PORT=str(node_port),
+            SLURM_CONF=str(state / "slurm.conf"),
+        )
+
+    def script(self, action: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", str(CLUSTER_SCRIPT), action],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def run(self, *cmd: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            list(cmd), cwd=REPO, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=60
+        )
+
+    def sbatch(self, *args: str, env: dict[str, str] | None = None) -> int:
+        result = self.run("sbatch", "--parsable", *args, env=env)
+        assert result.returncode == 0, result.stderr
+        return int(result.stdout.strip().split(";")[0])
+
+    def states(self, job: int) -> str:
+        return self.run("squeue", "-h", "-j", str(job), "-o", "%T").stdout.strip()
+
+    def wait(self, job: int, timeout: float = 300) -> list[str]:
+        """Wait until the job has left the queue; the states seen on the way."""
+        seen: list[str] = []
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            state = self.states(job)
+            if not state:
+                return seen
+            if not seen or seen[-1] != state:
+                seen.append(state)
+            time.sleep(1)
+        self.run("scancel", str(job))
+        raise AssertionError(f"job {job} still queued after {timeout:.0f}s; states {seen}\n{self.logs()}")
+
+    def accounting(self, job: int) -> list[tuple[str, str]]:
+        """(state, exit code) of each run of the job, from the job-completion log."""
+        out = self.run("sacct", "-c", "-n", "-P", "-j", str(job), "-o", "jobid,state,exitcode").stdout
+        return [tuple(line.split("|")[1:3]) for line in out.splitlines() if line.strip()]  # type: ignore[misc]
+
+    def logs(self) -> str:
+        parts = []
+        for path in sorted((self.state / "log").glob("*.log")):
+            parts.append(f"==> {path.name} <==\n" + "\n".join(path.read_text().splitlines()[-15:]))
+        return "\n".join(parts)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    state = Path(tempfile.mkdtemp(prefix="swbert-slurm-"))
+    state.chmod(0o755)  # munged (as the munge user) must reach its socket folder inside
+    c = Cluster(state)
+    started = time.time()
+    try:
+        result = c.script("start")
+        assert result.returncode == 0, f"local_cluster.sh start failed:\n{result.stderr}\n{c.logs()}"
+        print(f"SLURM up in {time.time() - started:.1f}s (install included)")
+        yield c
+    finally:
+        stop = c.script("stop", timeout=120)
+        pids = list((state / "pids").glob("*.pid")) + list((state / "munge").glob("*.pid"))
+        shutil.rmtree(state, ignore_errors=True)
+        assert stop.returncode == 0, stop.stderr
+        assert not pids, f"daemons left running: {pids}"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return make_data_dir(tmp_path_factory.mktemp("slurm-data"))
+
+
+def tiny(data_dir: Path, out: Path, *extra: str) -> list[str]:
+    return ["--config", "tiny_cpu", "--data-dir", str(data_dir), "--output-dir", str(out), *extra]
+
+
+def test_two_node_pretraining_preempted_requeued_and_resumed(cluster, data_dir, tmp_path):
+    """2 nodes x 1 process through sbatch; SIGUSR1 mid-run -> checkpoint -> requeue -> finish."""
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    steps = 20
+    job = cluster.sbatch(
+        "--nodes=2",
+        f"--output={tmp_path}/slurm-%j.out",
+        PRETRAIN_SBATCH,
+        *tiny(data_dir, out, "--train-steps", str(steps), "--log-interval", "1", "--save-interval", "1000"),
+        env={"SWBERT_LOG_ROOT": str(logs)},
+    )
+    batch_log = tmp_path / f"slurm-{job}.out"
+    # Pre-empt once a few steps are logged.
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        metrics = out / "metrics.jsonl"
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        assert cluster.states(job), f"job ended before the signal:\n{batch_log.read_text()}"
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"no metrics after 240s:\n{batch_log.read_text()}\n{cluster.logs()}")
+    signalled = cluster.run("scancel", "--signal=USR1", "--batch", str(job))
+    assert signalled.returncode == 0, signalled.stderr
+    seen = cluster.wait(job)
+
+    text = batch_log.read_text()
+    job_logs = logs / f"swbert-pretrain-{job}"
+    assert "SIGUSR1: asking the training processes to checkpoint" in text, text
+    assert "requeueing job" in text and "restart 1:" in text and "finished" in text, text
+    assert "PENDING" in seen or "REQUEUED" in seen, seen
+    # Two runs of the job: requeued, then completed with exit code 0.
+    runs = cluster.accounting(job)
+    assert runs[-1] == ("COMPLETED", "0:0"), runs
+    assert len(runs) == 2, runs
+    # Both nodes took part in each run; the first checkpointed, the second resumed from it.
+    first = "".join(p.read_text() for p in sorted(job_logs.glob("node*-r0.log")))
+    second = "".join(p.read_text() for p in sorted(job_logs.glob("node*-r1.log")))
+    assert len(list(job_logs.glob("node*-r0.log"))) == 2 and len(list(job_logs.glob("node*-r1.log"))) == 2
+    saved = int(first.split("pre-empted: checkpoint saved at step ")[1].split()[0])
+    assert 3 <= saved < steps
+    assert f"at step {saved}" in second and "resumed from" in second, second
+    # Metrics cover every step exactly once across the two runs; the world had 2 ranks.
+    metrics = read_metrics(out)
+    assert sorted(metrics) == list(range(1, steps + 1))
+    assert all(r["loss"] == r["loss"] for r in metrics.values())  # no NaN
+    resolved = (out / "resolved_config.yaml").read_text()
+    assert "resume: auto" in resolved
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert latest.endswith(f"{steps:08d}") and (out / "checkpoints" / latest).is_dir()
+    assert (out / "export" / "config.json").is_file()
+
+
+def test_bad_requests_fail_fast_with_a_message(cluster, data_dir, tmp_path):
+    """A node count that disagrees with the allocation and a missing recipe: the job fails in seconds."""
+    wrong_nodes = cluster.sbatch(
+        "--nodes=2",
+        f"--output={tmp_path}/slurm-%j.out",
+        PRETRAIN_SBATCH,
+        *tiny(data_dir, tmp_path / "a"),
+        env={"NNODES": "3", "SWBERT_LOG_ROOT": str(tmp_path / "logs")},
+    )
+    no_recipe = cluster.sbatch(
+        "--nodes=1",
+        f"--output={tmp_path}/slurm-%j.out",
+        PRETRAIN_SBATCH,
+        "--config",
+        "recipes/missing.yaml",
+        env={"SWBERT_LOG_ROOT": str(tmp_path / "logs")},
+    )
+    for job in (wrong_nodes, no_recipe):
+        cluster.wait(job, timeout=60)
+        assert cluster.accounting(job)[-1] == ("FAILED", "2:0")
+    nodes_msg = (tmp_path / f"slurm-{wrong_nodes}.out").read_text()
+    assert "NNODES=3 but the allocation has 2 node(s)" in nodes_msg and "sbatch --nodes=3" in nodes_msg
+    recipe_msg = (tmp_path / f"slurm-{no_recipe}.out").read_text()
+    assert "recipe recipes/missing.yaml not found (--config)" in recipe_msg and "tiny_cpu" in recipe_msg
+
+
+def test_scaling_grid_runs_as_a_job_array(cluster, data_dir, tmp_path):
+    """The scaling driver emits its grid as a job array; each task is one point; --collect tabulates."""
+    out = tmp_path / "scaling"
+    emit = subprocess.run(
+        [sys.executable, "launchers/scaling_study.py", "--emit-slurm", "--nodes", "1", "--gpus-per-node", "0",
+         "--sizes", "tiny", "--attention", "standard", "shared", "--layouts", "z2", "--steps", "3",
+         "--seq-len", "64", "--micro-batch", "4", "--data-dir", str(data_dir), "--output-dir", str(out)],
+        cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert emit.returncode == 0, emit.stderr
+    command = shlex.split((out / "submit.sh").read_text().splitlines()[-1])
+    assert command[:2] == ["sbatch", "--array=0-1"], command
+    job = cluster.sbatch(f"--output={tmp_path}/slurm-%A_%a.out", *command[1:])
+    cluster.wait(job, timeout=300)
+    for task in (0, 1):
+        text = (tmp_path / f"slurm-{job}_{task}.out").read_text()
+        assert "finished" in text, text
+    collected = subprocess.run(
+        [sys.executable, "launchers/scaling_study.py", "--collect", str(out)],
+        cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert collected.returncode == 0, collected.stderr
+    rows = read_csv(out / "scaling.csv")
+    assert sorted(r["name"] for r in rows) == ["tiny-shared-tp1-z2", "tiny-standard-tp1-z2"]
+    for row in rows:
+        assert row["status"] == "measured" and float(row["tokens_per_s"]) > 0, row
+        assert float(row["loss_last"]) > 0
+    assert (out / "plots" / "throughput.png").stat().st_size > 0
+
+
+def test_finetune_job_on_one_node(cluster, tmp_path):
+    """finetune.sbatch runs the GLUE launcher on a tiny checkpoint; a wrong task family is refused."""
+    from swbert.finetune.synthetic import make_checkpoint, write_glue_fixture
+
+    write_glue_fixture(tmp_path / "glue", ["sst2"], n_train=64, n_dev=16)
+    checkpoint = make_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "glue-out"
+    job = cluster.sbatch(
+        "--nodes=1",
+        f"--output={tmp_path}/slurm-%j.out",
+        "launchers/slurm/finetune.sbatch",
+        "glue",
+        *("--checkpoint", f"tiny={checkpoint}", "--tasks", "sst2", "--data-dir", str(tmp_path / "glue")),
+        *("--output-dir", str(out), "--learning-rates", "1e-3", "--seeds", "1", "--epochs", "1"),
+        *("--batch-size", "16", "--max-seq-length", "32"),
+        env={"SWBERT_LOG_ROOT": str(tmp_path / "logs")},
+    )
+    bogus = cluster.sbatch(f"--output={tmp_path}/slurm-%j.out", "launchers/slurm/finetune.sbatch", "mnli")
+    cluster.wait(job, timeout=300)
+    cluster.wait(bogus, timeout=60)
+    text = (tmp_path / f"slurm-{job}.out").read_text()
+    assert cluster.accounting(job)[-1] == ("COMPLETED", "0:0"), text + cluster.logs()
+    assert (out / "mlflow.db").is_file()
+    assert "--resume" not in (tmp_path / "logs" / f"swbert-finetune-{job}" / "job.txt").read_text()
+    assert cluster.accounting(bogus)[-1] == ("FAILED", "2:0")
+    assert (
+        "first argument must be glue or squad (got 'mnli')" in (tmp_path / f"slurm-{bogus}.out").read_text()
+    )
