@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 from typing import Any
 
 import torch
@@ -28,6 +29,12 @@ from swbert.scaling.memory import Layout, model_state_bytes, params_per_rank
 # Objects whose attributes are followed when collecting tensors: the engine, its optimizer and the
 # module tree. Anything else (process groups, loggers, the config) is not walked.
 _WALKED_MODULES = ("deepspeed", "torch.optim", "swbert", "transformers")
+
+
+def emit(row: dict) -> None:
+    """One JSON line in a single write: ranks sharing a pipe cannot interleave inside it."""
+    sys.stdout.write(json.dumps(row) + "\n")
+    sys.stdout.flush()
 
 
 def held_tensor_bytes(root: Any) -> int:
@@ -161,13 +168,13 @@ def main(argv: list[str] | None = None) -> None:
         config = SWBertConfig.from_size(args.size, attention_type=attention, **overrides)
         if args.tensor_parallel:
             row = tensor_parallel_params(config, args.tensor_parallel)
-            print(json.dumps({"attention": attention, **row}), flush=True)
+            emit({"attention": attention, **row})
             continue
         for zero in args.zero:
             for precision in args.precision:
                 row = measure(config, zero, precision, args.bucket, args.persistence)
                 if dist.get_rank() == 0:
-                    print(json.dumps({"attention": attention, **row}), flush=True)
+                    emit({"attention": attention, **row})
     dist.destroy_process_group()
 
 
