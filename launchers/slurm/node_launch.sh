@@ -60,6 +60,9 @@ deepspeed)
 *) die "SWBERT_LAUNCHER=$LAUNCHER is not one of torchrun, deepspeed" ;;
 esac
 
+command -v "${cmd[0]}" >/dev/null ||
+    die "${cmd[0]} not found on PATH; activate the environment swbert is installed in (e.g. source .venv/bin/activate)"
+
 # Keep a copy of stderr to turn a rendezvous failure into one line that names the rendezvous.
 errors=$(mktemp)
 trap 'rm -f "$errors"' EXIT
