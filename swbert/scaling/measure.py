@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -165,11 +166,16 @@ def pretrain_args(point: GridPoint, ds_config: Path, output_dir: Path, steps: in
     ]  # fmt: skip
 
 
+_ERROR = re.compile(r"^(?:\[rank\d+\]: )?(error: .*|\w*(?:Error|Exception)\b.*)")
+
+
 def _last_error(log: Path) -> str:
+    """The training processes' own error line (not the launcher's summary), else the last line."""
     lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     for line in reversed(lines):
-        if line.startswith("error:") or "Error" in line.split(":")[0]:
-            return line[:300]
+        m = _ERROR.match(line)
+        if m and "ChildFailedError" not in line:
+            return m.group(1)[:300]
     return lines[-1][:300] if lines else "no output"
 
 

@@ -302,7 +302,7 @@ def zero_config_values(ds_config: dict[str, Any] | None) -> dict[str, int]:
     param_offload = zero.get("offload_param") or {}
     return {
         "sub_group_size": int(zero.get("sub_group_size", 1_000_000_000)),
-        "param_buffer_count": int(param_offload.get("buffer_count", 5)),
+        "param_buffer_count": int(param_offload.get("buffer_count", 5)),  # DeepSpeed's default
         "param_buffer_size": int(param_offload.get("buffer_size", 100_000_000)),
         "reduce_bucket_size": int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)),
         "persistence_threshold": int(
