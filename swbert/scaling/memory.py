@@ -261,10 +261,10 @@ def deepspeed_estimate(config: SWBertConfig, layout: Layout, dp: int) -> tuple[f
 
 # Activation bytes per token per layer, in units of the hidden size at 16-bit precision, stored for
 # backward without recomputation (Korthikanti et al., 2022: 34 for BERT/GPT attention + MLP, of
-# which 10 stay whole under tensor parallelism). The variants differ in what attention keeps:
-# `shared` also keeps S (the common projection, needed for the dq/dk/dv gradients), `symmetric`
-# has no separate keys, `pairwise` keeps Q U^T as its keys.
-ACTIVATION_UNITS = {"standard": 34, "shared": 36, "symmetric": 32, "pairwise": 36}
+# which 10 stay whole under tensor parallelism; Q, K and V are 6 of them). The variants differ in
+# what attention keeps: `shared` keeps only S (the keys are S; Q and V are rebuilt from it in
+# backward), `symmetric` has no separate keys, `pairwise` keeps Q, Q U^T and V like standard.
+ACTIVATION_UNITS = {"standard": 34, "shared": 30, "symmetric": 32, "pairwise": 34}
 REPLICATED_UNITS = 10  # layer-norm inputs and dropout masks that tensor parallelism does not split
 
 
