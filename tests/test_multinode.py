@@ -55,22 +55,36 @@ def node(
     )
 
 
-def test_two_nodes_give_the_losses_of_one_node_with_two_processes(data_dir, tmp_path):
-    port = free_port()
-    two = [node(r, 2, port, tiny(data_dir, tmp_path / "two-nodes")) for r in (0, 1)]
-    one = subprocess.Popen(
-        torchrun_cmd(2, tiny(data_dir, tmp_path / "one-node")[1:]),
+@pytest.fixture(scope="module")
+def one_node(data_dir, tmp_path_factory):
+    """The reference: one node, torchrun with two processes."""
+    out = tmp_path_factory.mktemp("one-node")
+    result = subprocess.run(
+        torchrun_cmd(2, tiny(data_dir, out)[1:]),
         cwd=REPO,
         env=job_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        capture_output=True,
         text=True,
+        timeout=900,
     )
-    outputs = [p.communicate(timeout=900)[0] for p in (*two, one)]
-    for proc, text in zip((*two, one), outputs):
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return read_metrics(out)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_two_nodes_give_the_losses_of_one_node_with_two_processes(launcher, data_dir, one_node, tmp_path):
+    """Two per-node launchers (torchrun's c10d rendezvous, or deepspeed --no_ssh with node ranks)."""
+    port = free_port()
+    two = [node(r, 2, port, tiny(data_dir, tmp_path / "two-nodes"), SWBERT_LAUNCHER=launcher) for r in (0, 1)]
+    outputs = [p.communicate(timeout=900)[0] for p in two]
+    for proc, text in zip(two, outputs):
         assert proc.returncode == 0, text[-4000:]
-    assert "node_launch: node 0/2" in outputs[0] and "node_launch: node 1/2" in outputs[1]
-    two_nodes, one_node = read_metrics(tmp_path / "two-nodes"), read_metrics(tmp_path / "one-node")
+    assert (
+        "node_launch: node 0/2" in outputs[0]
+        and "node 1/2 on" in outputs[1]
+        and f"({launcher})" in outputs[1]
+    )
+    two_nodes = read_metrics(tmp_path / "two-nodes")
     assert sorted(two_nodes) == sorted(one_node) == list(range(1, 9))
     # Two ranks in both runs; the same samples per step, so the same losses (up to summation order).
     for step in one_node:

@@ -170,3 +170,34 @@ def test_driver_runs_a_small_grid_end_to_end(tmp_path_factory):
     steps = db.execute("select count(*) from metrics m join runs r on r.run_uuid = m.run_uuid "
                        "where r.name = 'tiny-shared-tp1-z2' and m.key = 'loss'").fetchone()[0]  # fmt: skip
     assert steps == 3
+
+
+def test_memory_watchdog_stops_a_process_tree_above_its_limit(tmp_path):
+    """A run that outgrows its plan is killed by the sampler, not left to the kernel's OOM killer."""
+    import signal as sig
+
+    from swbert.scaling.measure import GIB, MemorySampler
+
+    grow = "import time; x = bytearray(400 * 2**20); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", grow], start_new_session=True)
+    sampler = MemorySampler(proc.pid, limit=0.2 * GIB, interval=0.1)
+    sampler.start()
+    try:
+        assert proc.wait(timeout=30) == -sig.SIGKILL
+    finally:
+        sampler.stop()
+    assert sampler.exceeded is not None and sampler.exceeded > 0.2 * GIB
+    assert sampler.peak_single >= 0.2 * GIB
+
+
+def test_failed_points_report_the_workers_error_not_the_launchers_summary(tmp_path):
+    from swbert.scaling.measure import _last_error
+
+    log = tmp_path / "run.log"
+    log.write_text(
+        "[rank1]: Traceback (most recent call last):\n"
+        "[rank1]: AssertionError: Not enough buffers 0 for swapping 1\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+        "launchers/pretrain.py FAILED\n"
+    )
+    assert _last_error(log) == "AssertionError: Not enough buffers 0 for swapping 1"

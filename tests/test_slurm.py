@@ -238,11 +238,17 @@ def test_scaling_grid_runs_as_a_job_array(cluster, data_dir, tmp_path):
     assert emit.returncode == 0, emit.stderr
     command = shlex.split((out / "submit.sh").read_text().splitlines()[-1])
     assert command[:2] == ["sbatch", "--array=0-1"], command
-    job = cluster.sbatch(f"--output={tmp_path}/slurm-%A_%a.out", *command[1:])
+    # One task per process here (SWBERT_LAUNCHER=srun): the trainer maps SLURM's rank variables.
+    job = cluster.sbatch(
+        f"--output={tmp_path}/slurm-%A_%a.out",
+        *command[1:],
+        env={"SWBERT_LAUNCHER": "srun", "SWBERT_LOG_ROOT": str(tmp_path / "logs")},
+    )
     cluster.wait(job, timeout=300)
     for task in (0, 1):
         text = (tmp_path / f"slurm-{job}_{task}.out").read_text()
         assert "finished" in text, text
+        assert "launcher=srun" in (tmp_path / "logs" / f"swbert-scaling-{job}_{task}" / "job.txt").read_text()
     collected = subprocess.run(
         [sys.executable, "launchers/scaling_study.py", "--collect", str(out)],
         cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=300,
@@ -279,7 +285,8 @@ def test_finetune_job_on_one_node(cluster, tmp_path):
     text = (tmp_path / f"slurm-{job}.out").read_text()
     assert cluster.accounting(job)[-1] == ("COMPLETED", "0:0"), text + cluster.logs()
     assert (out / "mlflow.db").is_file()
-    assert "--resume" not in (tmp_path / "logs" / f"swbert-finetune-{job}" / "job.txt").read_text()
+    job_txt = (tmp_path / "logs" / f"swbert-finetune-{job}" / "job.txt").read_text()
+    assert "--resume" not in job_txt
     assert cluster.accounting(bogus)[-1] == ("FAILED", "2:0")
     assert (
         "first argument must be glue or squad (got 'mnli')" in (tmp_path / f"slurm-{bogus}.out").read_text()

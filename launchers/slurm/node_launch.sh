@@ -54,7 +54,10 @@ torchrun)
         "$@")
     ;;
 deepspeed)
-    cmd=(deepspeed --no_ssh --num_nodes="$NNODES" --node_rank="$NODE_RANK" --num_gpus="$NPROC_PER_NODE"
+    # The deepspeed launcher learns the world from a hostfile: one line per node, none contacted.
+    hostfile=$(mktemp)
+    for ((i = 0; i < NNODES; i++)); do echo "node$i slots=$NPROC_PER_NODE"; done >"$hostfile"
+    cmd=(deepspeed --no_ssh --hostfile="$hostfile" --node_rank="$NODE_RANK"
         --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" "$@")
     ;;
 *) die "SWBERT_LAUNCHER=$LAUNCHER is not one of torchrun, deepspeed" ;;
@@ -65,7 +68,7 @@ command -v "${cmd[0]}" >/dev/null ||
 
 # Keep a copy of stderr to turn a rendezvous failure into one line that names the rendezvous.
 errors=$(mktemp)
-trap 'rm -f "$errors"' EXIT
+trap 'rm -f "$errors" "${hostfile:-}"' EXIT
 rc=0
 "${cmd[@]}" 2> >(tee "$errors" >&2) || rc=$?
 wait # for tee

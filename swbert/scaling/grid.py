@@ -66,6 +66,9 @@ def ds_config_for(layout: Layout, nvme_path: str = "runs/nvme") -> dict[str, Any
         target["nvme_path"] = nvme_path
         # Swap sub-groups of 100M elements: bounds the optimizer's host buffers (4 x 400 MB).
         zero["sub_group_size"] = 100_000_000
+        # Release every parameter right after use: one kept for reuse (the tied embedding, the
+        # last layers before backward) holds a swap buffer, and the swapper runs out of them.
+        zero["stage3_max_reuse_distance"] = 0
         ds["aio"] = {
             "block_size": 1_048_576,
             "queue_depth": 8,
@@ -75,7 +78,7 @@ def ds_config_for(layout: Layout, nvme_path: str = "runs/nvme") -> dict[str, Any
     if layout.offload != "none":
         zero["offload_optimizer"] = {**target, "buffer_count": 4}
     if layout.offload == "params":
-        zero["offload_param"] = {**target, "buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 0}
+        zero["offload_param"] = {**target, "buffer_count": 8, "buffer_size": 100_000_000, "max_in_cpu": 0}
     return ds
 
 

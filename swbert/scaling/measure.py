@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,10 @@ from swbert.scaling.memory import GIB
 
 REPO = Path(__file__).resolve().parents[2]
 RUNTIME_GIB_PER_RANK = 0.8  # resident memory of a rank before the model: torch, DeepSpeed, data
+# Peaks of measured CPU runs over their whole life (start-up, optimizer swaps, the final checkpoint)
+# were 1.5-1.75x the steady-state estimate of the model states and activations (docs/scaling.md):
+# plan for 1.5x, and the memory watchdog stops a run that goes beyond the plan anyway.
+PLANNING_FACTOR = 1.5
 
 
 @dataclass
@@ -38,6 +43,7 @@ class Hardware:
     device_bytes: float  # per rank on GPU; on CPU the host memory the ranks share
     host_bytes: float  # available host memory
     disk_bytes: float = float("inf")  # free disk where NVMe offload swaps
+    headroom: float = 0.9  # the share of host memory (and GPU memory) a run may plan to use
 
     @classmethod
     def detect(
@@ -61,10 +67,11 @@ class Hardware:
             return cls("cuda", ranks, float(torch.cuda.mem_get_info()[1]), host, disk)
         return cls("cpu", ranks, host, host, disk)
 
-    def fits(self, row: dict[str, Any], headroom: float = 0.9) -> str | None:
+    def fits(self, row: dict[str, Any]) -> str | None:
         """None when the estimate fits, else the reason (with the numbers) it does not."""
-        device = row["mem_device_gib"] * GIB
-        host = row["mem_host_gib"] * GIB
+        headroom = self.headroom
+        device = row["mem_device_gib"] * GIB * (PLANNING_FACTOR if self.accelerator == "cpu" else 1.0)
+        host = row["mem_host_gib"] * GIB * PLANNING_FACTOR
         init = row.get("mem_init_gib", 0.0) * GIB  # the whole fp32 model, built in host memory first
         runtime = RUNTIME_GIB_PER_RANK * GIB
         if self.accelerator == "cuda":
@@ -84,7 +91,8 @@ class Hardware:
             )
         if need_host > headroom * self.host_bytes:
             return (
-                f"estimated {need_host / GIB:.1f} GiB of host memory for {self.ranks} rank(s) > "
+                f"planned {need_host / GIB:.1f} GiB of host memory for {self.ranks} rank(s) (estimate "
+                f"x{PLANNING_FACTOR} for peaks, or the fp32 model at start-up, plus runtime) > "
                 f"{headroom:.0%} of {self.host_bytes / GIB:.1f} GiB available"
             )
         return None
@@ -109,28 +117,45 @@ class Measurement:
         return {k: v for k, v in self.__dict__.items() if k != "records"}
 
 
-class MemorySampler(threading.Thread):
-    """Samples the resident memory of a process tree until stopped."""
+def _memory(proc: psutil.Process) -> int:
+    """Proportional set size (shared pages split between their users), else resident size."""
+    try:
+        return proc.memory_full_info().pss
+    except (psutil.AccessDenied, AttributeError):
+        return proc.memory_info().rss
 
-    def __init__(self, pid: int, interval: float = 0.25) -> None:
+
+class MemorySampler(threading.Thread):
+    """Samples the memory of a process tree until stopped; kills the tree above `limit` bytes.
+
+    The limit protects whoever else uses the machine: a run that outgrows what was planned for it
+    is stopped here, before the kernel's out-of-memory killer picks a process, maybe someone else's.
+    """
+
+    def __init__(self, pid: int, limit: float | None = None, interval: float = 0.5) -> None:
         super().__init__(daemon=True)
-        self.pid, self.interval = pid, interval
+        self.pid, self.limit, self.interval = pid, limit, interval
         self.peak_total = self.peak_single = 0
+        self.exceeded: int | None = None  # the total that crossed the limit
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.is_set():
             try:
                 root = psutil.Process(self.pid)
-                rss = []
+                sizes = []
                 for proc in [root, *root.children(recursive=True)]:
                     try:
-                        rss.append(proc.memory_info().rss)
+                        sizes.append(_memory(proc))
                     except psutil.Error:
                         pass
-                self.peak_total = max(self.peak_total, sum(rss))
-                self.peak_single = max(self.peak_single, max(rss, default=0))
-            except psutil.Error:
+                total = sum(sizes)
+                self.peak_total = max(self.peak_total, total)
+                self.peak_single = max(self.peak_single, max(sizes, default=0))
+                if self.limit is not None and total > self.limit and self.exceeded is None:
+                    self.exceeded = total
+                    os.killpg(self.pid, signal.SIGKILL)
+            except (psutil.Error, ProcessLookupError):
                 pass
             self._stop_event.wait(self.interval)
 
@@ -165,11 +190,16 @@ def pretrain_args(point: GridPoint, ds_config: Path, output_dir: Path, steps: in
     ]  # fmt: skip
 
 
+_ERROR = re.compile(r"^(?:\[rank\d+\]: )?(error: .*|\w*(?:Error|Exception)\b.*)")
+
+
 def _last_error(log: Path) -> str:
+    """The training processes' own error line (not the launcher's summary), else the last line."""
     lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     for line in reversed(lines):
-        if line.startswith("error:") or "Error" in line.split(":")[0]:
-            return line[:300]
+        m = _ERROR.match(line)
+        if m and "ChildFailedError" not in line:
+            return m.group(1)[:300]
     return lines[-1][:300] if lines else "no output"
 
 
@@ -203,7 +233,8 @@ def run_point(
         proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-        sampler = MemorySampler(proc.pid)
+        limit = hardware.headroom * hardware.host_bytes if hardware.accelerator == "cpu" else None
+        sampler = MemorySampler(proc.pid, limit)
         sampler.start()
         try:
             rc = proc.wait(timeout=timeout_s)
@@ -217,6 +248,12 @@ def run_point(
     m = Measurement(status="failed", wall_s=wall)
     m.peak_rss_gib = sampler.peak_total / GIB
     m.peak_rank_rss_gib = sampler.peak_single / GIB
+    if sampler.exceeded is not None:
+        m.reason = (
+            f"stopped at {sampler.exceeded / GIB:.1f} GiB, above the {limit / GIB:.1f} GiB planned for "
+            f"measured runs (--memory-limit-gib, free memory); log: {log}"
+        )
+        return m
     if rc is None:
         m.reason = f"timed out after {timeout_s:.0f} s (--point-timeout); log: {log}"
         return m

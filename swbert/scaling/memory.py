@@ -261,10 +261,10 @@ def deepspeed_estimate(config: SWBertConfig, layout: Layout, dp: int) -> tuple[f
 
 # Activation bytes per token per layer, in units of the hidden size at 16-bit precision, stored for
 # backward without recomputation (Korthikanti et al., 2022: 34 for BERT/GPT attention + MLP, of
-# which 10 stay whole under tensor parallelism). The variants differ in what attention keeps:
-# `shared` also keeps S (the common projection, needed for the dq/dk/dv gradients), `symmetric`
-# has no separate keys, `pairwise` keeps Q U^T as its keys.
-ACTIVATION_UNITS = {"standard": 34, "shared": 36, "symmetric": 32, "pairwise": 36}
+# which 10 stay whole under tensor parallelism; Q, K and V are 6 of them). The variants differ in
+# what attention keeps: `shared` keeps only S (the keys are S; Q and V are rebuilt from it in
+# backward), `symmetric` has no separate keys, `pairwise` keeps Q, Q U^T and V like standard.
+ACTIVATION_UNITS = {"standard": 34, "shared": 30, "symmetric": 32, "pairwise": 34}
 REPLICATED_UNITS = 10  # layer-norm inputs and dropout masks that tensor parallelism does not split
 
 
@@ -302,7 +302,7 @@ def zero_config_values(ds_config: dict[str, Any] | None) -> dict[str, int]:
     param_offload = zero.get("offload_param") or {}
     return {
         "sub_group_size": int(zero.get("sub_group_size", 1_000_000_000)),
-        "param_buffer_count": int(param_offload.get("buffer_count", 5)),
+        "param_buffer_count": int(param_offload.get("buffer_count", 5)),  # DeepSpeed's default
         "param_buffer_size": int(param_offload.get("buffer_size", 100_000_000)),
         "reduce_bucket_size": int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)),
         "persistence_threshold": int(
