@@ -46,6 +46,8 @@ fi
 
 trap '' USR1
 echo "node_launch: node $NODE_RANK/$NNODES on $(hostname), $NPROC_PER_NODE process(es), rendezvous $MASTER_ADDR:$MASTER_PORT ($LAUNCHER)"
+[[ $LAUNCHER != torchrun && $LAUNCHER != deepspeed ]] || command -v "$LAUNCHER" >/dev/null ||
+    die "$LAUNCHER not found on PATH; activate the environment swbert is installed in (e.g. source .venv/bin/activate)"
 case $LAUNCHER in
 torchrun)
     cmd=(torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" --max-restarts=0
@@ -62,9 +64,6 @@ deepspeed)
     ;;
 *) die "SWBERT_LAUNCHER=$LAUNCHER is not one of torchrun, deepspeed" ;;
 esac
-
-command -v "${cmd[0]}" >/dev/null ||
-    die "${cmd[0]} not found on PATH; activate the environment swbert is installed in (e.g. source .venv/bin/activate)"
 
 # Keep a copy of stderr to turn a rendezvous failure into one line that names the rendezvous.
 errors=$(mktemp)
