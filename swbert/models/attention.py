@@ -44,15 +44,16 @@ class _CPUDropout(torch.autograd.Function):
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """Inverted dropout that keeps a bool mask for backward on every device.
 
-    GPUs use the fused `native_dropout` (counter-based random numbers, one kernel). On CPU,
-    `F.dropout` keeps a float mask (4 bytes per element) and its `bernoulli_` is slow; there a
-    bool mask from 31-bit integers is drawn instead.
+    GPUs use the fused `native_dropout` (counter-based random numbers, one kernel), and so does
+    torch.compile, which generates its own. In eager mode on CPU, `F.dropout` keeps a float mask
+    (4 bytes per element) and its `bernoulli_` is slow; there a bool mask from 31-bit integers
+    is drawn instead.
     """
     if not training or p == 0.0:
         return x
     if p >= 1.0:
         return x * 0.0
-    if x.device.type == "cpu":
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():  # compiled: inductor's own RNG
         return _CPUDropout.apply(x, p)
     return torch.native_dropout(x, p, True)[0]
 
