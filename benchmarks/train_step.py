@@ -324,6 +324,13 @@ def machine() -> str:
     return f"{cpu}, {torch.get_num_threads()} threads"
 
 
+def paired_ratios(slow: Result, fast: Result) -> list[float]:
+    """slow/fast step time within each repetition: the two ran back to back, so a slow spell of a
+    shared machine shows up as spread here rather than as a shifted median."""
+    clock = "cpu_s" if slow.clock == "process" else "step_s"
+    return [s / f for s, f in zip(getattr(slow, clock), getattr(fast, clock))]
+
+
 def report(
     args: argparse.Namespace, results: dict[str, Result], tokens: int, inference: dict[str, float]
 ) -> dict:
@@ -350,25 +357,21 @@ def report(
         print(line + (f" {100 * tflops / peak:>5.1f}%" if peak else ""))
         rows[name] = dict(asdict(r), median_s=r.median_s, tokens_per_s=tps, tflops=tflops)
     ratios: dict[str, float] = {}
-    std = results.get("standard")
-    for name in ("shared", "symmetric", "pairwise"):
-        if std is not None and name in results:
-            r = results[name]
-            ratios[f"{name}/standard"] = std.median_s / r.median_s
-            ratios[f"{name}/standard activation memory"] = r.activation_bytes / std.activation_bytes
-            print(
-                f"{name}/standard throughput {std.median_s / r.median_s:.3f}x "
-                f"(training FLOPs {std.flops_per_token / r.flops_per_token:.3f}x fewer), "
-                f"activation memory {r.activation_bytes / std.activation_bytes:.3f}x"
-            )
-    if std is not None and "hf" in results:
-        hf = results["hf"]
-        ratios["standard/hf"] = hf.median_s / std.median_s
-        ratios["standard/hf activation memory"] = std.activation_bytes / hf.activation_bytes
+    pairs = [(name, "standard") for name in ("shared", "symmetric", "pairwise")] + [("standard", "hf")]
+    for fast, slow in pairs:
+        if fast not in results or slow not in results:
+            continue
+        a, b = results[fast], results[slow]
+        key = f"{fast}/{slow}"
+        ratios[key] = b.median_s / a.median_s
+        ratios[f"{key} per-rep"] = paired_ratios(b, a)
+        ratios[f"{key} activation memory"] = a.activation_bytes / b.activation_bytes
+        per_rep = ratios[f"{key} per-rep"]
+        label = "swbert standard / transformers BertForMaskedLM" if slow == "hf" else key
         print(
-            f"swbert standard / transformers BertForMaskedLM throughput {hf.median_s / std.median_s:.3f}x "
-            f"(training FLOPs {hf.flops_per_token / std.flops_per_token:.3f}x fewer), "
-            f"activation memory {std.activation_bytes / hf.activation_bytes:.3f}x"
+            f"{label} throughput {ratios[key]:.3f}x (same-rep ratios: median {statistics.median(per_rep):.3f}, "
+            f"range {min(per_rep):.3f}-{max(per_rep):.3f}; training FLOPs {b.flops_per_token / a.flops_per_token:.3f}x "
+            f"fewer), activation memory {ratios[f'{key} activation memory']:.3f}x"
         )
     if inference:
         speedup = inference["shared"] / inference["shared_folded"]
