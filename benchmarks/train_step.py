@@ -23,6 +23,7 @@ printed as well. `--inference` adds eval-mode latency of `shared` before and aft
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -281,26 +282,38 @@ def run_training(args: argparse.Namespace) -> tuple[dict[str, Result], int]:
 
 
 def run_inference(args: argparse.Namespace) -> dict[str, float]:
-    """Eval latency of `shared` as trained and after `optimize_for_inference()`; outputs must match."""
+    """Eval latency of `shared` as trained and after `optimize_for_inference()`; outputs must match.
+
+    In fp32 the two must agree to float rounding. In a 16-bit dtype the fold rounds the rewritten
+    weights once more, so the check is that the folded model is as close to the fp32 model as the
+    unfolded one (within 50% more error).
+    """
     dtype = DTYPES[args.dtype]
     torch.manual_seed(args.seed)
-    plain = SWBertForMaskedLM(swbert_config(args, "shared")).to(device=args.device, dtype=dtype).eval()
+    reference = SWBertForMaskedLM(swbert_config(args, "shared")).to(device=args.device).eval()
     # away from the ones the diagonals start at, so the fold has work to do (positive, as trained
     # models have them: everything folds into the projections)
     with torch.no_grad():
-        for name, p in plain.named_parameters():
+        for name, p in reference.named_parameters():
             if name.endswith((".dq", ".dk", ".dv")):
                 p.uniform_(0.5, 1.5)
-    folded = SWBertForMaskedLM(plain.config).to(device=args.device, dtype=dtype)
-    folded.load_state_dict(plain.state_dict())
-    folded.optimize_for_inference()
+    plain = copy.deepcopy(reference).to(dtype)
+    folded = copy.deepcopy(reference).optimize_for_inference().to(dtype)
     batch = make_batch(plain.config.vocab_size, args.inference_batch, args.seq_len, args.seed, args.device)
     ids = batch["input_ids"]
     models = {"shared": plain, "shared_folded": folded}
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     times: dict[str, list[float]] = {name: [] for name in models}
     with torch.inference_mode():
-        torch.testing.assert_close(folded(input_ids=ids).logits, plain(input_ids=ids).logits, **tol)
+        out = {name: m(input_ids=ids).logits.float() for name, m in models.items()}
+        if dtype == torch.float32:
+            torch.testing.assert_close(out["shared_folded"], out["shared"], rtol=1e-4, atol=1e-4)
+        else:
+            exact = reference(input_ids=ids).logits
+            err = {name: (o - exact).abs().max().item() for name, o in out.items()}
+            if err["shared_folded"] > 1.5 * err["shared"]:
+                raise AssertionError(
+                    f"the folded {args.dtype} model is further from fp32 than the unfolded: {err}"
+                )
         names = list(models)
         for rep in range(args.warmup + 10 * args.reps):  # short calls: more of them
             for name in names[rep % 2 :] + names[: rep % 2]:

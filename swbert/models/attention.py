@@ -299,20 +299,25 @@ class SharedAttention(SelfAttention):
         """
         if self.folded:
             return
-        p = self.dq * self.dk
-        out_scale = self.dv.clone()
+        # the scales in fp32, so a 16-bit model rounds each rewritten weight once
+        p = self.dq.float() * self.dk.float()
+        out_scale = self.dv.float()
+
+        def scale_(t: torch.Tensor, by: torch.Tensor) -> None:
+            t.copy_(t.float() * by)
+
         if bool((p > 0).all()):
             root = p.sqrt()
-            self.proj.weight.mul_(root[:, None])  # (out, in): scales the rows, i.e. the outputs
+            scale_(self.proj.weight, root[:, None])  # (out, in): scales the rows, i.e. the outputs
             if self.proj.bias is not None:
-                self.proj.bias.mul_(root)
-            out_scale.div_(root)
+                scale_(self.proj.bias, root)
+            out_scale = out_scale / root
             self.dq.fill_(1.0)
             self.folded = "projection"
         else:
             self.dq.copy_(p)
             self.folded = "query"
-        self.out_proj.weight.mul_(out_scale)  # (out, in): scales the input columns
+        scale_(self.out_proj.weight, out_scale)  # (out, in): scales the input columns
         self.dk.fill_(1.0)
         self.dv.fill_(1.0)
 
