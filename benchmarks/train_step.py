@@ -23,6 +23,7 @@ printed as well. `--inference` adds eval-mode latency of `shared` before and aft
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -281,26 +282,38 @@ def run_training(args: argparse.Namespace) -> tuple[dict[str, Result], int]:
 
 
 def run_inference(args: argparse.Namespace) -> dict[str, float]:
-    """Eval latency of `shared` as trained and after `optimize_for_inference()`; outputs must match."""
+    """Eval latency of `shared` as trained and after `optimize_for_inference()`; outputs must match.
+
+    In fp32 the two must agree to float rounding. In a 16-bit dtype the fold rounds the rewritten
+    weights once more, so the check is that the folded model is as close to the fp32 model as the
+    unfolded one (within 50% more error).
+    """
     dtype = DTYPES[args.dtype]
     torch.manual_seed(args.seed)
-    plain = SWBertForMaskedLM(swbert_config(args, "shared")).to(device=args.device, dtype=dtype).eval()
+    reference = SWBertForMaskedLM(swbert_config(args, "shared")).to(device=args.device).eval()
     # away from the ones the diagonals start at, so the fold has work to do (positive, as trained
     # models have them: everything folds into the projections)
     with torch.no_grad():
-        for name, p in plain.named_parameters():
+        for name, p in reference.named_parameters():
             if name.endswith((".dq", ".dk", ".dv")):
                 p.uniform_(0.5, 1.5)
-    folded = SWBertForMaskedLM(plain.config).to(device=args.device, dtype=dtype)
-    folded.load_state_dict(plain.state_dict())
-    folded.optimize_for_inference()
+    plain = copy.deepcopy(reference).to(dtype)
+    folded = copy.deepcopy(reference).optimize_for_inference().to(dtype)
     batch = make_batch(plain.config.vocab_size, args.inference_batch, args.seq_len, args.seed, args.device)
     ids = batch["input_ids"]
     models = {"shared": plain, "shared_folded": folded}
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     times: dict[str, list[float]] = {name: [] for name in models}
     with torch.inference_mode():
-        torch.testing.assert_close(folded(input_ids=ids).logits, plain(input_ids=ids).logits, **tol)
+        out = {name: m(input_ids=ids).logits.float() for name, m in models.items()}
+        if dtype == torch.float32:
+            torch.testing.assert_close(out["shared_folded"], out["shared"], rtol=1e-4, atol=1e-4)
+        else:
+            exact = reference(input_ids=ids).logits
+            err = {name: (o - exact).abs().max().item() for name, o in out.items()}
+            if err["shared_folded"] > 1.5 * err["shared"]:
+                raise AssertionError(
+                    f"the folded {args.dtype} model is further from fp32 than the unfolded: {err}"
+                )
         names = list(models)
         for rep in range(args.warmup + 10 * args.reps):  # short calls: more of them
             for name in names[rep % 2 :] + names[: rep % 2]:
@@ -322,6 +335,13 @@ def machine() -> str:
     except OSError:
         pass
     return f"{cpu}, {torch.get_num_threads()} threads"
+
+
+def paired_ratios(slow: Result, fast: Result) -> list[float]:
+    """slow/fast step time within each repetition: the two ran back to back, so a slow spell of a
+    shared machine shows up as spread here rather than as a shifted median."""
+    clock = "cpu_s" if slow.clock == "process" else "step_s"
+    return [s / f for s, f in zip(getattr(slow, clock), getattr(fast, clock))]
 
 
 def report(
@@ -350,25 +370,21 @@ def report(
         print(line + (f" {100 * tflops / peak:>5.1f}%" if peak else ""))
         rows[name] = dict(asdict(r), median_s=r.median_s, tokens_per_s=tps, tflops=tflops)
     ratios: dict[str, float] = {}
-    std = results.get("standard")
-    for name in ("shared", "symmetric", "pairwise"):
-        if std is not None and name in results:
-            r = results[name]
-            ratios[f"{name}/standard"] = std.median_s / r.median_s
-            ratios[f"{name}/standard activation memory"] = r.activation_bytes / std.activation_bytes
-            print(
-                f"{name}/standard throughput {std.median_s / r.median_s:.3f}x "
-                f"(training FLOPs {std.flops_per_token / r.flops_per_token:.3f}x fewer), "
-                f"activation memory {r.activation_bytes / std.activation_bytes:.3f}x"
-            )
-    if std is not None and "hf" in results:
-        hf = results["hf"]
-        ratios["standard/hf"] = hf.median_s / std.median_s
-        ratios["standard/hf activation memory"] = std.activation_bytes / hf.activation_bytes
+    pairs = [(name, "standard") for name in ("shared", "symmetric", "pairwise")] + [("standard", "hf")]
+    for fast, slow in pairs:
+        if fast not in results or slow not in results:
+            continue
+        a, b = results[fast], results[slow]
+        key = f"{fast}/{slow}"
+        ratios[key] = b.median_s / a.median_s
+        ratios[f"{key} per-rep"] = paired_ratios(b, a)
+        ratios[f"{key} activation memory"] = a.activation_bytes / b.activation_bytes
+        per_rep = ratios[f"{key} per-rep"]
+        label = "swbert standard / transformers BertForMaskedLM" if slow == "hf" else key
         print(
-            f"swbert standard / transformers BertForMaskedLM throughput {hf.median_s / std.median_s:.3f}x "
-            f"(training FLOPs {hf.flops_per_token / std.flops_per_token:.3f}x fewer), "
-            f"activation memory {std.activation_bytes / hf.activation_bytes:.3f}x"
+            f"{label} throughput {ratios[key]:.3f}x (same-rep ratios: median {statistics.median(per_rep):.3f}, "
+            f"range {min(per_rep):.3f}-{max(per_rep):.3f}; training FLOPs {b.flops_per_token / a.flops_per_token:.3f}x "
+            f"fewer), activation memory {ratios[f'{key} activation memory']:.3f}x"
         )
     if inference:
         speedup = inference["shared"] / inference["shared_folded"]

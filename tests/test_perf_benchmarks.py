@@ -24,6 +24,7 @@ def test_train_step_benchmark_smoke(tmp_path, capsys):
         "shared fold speedup",
     ):
         assert out["ratios"][key] > 0, key
+    assert len(out["ratios"]["shared/standard per-rep"]) == 2
     assert json.loads((tmp_path / "result.json").read_text())["ratios"] == out["ratios"]
     printed = capsys.readouterr().out
     assert "shared/standard throughput" in printed and "outputs equal" in printed

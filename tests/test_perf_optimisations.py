@@ -11,6 +11,7 @@ from torch.testing import assert_close
 from benchmarks.train_step import activation_bytes
 from swbert import ATTENTION_TYPES, SWBertConfig, SWBertForMaskedLM, SWBertForSequenceClassification
 from swbert.models.attention import RebuildFromS, SelfAttention, SharedAttention, unfused_attention
+from swbert.models.attention import dropout as attention_dropout
 from swbert.models.modeling import Dropout, key_padding_mask
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -60,23 +61,31 @@ def plain_shared(monkeypatch):
 
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_unfused_kernel_equals_sdpa(dropout, padded):
-    """The CPU path for attention dropout computes what SDPA computes, with the same random stream."""
+def test_unfused_kernel_equals_attention(dropout, padded):
+    """The CPU path for attention dropout computes SDPA's attention; with dropout, the probabilities
+    are dropped with the mask `dropout` draws from the same seed."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(3, 4, 12, 16) for _ in range(3))
     mask = None
     if padded:
         mask = torch.ones(3, 1, 1, 12, dtype=torch.bool)
         mask[1, ..., 7:] = False
+
+    def reference(q, k, v):
+        if dropout == 0.0:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        scores = q @ k.transpose(-1, -2) / 4.0
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = scores.softmax(-1).reshape(12, 12, 12)  # the (B*H, S, S) layout the kernel draws in
+        return (attention_dropout(probs, dropout, True).view(3, 4, 12, 12)) @ v
+
     w = torch.randn(3, 4, 12, 16)
     results = []
-    for attend in (unfused_attention, None):
+    for attend in (lambda q, k, v: unfused_attention(q, k, v, mask, dropout), reference):
         qi, ki, vi = (t.clone().requires_grad_() for t in (q, k, v))
         torch.manual_seed(1)
-        if attend is None:
-            y = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, dropout_p=dropout)
-        else:
-            y = attend(qi, ki, vi, mask, dropout)
+        y = attend(qi, ki, vi)
         (y * w).sum().backward()
         results.append((y.detach(), qi.grad, ki.grad, vi.grad))
     for got, expected in zip(*results):
@@ -151,20 +160,26 @@ def test_shared_rebuild_composes_with_outer_saved_tensor_hooks(plain_shared):
         assert_close(fast[name], g, **TOL, msg=name)
 
 
-def test_dropout_keeps_a_bool_mask_and_draws_what_nn_dropout_draws():
-    x = torch.randn(4, 16, 64, requires_grad=True)
-    ours, ref = Dropout(0.1).train(), torch.nn.Dropout(0.1).train()
-    outs = []
-    for module in (ours, ref):
-        torch.manual_seed(3)
-        y = module(x)
-        outs.append((y, torch.autograd.grad(y.sum(), x)[0]))
-    assert_close(outs[0], outs[1])
-    assert ours.eval()(x) is x
+def test_dropout_is_inverted_dropout_with_a_bool_mask():
+    """The cheaper CPU draw: every element kept with probability 1 - p and scaled by 1/(1-p),
+    gradients through the same mask, a bool kept for backward, reproducible from the seed."""
+    x = torch.rand(400, 1000) + 0.5  # no zeros, so a zero output means dropped
+    module = Dropout(0.1).train()
+    torch.manual_seed(3)
+    x.requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t.detach(), lambda t: t):
-        ours.train()(x)
+        y = module(x)
+    kept = y != 0
+    assert abs(1 - kept.float().mean().item() - 0.1) < 0.003  # 400k draws: ~6 standard deviations
+    assert_close(y[kept], x[kept] / 0.9)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    assert_close(grad, kept.float() / 0.9)
     assert saved == [torch.bool]
+    torch.manual_seed(3)
+    assert torch.equal(module(x), y)
+    assert module.eval()(x) is x
+    assert Dropout(0.0).train()(x) is x
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])

@@ -21,15 +21,52 @@ from torch import nn
 from swbert.models.config import SWBertConfig
 
 
+class _CPUDropout(torch.autograd.Function):
+    """Dropout whose mask comes from 31-bit random integers: on CPU, `bernoulli_` draws a double
+    (two generator calls) per element and costs about as much as a d x d GEMM row; one 32-bit
+    draw per element halves that. The drop probability is p rounded to a multiple of 2^-31."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
+        threshold = round(p * 2**31)
+        keep = torch.empty(x.shape, dtype=torch.int32).random_() >= threshold  # uniform on [0, 2^31)
+        scale = 1.0 / (1.0 - threshold / 2**31)
+        ctx.save_for_backward(keep)  # a bool mask: 1 byte per element
+        ctx.scale = scale
+        return x.mul(keep).mul_(scale)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (keep,) = ctx.saved_tensors
+        return torch.ops.aten.native_dropout_backward(grad, keep, ctx.scale), None
+
+
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Inverted dropout that keeps a bool mask for backward on every device.
+
+    GPUs use the fused `native_dropout` (counter-based random numbers, one kernel), and so does
+    torch.compile, which generates its own. In eager mode on CPU, `F.dropout` keeps a float mask
+    (4 bytes per element) and its `bernoulli_` is slow; there a bool mask from 31-bit integers
+    is drawn instead.
+    """
+    if not training or p == 0.0:
+        return x
+    if p >= 1.0:
+        return x * 0.0
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():  # compiled: inductor's own RNG
+        return _CPUDropout.apply(x, p)
+    return torch.native_dropout(x, p, True)[0]
+
+
 def unfused_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float
 ) -> torch.Tensor:
     """Softmax attention from batched matrix products, for where no fused kernel applies.
 
-    It computes what SDPA's own math fallback computes, with the same dropout random stream, but
-    keeps less for backward: no scaled copies of Q and K (1/sqrt(Dh) rides on the product) and a
-    bool dropout mask instead of a float one. Inputs laid out head-major (contiguous (B, H, S, Dh))
-    are read in place; others are copied once.
+    It computes what SDPA's own math fallback computes but keeps less for backward: no scaled
+    copies of Q and K (1/sqrt(Dh) rides on the product) and a bool dropout mask (see `dropout`)
+    instead of a float one. Inputs laid out head-major (contiguous (B, H, S, Dh)) are read in
+    place; others are copied once.
     """
     B, H, S, Dh = q.shape
     Sk = k.shape[-2]
@@ -42,7 +79,7 @@ def unfused_attention(
         scores.view(B, H, S, Sk).masked_fill_(~mask, torch.finfo(scores.dtype).min)
     probs = scores.softmax(dim=-1)
     if dropout_p > 0.0:
-        probs = torch.native_dropout(probs, dropout_p, True)[0]
+        probs = dropout(probs, dropout_p, True)
     return torch.bmm(probs, vf).view(B, H, S, Dh)
 
 
@@ -262,20 +299,25 @@ class SharedAttention(SelfAttention):
         """
         if self.folded:
             return
-        p = self.dq * self.dk
-        out_scale = self.dv.clone()
+        # the scales in fp32, so a 16-bit model rounds each rewritten weight once
+        p = self.dq.float() * self.dk.float()
+        out_scale = self.dv.float()
+
+        def scale_(t: torch.Tensor, by: torch.Tensor) -> None:
+            t.copy_(t.float() * by)
+
         if bool((p > 0).all()):
             root = p.sqrt()
-            self.proj.weight.mul_(root[:, None])  # (out, in): scales the rows, i.e. the outputs
+            scale_(self.proj.weight, root[:, None])  # (out, in): scales the rows, i.e. the outputs
             if self.proj.bias is not None:
-                self.proj.bias.mul_(root)
-            out_scale.div_(root)
+                scale_(self.proj.bias, root)
+            out_scale = out_scale / root
             self.dq.fill_(1.0)
             self.folded = "projection"
         else:
             self.dq.copy_(p)
             self.folded = "query"
-        self.out_proj.weight.mul_(out_scale)  # (out, in): scales the input columns
+        scale_(self.out_proj.weight, out_scale)  # (out, in): scales the input columns
         self.dk.fill_(1.0)
         self.dv.fill_(1.0)
 

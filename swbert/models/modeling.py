@@ -19,25 +19,26 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
 )
 
-from swbert.models.attention import PairwiseAttention, SelfAttention, SharedAttention, build_attention
+from swbert.models.attention import (
+    PairwiseAttention,
+    SelfAttention,
+    SharedAttention,
+    build_attention,
+    dropout,
+)
 from swbert.models.config import SWBertConfig
 
 IGNORE_INDEX = -100
 
 
 class Dropout(nn.Dropout):
-    """`nn.Dropout` that keeps a bool mask for backward on every device.
-
-    On CPU `F.dropout` keeps a float mask (4 bytes per element) for backward; `native_dropout`, which
-    GPUs use anyway, keeps a bool one (1 byte) and draws the same random numbers.
-    """
+    """`nn.Dropout` computed by `swbert.models.attention.dropout`: a bool mask for backward, and on
+    CPU a cheaper random draw."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        if self.p == 1.0 or self.inplace:
+        if self.inplace:
             return super().forward(x)
-        return torch.native_dropout(x, self.p, True)[0]
+        return dropout(x, self.p, self.training)
 
 
 class Embeddings(nn.Module):
