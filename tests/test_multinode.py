@@ -10,16 +10,11 @@ from pathlib import Path
 import pytest
 from torch.testing import assert_close
 
-from tests.launch_utils import REPO, free_port, job_env, make_data_dir, read_metrics, torchrun_cmd
+from tests.launch_utils import REPO, free_port, job_env, read_metrics, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 
 NODE_LAUNCH = str(REPO / "launchers" / "slurm" / "node_launch.sh")
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return make_data_dir(tmp_path_factory.mktemp("multinode-data"))
 
 
 def tiny(data_dir: Path, out: Path) -> list[str]:

@@ -11,7 +11,7 @@ pytest.importorskip("data_prep.train_tokenizer", reason="the pretraining job nee
 pytest.importorskip("swbert.data", reason="the pretraining job needs the data pipeline")
 
 from swbert.models import SWBertForMaskedLM  # noqa: E402
-from tests.launch_utils import launch, make_data_dir, read_metrics  # noqa: E402
+from tests.launch_utils import launch, read_metrics  # noqa: E402
 
 
 def _args(data_dir, out, *extra: str) -> list[str]:
@@ -24,9 +24,7 @@ def _ok(result) -> None:
 
 
 @pytest.mark.slow
-def test_pretrain_tensor_parallel_2_matches_tp1_and_exports(tmp_path):
-    (tmp_path / "data").mkdir()
-    data_dir = make_data_dir(tmp_path / "data")
+def test_pretrain_tensor_parallel_2_matches_tp1_and_exports(data_dir, tmp_path):
     logits_file = tmp_path / "logits.pt"
     # TP=2 x DP=1 under ZeRO-1, TP=1 x DP=1 under the recipe's ZeRO-2: the same global batches
     tp2 = _args(

@@ -10,12 +10,7 @@ import urllib.request
 import pytest
 from mlflow import MlflowClient
 
-from tests.launch_utils import free_port, job_env, make_data_dir, read_metrics, start, wait_for
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return make_data_dir(tmp_path_factory.mktemp("mlflow-data"))
+from tests.launch_utils import free_port, job_env, read_metrics, start, wait_for
 
 
 @pytest.fixture(scope="module")

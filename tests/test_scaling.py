@@ -17,7 +17,7 @@ from swbert.models.flops import masked_lm_params
 from swbert.scaling.grid import build_grid, estimate
 from swbert.scaling.memory import Layout, model_state_bytes, model_tensors, params_per_rank
 from swbert.scaling.report import read_csv
-from tests.launch_utils import REPO, job_env, make_data_dir, torchrun_cmd
+from tests.launch_utils import REPO, job_env, torchrun_cmd
 
 
 @pytest.mark.parametrize("size", list(SIZES))
@@ -131,9 +131,9 @@ def test_closed_form_tensor_parallel_shards_match_parallelized_models():
 
 
 @pytest.mark.slow
-def test_driver_runs_a_small_grid_end_to_end(tmp_path_factory):
+def test_driver_runs_a_small_grid_end_to_end(data_dir, tmp_path_factory):
     """Tiny points measured with the real trainer; an xl point that cannot fit is skipped, not run."""
-    data = make_data_dir(tmp_path_factory.mktemp("scaling-data"))
+    data = data_dir
     out = tmp_path_factory.mktemp("scaling")
     result = subprocess.run(
         [sys.executable, "launchers/scaling_study.py", "--output-dir", str(out), "--sizes", "tiny", "xl",

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from swbert.scaling.report import read_csv
-from tests.launch_utils import REPO, job_env, make_data_dir, read_metrics
+from tests.launch_utils import REPO, job_env, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -136,11 +136,6 @@ def cluster():
         shutil.rmtree(state, ignore_errors=True)
         assert stop.returncode == 0, stop.stderr
         assert not pids, f"daemons left running: {pids}"
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return make_data_dir(tmp_path_factory.mktemp("slurm-data"))
 
 
 def tiny(data_dir: Path, out: Path, *extra: str) -> list[str]:
