@@ -1,6 +1,8 @@
 """Shared pieces of the tensor-parallel tests: real processes on gloo, a tiny model, batches.
 
-`run_ranks(fn, n, ...)` starts n processes (torch.multiprocessing spawn, a free localhost port),
+`run_ranks(fn, n, ...)` starts n processes (forked from the test process, so they start with its
+imports instead of paying about 10 s each to import torch, DeepSpeed and megatron-core again; a
+free localhost port),
 initializes torch.distributed on gloo in each and calls `fn(*args)`; an assertion failing in
 any rank fails the test with that rank's traceback.
 """
@@ -91,4 +93,6 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tupl
 
 def run_ranks(fn: Callable[..., None], world: int, *args: object, deepspeed: bool = False) -> None:
     """Run `fn(*args)` in `world` processes on gloo; `deepspeed=True` starts them the DeepSpeed way."""
-    mp.spawn(_entry, args=(world, _free_port(), fn, args, deepspeed), nprocs=world, join=True)
+    mp.start_processes(
+        _entry, args=(world, _free_port(), fn, args, deepspeed), nprocs=world, join=True, start_method="fork"
+    )
