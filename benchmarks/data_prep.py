@@ -1,6 +1,6 @@
 """Preprocessing throughput with 1 and 2 workers, and peak memory on two corpora 10x apart.
 
-    python benchmarks/data_prep.py [--small-mb 4] [--root DIR]
+    python benchmarks/data_prep.py [--small-mb 4] [--root DIR] [--smoke]
 
 Targets: 2 workers give at least 1.8x the tokens/s of 1; peak RSS grows less than 1.5x when
 the corpus grows 10x. The text is the embedded default corpus (CPython's documentation,
@@ -80,18 +80,25 @@ def peak_rss(corpus: Path, tokenizer: Path, out: Path, workers: int) -> tuple[in
     return rss_peak, pss_peak
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--small-mb", type=float, default=4.0, help="size of the small corpus (the large is 10x)"
     )
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "swbert-default-data",
                         help="where the default corpus and tokenizer are built (kept between runs)")  # fmt: skip
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds-long run on a 150 kB default corpus and 0.05 MB / 0.5 MB inputs, to "
+                        "check that the script works (its figures mean little)")  # fmt: skip
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    data_dir = ensure_default_data(args.root)
+    if args.smoke:
+        args.small_mb = 0.05
+        data_dir = ensure_default_data(args.root, vocab_size=600, max_corpus_bytes=150_000)
+    else:
+        data_dir = ensure_default_data(args.root)
     tokenizer = data_dir / "tokenizer"
-    base = args.root / "corpus" / "python-docs.jsonl"
+    base = Path(json.loads((data_dir / "manifest.json").read_text())["inputs"][0]["path"])
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -116,6 +123,14 @@ def main() -> None:
         print(f"peak PSS (shared pages counted once): {pss_small / mib:,.0f} MiB and {pss_large / mib:,.0f} MiB, "
               f"ratio {pss_large / pss_small:.2f}x")  # fmt: skip
     print(f"load average after: {os.getloadavg()[0]:.2f}")
+    return {
+        "tokens_per_s_1": one,
+        "tokens_per_s_2": two,
+        "worker_ratio": two / one,
+        "rss_small": rss_small,
+        "rss_large": rss_large,
+        "rss_ratio": rss_large / rss_small,
+    }
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import tracemalloc
 from collections import Counter
 from pathlib import Path
@@ -70,6 +71,22 @@ def test_invalid_utf8_is_replaced_or_skipped_and_counted(tok: Path, tmp_path: Pa
     assert replaced["counts"]["invalid_utf8_replaced"] == 2 and replaced["splits"]["train"]["documents"] == 4
     skipped = run([path], tok, tmp_path / "skip", options=ReadOptions(invalid_utf8="skip"))
     assert skipped["counts"]["invalid_utf8_skipped"] == 2 and skipped["splits"]["train"]["documents"] == 2
+
+
+def test_progress_bar_and_summary_show_rates_and_what_was_skipped(
+    tok: Path, tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "mixed.txt"
+    path.write_bytes(b"good text here\n\nbad \xff\xfe bytes\n\nmore good text\n")
+    caplog.set_level(logging.INFO, logger="data_prep")
+    manifest = run([path], tok, tmp_path / "out", progress=True)
+    bar = capsys.readouterr().err
+    assert "preprocess" in bar and "docs/s" in bar and "tokens/s" in bar
+    summary = caplog.text
+    tokens = manifest["splits"]["train"]["tokens"]
+    assert f"3 documents (train 3, valid 0), {tokens:,} tokens" in summary
+    assert "docs/s" in summary and "tokens/s" in summary
+    assert "invalid utf8 replaced: 1" in summary  # the repair is counted where the user looks
 
 
 def test_txt_documents_are_blank_line_blocks_or_lines_detected_per_file(tok: Path, tmp_path: Path) -> None:

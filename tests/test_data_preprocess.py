@@ -143,6 +143,34 @@ def test_open_corpus_refuses_damaged_or_foreign_shards(reference: Path, tmp_path
     os.truncate(damaged / "shard_00000.train.bin", 10)
     with pytest.raises(ValueError, match="shard_00000.train.bin"):
         open_corpus(damaged, "train")
+    replaced = tmp_path / "replaced"
+    shutil.copytree(reference, replaced)
+    with open(replaced / "tokenizer" / "spm.model", "ab") as stream:
+        stream.write(b"\0")  # the copy no longer is the tokenizer the manifest names
+    with pytest.raises(ValueError, match="replaced after preprocessing"):
+        open_corpus(replaced, "train")
+    assert [p for p in verify_dir(replaced)[0] if "tokenizer" in p and "spm.model" in p]
+
+
+def test_training_refuses_to_resume_on_shards_of_another_tokenizer(
+    reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from swbert.training.config import TrainConfig
+    from swbert.training.trainer import Trainer
+
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)  # one process; the check comes before any process group
+    tag = tmp_path / "run" / "checkpoints" / "step_00000010"
+    tag.mkdir(parents=True)
+    (tag.parent / "latest").write_text(tag.name)
+    other = "f" * 64  # the checkpoint was trained on shards of another tokenizer
+    (tag / "swbert_meta.json").write_text(json.dumps({"model": {"tokenizer_hash": other}}))
+    ours = json.loads((reference / "manifest.json").read_text())["tokenizer"]["hash"]
+    config = TrainConfig(
+        data_dir=str(reference), output_dir=str(tmp_path / "run"), resume="auto", mlflow=False
+    )
+    with pytest.raises(ValueError, match=f"tokenizer_hash: checkpoint '{other}' vs this run '{ours}'"):
+        Trainer(config).setup()
 
 
 def test_documents_round_trip_to_the_text(setup: dict, reference: Path) -> None:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import pretrain_e2e, train_step
+from benchmarks import data_prep, pretrain_e2e, train_step
 
 
 def test_train_step_benchmark_smoke(tmp_path, capsys):
@@ -37,3 +37,15 @@ def test_pretrain_e2e_benchmark_smoke(tmp_path):
     assert list(out["tokens_per_s"]) == ["shared"] and out["tokens_per_s"]["shared"] > 0
     assert len(out["windows"]["shared"]) == 1  # the first of two windows is warm-up, dropped
     assert (tmp_path / "shared-0" / "metrics.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_data_prep_benchmark_smoke(tmp_path, capsys):
+    """Both measurements on tiny corpora (the figures mean little); most of its time is the two
+    measured `python -m data_prep.preprocess` processes importing megatron-core."""
+    out = data_prep.main(["--smoke", "--root", str(tmp_path / "data")])
+    assert out["tokens_per_s_1"] > 0 and out["tokens_per_s_2"] > 0
+    assert out["rss_small"] > 0 and out["rss_large"] > 0  # both real preprocess runs were measured
+    printed = capsys.readouterr().out
+    assert f"ratio {out['worker_ratio']:.2f}x (target >= 1.8x)" in printed
+    assert f"ratio {out['rss_ratio']:.2f}x (target < 1.5x)" in printed
