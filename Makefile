@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 # CPU machines and CI pin torch 2.13.0 (CPU build); set CONSTRAINTS= on GPU clusters to get CUDA wheels.
 CONSTRAINTS ?= constraints-cpu.txt
-# DeepSpeed JIT-builds a few C++ ops on first use; keep them between runs.
-export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/swbert/torch_extensions
+# DeepSpeed JIT-builds a few C++ ops on first use; keep them between runs, one folder per
+# virtual environment (a build made against another environment's torch would be rebuilt each time).
+export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/swbert/torch_extensions/$(shell echo $(abspath $(VENV)) | cksum | cut -d' ' -f1)
 BIN := $(VENV)/bin
 
 .PHONY: setup pretrain test lint clean
