@@ -9,7 +9,7 @@ import argparse
 
 import torch
 
-from swbert.models import ATTENTION_TYPES, SIZES, SWBertConfig, SWBertForMaskedLM
+from swbert.models import ATTENTION_TYPES, SIZES, SWBertConfig, SWBertForMaskedLM, build_attention
 from swbert.models.flops import masked_lm_flops, masked_lm_params, qkv_params
 
 # Table 4 of arXiv 2412.00359: BERT-base masked-LM totals as printed in the paper.
@@ -37,11 +37,18 @@ def count_instantiated(config: SWBertConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def count_attention_block(config: SWBertConfig) -> int:
+    """Q/K/V parameters of one real attention layer: everything but the shared output projection."""
+    with torch.device("meta"):
+        attn = build_attention(config)
+    return sum(p.numel() for name, p in attn.named_parameters() if not name.startswith("out_proj."))
+
+
 def table(size: str, seq_len: int = 128, **overrides: object) -> str:
     rows = [
         f"size={size}  seq_len={seq_len}",
-        f"{'variant':<10} {'qkv/layer':>12} {'total (model)':>15} {'total (formula)':>16} "
-        f"{'vs standard':>12} {'train GFLOP/token':>18}",
+        f"{'variant':<10} {'qkv/layer (model)':>18} {'(formula)':>10} {'total (model)':>15} "
+        f"{'total (formula)':>16} {'vs standard':>12} {'train GFLOP/token':>18}",
     ]
     base_total = None
     for variant in ATTENTION_TYPES:
@@ -52,7 +59,8 @@ def table(size: str, seq_len: int = 128, **overrides: object) -> str:
         delta = f"{100 * (counted - base_total) / base_total:+.2f}%"
         flops = masked_lm_flops(config, seq_len).training / 1e9
         rows.append(
-            f"{variant:<10} {qkv_params(config):>12,} {counted:>15,} {formula:>16,} {delta:>12} {flops:>18.3f}"
+            f"{variant:<10} {count_attention_block(config):>18,} {qkv_params(config):>10,} {counted:>15,} "
+            f"{formula:>16,} {delta:>12} {flops:>18.3f}"
         )
     standard = SWBertConfig.from_size(size, attention_type="standard", **overrides)
     shared = SWBertConfig.from_size(size, attention_type="shared", **overrides)

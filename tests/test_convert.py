@@ -5,7 +5,7 @@ import torch
 import transformers
 from torch.testing import assert_close
 
-from swbert import SWBertForMaskedLM, SWBertForSequenceClassification
+from swbert import SWBertForMaskedLM, SWBertForQuestionAnswering, SWBertForSequenceClassification
 from swbert.convert import from_hf_bert, main, to_hf_bert
 
 HF_SMALL = dict(
@@ -74,6 +74,26 @@ def test_sequence_classification_parity_and_round_trip():
     ref = hf(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels)
     got = ours(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels)
     assert_close(got.logits, ref.logits, rtol=1e-5, atol=1e-5)
+    assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-5)
+    back = to_hf_bert(ours)
+    for key, value in hf.state_dict().items():
+        assert torch.equal(value, back.state_dict()[key]), key
+
+
+def test_question_answering_parity_and_round_trip():
+    torch.manual_seed(0)
+    hf = transformers.BertForQuestionAnswering(transformers.BertConfig(**HF_SMALL)).eval()
+    perturb(hf)
+    ours = from_hf_bert(hf).eval()
+    assert isinstance(ours, SWBertForQuestionAnswering)
+    ids, mask, types = padded_batch()
+    # an end position past the sequence (answer cut off) is ignored by both
+    spans = dict(start_positions=torch.tensor([1, 2, 0]), end_positions=torch.tensor([3, 6, 20]))
+    ref = hf(input_ids=ids, attention_mask=mask, token_type_ids=types, **spans)
+    got = ours(input_ids=ids, attention_mask=mask, token_type_ids=types, **spans)
+    valid = mask.bool()
+    assert_close(got.start_logits[valid], ref.start_logits[valid], rtol=1e-5, atol=1e-5)
+    assert_close(got.end_logits[valid], ref.end_logits[valid], rtol=1e-5, atol=1e-5)
     assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-5)
     back = to_hf_bert(ours)
     for key, value in hf.state_dict().items():

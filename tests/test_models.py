@@ -6,7 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
-from transformers import AutoModel, AutoModelForMaskedLM
+from transformers import (
+    AutoModel,
+    AutoModelForMaskedLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+)
 
 from swbert import (
     ATTENTION_TYPES,
@@ -16,7 +21,7 @@ from swbert import (
     SWBertForSequenceClassification,
     SWBertModel,
 )
-from swbert.models.attention import SharedAttention
+from swbert.models.attention import SharedAttention, build_attention
 
 
 def tiny(**overrides) -> SWBertConfig:
@@ -106,10 +111,47 @@ def test_sdpa_and_eager_kernels_agree():
     assert_close(a(**inputs).logits[valid], b(**inputs).logits[valid], rtol=1e-5, atol=1e-5)
 
 
+def perturb_(model: torch.nn.Module) -> None:
+    """Move every parameter off its initial value, so a weight that is not saved (and is re-initialised
+    on load: dq, dk, dv to ones, U to the identity) shows up as a different output."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+
+
+def test_symmetric_and_pairwise_layers_equal_their_formulas_by_hand():
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 64)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1, 5:] = False
+    for variant in ("symmetric", "pairwise"):
+        config = tiny(attention_type=variant, attention_probs_dropout_prob=0.0)
+        attn = build_attention(config).eval()
+        perturb_(attn)  # U away from the identity it starts at
+        H, Dh = config.num_attention_heads, config.head_dim
+        Q = x @ attn.q_proj.weight.T + attn.q_proj.bias
+        V = x @ attn.v_proj.weight.T + attn.v_proj.bias
+        heads = []
+        for h in range(H):
+            sl = slice(h * Dh, (h + 1) * Dh)
+            U = attn.pair[h] if variant == "pairwise" else torch.eye(Dh)  # scores Q U Q^T; symmetric: K = Q
+            scores = Q[..., sl] @ U @ Q[..., sl].transpose(-1, -2) / math.sqrt(Dh)
+            scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+            heads.append(scores.softmax(-1) @ V[..., sl])
+        expected = torch.cat(heads, dim=-1) @ attn.out_proj.weight.T + attn.out_proj.bias
+        assert_close(attn(x, mask[:, None, None, :]), expected, rtol=1e-5, atol=1e-5)
+        assert not hasattr(attn, "k_proj")
+
+
 @pytest.mark.parametrize("variant", ATTENTION_TYPES)
 def test_every_variant_trains_and_round_trips(variant, tmp_path):
     torch.manual_seed(0)
     model = SWBertForMaskedLM(tiny(attention_type=variant))
+    attn = model.bert.encoder.layers[0].attn
+    if variant == "shared":  # the paper's diagonals start at ones
+        assert all(torch.equal(p, torch.ones(64)) for p in (attn.dq, attn.dk, attn.dv))
+    if variant == "pairwise":
+        assert torch.equal(attn.pair, torch.eye(16).expand(4, 16, 16))
     inputs = batch()
     labels = inputs["input_ids"].clone()
     labels[inputs["attention_mask"] == 0] = -100
@@ -119,6 +161,7 @@ def test_every_variant_trains_and_round_trips(variant, tmp_path):
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values()), [
         n for n, g in grads.items() if g is None
     ]
+    perturb_(model)
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").is_file()
     model.eval()
@@ -130,6 +173,25 @@ def test_every_variant_trains_and_round_trips(variant, tmp_path):
         assert loaded.mlm_head.decoder.weight is loaded.bert.embeddings.word_embeddings.weight
         assert torch.equal(loaded.eval()(**inputs).logits, model(**inputs).logits)
     assert type(AutoModel.from_pretrained(tmp_path)) is SWBertModel
+
+
+@pytest.mark.parametrize("variant", ["standard", "shared"])
+def test_classification_and_qa_heads_round_trip_through_the_auto_classes(variant, tmp_path):
+    torch.manual_seed(0)
+    inputs = batch()
+    for cls, auto in (
+        (SWBertForSequenceClassification, AutoModelForSequenceClassification),
+        (SWBertForQuestionAnswering, AutoModelForQuestionAnswering),
+    ):
+        model = cls(tiny(attention_type=variant, num_labels=3))
+        perturb_(model)
+        model.save_pretrained(tmp_path / cls.__name__)
+        loaded = auto.from_pretrained(tmp_path / cls.__name__).eval()
+        assert type(loaded) is cls and loaded.config.attention_type == variant
+        expected, got = model.eval()(**inputs), loaded(**inputs)
+        for key in ("logits", "start_logits", "end_logits"):
+            if key in expected:
+                assert torch.equal(got[key], expected[key]), key
 
 
 def test_variants_differ_in_attention_parameters_only():
@@ -168,7 +230,10 @@ def test_bad_configs_name_the_field():
         SWBertConfig(attention_type="sharde")
     with pytest.raises(ValueError, match="unknown size 'huge'.*tiny"):
         SWBertConfig.from_size("huge")
-    with pytest.raises(ValueError, match="hidden_size=100 is not divisible by num_attention_heads=12"):
+    with pytest.raises(
+        ValueError,
+        match="hidden_size=100 is not divisible by num_attention_heads=12; .* one of 1, 2, 4, 5, 10, 20, 25, 50, 100$",
+    ):
         SWBertConfig(hidden_size=100)
     with pytest.raises(ValueError, match="max_position_embeddings=64"):
         SWBertModel(tiny())(input_ids=torch.zeros(1, 65, dtype=torch.long))

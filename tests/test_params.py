@@ -4,7 +4,7 @@ import pytest
 
 from swbert import ATTENTION_TYPES, SWBertConfig
 from swbert.models.flops import layer_forward_flops, masked_lm_flops, masked_lm_params, qkv_params
-from swbert.params import PAPER_BASE_TOTALS, count_instantiated, table
+from swbert.params import PAPER_BASE_TOTALS, count_attention_block, count_instantiated, table
 
 EXPECTED_BASE = {
     "standard": 109_514_298,
@@ -41,6 +41,21 @@ def test_xl_size_is_over_one_billion():
     assert count_instantiated(SWBertConfig.from_size("xl", attention_type="shared")) > 1_000_000_000
 
 
+def test_attention_block_counts_from_instantiated_layers():
+    d, h, dh = 768, 12, 64
+    expected = {
+        "standard": 3 * (d * d + d),
+        "shared": d * d + 4 * d,
+        "symmetric": 2 * (d * d + d),
+        "pairwise": 2 * (d * d + d) + h * dh * dh,
+    }
+    for variant in ATTENTION_TYPES:
+        config = SWBertConfig.from_size("base", attention_type=variant)
+        assert count_attention_block(config) == qkv_params(config) == expected[variant], variant
+    assert count_attention_block(SWBertConfig.from_size("base", attention_type="shared")) == 592_896
+    assert "592,896" in table("base")
+
+
 def test_qkv_reduction_at_768():
     std = qkv_params(SWBertConfig.from_size("base", attention_type="standard"))
     shared = qkv_params(SWBertConfig.from_size("base", attention_type="shared"))
@@ -54,6 +69,11 @@ def test_flops_match_the_hand_formula():
     shared = SWBertConfig.from_size("base", attention_type="shared")
     assert layer_forward_flops(std, s) == 24 * d * d + 4 * s * d
     assert layer_forward_flops(shared, s) == 20 * d * d + 4 * s * d
+    # K = Q: one projection fewer; pairwise adds K = Q U^T, a Dh x Dh product per head
+    symmetric = SWBertConfig.from_size("base", attention_type="symmetric")
+    pairwise = SWBertConfig.from_size("base", attention_type="pairwise")
+    assert layer_forward_flops(symmetric, s) == 22 * d * d + 4 * s * d
+    assert layer_forward_flops(pairwise, s) == 22 * d * d + 2 * d * 64 + 4 * s * d
     speedup = masked_lm_flops(std, s, 0.0).encoder / masked_lm_flops(shared, s, 0.0).encoder
     assert 1.19 <= speedup < 1.20
     # the MLM head on 15% of tokens vs on all of them

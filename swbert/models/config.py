@@ -98,9 +98,11 @@ class SWBertConfig(PretrainedConfig):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if self.hidden_size % self.num_attention_heads != 0:
+            divisors = [h for h in range(1, self.hidden_size + 1) if self.hidden_size % h == 0]
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                f"{self.num_attention_heads}; pick a head count that divides it"
+                f"{self.num_attention_heads}; num_attention_heads must divide it: one of "
+                f"{', '.join(map(str, divisors))}"
             )
 
     @classmethod
