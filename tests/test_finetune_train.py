@@ -220,3 +220,25 @@ def test_two_ranks_under_deepspeed_train_like_one_process(tmp_path):
         assert torch.equal(ranks[0][name], ranks[1][name]), name  # the ranks agree
         torch.testing.assert_close(ranks[0][name], value, rtol=1e-4, atol=1e-5, msg=name)
     assert not torch.equal(single["classifier.weight"], start["classifier.weight"])  # it did train
+
+
+def test_glue_defaults_are_the_papers_appendix(tmp_path):
+    """LR 1e-4 then 2e-5/2e-6, weight decay 0.1, attention dropout 0.1 (also over a checkpoint
+    pretrained without it), 10 epochs, several seeds, every GLUE task."""
+    from swbert.finetune import cli
+    from swbert.finetune.glue import load_classifier
+    from swbert.finetune.tasks import GLUE_TASKS, get_task
+
+    parse = runpy.run_path(str(ROOT / "launchers" / "finetune_glue.py"), run_name="launcher")["parse_args"]
+    args = parse(["--checkpoint", "ckpt", "--output-dir", str(tmp_path)])
+    cfg = cli.train_config(args)
+    assert (
+        args.learning_rates == [1e-4, 2e-5, 2e-6] and len(args.seeds) >= 3 and args.tasks == list(GLUE_TASKS)
+    )
+    assert (cfg.weight_decay, cfg.epochs, args.attention_dropout) == (0.1, 10, 0.1)
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    config = SWBertConfig.from_pretrained(ckpt)
+    config.attention_probs_dropout_prob = 0.0
+    config.save_pretrained(ckpt)
+    model = load_classifier(ckpt, get_task("rte"), args.attention_dropout, args.hidden_dropout)
+    assert model.config.attention_probs_dropout_prob == 0.1 and model.config.hidden_dropout_prob == 0.1
