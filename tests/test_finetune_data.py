@@ -149,6 +149,16 @@ def test_squad_version_and_structure_errors(tmp_path):
     _write(tmp_path / "bad.json", '{"version": "1.1", "rows": []}')
     with pytest.raises(SquadDataError, match="bad.json: no top-level 'data'"):
         read_squad_json(tmp_path / "bad.json")
+    _write(tmp_path / "empty.json", '{"version": "1.1", "data": []}')
+    with pytest.raises(SquadDataError, match="empty.json: no questions"):
+        read_squad_json(tmp_path / "empty.json")
+    data = json.loads(path.read_text())
+    del data["data"][2]["paragraphs"][0]["qas"][0]["question"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(
+        SquadDataError, match=r"v2.json, article 2 \('article 2'\), paragraph 0, question 'q2': no 'question'"
+    ):
+        read_squad_json(path)
 
 
 def test_training_windows_point_at_the_answer(tmp_path, tokenizer):

@@ -177,3 +177,68 @@ def test_deepspeed_config_is_filled_from_the_flags(tmp_path):
             deepspeed_config(path, cfg, world_size=4, precision="fp32")
     with pytest.raises(ValueError, match="not divisible by the world size 3"):
         deepspeed_config("zero1.json", cfg, world_size=3, precision="fp32")
+
+
+def _two_rank_data() -> EncodedDataset:
+    ids = [[2, 5 + (7 * i) % 20, 5 + (3 * i) % 20, 3] for i in range(16)]  # one length: no padding
+    return EncodedDataset({"input_ids": ids, "attention_mask": [[1] * 4] * 16},
+                          {"labels": torch.tensor([i % 2 for i in range(16)]).numpy()})  # fmt: skip
+
+
+def _two_rank_model() -> SWBertForSequenceClassification:
+    torch.manual_seed(0)
+    config = SWBertConfig.from_size(
+        "tiny", vocab_size=32, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+    )
+    return SWBertForSequenceClassification(config)
+
+
+def _fit_full_batch(out: str | None = None) -> dict[str, torch.Tensor]:
+    """Three full-batch epochs; the last is the best, so both runs keep the same epoch's weights."""
+    model, calls = _two_rank_model(), iter(range(100))
+    cfg = TrainConfig(learning_rate=1e-3, epochs=3, batch_size=16, precision="fp32",
+                      deepspeed_config="zero1.json" if out else None)  # fmt: skip
+    fit(model, _two_rank_data(), pad_collate(0), lambda m: {"validation/score": float(next(calls))},
+        "validation/score", cfg)  # fmt: skip
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if out:
+        torch.save(state, Path(out) / f"rank{torch.distributed.get_rank()}.pt")
+    return state
+
+
+@pytest.mark.slow
+def test_two_ranks_under_deepspeed_train_like_one_process(tmp_path):
+    """The DeepSpeed path of ``fit`` (2 gloo ranks, ZeRO-1, the global batch split in two) ends with the
+    weights of a single-process run: gradients averaged over ranks equal the full-batch gradient."""
+    from tests.test_parallel_harness import run_ranks
+
+    run_ranks(_fit_full_batch, 2, str(tmp_path), deepspeed=True)
+    single = _fit_full_batch()
+    start = _two_rank_model().state_dict()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for name, value in single.items():
+        assert torch.equal(ranks[0][name], ranks[1][name]), name  # the ranks agree
+        torch.testing.assert_close(ranks[0][name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert not torch.equal(single["classifier.weight"], start["classifier.weight"])  # it did train
+
+
+def test_glue_defaults_are_the_papers_appendix(tmp_path):
+    """LR 1e-4 then 2e-5/2e-6, weight decay 0.1, attention dropout 0.1 (also over a checkpoint
+    pretrained without it), 10 epochs, several seeds, every GLUE task."""
+    from swbert.finetune import cli
+    from swbert.finetune.glue import load_classifier
+    from swbert.finetune.tasks import GLUE_TASKS, get_task
+
+    parse = runpy.run_path(str(ROOT / "launchers" / "finetune_glue.py"), run_name="launcher")["parse_args"]
+    args = parse(["--checkpoint", "ckpt", "--output-dir", str(tmp_path)])
+    cfg = cli.train_config(args)
+    assert (
+        args.learning_rates == [1e-4, 2e-5, 2e-6] and len(args.seeds) >= 3 and args.tasks == list(GLUE_TASKS)
+    )
+    assert (cfg.weight_decay, cfg.epochs, args.attention_dropout) == (0.1, 10, 0.1)
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    config = SWBertConfig.from_pretrained(ckpt)
+    config.attention_probs_dropout_prob = 0.0
+    config.save_pretrained(ckpt)
+    model = load_classifier(ckpt, get_task("rte"), args.attention_dropout, args.hidden_dropout)
+    assert model.config.attention_probs_dropout_prob == 0.1 and model.config.hidden_dropout_prob == 0.1
