@@ -153,6 +153,32 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
                 shutil.copy2(item, dst / item.name)
 
 
+def _check_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A tokenizer in the folder must fit the model's embedding (a model's table may be padded)."""
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    except Exception:  # no tokenizer files: the converted folder gets none either
+        return
+    if len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's word embedding has {vocab_size} "
+            "rows; the folder holds the tokenizer of another model"
+        )
+
+
+def _convert(direction: str, folder: Path) -> nn.Module:
+    if direction == "from-hf":
+        hf_config = transformers.AutoConfig.from_pretrained(folder)
+        _check_tokenizer(folder, hf_config.vocab_size)
+        arch = (hf_config.architectures or ["BertForMaskedLM"])[0]
+        return from_hf_bert(getattr(transformers, arch).from_pretrained(folder))
+    config = SWBertConfig.from_pretrained(folder)
+    _check_tokenizer(folder, config.vocab_size)
+    arch = (config.architectures or ["SWBertForMaskedLM"])[0]
+    classes = {cls.__name__: cls for _, cls in _PAIRS}
+    return to_hf_bert(classes[arch].from_pretrained(folder))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -163,16 +189,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not (args.input / "config.json").is_file():
         parser.error(f"{args.input} holds no config.json: pass a Hugging Face model folder")
-    if args.direction == "from-hf":
-        hf_config = transformers.AutoConfig.from_pretrained(args.input)
-        arch = (hf_config.architectures or ["BertForMaskedLM"])[0]
-        hf_model = getattr(transformers, arch).from_pretrained(args.input)
-        converted = from_hf_bert(hf_model)
-    else:
-        config = SWBertConfig.from_pretrained(args.input)
-        arch = (config.architectures or ["SWBertForMaskedLM"])[0]
-        classes = {cls.__name__: cls for _, cls in _PAIRS}
-        converted = to_hf_bert(classes[arch].from_pretrained(args.input))
+    try:
+        converted = _convert(args.direction, args.input)
+    except ValueError as e:  # a model that cannot be converted: say why, without a traceback
+        parser.error(f"{args.input}: {e}")
     args.output.mkdir(parents=True, exist_ok=True)
     converted.save_pretrained(args.output)
     _copy_tokenizer(args.input, args.output)

@@ -119,3 +119,23 @@ def test_cli_converts_folders_both_ways(tmp_path):
     assert_close(
         back(input_ids=ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits
     )
+
+
+def test_cli_refuses_a_foreign_tokenizer_and_an_unconvertible_variant(tmp_path, capsys):
+    hf = transformers.BertForMaskedLM(transformers.BertConfig(**HF_SMALL))
+    hf.save_pretrained(tmp_path / "hf")
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    (tmp_path / "vocab.txt").write_text("\n".join(specials + [f"w{i}" for i in range(115)]) + "\n")
+    transformers.BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(tmp_path / "hf")  # 120 > 97
+    with pytest.raises(SystemExit) as exit_info:
+        main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "sw")])
+    assert exit_info.value.code == 2
+    assert "tokenizer has 120 tokens" in capsys.readouterr().err
+    assert not (tmp_path / "sw").exists()  # nothing half-written
+
+    SWBertForMaskedLM(
+        from_hf_bert(hf).config.__class__.from_size("tiny", attention_type="shared")
+    ).save_pretrained(tmp_path / "shared")
+    with pytest.raises(SystemExit):
+        main(["to-hf", str(tmp_path / "shared"), str(tmp_path / "hf2")])
+    assert "only 'standard'" in capsys.readouterr().err
