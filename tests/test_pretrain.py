@@ -45,14 +45,15 @@ def test_zero_stage_trains_exports_and_resumes_exactly(stage, data_dir, tmp_path
     a second run is killed (kill -9) after its checkpoint at step k: under ZeRO-2 two steps later,
     under ZeRO-3 in the middle of the save at step 2k (shards written, `latest` not moved). Resumed
     with --resume auto, it logs every loss and LR of the uninterrupted run exactly. Dropout is on,
-    so the RNG state must resume too."""
+    so the RNG state must resume too. Under ZeRO-2 and 3 a NaN loss injected at step 7 is skipped
+    and counted (DeepSpeed checks gradients for both in fp32 too); under ZeRO-1 no step is skipped."""
     k = 15
     args = [
         "--deepspeed-config", f"ds_configs/zero{stage}.json", "--train-steps", str(2 * k),
         "--log-interval", "1", "--save-interval", str(k), "--eval-interval", "1000",
-        "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+        "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--keep-checkpoints", "1",
     ]  # fmt: skip
-    if stage == 2:  # one injected non-finite loss: skipped, counted, and the run goes on
+    if stage >= 2:  # one injected non-finite loss: skipped, counted, and the run goes on
         args += ["--fault-nonfinite-steps", "7"]
     full = tmp_path / "full"
     result = launch(
@@ -66,8 +67,21 @@ def test_zero_stage_trains_exports_and_resumes_exactly(stage, data_dir, tmp_path
     assert losses[-1] < losses[0] - 0.5, losses
     for key in ("loss", "lr", "tokens_per_s", "mlm_acc", "grad_norm", "samples_per_s", "tflops_per_device"):
         assert key in metrics[2 * k], key
+    assert metrics[2 * k]["grad_norm"] > 0 and metrics[2 * k]["mem_rss_gib"] > 0
+    # keep the newest 1; the client state holds the data position, and every rank its RNG
+    last = f"step_{2 * k:08d}"
+    assert {p.name for p in (full / "checkpoints").glob("step_*")} == {last}
+    assert (full / "checkpoints" / "latest").read_text() == last
+    tag = full / "checkpoints" / last
+    assert {p.name for p in tag.glob("rng_rank*.pt")} == {"rng_rank00000.pt", "rng_rank00001.pt"}
+    client = torch.load(min(tag.glob("*model_states.pt")), map_location="cpu", weights_only=False)
+    samples = 2 * k * 8  # global batch 8 of 64-token sequences
+    assert (client["step"], client["samples_consumed"]) == (2 * k, samples)
+    assert client["tokens_seen"] == samples * 64
+    sampler = client["sampler"]
+    assert sampler["epoch"] * sampler["num_samples"] + sampler["consumed"] == samples
     assert "val_loss" in metrics[2 * k] and "val_ppl" in metrics[2 * k]
-    if stage == 2:
+    if stage >= 2:
         assert metrics[7]["skipped_steps"] == 1 and metrics[2 * k]["skipped_total"] == 1
         assert "step 7 skipped" in result.stderr
     else:
@@ -94,7 +108,9 @@ def test_zero_stage_trains_exports_and_resumes_exactly(stage, data_dir, tmp_path
     resumed = launch(2, tiny_args(data_dir, cut, *args, "--resume", "auto"))
     check_ok(resumed)
     assert f"resumed from {ckpts / f'step_{k:08d}'}" in resumed.stdout
+    assert f"resolved config ({cut / 'resolved_config.yaml'}):" in resumed.stdout
     assert (ckpts / "latest").read_text() == f"step_{2 * k:08d}"
+    assert {p.name for p in ckpts.glob("step_*")} == {f"step_{2 * k:08d}"}  # the older one pruned
     after = read_metrics(cut)
     for step in range(k + 1, 2 * k + 1):
         assert after[step]["loss"] == metrics[step]["loss"], (
@@ -103,6 +119,10 @@ def test_zero_stage_trains_exports_and_resumes_exactly(stage, data_dir, tmp_path
             after[step]["loss"],
         )
         assert after[step]["lr"] == metrics[step]["lr"]
+    first, last = after[k + 1]["loss"], after[2 * k]["loss"]  # the closing summary shows the loss falling
+    closing = f"loss:{' ' * 24}{first:.4f} at step {k + 1} -> {last:.4f} at step {2 * k}"
+    assert f"done: {2 * k} steps" in resumed.stdout and closing in resumed.stdout, resumed.stdout[-2000:]
+    assert f"model (Hugging Face folder): {cut / 'export'}" in resumed.stdout
 
 
 def test_nonfinite_steps_in_a_row_stop_cleanly(data_dir, tmp_path):
@@ -137,7 +157,12 @@ def refused(argv: list[str], capsys) -> str:
     process group exists; returns what it printed to stderr."""
     from swbert.training.cli import main
 
-    with mock.patch.dict(os.environ), pytest.raises(SystemExit) as exit_:  # the launcher sets RANK, ...
+    started = AssertionError("the process group started before the input was checked")
+    with (
+        mock.patch.dict(os.environ),  # the launcher sets RANK, ...
+        mock.patch("swbert.training.trainer.init_distributed", side_effect=started),
+        pytest.raises(SystemExit) as exit_,
+    ):
         main(argv)
     err = capsys.readouterr().err
     assert exit_.value.code == 2, err
@@ -162,6 +187,15 @@ def test_bad_input_errors_name_what_to_change(data_dir, tmp_path, capsys):
     assert "already holds a run with checkpoints; pass --resume auto" in err
     err = refused(tiny_args(data_dir, out, "--attention-type", "standard", "--resume", "auto"), capsys)
     assert "attention_type: checkpoint 'shared' vs this run 'standard'" in err
+    # a data folder made with another tokenizer than the checkpoint's
+    from data_prep.preprocess import preprocess
+    from data_prep.train_tokenizer import train_tokenizer
+
+    corpus = str(data_dir.parent / "corpus.txt")
+    train_tokenizer([corpus], tmp_path / "tok90", vocab_size=90, threads=1)
+    preprocess([corpus], tmp_path / "tok90", tmp_path / "data90", workers=1, progress=False)
+    err = refused(tiny_args(tmp_path / "data90", out, "--resume", "auto"), capsys)
+    assert "vocab_size: checkpoint 96 vs this run 90" in err and "tokenizer_hash: checkpoint" in err
     # the exit status and message of a real process
     bad = run_single(tiny_args(data_dir, tmp_path / "other", "--precision", "fp16"))
     assert bad.returncode == 2 and "fp16 needs a GPU" in bad.stderr
@@ -179,3 +213,60 @@ def test_config_typos_and_recipes():
     )
     assert config.lr == 5e-4 and config.size == "tiny" and config.fault_nonfinite_steps == [3, 4]
     assert (REPO / "swbert" / "recipes" / "default.yaml").is_file()
+
+
+def test_config_typos_in_a_toml_recipe(tmp_path):
+    from swbert.training.cli import parse_args
+
+    recipe = tmp_path / "run.toml"
+    recipe.write_text('size = "tiny"\nattention_type = "pairwise"\nlr = 3e-4\ntrain_steps = 7\n')
+    config = parse_args(["--config", str(recipe), "--train-steps", "9"])
+    assert (config.size, config.attention_type, config.lr) == ("tiny", "pairwise", 3e-4)
+    assert config.train_steps == 9  # the command line wins over the recipe
+    recipe.write_text('size = "tiny"\nwarmup_step = 10\n')
+    typo = f"unknown config key 'warmup_step' in recipe {recipe}.*did you mean 'warmup_steps'"
+    with pytest.raises(ValueError, match=typo):
+        parse_args(["--config", str(recipe)])
+
+
+def test_deepspeed_configs_take_batch_lr_and_precision_from_the_training_config(tmp_path):
+    """Every shipped JSON is filled from TrainConfig; a hard-coded value that disagrees with it, or an
+    optimizer/scheduler section (its own LR), is an error naming the flag, never a silent override."""
+    from swbert.training.config import TrainConfig
+    from swbert.training.ds_config import build_ds_config, load_ds_config, offloads_optimizer, zero_stage
+
+    shipped = {p.name for p in (REPO / "ds_configs").glob("*.json")}
+    assert shipped == {"zero1.json", "zero2.json", "zero3.json", "zero2_fp16.json", "zero3_offload.json"}
+    batch = dict(global_batch_size=32, micro_batch_size=4, grad_clip=0.5)
+
+    def build(path: str, precision: str = "fp32") -> dict:
+        return build_ds_config(TrainConfig(deepspeed_config=path, **batch), 2, precision)
+
+    for name, stage in [("zero1.json", 1), ("zero2.json", 2), ("zero3.json", 3), ("zero3_offload.json", 3)]:
+        ds = build(f"ds_configs/{name}", "bf16")
+        assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"]) == (32, 4)
+        assert ds["gradient_accumulation_steps"] == 4 and ds["gradient_clipping"] == 0.5
+        assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+        assert zero_stage(ds) == stage and offloads_optimizer(ds) == (name == "zero3_offload.json")
+        assert build(name)["bf16"]["enabled"] is False  # a shipped name, found from anywhere
+    fp16 = build("ds_configs/zero2_fp16.json", "fp16")["fp16"]
+    assert fp16["enabled"] is True and fp16["loss_scale"] == 0  # 0: dynamic loss scaling
+
+    template = load_ds_config("ds_configs/zero2.json")
+    path = tmp_path / "ds.json"
+    for key, value, flag in [
+        ("train_batch_size", 64, "global-batch-size"),
+        ("train_micro_batch_size_per_gpu", 8, "micro-batch-size"),
+        ("gradient_accumulation_steps", 1, "grad-accum-steps"),
+        ("gradient_clipping", 1.0, "grad-clip"),
+    ]:
+        path.write_text(json.dumps({**template, key: value}))
+        conflict = f"sets {key}={value!r} but the training config gives .*--{flag}"
+        with pytest.raises(ValueError, match=conflict):
+            build(str(path))
+    path.write_text(json.dumps({**template, "train_batch_size": 32, "gradient_accumulation_steps": 4}))
+    assert build(str(path))["train_batch_size"] == 32  # a hard-coded value that agrees is fine
+    for section, value in [("optimizer", {"type": "AdamW", "params": {"lr": 1e-4}}), ("scheduler", {})]:
+        path.write_text(json.dumps({**template, section: value}))
+        with pytest.raises(ValueError, match=f"has a '{section}' section.*--lr"):
+            build(str(path))

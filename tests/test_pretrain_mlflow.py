@@ -62,7 +62,7 @@ def mlflow_server(tmp_path_factory):
         proc.wait(timeout=30)
 
 
-def run_args(data_dir, out, steps: int) -> list[str]:
+def run_args(data_dir, out, steps: int, *extra: str) -> list[str]:
     return [
         "--config",
         "tiny_cpu",
@@ -76,16 +76,23 @@ def run_args(data_dir, out, steps: int) -> list[str]:
         "1",
         "--save-interval",
         "1000",
-        "--run-name",
-        "tiny-shared-test",
+        *extra,
     ]
 
 
 def test_params_metrics_and_artifacts_reach_the_server(mlflow_server, data_dir, tmp_path):
     uri, _ = mlflow_server
     out = tmp_path / "run"
-    proc = start(2, run_args(data_dir, out, 8), env=job_env(MLFLOW_TRACKING_URI=uri), log=tmp_path / "log")
+    proc = start(
+        2,
+        run_args(data_dir, out, 8, "--run-name", "tiny-shared-test"),
+        env=job_env(MLFLOW_TRACKING_URI=uri),
+        log=tmp_path / "log",
+    )
     assert proc.wait(timeout=300) == 0, (tmp_path / "log").read_text()[-4000:]
+    printed = (tmp_path / "log").read_text()  # rank 0 ends by saying where everything is
+    assert f"model (Hugging Face folder): {out / 'export'}" in printed and f"{out}/metrics.jsonl" in printed
+    assert f"MLflow tracking server:      {uri}" in printed
     client = MlflowClient(tracking_uri=uri)
     run_id = (out / "mlflow_run_id").read_text().strip()
     run = client.get_run(run_id)
@@ -116,6 +123,7 @@ def test_training_continues_when_the_server_goes_away(mlflow_server, data_dir, t
         return len(client.get_metric_history((out / "mlflow_run_id").read_text().strip(), "loss")) >= 2
 
     wait_for(some_metrics_arrived, timeout=240, proc=proc)
+    run_name = client.get_run((out / "mlflow_run_id").read_text().strip()).info.run_name
     import os
     import signal
 
@@ -128,3 +136,4 @@ def test_training_continues_when_the_server_goes_away(mlflow_server, data_dir, t
     assert sorted(read_metrics(out)) == list(range(1, 61))  # metrics.jsonl holds everything
     assert time.time() - started < 200
     assert (out / "export" / "model.safetensors").is_file()
+    assert run_name == "tiny-shared"  # with no --run-name, the run is named by size and variant

@@ -70,13 +70,32 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     if "export_dir" in summary:
-        out = summary["output_dir"]
-        print(
-            f"\ndone: {summary['step']} steps\n"
-            f"  model (Hugging Face folder): {summary['export_dir']}\n"
-            f"  metrics:                     {out}/metrics.jsonl\n"
-            f"  checkpoints:                 {out}/checkpoints\n"
-            f"  MLflow store:                {summary.get('mlflow_uri', 'disabled')}\n"
-            f"  open the MLflow UI with:     mlflow ui --backend-store-uri {summary.get('mlflow_uri', '')}",
-            flush=True,
+        print(closing_summary(summary), flush=True)
+
+
+def closing_summary(summary: dict) -> str:
+    """What rank 0 prints at the end: how the loss went, and where the model, metrics and MLflow run are."""
+    out = summary["output_dir"]
+    lines = [f"\ndone: {summary['step']} steps"]
+    if "first_logged" in summary:
+        first, last = summary["first_logged"], summary["last_logged"]
+        lines.append(
+            f"  loss:                        {first['loss']:.4f} at step {first['step']} -> "
+            f"{last['loss']:.4f} at step {last['step']}"
         )
+        if "val_loss" in last:
+            lines.append(f"  validation loss, perplexity: {last['val_loss']:.4f}, {last['val_ppl']:.2f}")
+    lines += [
+        f"  model (Hugging Face folder): {summary['export_dir']}",
+        f"  metrics:                     {out}/metrics.jsonl",
+        f"  checkpoints:                 {out}/checkpoints",
+    ]
+    uri = summary.get("mlflow_uri")
+    if uri is None:
+        lines.append("  MLflow:                      disabled")
+    elif uri.startswith(("http://", "https://")):
+        lines.append(f"  MLflow tracking server:      {uri} (open it in a browser)")
+    else:
+        lines.append(f"  MLflow store:                {uri}")
+        lines.append(f"  open the MLflow UI with:     mlflow ui --backend-store-uri {uri}")
+    return "\n".join(lines)

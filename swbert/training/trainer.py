@@ -296,6 +296,8 @@ class Trainer:
         skipped_in_a_row, skipped_total = 0, 0
         t_window, steps_in_window = time.perf_counter(), 0
         status, last_saved, save_pending = "FINISHED", None, False
+        first_logged: dict[str, Any] | None = None  # for the closing summary: did the loss fall?
+        last_logged: dict[str, Any] | None = None
         try:
             while self.step < self.total_steps:
                 loss_sum, predicted, correct, applied = self.train_step()
@@ -334,6 +336,9 @@ class Trainer:
                         record.update(self.evaluate())
                     if self.metrics is not None:
                         self.metrics.log(self.step, record)
+                    if math.isfinite(record["loss"]):
+                        last_logged = {"step": self.step, **record}
+                        first_logged = first_logged or last_logged
                     if bar is not None:
                         bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
                     window = [0.0, 0.0, 0.0, 0.0]
@@ -365,6 +370,8 @@ class Trainer:
             if self.metrics is not None and status != "FINISHED":
                 self.metrics.close(status)
         summary = {"step": self.step, "output_dir": str(self.output_dir), "status": status}
+        if first_logged is not None:
+            summary.update(first_logged=first_logged, last_logged=last_logged)
         if status == "FINISHED":
             summary.update(self._finish(last_saved))
         return summary
