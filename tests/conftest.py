@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
 
 from tests.launch_utils import make_data_dir
+
+# The environment's own tools first, as in an activated environment: ranks started inside the test
+# process (forked) JIT-build DeepSpeed's ops with whatever `ninja` is on PATH, and a system ninja of
+# another version (or none) would rebuild (or fail to build) the ops built with the environment's one.
+os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
 
 
 @pytest.fixture(scope="session")
