@@ -192,10 +192,14 @@ def wait_for(
     raise TimeoutError("condition not reached in time")
 
 
+def _not_json(constant: str) -> None:
+    raise ValueError(f"metrics.jsonl holds {constant}, which strict JSON readers refuse")
+
+
 def read_metrics(run_dir: Path) -> dict[int, dict]:
     """metrics.jsonl by step; a step logged twice (before a kill and after resume) keeps the last."""
     records = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+        record = json.loads(line, parse_constant=_not_json)  # NaN / Infinity: not strict JSON
         records[record["step"]] = record
     return records

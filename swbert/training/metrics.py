@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import queue
 import threading
@@ -137,6 +138,10 @@ class MLflowSink:
         self.thread.join(timeout)
 
 
+def _finite_or_none(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 class MetricsLogger:
     """Rank 0's sink: appends JSON lines to metrics.jsonl and forwards to MLflow."""
 
@@ -146,8 +151,10 @@ class MetricsLogger:
         self.mlflow = MLflowSink(output_dir, run_name, params) if use_mlflow else None
 
     def log(self, step: int, values: dict[str, Any]) -> None:
-        record = {"step": step, **values}
-        self.file.write(json.dumps(record) + "\n")
+        # strict JSON: a non-finite value (a skipped step's loss) is null, not NaN, which jq and
+        # other strict readers refuse; the skipped-step counters say what happened
+        record = {"step": step, **{k: _finite_or_none(v) for k, v in values.items()}}
+        self.file.write(json.dumps(record, allow_nan=False) + "\n")
         self.file.flush()
         if self.mlflow is not None:
             self.mlflow.metrics(step, {k: v for k, v in values.items() if isinstance(v, (int, float))})
