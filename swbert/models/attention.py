@@ -38,7 +38,8 @@ class _CPUDropout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (keep,) = ctx.saved_tensors
-        return torch.ops.aten.native_dropout_backward(grad, keep, ctx.scale), None
+        # what native_dropout_backward computes, bit for bit, without its float copy of the mask
+        return grad.mul(keep).mul_(ctx.scale), None
 
 
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
