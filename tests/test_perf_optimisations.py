@@ -279,3 +279,24 @@ def test_rebuild_hooks_hold_nothing_after_the_kernel_call():
     del loss, live  # a graph discarded without backward is freed, hooks included
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, RebuildFromS) and id(o) not in before]
+
+
+def test_compiled_model_gives_the_eager_loss_and_gradients():
+    """`torch.compile` (the benchmark's and the trainer's `--compile`) computes what eager mode does:
+    the shared fast path, the masked-positions gather and padding included. `nn.Module.compile`
+    works in place, so parameter names (checkpoints, exports) do not change."""
+    torch._dynamo.reset()
+    eager = SWBertForMaskedLM(tiny(attention_type="shared"))
+    randomise(eager)
+    compiled = copy.deepcopy(eager)
+    compiled.compile()
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
+    data = batch()
+    losses = []
+    for model in (eager, compiled):
+        loss = model(**data).loss
+        loss.backward()
+        losses.append(loss)
+    assert_close(losses[1], losses[0], **TOL)
+    for name, g in grads(eager).items():
+        assert_close(grads(compiled)[name], g, **TOL, msg=name)

@@ -73,6 +73,7 @@ class TrainConfig:
     mlflow: bool = True  # log to MLflow (MLFLOW_TRACKING_URI, else a SQLite store in output_dir)
     progress_bar: bool = True
     num_threads: int | None = None  # CPU: torch threads per rank (default: cores / local ranks)
+    compile: bool = False  # torch.compile the model through DeepSpeed (weights and checkpoints unchanged)
     fault_nonfinite_steps: list[int] = field(default_factory=list)  # fault injection: NaN loss at these steps
 
     def check(self) -> None:

@@ -151,6 +151,8 @@ class Trainer:
             mpu=mpu,
             dist_init_required=False,
         )
+        if cfg.compile:  # in place: parameter names, checkpoints and exports stay those of the eager model
+            self.engine.compile()
         self.step, self.samples_consumed = 0, 0
         self.tokens_per_step = cfg.global_batch_size * cfg.seq_len
         flops = masked_lm_flops(self.model_config, cfg.seq_len, cfg.mlm_probability)
