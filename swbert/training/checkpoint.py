@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 LATEST = "latest"
+LATEST_UNIVERSAL = "latest_universal"  # written by `python -m swbert.parallel.convert universal`
 TAG_RE = re.compile(r"^step_(\d{8})$")
 
 
@@ -141,11 +142,12 @@ def resolve_resume(resume: str, ckpt_root: Path) -> tuple[Path, str] | None:
         tag = read_latest(ckpt_root)
         return (ckpt_root, tag) if tag else None
     path = Path(resume)
-    if path.is_dir() and (path / LATEST).is_file():  # a checkpoints/ folder
-        tag = read_latest(path)
-        if tag is None:
-            raise FileNotFoundError(f"--resume {resume}: its 'latest' names a missing checkpoint")
-        return path, tag
+    for pointer in (LATEST, LATEST_UNIVERSAL):  # a checkpoints/ folder, or a converted (universal) one
+        if path.is_dir() and (path / pointer).is_file():
+            tag = (path / pointer).read_text().strip()
+            if not (path / tag).is_dir():
+                raise FileNotFoundError(f"--resume {resume}: its '{pointer}' names a missing checkpoint")
+            return path, tag
     if path.is_dir() and TAG_RE.match(path.name):
         return path.parent, path.name
     raise FileNotFoundError(
@@ -169,11 +171,18 @@ def check_compatible(tag_dir: Path, meta: dict[str, Any]) -> None:
             f"checkpoint {tag_dir} is of a different model ({'; '.join(diffs)}); resume with the same "
             "--size/--attention-type/data, or start a new --output-dir"
         )
-    if saved.get("tensor_parallel", 1) != meta.get("tensor_parallel", 1):
+    if saved.get("tensor_parallel", 1) != meta.get("tensor_parallel", 1) and not is_universal(tag_dir):
         raise ValueError(
             f"checkpoint {tag_dir} was saved with --tensor-parallel {saved.get('tensor_parallel', 1)} but this run "
-            f"uses {meta.get('tensor_parallel', 1)}; convert it first: python -m swbert.parallel.convert --help"
+            f"uses {meta.get('tensor_parallel', 1)}; convert it first: python -m swbert.parallel.convert universal "
+            f"{tag_dir.parent} NEW_DIR --tag {tag_dir.name}, then pass --resume NEW_DIR"
         )
+
+
+def is_universal(tag_dir: Path) -> bool:
+    """Whether `tag_dir` is a universal checkpoint (one folder per parameter): it loads at any
+    tensor- and data-parallel size, with DeepSpeed's `checkpoint.load_universal`."""
+    return (tag_dir / "zero").is_dir()
 
 
 def load(engine, load_dir: Path, tag: str) -> dict[str, Any]:

@@ -121,7 +121,10 @@ class Trainer:
         if self.resume_from is None and cfg.resume not in ("none", "auto"):
             raise FileNotFoundError(f"--resume {cfg.resume}: nothing to resume from")
         if self.resume_from is not None:
-            ckpt.check_compatible(self.resume_from[0] / self.resume_from[1], self.meta)
+            tag_dir = self.resume_from[0] / self.resume_from[1]
+            ckpt.check_compatible(tag_dir, self.meta)
+            if ckpt.is_universal(tag_dir):  # converted to resume at another tensor/data-parallel size
+                self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
 
         rank, self.local_rank, world = init_distributed()
         set_cpu_threads(cfg.num_threads)
