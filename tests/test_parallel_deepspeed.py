@@ -25,7 +25,7 @@ from swbert.parallel import (
     parallelize,
     shard_state_dict,
 )
-from swbert.parallel.convert import reshard, to_hf, to_universal
+from swbert.parallel.convert import full_state_dict, reshard, to_hf, to_universal
 from tests.test_parallel_harness import mlm_batch, reference_model, run_ranks, tiny_config
 
 LR = 1e-2
@@ -216,7 +216,18 @@ def _checkpoints(tmp: str) -> None:
         assert all(torch.equal(merged["module"][k], full[k]) for k in full)
         with pytest.raises(ValueError, match=r"saved with --tensor-parallel 2, this run uses 4"):
             check_checkpoint(saved_tp2, 4)
+        # the weights-only path the other way: TP=1 files -> TP=2 files
+        reshard(saved_tp1, f"{tmp}/tp2_weights", 2, config=config)
     dist.barrier()
+
+    # which load into a TP=2 engine (a plain one: the engine above expects universal checkpoints) as
+    # each rank's slice of the TP=1 weights
+    engine = _engine(_tp_model(reference_model(config, seed=7), 2), stage=2)
+    engine.load_checkpoint(f"{tmp}/tp2_weights", load_module_only=True)
+    tp1_weights, _ = full_state_dict(saved_tp1, config=config)
+    mine = shard_state_dict(tp1_weights, initialize(2).tp_rank, 2, config)
+    for name, p in engine.module.named_parameters():
+        assert torch.equal(p.detach(), mine[name]), name
 
 
 @pytest.mark.slow

@@ -62,6 +62,17 @@ class _NoExtraState:
     get_extra_state = nn.Module.get_extra_state
     set_extra_state = nn.Module.set_extra_state
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        # megatron's own load pre-hook adds a `_extra_state: None` entry to every state dict loaded
+        # into the layer; drop it again, or a strict `load_state_dict` of TP=1 keys fails on it.
+        self._register_load_state_dict_pre_hook(_drop_default_extra_state)
+
+
+def _drop_default_extra_state(state_dict: dict, prefix: str, *_: object) -> None:
+    if state_dict.get(f"{prefix}_extra_state", 0) is None:
+        del state_dict[f"{prefix}_extra_state"]
+
 
 class ColumnLinear(_NoExtraState, ColumnParallelLinear):
     """`nn.Linear` split by output features: this rank's rows of W and b; input replicated.
