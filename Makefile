@@ -26,7 +26,7 @@ pretrain: setup
 
 test: setup
 	$(BIN)/ruff check .
-	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n 2 --dist loadfile
+	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n 2 --dist loadfile
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -155,10 +155,14 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
 
 def _check_tokenizer(folder: Path, vocab_size: int) -> None:
     """A tokenizer in the folder must fit the model's embedding (a model's table may be padded)."""
+    if not any(
+        (folder / name).is_file() for name in ("tokenizer_config.json", "tokenizer.json", "vocab.txt")
+    ):
+        return  # no tokenizer: the converted folder gets none either
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    except Exception:  # no tokenizer files: the converted folder gets none either
-        return
+    except (OSError, ValueError) as e:
+        raise ValueError(f"its tokenizer files do not load ({e})") from e
     if len(tokenizer) > vocab_size:
         raise ValueError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's word embedding has {vocab_size} "

@@ -10,9 +10,10 @@ import pytest
 
 from tests.launch_utils import make_data_dir
 
-# The environment's own tools first, as in an activated environment: ranks started inside the test
-# process (forked) JIT-build DeepSpeed's ops with whatever `ninja` is on PATH, and a system ninja of
-# another version (or none) would rebuild (or fail to build) the ops built with the environment's one.
+# The environment's own tools first, as in an activated environment (CI does not activate it): the
+# launched jobs need its torchrun/deepspeed, and ranks forked inside the test process JIT-build
+# DeepSpeed's ops with whatever `ninja` is on PATH (a system one of another version, or none, would
+# rebuild or fail to build the ops built with the environment's). Launched jobs inherit it.
 os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
 
 

@@ -87,7 +87,6 @@ def job_env(**extra: str) -> dict[str, str]:
         DS_ACCELERATOR="cpu",
         PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
         # torchrun/deepspeed of this interpreter's environment, as in an activated venv
-        PATH=str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", ""),
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
         TOKENIZERS_PARALLELISM="false",

@@ -87,8 +87,9 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def read_latest(ckpt_root: Path) -> str | None:
-    pointer = ckpt_root / LATEST
+def read_latest(ckpt_root: Path, name: str = LATEST) -> str | None:
+    """The tag a pointer file names, if that checkpoint folder exists."""
+    pointer = ckpt_root / name
     if not pointer.is_file():
         return None
     tag = pointer.read_text().strip()
@@ -144,8 +145,8 @@ def resolve_resume(resume: str, ckpt_root: Path) -> tuple[Path, str] | None:
     path = Path(resume)
     for pointer in (LATEST, LATEST_UNIVERSAL):  # a checkpoints/ folder, or a converted (universal) one
         if path.is_dir() and (path / pointer).is_file():
-            tag = (path / pointer).read_text().strip()
-            if not (path / tag).is_dir():
+            tag = read_latest(path, pointer)
+            if tag is None:
                 raise FileNotFoundError(f"--resume {resume}: its '{pointer}' names a missing checkpoint")
             return path, tag
     if path.is_dir() and TAG_RE.match(path.name):
