@@ -161,8 +161,9 @@ def test_shared_rebuild_composes_with_outer_saved_tensor_hooks(plain_shared):
 
 
 def test_dropout_is_inverted_dropout_with_a_bool_mask():
-    """The cheaper CPU draw: every element kept with probability 1 - p and scaled by 1/(1-p),
-    gradients through the same mask, a bool kept for backward, reproducible from the seed."""
+    """The cheaper CPU draw: every element kept with probability 1 - p and scaled by 1/(1-p)
+    (p rounded to a multiple of 2^-16), gradients through the same mask, a bool kept for
+    backward, reproducible from the seed."""
     x = torch.rand(400, 1000) + 0.5  # no zeros, so a zero output means dropped
     module = Dropout(0.1).train()
     torch.manual_seed(3)
@@ -172,9 +173,10 @@ def test_dropout_is_inverted_dropout_with_a_bool_mask():
         y = module(x)
     kept = y != 0
     assert abs(1 - kept.float().mean().item() - 0.1) < 0.003  # 400k draws: ~6 standard deviations
-    assert_close(y[kept], x[kept] / 0.9)
+    p = round(0.1 * 2**16) / 2**16
+    assert_close(y[kept], x[kept] / (1 - p))
     (grad,) = torch.autograd.grad(y.sum(), x)
-    assert_close(grad, kept.float() / 0.9)
+    assert_close(grad, kept.float() / (1 - p))
     assert saved == [torch.bool]
     torch.manual_seed(3)
     assert torch.equal(module(x), y)
@@ -300,3 +302,39 @@ def test_compiled_model_gives_the_eager_loss_and_gradients():
     assert_close(losses[1], losses[0], **TOL)
     for name, g in grads(eager).items():
         assert_close(grads(compiled)[name], g, **TOL, msg=name)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 7), (1,)])
+def test_dropout_draws_for_any_size_and_any_p_below_one(shape):
+    """Four elements share one 64-bit draw: sizes that are not a multiple of four still get a
+    mask of their own shape, and p just below 1 still keeps a finite scale."""
+    x = torch.ones(shape, requires_grad=True)
+    for p in (0.5, 0.999999):
+        y = attention_dropout(x, p, True)
+        assert y.shape == x.shape and torch.isfinite(y).all()
+        (grad,) = torch.autograd.grad(y.sum(), x)
+        assert torch.equal(grad, y.detach())  # the same mask and scale as the forward
+
+
+def test_tied_word_embedding_gradient_equals_the_dense_lookup():
+    """The masked-LM model looks words up with a sparse gradient, which the tied decoder's dense one
+    absorbs: the parameter gets the dense gradient of the plain lookup, [PAD] rows included (zero);
+    an untied model and the encoder-only models keep the dense lookup."""
+    model = SWBertForMaskedLM(tiny())
+    randomise(model)
+    word = model.bert.embeddings.word_embeddings
+    assert word.sparse
+    inputs = batch()
+    inputs["input_ids"][-1, -3:] = model.config.pad_token_id
+    model(**inputs).loss.backward()
+    fast = grads(model)
+    model.zero_grad()
+    word.sparse = False
+    model(**inputs).loss.backward()
+    plain = grads(model)
+    assert fast.keys() == plain.keys()
+    for name, g in plain.items():
+        assert not fast[name].is_sparse, name
+        assert_close(fast[name], g, **TOL, msg=name)
+    assert not SWBertForMaskedLM(tiny(tie_word_embeddings=False)).bert.embeddings.word_embeddings.sparse
+    assert not SWBertForSequenceClassification(tiny()).bert.embeddings.word_embeddings.sparse

@@ -41,13 +41,38 @@ class Dropout(nn.Dropout):
         return dropout(x, self.p, self.training)
 
 
+class WordEmbedding(nn.Embedding):
+    """`nn.Embedding` whose `sparse` flag is set where a tied dense gradient absorbs the sparse one.
+
+    The masked-LM decoder shares this weight and gives it a dense (vocab, d) gradient; the lookup's
+    own dense gradient would be a second (vocab, d) tensor, zero-filled, scattered into, then added
+    to the first. As a sparse gradient (the batch's rows only) it is added into the decoder's in
+    place: the parameter still ends up with one dense gradient, and the step allocates and sweeps
+    two vocab-sized tensors fewer (on CPU, where big allocations are fresh pages every step, that
+    is most of the embedding's cost). torch.compile keeps the dense lookup: sparse tensors break
+    its graph.
+    """
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        sparse = self.sparse and not torch.compiler.is_compiling()
+        return F.embedding(
+            input_ids,
+            self.weight,
+            self.padding_idx,
+            self.max_norm,
+            self.norm_type,
+            self.scale_grad_by_freq,
+            sparse,
+        )
+
+
 class Embeddings(nn.Module):
     """Word + learned position + token type embeddings, then LayerNorm and dropout."""
 
     def __init__(self, config: SWBertConfig) -> None:
         super().__init__()
         d = config.hidden_size
-        self.word_embeddings = nn.Embedding(config.vocab_size, d, padding_idx=config.pad_token_id)
+        self.word_embeddings = WordEmbedding(config.vocab_size, d, padding_idx=config.pad_token_id)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, d)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, d)
         self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
@@ -259,6 +284,10 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
         self.bert = SWBertModel(config, add_pooling_layer=False)
         self.mlm_head = MLMHead(config)
         self.post_init()
+        word = self.bert.embeddings.word_embeddings
+        # the decoder's dense gradient absorbs the lookup's sparse one (see WordEmbedding); untied,
+        # the lookup's gradient would stay sparse, which AdamW and DeepSpeed do not take
+        word.sparse = isinstance(word, WordEmbedding) and word.weight is self.mlm_head.decoder.weight
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.mlm_head.decoder
