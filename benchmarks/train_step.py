@@ -39,6 +39,7 @@ from torch import nn
 
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.flops import masked_lm_flops
+from swbert.training.dist import keep_freed_memory
 
 MODELS: tuple[str, ...] = ("hf", "standard", "shared", "symmetric", "pairwise")
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -95,6 +96,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="wall",
         help="time steps by the wall clock, or by this process's CPU time: on a CPU shared with other "
         "jobs, with --threads 1, the CPU time is the time the step would take on an idle core",
+    )
+    p.add_argument(
+        "--malloc",
+        choices=("keep", "system"),
+        default="keep",
+        help="CPU: keep freed memory in the process for reuse, as the trainer does (default), or glibc's "
+        "own behaviour (every model in the run gets the same)",
     )
     p.add_argument("--peak-tflops", type=float, default=None, help="accelerator peak for MFU")
     p.add_argument("--inference", action="store_true", help="also time shared before/after the fold")
@@ -352,7 +360,7 @@ def report(
         f"# {args.size}, seq {args.seq_len}, batch {args.batch} ({tokens} tokens/step), {args.dtype}, "
         f"{args.device.type}{' compiled' if args.compile else ''}; {machine()}; torch {torch.__version__}, "
         f"transformers {transformers.__version__}; median of {args.reps} interleaved reps after "
-        f"{args.warmup} warm-up; throughput on the {args.clock} clock"
+        f"{args.warmup} warm-up; throughput on the {args.clock} clock; malloc {args.malloc}"
     )
     header = f"{'model':<10} {'params':>12} {'wall s':>8} {'cpu s':>8} {'tokens/s':>10} {'TFLOP/s':>8}"
     header += f" {'act. MiB':>9}" + (f" {'peak MiB':>9}" if args.device.type == "cuda" else "")
@@ -409,6 +417,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device.type == "cpu" and args.malloc == "keep" and not keep_freed_memory():
+        args.malloc = "system (glibc refused)"
     try:
         results, tokens = run_training(args)
         inference = run_inference(args) if args.inference else {}

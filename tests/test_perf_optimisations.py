@@ -338,3 +338,48 @@ def test_tied_word_embedding_gradient_equals_the_dense_lookup():
         assert_close(fast[name], g, **TOL, msg=name)
     assert not SWBertForMaskedLM(tiny(tie_word_embeddings=False)).bert.embeddings.word_embeddings.sparse
     assert not SWBertForSequenceClassification(tiny()).bert.embeddings.word_embeddings.sparse
+
+
+STEPS = """
+import resource
+import torch
+from swbert import SWBertConfig, SWBertForMaskedLM
+from swbert.training.dist import keep_freed_memory
+took = keep_freed_memory()
+torch.manual_seed(0)
+# a BERT-sized vocabulary: the (vocab, d) gradients and logits are blocks above glibc's mmap threshold
+model = SWBertForMaskedLM(SWBertConfig.from_size("tiny", vocab_size=30522, max_position_embeddings=128))
+optimizer = torch.optim.AdamW(model.parameters())
+ids = torch.randint(5, 30522, (8, 128))
+labels = ids.clone()
+labels[:, ::2] = -100
+faults = []
+for _ in range(8):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    model(input_ids=ids, labels=labels).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(took, *faults)
+"""
+
+
+@pytest.mark.parametrize("setting", ["keep", "system"])
+def test_cpu_training_steps_reuse_freed_memory_without_page_faults(setting):
+    """The trainer's CPU allocator setting: once warm, a training step takes the memory the last
+    step freed from the heap instead of tens of thousands of fresh pages (now and then one block
+    does not fit where it was, hence the median); SWBERT_CPU_MALLOC=system leaves glibc's default
+    (and its faults) alone."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SWBERT_CPU_MALLOC": setting, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", STEPS], env=env, capture_output=True, text=True, check=True)
+    took, *faults = out.stdout.split()
+    steady = sorted(int(f) for f in faults[2:])
+    median = steady[len(steady) // 2]
+    if setting == "keep":
+        assert took == "True" and median < 1000, out.stdout
+    else:
+        assert took == "False" and median > 10_000, out.stdout

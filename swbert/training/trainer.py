@@ -26,7 +26,7 @@ from swbert.models.flops import masked_lm_flops, masked_lm_params
 from swbert.training import checkpoint as ckpt
 from swbert.training.config import TrainConfig, dump_config
 from swbert.training.data import TrainingData, prepare_data
-from swbert.training.dist import init_distributed, map_launcher_env, set_cpu_threads
+from swbert.training.dist import init_distributed, keep_freed_memory, map_launcher_env, set_cpu_threads
 from swbert.training.ds_config import build_ds_config, offloads_optimizer, resolve_precision, zero_stage
 from swbert.training.metrics import MetricsLogger, device_peak_tflops, memory_gib
 from swbert.training.optim import build_optimizer, build_scheduler
@@ -128,6 +128,8 @@ class Trainer:
 
         rank, self.local_rank, world = init_distributed()
         set_cpu_threads(cfg.num_threads)
+        if not self.on_gpu:
+            keep_freed_memory()  # no page faults for the tensors every step frees and allocates again
         self.device = torch.device("cuda", self.local_rank) if self.on_gpu else torch.device("cpu")
         self.layout, mpu = build_layout(cfg, rank, world)
         self.is_main = rank == 0
