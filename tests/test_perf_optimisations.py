@@ -383,3 +383,27 @@ def test_cpu_training_steps_reuse_freed_memory_without_page_faults(setting):
         assert took == "True" and median < 1000, out.stdout
     else:
         assert took == "False" and median > 10_000, out.stdout
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(10, 16), (2, 5, 16)])
+def test_vocab_blocked_decoder_equals_linear(shape, bias):
+    """The CPU decoder computes its forward in vocabulary blocks (here 7 columns, 101 = 14 * 7 + 3):
+    logits and the gradients of input, weight and bias are F.linear's."""
+    from swbert.models.modeling import VocabDecoder
+
+    torch.manual_seed(0)
+    decoder = VocabDecoder(16, 101, bias=bias)
+    decoder.block = 7
+    x = torch.randn(shape, requires_grad=True)
+    target = torch.randn(*shape[:-1], 101)
+    plain = F.linear(x, decoder.weight, decoder.bias)
+    blocked = decoder(x)
+    assert blocked.grad_fn.name().endswith("_VocabBlockedLinearBackward")  # the blocked path ran
+    assert_close(blocked, plain, **TOL)
+    params = [x, decoder.weight] + ([decoder.bias] if bias else [])
+    for got, want in zip(
+        torch.autograd.grad((blocked * target).sum(), params),
+        torch.autograd.grad((plain * target).sum(), params),
+    ):
+        assert_close(got, want, **TOL)
