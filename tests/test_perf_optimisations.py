@@ -407,3 +407,30 @@ def test_vocab_blocked_decoder_equals_linear(shape, bias):
         torch.autograd.grad((plain * target).sum(), params),
     ):
         assert_close(got, want, **TOL)
+
+
+def test_out_projection_scales_its_input_through_the_weight():
+    """Shared attention's dv rides on the output projection's weight: the output and the gradients
+    of input, weight, scale and bias are those of scaling the input first; under bf16 autocast the
+    parameter gradients come back in fp32, close to the fp32 ones."""
+    from swbert.models.attention import OutProjection
+
+    torch.manual_seed(0)
+    proj = OutProjection(16, 12)
+    scale = torch.nn.Parameter(torch.rand(16) + 0.5)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    target = torch.randn(3, 5, 12)
+    params = [x, proj.weight, scale, proj.bias]
+    folded = proj(x, input_scale=scale)
+    plain = F.linear(x * scale, proj.weight, proj.bias)
+    assert_close(folded, plain, **TOL)
+    want = torch.autograd.grad((plain * target).sum(), params)
+    for got, expected in zip(torch.autograd.grad((folded * target).sum(), params), want):
+        assert_close(got, expected, **TOL)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = proj(x, input_scale=scale)
+    assert low.dtype == torch.bfloat16
+    got = torch.autograd.grad((low.float() * target).sum(), params)
+    for g, p, expected in zip(got, params, want):
+        assert g.dtype == p.dtype
+        assert_close(g, expected, rtol=0.05, atol=0.05)

@@ -141,7 +141,8 @@ KERNELS: dict[str, type[nn.Module]] = {"sdpa": SDPAKernel, "eager": EagerKernel}
 class RebuildFromS:
     """Saved-tensor hooks for one kernel call: a tensor that is S scaled by a vector, or a view of
     one, is kept as (S, vector) and rebuilt by one elementwise product in backward, so autograd
-    keeps S instead of Q and V. Tensors it does not recognise are kept as they are.
+    keeps S instead of Q (shared attention's V is S itself). Tensors it does not recognise are kept
+    as they are.
 
     It composes with saved-tensor hooks already active (activation checkpointing, CPU offload):
     S and every tensor it does not rebuild go through those. Under torch.compile, or where the
@@ -204,6 +205,47 @@ class RebuildFromS:
             self.s = None
 
 
+class _ScaledInputLinear(torch.autograd.Function):
+    """F.linear(x, weight * scale, bias), keeping weight and scale for backward, not their product."""
+
+    @staticmethod
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, scale)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight * scale, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, scale = ctx.saved_tensors
+        # in the gradient's dtype (bf16 under autocast, as F.linear's backward); autograd casts each
+        # parameter gradient back to its parameter's dtype
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad @ (weight * scale).to(grad.dtype) if ctx.needs_input_grad[0] else None
+        grad_ws = g2.t() @ x.reshape(-1, x.shape[-1]).to(grad.dtype)  # (out, in): d loss / d(weight * scale)
+        grad_w = grad_ws * scale if ctx.needs_input_grad[1] else None
+        grad_s = (grad_ws * weight).sum(0) if ctx.needs_input_grad[2] else None
+        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return grad_x, grad_w, grad_s, grad_b
+
+
+class OutProjection(nn.Linear):
+    """The attention output projection. `input_scale` scales the input features through the weight:
+    (y diag(s)) W^T = y (W diag(s))^T, one pass over the d x d weight instead of over every token,
+    and backward keeps W and s (parameters) rather than their product.
+
+    The scaled weight is formed inside this module's forward, so an engine that gathers a module's
+    parameters around its forward (ZeRO-3) gathers it here. A tensor-parallel replacement takes
+    the same argument (`swbert.parallel.layers.RowLinear`).
+    """
+
+    def forward(self, x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if input_scale is None:
+            return F.linear(x, self.weight, self.bias)
+        return _ScaledInputLinear.apply(x, self.weight, input_scale, self.bias)
+
+
 class SelfAttention(nn.Module):
     """Common part: split heads, run the kernel, merge heads, project out."""
 
@@ -211,7 +253,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.head_dim = config.head_dim
         self.kernel = KERNELS[config.attention_kernel](config.attention_probs_dropout_prob)
-        self.out_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out_proj = OutProjection(config.hidden_size, config.hidden_size)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values, each (B, H, S, Dh)."""
@@ -275,9 +317,11 @@ class SharedAttention(SelfAttention):
         return self.split_heads(s * self.dq), self.split_heads(s * self.dk), self.split_heads(s * self.dv)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        # Q K^T = S diag(dq*dk) S^T: only the product matters, so the keys can be S itself and one
-        # elementwise product fewer is needed. Q and V are S scaled by a vector: autograd keeps S and
-        # rebuilds them in backward instead of holding two more (B, S, d) activations.
+        # Q K^T = S diag(dq*dk) S^T: only the product matters, so the keys can be S itself. Attention
+        # is linear in V column by column, A (S diag(dv)) = (A S) diag(dv), so the values are S too
+        # and dv scales the output projection's d x d weight instead of a (B, S, d) activation.
+        # Q is S scaled by a vector: autograd keeps S and rebuilds Q in backward instead of holding
+        # another (B, S, d) activation.
         B, S, _ = x.shape
         s = self.split_heads(self.proj(x))  # (B, H, S, Dh), a view of the (B, S, d) product
         unfused = getattr(self.kernel, "unfused", None)  # a wrapped kernel may not say: then fused
@@ -286,12 +330,11 @@ class SharedAttention(SelfAttention):
             # instead of copies of Q, K and V inside the kernel (the result is the same either way)
             s = s.contiguous()
         qk = (self.dq if self.folded else self.dq * self.dk).view(-1, 1, self.head_dim)  # (H, 1, Dh)
-        dv = self.dv.view(-1, 1, self.head_dim)  # (H, 1, Dh)
         q = s if self.folded == "projection" else s * qk
-        v = s if self.folded else s * dv
-        with RebuildFromS(s, [(q, qk), (v, dv)]):
-            y = self.kernel(q, s, v, mask)  # (B, H, S, Dh)
-        return self.out_proj(y.transpose(1, 2).reshape(B, S, -1))
+        with RebuildFromS(s, [(q, qk)]):
+            y = self.kernel(q, s, s, mask)  # (B, H, S, Dh)
+        y = y.transpose(1, 2).reshape(B, S, -1)  # (B, S, d)
+        return self.out_proj(y, input_scale=None if self.folded else self.dv)  # folded: dv is in the weight
 
     @torch.no_grad()
     def fold_for_inference(self) -> None:

@@ -126,7 +126,11 @@ class RowLinear(_NoExtraState, RowParallelLinear):
         )
         self.reduce_scatter_output = reduce_scatter_output
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        # input_scale: this rank's slice of a per-input-feature scale (shared attention's dv, split
+        # by heads like the input); applied to the input, megatron's forward reads self.weight itself
+        if input_scale is not None:
+            x = x * input_scale
         if not self.reduce_scatter_output:
             return super().forward(x)[0]
         y = reduce_scatter_seq(F.linear(x, self.weight), self.tp_group)  # (B, S/tp, d)
