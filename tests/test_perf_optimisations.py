@@ -92,6 +92,23 @@ def test_unfused_kernel_equals_attention(dropout, padded):
         assert_close(got, expected, **TOL)
 
 
+def test_unfused_kernel_masks_under_bf16_autocast():
+    """The additive mask stays finite in the dtype the product runs in: fp32 inputs under bf16
+    autocast give SDPA's result, and a sequence whose keys are all masked gets uniform weights
+    (the mean of its values), not NaN."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 12, 16) for _ in range(3))
+    mask = torch.ones(2, 1, 1, 12, dtype=torch.bool)
+    mask[0, ..., 7:] = False
+    mask[1] = False
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = unfused_attention(q, k, v, mask, 0.0)
+    assert y.dtype == torch.bfloat16
+    expected = F.scaled_dot_product_attention(q[:1], k[:1], v[:1], attn_mask=mask[:1])
+    assert_close(y[:1].float(), expected, atol=3e-2, rtol=3e-2)
+    assert_close(y[1].float(), v[1].mean(dim=-2, keepdim=True).expand_as(v[1]), atol=3e-2, rtol=3e-2)
+
+
 @pytest.mark.parametrize("kernel", ["sdpa", "eager"])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])

@@ -79,12 +79,21 @@ def unfused_attention(
     B, H, S, Dh = q.shape
     Sk = k.shape[-2]
     qf, kf, vf = (t.reshape(B * H, t.shape[-2], Dh) for t in (q, k, v))  # views when head-major
-    ignored = qf.new_empty(1, 1, 1)  # beta=0: baddbmm does not read it
-    scores = torch.baddbmm(ignored, qf, kf.transpose(1, 2), beta=0.0, alpha=Dh**-0.5)  # (B*H, S, Sk)
-    if mask is not None:
-        # the most negative finite value rather than -inf: a query whose keys are all masked gets
-        # uniform weights instead of NaN (key padding never masks every key of a real sequence)
-        scores.view(B, H, S, Sk).masked_fill_(~mask, torch.finfo(scores.dtype).min)
+    if mask is None:
+        bias, beta = qf.new_empty(1, 1, 1), 0.0  # beta=0: baddbmm does not read it
+    else:
+        # The mask enters as an additive bias that the product accumulates onto (half the time of
+        # filling the scores in place, and nothing to undo in backward). The most negative finite
+        # value rather than -inf: a query whose keys are all masked gets uniform weights instead of
+        # NaN (key padding never masks every key of a real sequence); a finite score added to it
+        # rounds back to it.
+        mask = mask.expand(B, H, mask.shape[-2], Sk)
+        lowest = torch.finfo(qf.dtype).min
+        if torch.is_autocast_enabled(qf.device.type):  # the product runs in the autocast dtype
+            lowest = max(lowest, torch.finfo(torch.get_autocast_dtype(qf.device.type)).min)
+        bias = qf.new_zeros(mask.shape).masked_fill_(~mask, lowest)
+        bias, beta = bias.view(B * H, -1, Sk), 1.0
+    scores = torch.baddbmm(bias, qf, kf.transpose(1, 2), beta=beta, alpha=Dh**-0.5)  # (B*H, S, Sk)
     probs = scores.softmax(dim=-1)
     if dropout_p > 0.0:
         probs = dropout(probs, dropout_p, True)
