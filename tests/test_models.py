@@ -230,6 +230,19 @@ def test_bad_configs_name_the_field():
         SWBertConfig(attention_type="sharde")
     with pytest.raises(ValueError, match="unknown size 'huge'.*tiny"):
         SWBertConfig.from_size("huge")
+    # a misspelt override is an error, not an ignored attribute; transformers' own keys still pass
+    with pytest.raises(
+        ValueError, match="unknown SWBertConfig field 'attention'; did you mean 'attention_type'"
+    ):
+        SWBertConfig.from_size("tiny", attention="symmetric")
+    with pytest.raises(
+        ValueError, match="unknown SWBertConfig field 'hiden_size'; did you mean 'hidden_size'"
+    ):
+        SWBertConfig.from_size("tiny", hiden_size=32)
+    config = SWBertConfig.from_size(
+        "tiny", num_labels=3, tie_word_embeddings=False, problem_type="regression"
+    )
+    assert (config.num_labels, config.tie_word_embeddings, config.problem_type) == (3, False, "regression")
     with pytest.raises(
         ValueError,
         match="hidden_size=100 is not divisible by num_attention_heads=12; .* one of 1, 2, 4, 5, 10, 20, 25, 50, 100$",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from typing import Any, Literal, get_args
 
 from transformers import PretrainedConfig
@@ -107,7 +109,18 @@ class SWBertConfig(PretrainedConfig):
 
     @classmethod
     def from_size(cls, name: str, **overrides: Any) -> SWBertConfig:
-        """A config of a named size (see `SIZES`), with any field overridden by keyword."""
+        """A config of a named size (see `SIZES`), with any field overridden by keyword.
+
+        Unlike the constructor, which keeps unknown keywords as attributes (transformers' convention
+        for configs), an override must name a field: a misspelt one would otherwise be ignored.
+        """
         if name not in SIZES:
             raise ValueError(f"unknown size {name!r}; known sizes: {', '.join(SIZES)}")
+        fields = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
+        known = fields | set(cls().to_dict()) | {"num_labels"}  # num_labels: a property
+        for key in overrides:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(fields), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; fields: {', '.join(sorted(fields))}"
+                raise ValueError(f"unknown {cls.__name__} field {key!r}{hint}")
         return cls(**{**SIZES[name], **overrides})
