@@ -74,8 +74,16 @@ def test_flops_match_the_hand_formula():
     pairwise = SWBertConfig.from_size("base", attention_type="pairwise")
     assert layer_forward_flops(symmetric, s) == 22 * d * d + 4 * s * d
     assert layer_forward_flops(pairwise, s) == 22 * d * d + 2 * d * 64 + 4 * s * d
-    speedup = masked_lm_flops(std, s, 0.0).encoder / masked_lm_flops(shared, s, 0.0).encoder
+    speedup = (
+        masked_lm_flops(std, s, last_layer_on_predicted=False).encoder
+        / masked_lm_flops(shared, s, last_layer_on_predicted=False).encoder
+    )
     assert 1.19 <= speedup < 1.20
+    # the last layer's output projection and MLP (18 d^2 of it) on the predicted 15% only
+    full, pruned = (masked_lm_flops(std, s, 0.15, last_layer_on_predicted=x).encoder for x in (False, True))
+    assert full == 12 * (24 * d * d + 4 * s * d)
+    assert full - pruned == pytest.approx(0.85 * 18 * d * d)
+    assert masked_lm_flops(std, s, 1.0).encoder == full  # every position predicted: nothing to skip
     # the MLM head on 15% of tokens vs on all of them
     head_all = masked_lm_flops(std, s, 1.0).mlm_head
     assert masked_lm_flops(std, s, 0.15).mlm_head == pytest.approx(0.15 * head_all)

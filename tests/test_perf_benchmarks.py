@@ -28,6 +28,11 @@ def test_train_step_benchmark_smoke(tmp_path, capsys):
     assert json.loads((tmp_path / "result.json").read_text())["ratios"] == out["ratios"]
     printed = capsys.readouterr().out
     assert "shared/standard throughput" in printed and "outputs equal" in printed
+    # the opt-in plain last layer, side by side with the default
+    out = train_step.main(["--smoke", "--models", "standard,standard-full"])
+    full, pruned = out["models"]["standard-full"], out["models"]["standard"]
+    assert full["params"] == pruned["params"] and full["flops_per_token"] > pruned["flops_per_token"]
+    assert out["ratios"]["standard/standard-full"] > 0
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from benchmarks.train_step import activation_bytes
 from swbert import ATTENTION_TYPES, SWBertConfig, SWBertForMaskedLM, SWBertForSequenceClassification
 from swbert.models.attention import RebuildFromS, SelfAttention, SharedAttention, unfused_attention
 from swbert.models.attention import dropout as attention_dropout
-from swbert.models.modeling import Dropout, key_padding_mask
+from swbert.models.modeling import Dropout, SWBertModel, key_padding_mask
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -451,3 +451,56 @@ def test_out_projection_scales_its_input_through_the_weight():
     for g, p, expected in zip(got, params, want):
         assert g.dtype == p.dtype
         assert_close(g, expected, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("variant", ATTENTION_TYPES)
+def test_last_layer_on_labels_equals_the_full_last_layer(variant, padded, checkpointing):
+    """With labels the last layer computes only the labelled positions: loss, logits and every
+    gradient are those of computing all positions and selecting after."""
+    torch.manual_seed(0)
+    model = SWBertForMaskedLM(tiny(attention_type=variant))
+    randomise(model)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    inputs = batch(padded=padded)
+    n_labelled = int((inputs["labels"] != -100).sum())
+    rows_seen = []
+    last_mlp = model.bert.encoder.layers[-1].mlp
+    last_mlp.register_forward_hook(lambda m, args, out: rows_seen.append(args[0].shape[:-1]))
+    results = []
+    for on_labels in (True, False):
+        model.zero_grad()
+        model.last_layer_on_labels = on_labels
+        out = model(**inputs)
+        out.loss.backward()
+        results.append((out.loss.detach(), out.logits.detach(), grads(model)))
+    # the pruned pass ran the MLP on the labelled rows only (twice with checkpointing: recomputed)
+    assert set(rows_seen) == {torch.Size([n_labelled]), inputs["labels"].shape}
+    (loss, logits, g), (loss0, logits0, g0) = results
+    assert logits.shape == logits0.shape == (n_labelled, 101)
+    assert_close(loss, loss0, **TOL)
+    assert_close(logits, logits0, **TOL)
+    assert g.keys() == g0.keys() == {n for n, _ in model.named_parameters()}
+    for name in g0:
+        assert_close(g[name], g0[name], **TOL, msg=name)
+
+
+def test_last_layer_on_labels_with_no_labelled_position_and_with_hidden_states():
+    torch.manual_seed(0)
+    model = SWBertForMaskedLM(tiny())
+    inputs = batch()
+    # nothing labelled: a zero loss that still backpropagates
+    empty = dict(inputs, labels=torch.full_like(inputs["labels"], -100))
+    out = model(**empty)
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and out.logits.shape == (0, 101)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    # hidden states need every position of the last layer: the full layer runs
+    out = model(**inputs, output_hidden_states=True)
+    assert out.hidden_states[-1].shape == (*inputs["labels"].shape, 64)
+    model.last_layer_on_labels = False
+    assert_close(out.logits, model(**inputs).logits, **TOL)
+    with pytest.raises(ValueError, match="output_rows"):
+        SWBertModel(tiny())(inputs["input_ids"], output_rows=inputs["labels"] != -100)  # with a pooler

@@ -20,6 +20,9 @@ from torch import nn
 
 from swbert.models.config import SWBertConfig
 
+# positions to keep: (batch indices, sequence indices), row-major, as `mask.nonzero(as_tuple=True)`
+Rows = tuple[torch.Tensor, torch.Tensor]
+
 
 class _CPUDropout(torch.autograd.Function):
     """Dropout whose mask comes from 16-bit random integers, four to one 64-bit draw.
@@ -275,12 +278,21 @@ class SelfAttention(nn.Module):
         B, S, _ = t.shape
         return t.view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, H, S, Dh)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        B, S, _ = x.shape
+    def merge_heads(self, y: torch.Tensor, rows: Rows | None) -> torch.Tensor:
+        """(B, H, S, Dh) -> (B, S, H*Dh), or (N, H*Dh) at the `rows` positions."""
+        y = y.transpose(1, 2)  # (B, S, H, Dh)
+        if rows is not None:
+            return y[rows].flatten(1)  # (N, H*Dh): gathers only the kept rows
+        return y.reshape(*y.shape[:2], -1)
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, rows: Rows | None = None
+    ) -> torch.Tensor:
+        """x: (B, S, d) -> (B, S, d). With `rows`, only those positions come out, (N, d): every
+        position is still a key and a value, but the output projection runs on N rows."""
         q, k, v = self.qkv(x)
         y = self.kernel(q, k, v, mask)  # (B, H, S, Dh)
-        y = y.transpose(1, 2).reshape(B, S, -1)  # (B, S, H*Dh)
-        return self.out_proj(y)
+        return self.out_proj(self.merge_heads(y, rows))
 
 
 class StandardAttention(SelfAttention):
@@ -325,13 +337,14 @@ class SharedAttention(SelfAttention):
         s = self.proj(x)  # (B, S, d); one GEMM instead of three
         return self.split_heads(s * self.dq), self.split_heads(s * self.dk), self.split_heads(s * self.dv)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, rows: Rows | None = None
+    ) -> torch.Tensor:
         # Q K^T = S diag(dq*dk) S^T: only the product matters, so the keys can be S itself. Attention
         # is linear in V column by column, A (S diag(dv)) = (A S) diag(dv), so the values are S too
         # and dv scales the output projection's d x d weight instead of a (B, S, d) activation.
         # Q is S scaled by a vector: autograd keeps S and rebuilds Q in backward instead of holding
         # another (B, S, d) activation.
-        B, S, _ = x.shape
         s = self.split_heads(self.proj(x))  # (B, H, S, Dh), a view of the (B, S, d) product
         unfused = getattr(self.kernel, "unfused", None)  # a wrapped kernel may not say: then fused
         if unfused is not None and unfused(s.device):
@@ -342,7 +355,7 @@ class SharedAttention(SelfAttention):
         q = s if self.folded == "projection" else s * qk
         with RebuildFromS(s, [(q, qk)]):
             y = self.kernel(q, s, s, mask)  # (B, H, S, Dh)
-        y = y.transpose(1, 2).reshape(B, S, -1)  # (B, S, d)
+        y = self.merge_heads(y, rows)  # (B, S, d), or (N, d)
         return self.out_proj(y, input_scale=None if self.folded else self.dv)  # folded: dv is in the weight
 
     @torch.no_grad()

@@ -88,11 +88,22 @@ def qkv_params_weights(config: SWBertConfig) -> int:
     ]
 
 
-def masked_lm_flops(config: SWBertConfig, seq_len: int, predicted_fraction: float = 0.15) -> FlopCount:
-    """FLOPs per token of `SWBertForMaskedLM` whose head runs on `predicted_fraction` of tokens."""
-    d = config.hidden_size
+def masked_lm_flops(
+    config: SWBertConfig, seq_len: int, predicted_fraction: float = 0.15, last_layer_on_predicted: bool = True
+) -> FlopCount:
+    """FLOPs per token of `SWBertForMaskedLM` whose head runs on `predicted_fraction` of tokens.
+
+    With `last_layer_on_predicted` (the model's `last_layer_on_labels`), the last layer's output
+    projection and MLP also run on the predicted positions only; its Q/K/V projections and the
+    attention products still cover every token (every position is a key and a value).
+    """
+    d, f = config.hidden_size, config.intermediate_size
     head_per_predicted = 2 * d * d + 2 * d * config.vocab_size
+    layer = layer_forward_flops(config, seq_len)
+    last = layer
+    if last_layer_on_predicted:
+        last -= (1.0 - predicted_fraction) * (2 * d * d + 4 * d * f)
     return FlopCount(
-        encoder=config.num_hidden_layers * layer_forward_flops(config, seq_len),
+        encoder=(config.num_hidden_layers - 1) * layer + last,
         mlm_head=predicted_fraction * head_per_predicted,
     )

@@ -223,16 +223,20 @@ class TensorParallelMaskedLM(SWBertForMaskedLM):
         return_dict: bool = True,
         **_: object,
     ) -> MaskedLMOutput:
-        out = self.bert(
-            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_hidden_states
+        out, h = self.encode(  # h: (B, S, d), or (N, d) with labels; replicated over the group
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            position_ids,
+            inputs_embeds,
+            labels,
+            output_hidden_states,
         )
-        h = out.last_hidden_state  # (B, S, d), replicated over the tensor-parallel group
         gather = gather_from_tensor_model_parallel_region
         if labels is None:
             return MaskedLMOutput(logits=gather(self.mlm_head(h)), hidden_states=out.hidden_states)
-        selected = labels != IGNORE_INDEX  # (B, S)
-        local_logits = self.mlm_head(h[selected])  # (N, V / tp): only the labelled positions
-        target = labels[selected]  # (N,)
+        local_logits = self.mlm_head(h)  # (N, V / tp): only the labelled positions
+        target = labels[labels != IGNORE_INDEX]  # (N,)
         logits = gather(local_logits)  # before the loss: megatron's cross entropy works in place
         if target.numel() == 0:
             loss = local_logits.sum() * 0.0  # keeps the graph, as at TP=1

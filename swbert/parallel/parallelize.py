@@ -103,6 +103,8 @@ def parallelize(model: SWBertForMaskedLM, tp_size: int, sequence_parallel: bool 
         return model
     step("sequence parallelism: LayerNorm/dropout/residual on S/%d tokens per rank", tp_size)
     group = d.tp_group
+    # the split region holds whole sequence chunks: the last layer computes every position
+    model.last_layer_on_labels = False
     embeddings.register_forward_hook(sequence.scatter_output_hook(group))
     model.bert.encoder.register_forward_hook(sequence.gather_encoder_output_hook(group))
     for layer in layers:

@@ -160,7 +160,9 @@ class Trainer:
             self.engine.compile()
         self.step, self.samples_consumed = 0, 0
         self.tokens_per_step = cfg.global_batch_size * cfg.seq_len
-        flops = masked_lm_flops(self.model_config, cfg.seq_len, cfg.mlm_probability)
+        flops = masked_lm_flops(
+            self.model_config, cfg.seq_len, cfg.mlm_probability, model.last_layer_on_labels
+        )
         self.train_flops_per_token = flops.training
         self.peak_tflops = device_peak_tflops() if self.precision in ("bf16", "fp16") else None
 
