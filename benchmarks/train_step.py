@@ -7,7 +7,7 @@ a shared machine hits every model alike) and prints the median of each and the r
     python benchmarks/train_step.py                       # BERT-base, seq 128, batch 8
     python benchmarks/train_step.py --seq-len 512 --batch 4 --reps 10
     python benchmarks/train_step.py --smoke               # tiny shape, seconds (run by the tests)
-    python benchmarks/train_step.py --models standard,standard-full   # one optimisation on and off
+    python benchmarks/train_step.py --models standard,standard-full,shared,shared-full   # last layer on/off
 
 The reference is what a user would otherwise run: `transformers.BertForMaskedLM` with
 `attn_implementation="sdpa"`, labels set to -100 on the unmasked positions (15% masked), the same
@@ -18,8 +18,9 @@ Activation memory is the bytes of the distinct tensors autograd saves for backwa
 pass (parameters excluded), read through `torch.autograd.graph.saved_tensors_hooks`, which works on
 every device; on a GPU the peak allocated memory of a step above what was resident before it is
 printed as well. `--inference` adds eval-mode latency of `shared` before and after
-`optimize_for_inference()`. `standard-full` (not in the default set) is swbert `standard` with
-`last_layer_on_labels = False`: its last layer computes every position, not only the masked ones.
+`optimize_for_inference()`. `<variant>-full` (`standard-full`, `shared-full`, ...; not in the
+default set) is that swbert variant with `last_layer_on_labels = False`: its last layer computes
+every position, not only the masked ones.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ from swbert.models.flops import masked_lm_flops
 from swbert.training.dist import keep_freed_memory
 
 MODELS: tuple[str, ...] = ("hf", "standard", "shared", "symmetric", "pairwise")
-FULL_LAST_LAYER = "standard-full"  # opt-in: standard without the masked-positions-only last layer
+# Opt-in: a variant without the masked-positions-only last layer, e.g. "shared-full".
+FULL_LAST_LAYER = "-full"
+CHOICES: tuple[str, ...] = (*MODELS, *(f"{v}{FULL_LAST_LAYER}" for v in ATTENTION_TYPES))
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Dense bf16 peak of the accelerators MFU is quoted against (TFLOP/s); others need --peak-tflops.
 PEAK_TFLOPS: dict[str, float] = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -120,9 +123,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = args.dtype or ("bf16" if args.device.type == "cuda" else "fp32")
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = sorted(set(args.models) - {*MODELS, FULL_LAST_LAYER})
+    unknown = sorted(set(args.models) - set(CHOICES))
     if unknown:
-        p.error(f"--models: unknown {unknown}; choose from {', '.join((*MODELS, FULL_LAST_LAYER))}")
+        p.error(f"--models: unknown {unknown}; choose from {', '.join(CHOICES)}")
     return args
 
 
@@ -158,11 +161,9 @@ def build_model(name: str, args: argparse.Namespace) -> nn.Module:
             attn_implementation="sdpa",
         )
         return transformers.BertForMaskedLM(hf_config)
-    if name == FULL_LAST_LAYER:
-        model = SWBertForMaskedLM(swbert_config(args, "standard"))
-        model.last_layer_on_labels = False
-        return model
-    return SWBertForMaskedLM(swbert_config(args, name))
+    model = SWBertForMaskedLM(swbert_config(args, name.removesuffix(FULL_LAST_LAYER)))
+    model.last_layer_on_labels = not name.endswith(FULL_LAST_LAYER)
+    return model
 
 
 def make_batch(
@@ -184,11 +185,11 @@ def make_batch(
 
 def training_flops_per_token(name: str, args: argparse.Namespace) -> float:
     """The reference computes its 30k-way head on every token; swbert on the masked ones only."""
-    config = swbert_config(args, name if name in ATTENTION_TYPES else "standard")
-    fraction = 1.0 if name == "hf" else MASK_PROB
-    return masked_lm_flops(
-        config, args.seq_len, fraction, last_layer_on_predicted=name != FULL_LAST_LAYER
-    ).training
+    if name == "hf":
+        return masked_lm_flops(swbert_config(args), args.seq_len, 1.0, last_layer_on_predicted=False).training
+    config = swbert_config(args, name.removesuffix(FULL_LAST_LAYER))
+    full = name.endswith(FULL_LAST_LAYER)
+    return masked_lm_flops(config, args.seq_len, MASK_PROB, last_layer_on_predicted=not full).training
 
 
 def synchronize(device: torch.device) -> None:
@@ -371,7 +372,7 @@ def report(
         f"transformers {transformers.__version__}; median of {args.reps} interleaved reps after "
         f"{args.warmup} warm-up; throughput on the {args.clock} clock; malloc {args.malloc}"
     )
-    header = f"{'model':<13} {'params':>12} {'wall s':>8} {'cpu s':>8} {'tokens/s':>10} {'TFLOP/s':>8}"
+    header = f"{'model':<14} {'params':>12} {'wall s':>8} {'cpu s':>8} {'tokens/s':>10} {'TFLOP/s':>8}"
     header += f" {'act. MiB':>9}" + (f" {'peak MiB':>9}" if args.device.type == "cuda" else "")
     print(header + (f" {'MFU':>6}" if peak else ""))
     rows = {}
@@ -379,7 +380,7 @@ def report(
         tps = r.tokens_per_s(tokens)
         tflops = r.flops_per_token * tps / 1e12
         line = (
-            f"{name:<13} {r.params:>12,} {statistics.median(r.step_s):>8.3f} {statistics.median(r.cpu_s):>8.3f} "
+            f"{name:<14} {r.params:>12,} {statistics.median(r.step_s):>8.3f} {statistics.median(r.cpu_s):>8.3f} "
             f"{tps:>10.1f} {tflops:>8.3f} {r.activation_bytes / 2**20:>9.1f}"
         )
         if r.peak_step_bytes is not None:
@@ -387,8 +388,10 @@ def report(
         print(line + (f" {100 * tflops / peak:>5.1f}%" if peak else ""))
         rows[name] = dict(asdict(r), median_s=r.median_s, tokens_per_s=tps, tflops=tflops)
     ratios: dict[str, float] = {}
+    full = FULL_LAST_LAYER
     pairs = [(name, "standard") for name in ("shared", "symmetric", "pairwise")]
-    pairs += [("standard", "hf"), ("standard", FULL_LAST_LAYER)]
+    pairs += [(name + full, "standard" + full) for name in ("shared", "symmetric", "pairwise")]
+    pairs += [("standard", "hf")] + [(v, v + full) for v in ATTENTION_TYPES]
     for fast, slow in pairs:
         if fast not in results or slow not in results:
             continue

@@ -29,10 +29,12 @@ def test_train_step_benchmark_smoke(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "shared/standard throughput" in printed and "outputs equal" in printed
     # the opt-in plain last layer, side by side with the default
-    out = train_step.main(["--smoke", "--models", "standard,standard-full"])
-    full, pruned = out["models"]["standard-full"], out["models"]["standard"]
-    assert full["params"] == pruned["params"] and full["flops_per_token"] > pruned["flops_per_token"]
-    assert out["ratios"]["standard/standard-full"] > 0
+    out = train_step.main(["--smoke", "--models", "standard,standard-full,shared,shared-full"])
+    for variant in ("standard", "shared"):
+        full, pruned = out["models"][f"{variant}-full"], out["models"][variant]
+        assert full["params"] == pruned["params"] and full["flops_per_token"] > pruned["flops_per_token"]
+        assert out["ratios"][f"{variant}/{variant}-full"] > 0
+    assert out["ratios"]["shared-full/standard-full"] > 0
 
 
 @pytest.mark.slow
