@@ -58,6 +58,12 @@ def _check_variant(attention_type: str, sequence_parallel: bool) -> None:
     for name, g in grads.items():
         assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
+    # a batch with no labelled position: a zero loss that still backpropagates, as at TP=1
+    unlabelled = dict(batch, labels=torch.full_like(batch["labels"], -100))
+    got, expected = model(**unlabelled), ref(**unlabelled)
+    got.loss.backward()
+    assert got.loss.item() == 0.0 == expected.loss.item() and got.logits.shape == expected.logits.shape
+
     # the state dict gathers back to TP=1 exactly, and TP=1 shards back to this rank's
     full = gather_state_dict(model)
     for name, t in ref.state_dict().items():

@@ -418,15 +418,21 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
             labels,
             output_hidden_states,
         )
+        logits, loss = self.logits_and_loss(h, labels)
+        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+    def logits_and_loss(
+        self, h: torch.Tensor, labels: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head on `encode`'s output: (B, S, V) logits without labels, else (N, V) for the
+        N labelled positions and their mean cross entropy. Tensor parallelism overrides this."""
+        logits = self.mlm_head(h)
         if labels is None:
-            return MaskedLMOutput(logits=self.mlm_head(h), hidden_states=out.hidden_states)
-        logits = self.mlm_head(h)  # (N, V): only the labelled positions
+            return logits, None
         target = labels[labels != IGNORE_INDEX]  # (N,)
         if target.numel() == 0:
-            loss = logits.sum() * 0.0  # no labelled token in this batch: a zero that keeps the graph
-        else:
-            loss = F.cross_entropy(logits.float(), target)
-        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+            return logits, logits.sum() * 0.0  # no labelled token in this batch: a zero that keeps the graph
+        return logits, F.cross_entropy(logits.float(), target)
 
 
 def _classification_loss(config: SWBertConfig, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

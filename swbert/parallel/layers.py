@@ -22,7 +22,6 @@ from megatron.core.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from torch import nn
-from transformers.modeling_outputs import MaskedLMOutput
 
 from swbert.models import SWBertForMaskedLM
 from swbert.models.modeling import IGNORE_INDEX
@@ -211,38 +210,18 @@ class TensorParallelMaskedLM(SWBertForMaskedLM):
     gathered (full vocabulary, as at TP=1) for metrics such as MLM accuracy.
     """
 
-    def forward(  # type: ignore[override]
-        self,
-        input_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        output_hidden_states: bool = False,
-        return_dict: bool = True,
-        **_: object,
-    ) -> MaskedLMOutput:
-        out, h = self.encode(  # h: (B, S, d), or (N, d) with labels; replicated over the group
-            input_ids,
-            attention_mask,
-            token_type_ids,
-            position_ids,
-            inputs_embeds,
-            labels,
-            output_hidden_states,
-        )
-        gather = gather_from_tensor_model_parallel_region
+    def logits_and_loss(
+        self, h: torch.Tensor, labels: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h is replicated over the group; the decoder's output is this rank's vocabulary shard."""
+        local_logits = self.mlm_head(h)  # (..., V / tp)
+        logits = gather_from_tensor_model_parallel_region(local_logits)  # before the in-place loss
         if labels is None:
-            return MaskedLMOutput(logits=gather(self.mlm_head(h)), hidden_states=out.hidden_states)
-        local_logits = self.mlm_head(h)  # (N, V / tp): only the labelled positions
+            return logits, None
         target = labels[labels != IGNORE_INDEX]  # (N,)
-        logits = gather(local_logits)  # before the loss: megatron's cross entropy works in place
         if target.numel() == 0:
-            loss = local_logits.sum() * 0.0  # keeps the graph, as at TP=1
-        else:
-            loss = vocab_parallel_cross_entropy(local_logits.float(), target).mean()
-        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+            return logits, local_logits.sum() * 0.0  # keeps the graph, as at TP=1
+        return logits, vocab_parallel_cross_entropy(local_logits.float(), target).mean()
 
     def save_pretrained(self, *args: object, **kwargs: object) -> None:
         raise RuntimeError(
