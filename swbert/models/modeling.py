@@ -366,34 +366,6 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
     def get_output_embeddings(self) -> nn.Linear:
         return self.mlm_head.decoder
 
-    def encode(
-        self,
-        input_ids: torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
-        token_type_ids: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-        inputs_embeds: torch.Tensor | None,
-        labels: torch.Tensor | None,
-        output_hidden_states: bool,
-    ) -> tuple[BaseModelOutputWithPooling, torch.Tensor]:
-        """The encoder output and the head's input: (B, S, d) without labels, else the (N, d)
-        labelled positions in row-major order."""
-        selected = None if labels is None else labels != IGNORE_INDEX  # (B, S)
-        prune = selected is not None and self.last_layer_on_labels and not output_hidden_states
-        out = self.bert(
-            input_ids,
-            attention_mask,
-            token_type_ids,
-            position_ids,
-            inputs_embeds,
-            output_hidden_states,
-            output_rows=selected if prune else None,
-        )
-        h = out.last_hidden_state
-        if selected is not None and not prune:
-            h = h[selected]
-        return out, h
-
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.mlm_head.decoder = new_embeddings
 
@@ -409,27 +381,32 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
         return_dict: bool = True,
         **_: object,
     ) -> MaskedLMOutput:
-        out, h = self.encode(
+        selected = None if labels is None else labels != IGNORE_INDEX  # (B, S)
+        prune = selected is not None and self.last_layer_on_labels and not output_hidden_states
+        out = self.bert(
             input_ids,
             attention_mask,
             token_type_ids,
             position_ids,
             inputs_embeds,
-            labels,
             output_hidden_states,
+            output_rows=selected if prune else None,
         )
-        logits, loss = self.logits_and_loss(h, labels)
+        h = out.last_hidden_state  # (B, S, d), or (N, d) when the last layer computed the rows only
+        if selected is not None and not prune:
+            h = h[selected]
+        target = None if selected is None else labels[selected]  # (N,), row-major like h
+        logits, loss = self.logits_and_loss(h, target)
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
 
     def logits_and_loss(
-        self, h: torch.Tensor, labels: torch.Tensor | None
+        self, h: torch.Tensor, target: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The head on `encode`'s output: (B, S, V) logits without labels, else (N, V) for the
-        N labelled positions and their mean cross entropy. Tensor parallelism overrides this."""
+        """The head on h, (B, S, d) without labels or (N, d) at the labelled positions, and the mean
+        cross entropy against their `target` (N,). Tensor parallelism overrides this."""
         logits = self.mlm_head(h)
-        if labels is None:
+        if target is None:
             return logits, None
-        target = labels[labels != IGNORE_INDEX]  # (N,)
         if target.numel() == 0:
             return logits, logits.sum() * 0.0  # no labelled token in this batch: a zero that keeps the graph
         return logits, F.cross_entropy(logits.float(), target)

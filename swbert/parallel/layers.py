@@ -24,7 +24,6 @@ from megatron.core.tensor_parallel import (
 from torch import nn
 
 from swbert.models import SWBertForMaskedLM
-from swbert.models.modeling import IGNORE_INDEX
 from swbert.parallel.sequence import reduce_scatter_seq
 
 
@@ -211,14 +210,13 @@ class TensorParallelMaskedLM(SWBertForMaskedLM):
     """
 
     def logits_and_loss(
-        self, h: torch.Tensor, labels: torch.Tensor | None
+        self, h: torch.Tensor, target: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h is replicated over the group; the decoder's output is this rank's vocabulary shard."""
         local_logits = self.mlm_head(h)  # (..., V / tp)
         logits = gather_from_tensor_model_parallel_region(local_logits)  # before the in-place loss
-        if labels is None:
+        if target is None:
             return logits, None
-        target = labels[labels != IGNORE_INDEX]  # (N,)
         if target.numel() == 0:
             return logits, local_logits.sum() * 0.0  # keeps the graph, as at TP=1
         return logits, vocab_parallel_cross_entropy(local_logits.float(), target).mean()
