@@ -248,8 +248,11 @@ def resolve_resume(resume: str, ckpt_root: Path) -> tuple[Path, str] | None:
     )
 
 
-def check_compatible(tag_dir: Path, meta: dict[str, Any]) -> None:
-    """Refuse a checkpoint of another model shape or parallel layout, naming what differs."""
+def check_compatible(
+    tag_dir: Path, meta: dict[str, Any], allow: list[str] | tuple[str, ...] = ()
+) -> list[str]:
+    """Refuse a checkpoint of another model shape, parallel layout or training setting, naming what
+    differs. Returns the changes `allow` let through ("key: saved -> now"), for the run's records."""
     saved_path = tag_dir / META
     if not saved_path.is_file():
         raise FileNotFoundError(f"{tag_dir} has no swbert_meta.json: not a complete swbert checkpoint")
@@ -270,6 +273,38 @@ def check_compatible(tag_dir: Path, meta: dict[str, Any]) -> None:
             f"uses {meta.get('tensor_parallel', 1)}; convert it first: python -m swbert.parallel.convert universal "
             f"{tag_dir.parent} NEW_DIR --tag {tag_dir.name}, then pass --resume NEW_DIR"
         )
+    return _check_run_settings(tag_dir, saved.get("run"), meta.get("run"), allow)
+
+
+def _check_run_settings(
+    tag_dir: Path,
+    saved: dict[str, Any] | None,
+    now: dict[str, Any] | None,
+    allow: list[str] | tuple[str, ...],
+) -> list[str]:
+    """The settings exact resume depends on (recorded since checkpoint format 2)."""
+    if saved is None or now is None:
+        return []
+    changed = {k: (saved[k], now.get(k)) for k in saved if k in now and saved[k] != now[k]}
+    layout = [k for k in ("zero_stage", "data_parallel") if k in changed]
+    if layout and not is_universal(tag_dir):
+        what = "; ".join(f"{k} {changed[k][0]} -> {changed[k][1]}" for k in layout)
+        raise ValueError(
+            f"checkpoint {tag_dir} was saved with another ZeRO stage or data-parallel size ({what}); DeepSpeed "
+            f"cannot reshard it as it is. Convert it first: python -m swbert.parallel.convert universal "
+            f"{tag_dir.parent} NEW_DIR --tag {tag_dir.name}, then pass --resume NEW_DIR"
+        )
+    refused = {k: v for k, v in changed.items() if k not in layout and k not in allow}
+    if refused:
+        what = "; ".join(f"{k}: checkpoint {a!r} vs this run {b!r}" for k, (a, b) in refused.items())
+        raise ValueError(
+            f"resuming {tag_dir} would change what exact resume depends on ({what}). Run with the "
+            f"checkpoint's settings, or pass --allow-resume-change {','.join(refused)} to change them on purpose"
+        )
+    allowed = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items() if k not in layout]
+    for change in allowed:
+        log.warning("resume changes %s (--allow-resume-change)", change)
+    return allowed
 
 
 def is_universal(tag_dir: Path) -> bool:

@@ -8,6 +8,7 @@ position, so a resumed run repeats an uninterrupted one step for step.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -124,13 +125,25 @@ class Trainer:
             "model_config": self.model_config.to_dict(),
             "tensor_parallel": cfg.tensor_parallel,
             "tokenizer_dir": str(self.data.tokenizer_dir) if self.data.tokenizer_dir else None,
+            # what exact resume depends on: a change is refused unless --allow-resume-change names it
+            "run": {
+                "data": hashlib.sha256((data_dir / "manifest.json").read_bytes()).hexdigest()[:16],
+                "seed": cfg.seed,
+                "seq_len": cfg.seq_len,
+                "mlm_probability": cfg.mlm_probability,
+                "global_batch_size": cfg.global_batch_size,
+                "precision": self.precision,
+                "zero_stage": zero_stage(self.ds_config),
+                "data_parallel": dp_size,
+            },
         }
+        self.resume_changes: list[str] = []
         self.resume_from = ckpt.resolve_resume(cfg.resume, self.ckpt_root)
         if self.resume_from is None and cfg.resume not in ("none", "auto"):
             raise FileNotFoundError(f"--resume {cfg.resume}: nothing to resume from")
         if self.resume_from is not None:
             tag_dir = self.resume_from[0] / self.resume_from[1]
-            ckpt.check_compatible(tag_dir, self.meta)
+            self.resume_changes = ckpt.check_compatible(tag_dir, self.meta, cfg.allow_resume_change)
             if ckpt.is_universal(tag_dir):  # converted to resume at another tensor/data-parallel size
                 self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
 
@@ -205,6 +218,8 @@ class Trainer:
             }
             self.metrics = MetricsLogger(self.output_dir, self.run_name, params, cfg.mlflow)
             self.metrics.artifact(self.output_dir / "resolved_config.yaml")
+            if self.resume_changes:  # deliberate changes at a resume, kept with the run
+                self.metrics.tag(f"resume_change.{self.resume_from[1]}", "; ".join(self.resume_changes))
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         self._maybe_resume()  # last: it restores the RNG streams, so nothing after it may draw from them
