@@ -135,3 +135,31 @@ def test_one_job_per_run_folder(data_dir, tmp_path):
         kill_group(first)
     third = run_single([*args, "--resume", "auto", "--train-steps", "2"])
     assert third.returncode == 0, third.stderr[-3000:]
+
+
+class _Payload:
+    def __reduce__(self):
+        return (print, ("code ran while loading",))
+
+
+def test_rng_files_load_without_running_pickled_code(tmp_path):
+    """RNG files are read with weights_only=True: the current format (tensors) and the earlier one
+    (NumPy arrays) both restore every stream; a file that would run code on load is refused."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    torch.save(ckpt.rng_state(), tmp_path / "new.pt")
+    earlier = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    torch.save(earlier, tmp_path / "old.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    for name in ("new.pt", "old.pt"):
+        ckpt.set_rng_state(ckpt.load_rng_state(tmp_path / name))
+        assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected, name
+    torch.save({"python": _Payload()}, tmp_path / "evil.pt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        ckpt.load_rng_state(tmp_path / "evil.pt")

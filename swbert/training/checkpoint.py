@@ -53,7 +53,10 @@ def fault_kill(variable: str, step: int) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG stream of this rank, as tensors and plain values (loadable with weights_only=True)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     tracker = _tp_rng_tracker()
@@ -75,9 +78,20 @@ def _tp_rng_tracker():
     return parallel
 
 
+def load_rng_state(path: Path) -> dict[str, Any]:
+    """An RNG file, read without running pickled code: weights_only=True, with NumPy's array types
+    allowed for files written before the states were stored as tensors."""
+    numpy_core = getattr(np, "_core", None) or np.core  # renamed in NumPy 2
+    legacy = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), numpy_core.multiarray._reconstruct]
+    with torch.serialization.safe_globals(legacy):
+        return torch.load(path, weights_only=True)
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, *rest = state["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
+    np.random.set_state((name, keys.astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -322,7 +336,7 @@ def load(engine, load_dir: Path, tag: str) -> dict[str, Any]:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {load_dir / tag}")
     rng_file = load_dir / tag / f"rng_rank{dist.get_rank():05d}.pt"
     if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(load_rng_state(rng_file))
     else:
         log.warning("%s missing (world size changed?): RNG streams restart from the seed", rng_file.name)
     return client_state
