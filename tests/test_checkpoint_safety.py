@@ -192,3 +192,32 @@ def test_sigterm_under_torchrun_saves_and_the_run_resumes(data_dir, tmp_path):
     resumed = launch(2, [*args, "--resume", "auto", "--train-steps", str(saved + 2)])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {saved}" in resumed.stdout and max(read_metrics(out)) == saved + 2
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_run_ends_the_job_naming_it(data_dir, tmp_path):
+    """kill -9 of one worker: the launcher ends the others at once (no 30-minute collective
+    timeout) and its report names the dead rank."""
+    import psutil
+
+    out = tmp_path / "run"
+    args = [
+        "--config", "tiny_cpu", "--data-dir", str(data_dir), "--output-dir", str(out), "--mlflow", "false",
+        "--save-interval", "1000", "--export", "false", "--log-interval", "1", "--train-steps", "100000",
+    ]  # fmt: skip
+    log = tmp_path / "job.log"
+    job = start(2, args, log=log)
+    try:
+        wait_for(lambda: (out / "metrics.jsonl").is_file(), timeout=240, proc=job)
+        workers = [
+            p for p in psutil.Process(job.pid).children(recursive=True) if p.environ().get("RANK") == "1"
+        ]
+        assert len(workers) == 1
+        workers[0].kill()
+        started = time.monotonic()
+        job.wait(timeout=60)
+        assert time.monotonic() - started < 60 and job.returncode != 0
+    finally:
+        kill_group(job)
+    text = log.read_text()
+    assert "rank      : 1" in text or "rank: 1" in text, text[-3000:]
