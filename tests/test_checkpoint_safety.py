@@ -221,3 +221,27 @@ def test_a_rank_killed_mid_run_ends_the_job_naming_it(data_dir, tmp_path):
         kill_group(job)
     text = log.read_text()
     assert "rank      : 1" in text or "rank: 1" in text, text[-3000:]
+
+
+def test_a_flipped_bit_in_a_shard_names_the_shard_and_the_check(data_dir, tmp_path):
+    """A bit flipped on disk after preprocessing (the size checks at open still pass) gives an error
+    naming the shard and `data_prep.verify`, not an IndexError deep in the embedding."""
+    import shutil
+
+    from swbert.data import PackedSequences, open_corpus
+
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir, copy)
+    shard = sorted(copy.rglob("*.bin"))[0]
+    raw = bytearray(shard.read_bytes())
+    raw[1] ^= 0x80  # bit 15 of the first token id (uint16): far outside a 96-piece vocabulary
+    shard.write_bytes(bytes(raw))
+    corpus = open_corpus(copy, "train")
+    with pytest.raises(
+        ValueError, match=rf"{shard.stem}\.bin holds token id .* outside the vocabulary of 96"
+    ):
+        samples = PackedSequences(corpus, 64)
+        for i in range(len(samples)):
+            samples[i]
+    with pytest.raises(ValueError, match=f"python -m data_prep.verify {copy}"):
+        corpus.document(0)

@@ -79,10 +79,18 @@ class Corpus:
         """Token ids `[start, start + length)` of document `doc` (a read-only view of the mmap)."""
         if length is None:
             length = int(self.doc_lengths[doc]) - start
-        dataset = self._open()[self._doc_shard[doc]]
+        shard = int(self._doc_shard[doc])
+        dataset = self._open()[shard]
         itemsize = np.dtype(dataset.index.dtype).itemsize
         offset = (int(self._doc_offset[doc]) + start) * itemsize
-        return dataset.bin_reader.read(dtype=dataset.index.dtype, count=length, offset=offset)
+        tokens = dataset.bin_reader.read(dtype=dataset.index.dtype, count=length, offset=offset)
+        if length and int(tokens.max()) >= self.vocab_size:  # a flipped bit, a shard from elsewhere
+            raise ValueError(
+                f"{self.prefixes[shard]}.bin holds token id {int(tokens.max())} at document {doc}, outside the "
+                f"vocabulary of {self.vocab_size}: the shard is corrupt. Check the folder with: "
+                f"python -m data_prep.verify {self.data_dir}"
+            )
+        return tokens
 
     def document(self, doc: int) -> np.ndarray:
         """All token ids of document `doc`."""
