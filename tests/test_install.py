@@ -7,6 +7,7 @@ downloaded; swbert itself comes only from the wheel.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -136,6 +137,10 @@ def test_wheel_pretrains_from_any_folder(installed, data_dir, tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     export = tmp_path / "run" / "export"
     assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
+    assert "auto_map" in json.loads((export / "config.json").read_text())  # the model's code went along
+    assert (export / "modeling.py").is_file() and "trust_remote_code=True" in (
+        export / "README.md"
+    ).read_text()
     assert "model (Hugging Face folder): run/export" in run.stdout
 
 

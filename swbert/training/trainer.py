@@ -233,6 +233,7 @@ class Trainer:
                 input_ids=batch["input_ids"],
                 attention_mask=batch.get("attention_mask"),
                 labels=batch["labels"],
+                masked_logits_only=True,  # validation too: the head on the masked positions only
             )
             loss = out.loss
             if self.step + 1 in cfg.fault_nonfinite_steps:
@@ -260,6 +261,7 @@ class Trainer:
                 input_ids=batch["input_ids"],
                 attention_mask=batch.get("attention_mask"),
                 labels=batch["labels"],
+                masked_logits_only=True,  # validation too: the head on the masked positions only
             )
             n = int((batch["labels"] != -100).sum())
             loss_sum += float(out.loss) * n
