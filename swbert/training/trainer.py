@@ -8,6 +8,7 @@ position, so a resumed run repeats an uninterrupted one step for step.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -169,6 +170,7 @@ class Trainer:
         if self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "resolved_config.yaml").write_text(dump_config(cfg))
+            (self.output_dir / "ds_config.json").write_text(json.dumps(self.ds_config, indent=2) + "\n")
             print(
                 f"resolved config ({self.output_dir / 'resolved_config.yaml'}):\n{dump_config(cfg)}",
                 flush=True,
@@ -187,8 +189,12 @@ class Trainer:
                 "zero_stage": zero_stage(self.ds_config),
                 "parameters": masked_lm_params(self.model_config),
             }
-            self.metrics = MetricsLogger(self.output_dir, self.run_name, params, cfg.mlflow)
+            params.update(flatten("deepspeed", self.ds_config))  # the filled DeepSpeed config, as run
+            self.metrics = MetricsLogger(
+                self.output_dir, self.run_name, params, cfg.mlflow, cfg.system_metrics
+            )
             self.metrics.artifact(self.output_dir / "resolved_config.yaml")
+            self.metrics.artifact(self.output_dir / "ds_config.json")
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         self._maybe_resume()  # last: it restores the RNG streams, so nothing after it may draw from them
@@ -426,13 +432,25 @@ class Trainer:
             export_dir = export(last_saved, self.output_dir / "export")
             out["export_dir"] = str(export_dir)
             if self.metrics is not None:
-                self.metrics.artifact(export_dir, "export")
+                # an MLflow model (runs:/<run id>/model, for mlflow.pyfunc.load_model) that holds the
+                # folder itself, under model/artifacts/
+                self.metrics.log_model(export_dir)
         if self.metrics is not None:
             self.metrics.close("FINISHED")
             if self.metrics.mlflow is not None:
                 out["mlflow_uri"] = self.metrics.mlflow.uri
         dist.barrier()
         return out
+
+
+def flatten(prefix: str, value: Any) -> dict[str, Any]:
+    """A nested dict as `prefix.key.subkey` -> leaf value (MLflow params are flat)."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        out.update(flatten(f"{prefix}.{key}", item))
+    return out
 
 
 def run(config: TrainConfig) -> dict[str, Any]:
