@@ -83,15 +83,33 @@ def installed(tmp_path_factory) -> Path:
     return env_dir / "bin"
 
 
-def outside_env(bin_dir: Path) -> dict[str, str]:
+def outside_env(bin_dir: Path, **extra: str) -> dict[str, str]:
     """The job environment minus the repository on PYTHONPATH, with the new environment's scripts first."""
-    env = job_env()
+    env = job_env(**extra)
     env.pop("PYTHONPATH", None)
     env["PATH"] = str(bin_dir) + os.pathsep + env["PATH"]
     return env
 
 
-def test_wheel_pretrains_from_any_folder(installed, data_dir, tmp_path):
+@pytest.fixture(scope="module")
+def wheel_run(installed, data_dir, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """`swbert-pretrain --config tiny_cpu --train-steps 3` from a folder outside the repository, on
+    the defaults (embedded MLflow store, system metrics); the working folder and the result."""
+    here = tmp_path_factory.mktemp("elsewhere")
+    assert not (here / "ds_configs").exists()  # the recipe's ds_configs/zero2.json is the wheel's copy
+    run = subprocess.run(
+        [installed / "swbert-pretrain", "--config", "tiny_cpu", "--train-steps", "3", "--data-dir", data_dir,
+         "--output-dir", "run", "--log-interval", "1"],
+        cwd=here,
+        env=outside_env(installed, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1"),  # MLflow's default: 10 s
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    return here, run
+
+
+def test_wheel_pretrains_from_any_folder(installed, wheel_run, tmp_path):
     env = outside_env(installed)
     where = subprocess.run(
         [
@@ -123,25 +141,52 @@ def test_wheel_pretrains_from_any_folder(installed, data_dir, tmp_path):
     )
     assert shown.returncode == 0 and "--tokenizer" in shown.stdout, shown.stderr[-2000:]
 
-    # no ds_configs/ here: the recipe's ds_configs/zero2.json is the copy inside the wheel
-    assert not (tmp_path / "ds_configs").exists()
-    run = subprocess.run(
-        [installed / "swbert-pretrain", "--config", "tiny_cpu", "--train-steps", "3", "--data-dir", data_dir,
-         "--output-dir", "run", "--log-interval", "1"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
+    here, run = wheel_run
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    export = tmp_path / "run" / "export"
+    export = here / "run" / "export"
     assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
     assert "auto_map" in json.loads((export / "config.json").read_text())  # the model's code went along
     assert (export / "modeling.py").is_file() and "trust_remote_code=True" in (
         export / "README.md"
     ).read_text()
     assert "model (Hugging Face folder): run/export" in run.stdout
+    assert not (here / "mlruns").exists()  # MLflow's artifacts stay in the run folder
+
+
+def test_the_default_store_holds_a_loadable_model_system_metrics_and_the_configs(wheel_run):
+    import mlflow
+    from mlflow import MlflowClient
+
+    here, run = wheel_run
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = here / "run"
+    uri = f"sqlite:///{out / 'mlflow.db'}"
+    assert f"MLflow store:                {uri}" in run.stdout
+    client = MlflowClient(uri)
+    run_id = (out / "mlflow_run_id").read_text().strip()
+    info = client.get_run(run_id)
+    assert info.info.status == "FINISHED"
+    assert info.info.artifact_uri.startswith((out / "mlartifacts").as_uri())
+
+    system = {k for k in info.data.metrics if k.startswith("system/")}
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= system, system
+    params = info.data.params
+    assert params["size"] == "tiny" and params["deepspeed.zero_optimization.stage"] == "2"
+    assert params["deepspeed.train_batch_size"] == "8"  # filled from the training config
+    assert {"resolved_config.yaml", "ds_config.json", "model"} <= {
+        a.path for a in client.list_artifacts(run_id)
+    }
+    assert json.loads((out / "ds_config.json").read_text())["train_micro_batch_size_per_gpu"] == 4
+
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        model = mlflow.pyfunc.load_model(f"runs:/{run_id}/model")
+    finally:
+        mlflow.set_tracking_uri(before)
+    predictions = model.predict(["the cat [MASK] the dog .", "a [MASK] ."], params={"top_k": 2})
+    assert len(predictions) == 2 and all(len(p) == 2 for p in predictions)
+    assert all(isinstance(p["token_str"], str) and 0 < p["score"] <= 1 for p in predictions[0])
 
 
 def test_pretrain_help_describes_every_key():
