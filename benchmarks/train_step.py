@@ -21,6 +21,13 @@ printed as well. `--inference` adds eval-mode latency of `shared` before and aft
 `optimize_for_inference()`. `<variant>-full` (`standard-full`, `shared-full`, ...; not in the
 default set) is that swbert variant with `last_layer_on_labels = False`: its last layer computes
 every position, not only the masked ones.
+
+On a CPU every swbert model runs with the CPU kernels (`swbert.cpu.optimize_for_cpu`), as the
+trainer does by default there. `<model>-plain` runs it without them, exactly the model path a GPU
+runs; `<model>+dropout+decoder` with only those kernels, so one run measures what each is worth:
+
+    python benchmarks/train_step.py --models standard,standard-plain,shared,shared-plain
+    python benchmarks/train_step.py --models shared-plain,shared+dropout,shared+attention,shared+decoder,shared
 """
 
 from __future__ import annotations
@@ -40,14 +47,16 @@ import torch
 import transformers
 from torch import nn
 
+from swbert.cpu import CPU_KERNELS, keep_freed_memory, optimize_for_cpu
 from swbert.models import ATTENTION_TYPES, SWBertConfig, SWBertForMaskedLM
 from swbert.models.flops import masked_lm_flops
-from swbert.training.dist import keep_freed_memory
 
 MODELS: tuple[str, ...] = ("hf", "standard", "shared", "symmetric", "pairwise")
 # Opt-in: a variant without the masked-positions-only last layer, e.g. "shared-full".
 FULL_LAST_LAYER = "-full"
-CHOICES: tuple[str, ...] = (*MODELS, *(f"{v}{FULL_LAST_LAYER}" for v in ATTENTION_TYPES))
+# Suffixes for the CPU kernels: none of them (the GPU's path), or only the named ones.
+PLAIN = "-plain"
+MODEL_FORMS = f"hf, or <variant>[{FULL_LAST_LAYER}][{PLAIN} | +kernel...] with a variant of {ATTENTION_TYPES} and kernels of {CPU_KERNELS}"
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Dense bf16 peak of the accelerators MFU is quoted against (TFLOP/s); others need --peak-tflops.
 PEAK_TFLOPS: dict[str, float] = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -123,10 +132,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = args.dtype or ("bf16" if args.device.type == "cuda" else "fp32")
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = sorted(set(args.models) - set(CHOICES))
-    if unknown:
-        p.error(f"--models: unknown {unknown}; choose from {', '.join(CHOICES)}")
+    for name in args.models:
+        try:
+            if name != "hf":
+                parse_model(name)
+        except ValueError as e:
+            p.error(f"--models: {e}")
     return args
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    variant: str  # an attention type
+    full_last_layer: bool = False
+    cpu_kernels: tuple[str, ...] = CPU_KERNELS  # on a CPU; () is the plain path
+
+
+def parse_model(name: str) -> ModelSpec:
+    """`shared`, `shared-full`, `shared-plain`, `shared+dropout+decoder`, `shared-full-plain`, ..."""
+    base, *kernels = name.split("+")
+    plain = base.endswith(PLAIN)
+    base = base.removesuffix(PLAIN)
+    full = base.endswith(FULL_LAST_LAYER)
+    variant = base.removesuffix(FULL_LAST_LAYER)
+    if variant not in ATTENTION_TYPES or (plain and kernels) or not set(kernels) <= set(CPU_KERNELS):
+        raise ValueError(f"unknown model {name!r}: use {MODEL_FORMS}")
+    return ModelSpec(variant, full, () if plain else tuple(kernels) or CPU_KERNELS)
 
 
 def swbert_config(args: argparse.Namespace, attention_type: str = "standard") -> SWBertConfig:
@@ -161,8 +192,11 @@ def build_model(name: str, args: argparse.Namespace) -> nn.Module:
             attn_implementation="sdpa",
         )
         return transformers.BertForMaskedLM(hf_config)
-    model = SWBertForMaskedLM(swbert_config(args, name.removesuffix(FULL_LAST_LAYER)))
-    model.last_layer_on_labels = not name.endswith(FULL_LAST_LAYER)
+    spec = parse_model(name)
+    model = SWBertForMaskedLM(swbert_config(args, spec.variant))
+    model.last_layer_on_labels = not spec.full_last_layer
+    if args.device.type == "cpu" and not args.compile:  # as the trainer's cpu_kernels: auto
+        optimize_for_cpu(model, spec.cpu_kernels)
     return model
 
 
@@ -187,9 +221,9 @@ def training_flops_per_token(name: str, args: argparse.Namespace) -> float:
     """The reference computes its 30k-way head on every token; swbert on the masked ones only."""
     if name == "hf":
         return masked_lm_flops(swbert_config(args), args.seq_len, 1.0, last_layer_on_predicted=False).training
-    config = swbert_config(args, name.removesuffix(FULL_LAST_LAYER))
-    full = name.endswith(FULL_LAST_LAYER)
-    return masked_lm_flops(config, args.seq_len, MASK_PROB, last_layer_on_predicted=not full).training
+    spec = parse_model(name)
+    config = swbert_config(args, spec.variant)
+    return masked_lm_flops(config, args.seq_len, MASK_PROB, not spec.full_last_layer).training
 
 
 def synchronize(device: torch.device) -> None:
@@ -362,6 +396,28 @@ def paired_ratios(slow: Result, fast: Result) -> list[float]:
     return [s / f for s, f in zip(getattr(slow, clock), getattr(fast, clock))]
 
 
+def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
+    """(fast, slow) pairs worth a ratio: each variant against standard in the same form, swbert
+    standard against transformers, the masked-positions last layer against the full one, and the
+    CPU kernels (all, or some) against the plain path."""
+    pairs = []
+    for name in names:
+        if name == "hf":
+            continue
+        variant = parse_model(name).variant
+        suffix = name.removeprefix(variant)
+        if variant != "standard" and f"standard{suffix}" in names:
+            pairs.append((name, f"standard{suffix}"))
+        if FULL_LAST_LAYER in suffix and name.replace(FULL_LAST_LAYER, "") in names:
+            pairs.append((name.replace(FULL_LAST_LAYER, ""), name))
+        base = name.split("+")[0].removesuffix(PLAIN)
+        if not name.endswith(PLAIN) and f"{base}{PLAIN}" in names:
+            pairs.append((name, f"{base}{PLAIN}"))
+    if "standard" in names and "hf" in names:
+        pairs.append(("standard", "hf"))
+    return pairs
+
+
 def report(
     args: argparse.Namespace, results: dict[str, Result], tokens: int, inference: dict[str, float]
 ) -> dict:
@@ -372,7 +428,8 @@ def report(
         f"transformers {transformers.__version__}; median of {args.reps} interleaved reps after "
         f"{args.warmup} warm-up; throughput on the {args.clock} clock; malloc {args.malloc}"
     )
-    header = f"{'model':<14} {'params':>12} {'wall s':>8} {'cpu s':>8} {'tokens/s':>10} {'TFLOP/s':>8}"
+    width = max(14, *(len(name) for name in results))
+    header = f"{'model':<{width}} {'params':>12} {'wall s':>8} {'cpu s':>8} {'tokens/s':>10} {'TFLOP/s':>8}"
     header += f" {'act. MiB':>9}" + (f" {'peak MiB':>9}" if args.device.type == "cuda" else "")
     print(header + (f" {'MFU':>6}" if peak else ""))
     rows = {}
@@ -380,7 +437,7 @@ def report(
         tps = r.tokens_per_s(tokens)
         tflops = r.flops_per_token * tps / 1e12
         line = (
-            f"{name:<14} {r.params:>12,} {statistics.median(r.step_s):>8.3f} {statistics.median(r.cpu_s):>8.3f} "
+            f"{name:<{width}} {r.params:>12,} {statistics.median(r.step_s):>8.3f} {statistics.median(r.cpu_s):>8.3f} "
             f"{tps:>10.1f} {tflops:>8.3f} {r.activation_bytes / 2**20:>9.1f}"
         )
         if r.peak_step_bytes is not None:
@@ -388,11 +445,7 @@ def report(
         print(line + (f" {100 * tflops / peak:>5.1f}%" if peak else ""))
         rows[name] = dict(asdict(r), median_s=r.median_s, tokens_per_s=tps, tflops=tflops)
     ratios: dict[str, float] = {}
-    full = FULL_LAST_LAYER
-    pairs = [(name, "standard") for name in ("shared", "symmetric", "pairwise")]
-    pairs += [(name + full, "standard" + full) for name in ("shared", "symmetric", "pairwise")]
-    pairs += [("standard", "hf")] + [(v, v + full) for v in ATTENTION_TYPES]
-    for fast, slow in pairs:
+    for fast, slow in ratio_pairs(list(results)):
         if fast not in results or slow not in results:
             continue
         a, b = results[fast], results[slow]

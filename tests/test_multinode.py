@@ -21,7 +21,7 @@ def tiny(data_dir: Path, out: Path) -> list[str]:
     return [
         "launchers/pretrain.py", "--config", "tiny_cpu", "--data-dir", str(data_dir),
         "--output-dir", str(out), "--train-steps", "8", "--log-interval", "1", "--save-interval", "100",
-        "--mlflow", "false", "--export", "false",
+        "--mlflow", "false", "--export", "false", "--cpu-kernels", "off",  # the model path a GPU runs
         # 8 sequences = 4 per rank x 2 ranks without accumulation: a run with another world size fails
         "--grad-accum-steps", "1",
     ]  # fmt: skip
@@ -74,6 +74,7 @@ def test_two_nodes_give_the_losses_of_one_node_with_two_processes(launcher, data
     outputs = [p.communicate(timeout=900)[0] for p in two]
     for proc, text in zip(two, outputs):
         assert proc.returncode == 0, text[-4000:]
+    assert "model path: plain PyTorch ops, the path a GPU runs" in outputs[0]
     assert (
         "node_launch: node 0/2" in outputs[0]
         and "node 1/2 on" in outputs[1]

@@ -21,6 +21,7 @@ from tests.launch_utils import launch, read_metrics  # noqa: E402
 
 def _args(data_dir, out, *extra: str) -> list[str]:
     common = ["--config", "tiny_cpu", "--data-dir", str(data_dir), "--output-dir", str(out)]
+    common += ["--cpu-kernels", "off"]  # exactly the model path a GPU runs
     return [*common, "--mlflow", "false", "--train-steps", "10", "--log-interval", "1", *extra]
 
 
@@ -55,7 +56,9 @@ def test_pretrain_tensor_parallel_2_matches_tp1_and_exports(data_dir, tmp_path, 
     tp2 = _args(
         data_dir, tmp_path / "tp2", "--tensor-parallel", "2", "--deepspeed-config", "ds_configs/zero1.json"
     )
-    _ok(launch(2, [*tp2, "--dump-logits", str(logits_file)], script="tests/scripts/pretrain_and_dump.py"))
+    result = launch(2, [*tp2, "--dump-logits", str(logits_file)], script="tests/scripts/pretrain_and_dump.py")
+    _ok(result)
+    assert "model path: plain PyTorch ops, the path a GPU runs" in result.stderr
     _ok(launch(1, _args(data_dir, tmp_path / "tp1", "--save-interval", "5")))
 
     tp1_metrics, tp2_metrics = read_metrics(tmp_path / "tp1"), read_metrics(tmp_path / "tp2")

@@ -28,13 +28,18 @@ def test_train_step_benchmark_smoke(tmp_path, capsys):
     assert json.loads((tmp_path / "result.json").read_text())["ratios"] == out["ratios"]
     printed = capsys.readouterr().out
     assert "shared/standard throughput" in printed and "outputs equal" in printed
-    # the opt-in plain last layer, side by side with the default
-    out = train_step.main(["--smoke", "--models", "standard,standard-full,shared,shared-full"])
+    # the opt-in plain last layer, and the plain (GPU) model path, side by side with the default
+    models = "standard,standard-full,shared,shared-full,standard-plain,shared-plain"
+    out = train_step.main(["--smoke", "--models", models])
     for variant in ("standard", "shared"):
         full, pruned = out["models"][f"{variant}-full"], out["models"][variant]
         assert full["params"] == pruned["params"] and full["flops_per_token"] > pruned["flops_per_token"]
         assert out["ratios"][f"{variant}/{variant}-full"] > 0
     assert out["ratios"]["shared-full/standard-full"] > 0
+    for key in ("shared/shared-plain", "standard/standard-plain", "shared-plain/standard-plain"):
+        assert out["ratios"][key] > 0, key
+    with pytest.raises(SystemExit):  # a kernel that does not exist is a usage error
+        train_step.main(["--smoke", "--models", "shared+dropuot"])
 
 
 @pytest.mark.slow

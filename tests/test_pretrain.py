@@ -14,6 +14,7 @@ from transformers import AutoModelForMaskedLM
 import swbert  # noqa: F401  (registers the Auto classes)
 from tests.launch_utils import (
     REPO,
+    free_port,
     job_env,
     launch,
     read_metrics,
@@ -55,6 +56,7 @@ def test_zero_stage_trains_exports_and_resumes_exactly(stage, data_dir, tmp_path
     ]  # fmt: skip
     if stage >= 2:  # one injected non-finite loss: skipped, counted, and the run goes on
         args += ["--fault-nonfinite-steps", "7"]
+        args += ["--cpu-kernels", "off"]  # exactly the model path a GPU runs, resume included
     full = tmp_path / "full"
     result = launch(
         2,
@@ -62,6 +64,10 @@ def test_zero_stage_trains_exports_and_resumes_exactly(stage, data_dir, tmp_path
         script="tests/scripts/pretrain_and_dump.py",
     )
     check_ok(result)
+    if stage >= 2:
+        assert "model path: plain PyTorch ops, the path a GPU runs" in result.stderr
+    else:  # on a CPU the default swaps in swbert.cpu's kernels
+        assert "model path: CPU kernels from swbert.cpu (attention)" in result.stderr
     metrics = read_metrics(full)
     losses = [metrics[s]["loss"] for s in sorted(metrics) if s != 7]
     assert losses[-1] < losses[0] - 0.5, losses
@@ -107,6 +113,7 @@ def test_zero_stage_trains_exports_and_resumes_exactly(stage, data_dir, tmp_path
         assert (ckpts / f"step_{2 * k:08d}").is_dir()  # the cut-off save is there, but not pointed to
     resumed = launch(2, tiny_args(data_dir, cut, *args, "--resume", "auto"))
     check_ok(resumed)
+    assert "model path: plain PyTorch ops" in resumed.stderr
     assert f"resumed from {ckpts / f'step_{k:08d}'}" in resumed.stdout
     assert f"resolved config ({cut / 'resolved_config.yaml'}):" in resumed.stdout
     assert (ckpts / "latest").read_text() == f"step_{2 * k:08d}"
@@ -270,3 +277,29 @@ def test_deepspeed_configs_take_batch_lr_and_precision_from_the_training_config(
         path.write_text(json.dumps({**template, section: value}))
         with pytest.raises(ValueError, match=f"has a '{section}' section.*--lr"):
             build(str(path))
+
+
+@pytest.mark.slow
+def test_make_pretrain_job_on_the_gpu_model_path(tmp_path):
+    """`make pretrain`'s job as it runs it (the deepspeed launcher, 2 ranks, the embedded default
+    recipe: mini model, seq 128, global batch 32, ZeRO-2, dropout 0.1, the default corpus) with the
+    CPU kernels off, i.e. exactly the model path a GPU runs; shortened to 30 steps."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "default"
+    cmd = [
+        str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+        "launchers/pretrain.py", "--output-dir", str(out), "--cpu-kernels", "off", "--train-steps", "30",
+        "--mlflow", "false", "--progress-bar", "false",
+    ]  # fmt: skip
+    result = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=600)
+    check_ok(result)
+    log = result.stdout + result.stderr
+    assert "model path: plain PyTorch ops, the path a GPU runs" in log
+    metrics = read_metrics(out)
+    assert sorted(metrics) == [10, 20, 30]
+    assert metrics[30]["loss"] < metrics[10]["loss"], metrics
+    assert "val_loss" in metrics[30] and metrics[30]["skipped_total"] == 0
+    assert (out / "export" / "model.safetensors").is_file()

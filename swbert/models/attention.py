@@ -8,6 +8,9 @@ tensor-parallel wrapper that shards the projections by heads needs no change her
     shared     S = X Ws + bs;  Q = S * dq,  K = S * dk,  V = S * dv     (dq, dk, dv in R^d)
     symmetric  Q = X Wq + bq,  K = Q,  V = X Wv + bv
     pairwise   Q = X Wq + bq,  V = X Wv + bv;  scores Q U Q^T with one Dh x Dh U per head
+
+One path for every device: PyTorch's own ops, the fused `scaled_dot_product_attention` kernel.
+Device-specific kernels are swapped in from outside (`swbert.cpu`), never chosen here.
 """
 
 from __future__ import annotations
@@ -24,106 +27,17 @@ from swbert.models.config import SWBertConfig
 Rows = tuple[torch.Tensor, torch.Tensor]
 
 
-class _CPUDropout(torch.autograd.Function):
-    """Dropout whose mask comes from 16-bit random integers, four to one 64-bit draw.
-
-    On CPU, `bernoulli_` draws a double per element (two 32-bit generator calls) and
-    `native_dropout` multiplies by a float mask; here one 64-bit draw gives four elements their
-    16-bit uniforms and `torch.where` applies a bool mask (multiplying a float by a bool tensor
-    goes through a slow type-promoting loop). Dropout costs a third of `native_dropout`'s time.
-    The drop probability is p rounded to a multiple of 2^-16 (0.1 becomes 0.1000061), and the
-    scale is 1 / (1 - that), so the expectation stays exact.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
-        threshold = min(round(p * 2**16), 2**16 - 1)  # p just below 1 still keeps something
-        words = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-(2**63), None)  # all 64 bits
-        uniform16 = words.view(torch.int16)[: x.numel()].view(x.shape)  # uniform on [-2^15, 2^15)
-        keep = uniform16 >= threshold - 2**15  # P(keep) = 1 - threshold / 2^16
-        scale = 1.0 / (1.0 - threshold / 2**16)
-        ctx.save_for_backward(keep)  # a bool mask: 1 byte per element
-        ctx.scale = scale
-        return torch.where(keep, x, 0.0).mul_(scale)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (keep,) = ctx.saved_tensors
-        return torch.where(keep, grad, 0.0).mul_(ctx.scale), None
-
-
-def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """Inverted dropout that keeps a bool mask for backward on every device.
-
-    GPUs use the fused `native_dropout` (counter-based random numbers, one kernel), and so does
-    torch.compile, which generates its own. In eager mode on CPU, `F.dropout` keeps a float mask
-    (4 bytes per element) and its `bernoulli_` is slow; there a bool mask from 16-bit integers
-    is drawn instead.
-    """
-    if not training or p == 0.0:
-        return x
-    if p >= 1.0:
-        return x * 0.0
-    if x.device.type == "cpu" and not torch.compiler.is_compiling():  # compiled: inductor's own RNG
-        return _CPUDropout.apply(x, p)
-    return torch.native_dropout(x, p, True)[0]
-
-
-def unfused_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float
-) -> torch.Tensor:
-    """Softmax attention from batched matrix products, for where no fused kernel applies.
-
-    It computes what SDPA's own math fallback computes but keeps less for backward: no scaled
-    copies of Q and K (1/sqrt(Dh) rides on the product) and a bool dropout mask (see `dropout`)
-    instead of a float one. Inputs laid out head-major (contiguous (B, H, S, Dh)) are read in
-    place; others are copied once.
-    """
-    B, H, S, Dh = q.shape
-    Sk = k.shape[-2]
-    qf, kf, vf = (t.reshape(B * H, t.shape[-2], Dh) for t in (q, k, v))  # views when head-major
-    if mask is None:
-        bias, beta = qf.new_empty(1, 1, 1), 0.0  # beta=0: baddbmm does not read it
-    else:
-        # The mask enters as an additive bias that the product accumulates onto (half the time of
-        # filling the scores in place, and nothing to undo in backward). The most negative finite
-        # value rather than -inf: a query whose keys are all masked gets uniform weights instead of
-        # NaN (key padding never masks every key of a real sequence); a finite score added to it
-        # rounds back to it.
-        mask = mask.expand(B, H, mask.shape[-2], Sk)
-        lowest = torch.finfo(qf.dtype).min
-        if torch.is_autocast_enabled(qf.device.type):  # the product runs in the autocast dtype
-            lowest = max(lowest, torch.finfo(torch.get_autocast_dtype(qf.device.type)).min)
-        bias = qf.new_zeros(mask.shape).masked_fill_(~mask, lowest)
-        bias, beta = bias.view(B * H, -1, Sk), 1.0
-    scores = torch.baddbmm(bias, qf, kf.transpose(1, 2), beta=beta, alpha=Dh**-0.5)  # (B*H, S, Sk)
-    probs = scores.softmax(dim=-1)
-    if dropout_p > 0.0:
-        probs = dropout(probs, dropout_p, True)
-    return torch.bmm(probs, vf).view(B, H, S, Dh)
-
-
 class SDPAKernel(nn.Module):
-    """`scaled_dot_product_attention`: flash / memory-efficient kernels on GPU, fused on CPU.
-
-    PyTorch has no fused CPU kernel with dropout: there SDPA falls back to its math path, and this
-    kernel runs `unfused_attention` instead, which computes the same and keeps less for backward.
-    """
+    """`scaled_dot_product_attention`: flash / memory-efficient / cuDNN kernels on GPU."""
 
     def __init__(self, dropout: float) -> None:
         super().__init__()
         self.dropout = dropout
 
-    def unfused(self, device: torch.device) -> bool:
-        """Whether a call on this device computes from batched matrix products (no fused kernel)."""
-        return self.training and self.dropout > 0.0 and device.type == "cpu"
-
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         # q, k, v: (B, H, S, Dh); mask: (B, 1, 1, S) bool, True where a key may be attended
-        if self.unfused(q.device):
-            return unfused_attention(q, k, v, mask, self.dropout)
         p = self.dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
 
@@ -134,9 +48,6 @@ class EagerKernel(nn.Module):
     def __init__(self, dropout: float) -> None:
         super().__init__()
         self.dropout = nn.Dropout(dropout)
-
-    def unfused(self, device: torch.device) -> bool:
-        return True
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
@@ -150,102 +61,9 @@ class EagerKernel(nn.Module):
 KERNELS: dict[str, type[nn.Module]] = {"sdpa": SDPAKernel, "eager": EagerKernel}
 
 
-class RebuildFromS:
-    """Saved-tensor hooks for one kernel call: a tensor that is S scaled by a vector, or a view of
-    one, is kept as (S, vector) and rebuilt by one elementwise product in backward, so autograd
-    keeps S instead of Q (shared attention's V is S itself). Tensors it does not recognise are kept
-    as they are.
-
-    It composes with saved-tensor hooks already active (activation checkpointing, CPU offload):
-    S and every tensor it does not rebuild go through those. Under torch.compile, or where the
-    hooks are disabled, it does nothing; the compiler makes the same trade by itself.
-    """
-
-    def __init__(self, s: torch.Tensor, scaled: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        hooks = torch._C._autograd
-        self.active = (
-            torch.is_grad_enabled()
-            and s.requires_grad
-            and not torch.compiler.is_compiling()
-            and hasattr(hooks, "_top_saved_tensors_default_hooks")  # private API: do without it
-            and hooks._saved_tensors_hooks_is_enabled()
-        )
-        if not self.active:
-            return
-        self.s: torch.Tensor | None = s
-        # Keyed by storage: the kernel may save a view (a reshape, a transpose) of Q or V. The
-        # vectors are kept as they are (a parameter stays a parameter, so a sharded-parameter
-        # engine that gathers it for this module's backward serves the rebuild as well).
-        self.scales = {t.untyped_storage().data_ptr(): scale for t, scale in scaled if t is not s}
-        outer = hooks._top_saved_tensors_default_hooks(True)
-        self.outer_pack, self.outer_unpack = outer if outer is not None else (None, None)
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-
-    def _pack_outer(self, t: torch.Tensor) -> object:
-        # detached: a saved output would otherwise point back at its own node, a reference
-        # cycle through C++ that keeps a discarded graph (never run backward) alive
-        return t.detach() if self.outer_pack is None else self.outer_pack(t)
-
-    def _unpack_outer(self, packed: object) -> torch.Tensor:
-        return packed if self.outer_unpack is None else self.outer_unpack(packed)
-
-    def pack(self, t: torch.Tensor) -> tuple:
-        scale = self.scales.get(t.untyped_storage().data_ptr())
-        if scale is None:
-            return (None, self._pack_outer(t))
-        # S * scale is laid out like the original product, so the same strides address the view
-        return ((scale, t.shape, t.stride(), t.storage_offset()), self._pack_outer(self.s))
-
-    def unpack(self, packed: tuple) -> torch.Tensor:
-        recipe, inner = packed
-        t = self._unpack_outer(inner)
-        if recipe is None:
-            return t
-        scale, shape, stride, offset = recipe
-        return (t * scale).as_strided(shape, stride, offset)
-
-    def __enter__(self) -> RebuildFromS:
-        if self.active:
-            self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.active:
-            self.hooks.__exit__(*exc)
-            # The unpack hook lives as long as the graph: it must not hold S, which is packed
-            # (through the outer hooks, if any) into every record that needs it.
-            self.s = None
-
-
-class _ScaledInputLinear(torch.autograd.Function):
-    """F.linear(x, weight * scale, bias), keeping weight and scale for backward, not their product."""
-
-    @staticmethod
-    def forward(
-        ctx, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        ctx.save_for_backward(x, weight, scale)
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight * scale, bias)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight, scale = ctx.saved_tensors
-        # in the gradient's dtype (bf16 under autocast, as F.linear's backward); autograd casts each
-        # parameter gradient back to its parameter's dtype
-        g2 = grad.reshape(-1, grad.shape[-1])
-        grad_x = grad @ (weight * scale).to(grad.dtype) if ctx.needs_input_grad[0] else None
-        grad_ws = g2.t() @ x.reshape(-1, x.shape[-1]).to(grad.dtype)  # (out, in): d loss / d(weight * scale)
-        grad_w = grad_ws * scale if ctx.needs_input_grad[1] else None
-        grad_s = (grad_ws * weight).sum(0) if ctx.needs_input_grad[2] else None
-        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-        return grad_x, grad_w, grad_s, grad_b
-
-
 class OutProjection(nn.Linear):
-    """The attention output projection. `input_scale` scales the input features through the weight:
-    (y diag(s)) W^T = y (W diag(s))^T, one pass over the d x d weight instead of over every token,
-    and backward keeps W and s (parameters) rather than their product.
+    """The attention output projection. `input_scale` scales the input features through the weight,
+    (y diag(s)) W^T = y (W diag(s))^T: one pass over the d x d weight instead of over every token.
 
     The scaled weight is formed inside this module's forward, so an engine that gathers a module's
     parameters around its forward (ZeRO-3) gathers it here. A tensor-parallel replacement takes
@@ -253,9 +71,8 @@ class OutProjection(nn.Linear):
     """
 
     def forward(self, x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
-        if input_scale is None:
-            return F.linear(x, self.weight, self.bias)
-        return _ScaledInputLinear.apply(x, self.weight, input_scale, self.bias)
+        weight = self.weight if input_scale is None else self.weight * input_scale  # (out, in)
+        return F.linear(x, weight, self.bias)
 
 
 class SelfAttention(nn.Module):
@@ -328,46 +145,36 @@ class SharedAttention(SelfAttention):
         self.dq = nn.Parameter(torch.ones(d))
         self.dk = nn.Parameter(torch.ones(d))
         self.dv = nn.Parameter(torch.ones(d))
-        # set by fold_for_inference(): "query" (dq holds dq*dk, dv lives in out_proj) or
-        # "projection" (all three live in proj and out_proj: Q = K = V = S)
-        self.folded = ""
+        self.folded = ""  # set by fold_for_inference(): "query" or "projection"
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Q, K, V as the paper writes them; `forward` computes the same attention with less work."""
-        s = self.proj(x)  # (B, S, d); one GEMM instead of three
+        """Q, K, V as the paper writes them (`SelfAttention.forward` on these is the reference)."""
+        s = self.proj(x)  # (B, S, d): one GEMM instead of three
         return self.split_heads(s * self.dq), self.split_heads(s * self.dk), self.split_heads(s * self.dv)
 
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor | None = None, rows: Rows | None = None
     ) -> torch.Tensor:
-        # Q K^T = S diag(dq*dk) S^T: only the product matters, so the keys can be S itself. Attention
-        # is linear in V column by column, A (S diag(dv)) = (A S) diag(dv), so the values are S too
-        # and dv scales the output projection's d x d weight instead of a (B, S, d) activation.
-        # Q is S scaled by a vector: autograd keeps S and rebuilds Q in backward instead of holding
-        # another (B, S, d) activation.
-        s = self.split_heads(self.proj(x))  # (B, H, S, Dh), a view of the (B, S, d) product
-        unfused = getattr(self.kernel, "unfused", None)  # a wrapped kernel may not say: then fused
-        if unfused is not None and unfused(s.device):
-            # batched matrix products read head-major operands in place: one copy of S here
-            # instead of copies of Q, K and V inside the kernel (the result is the same either way)
-            s = s.contiguous()
-        qk = (self.dq if self.folded else self.dq * self.dk).view(-1, 1, self.head_dim)  # (H, 1, Dh)
-        q = s if self.folded == "projection" else s * qk
-        with RebuildFromS(s, [(q, qk)]):
-            y = self.kernel(q, s, s, mask)  # (B, H, S, Dh)
-        y = self.merge_heads(y, rows)  # (B, S, d), or (N, d)
-        return self.out_proj(y, input_scale=None if self.folded else self.dv)  # folded: dv is in the weight
+        """The paper's attention on `qkv`, computed with less work. Two identities, both exact:
+            Q K^T = S diag(dq) diag(dk) S^T = (S diag(dq * dk)) S^T  -> keys are S, queries S * (dq * dk)
+            A V   = A S diag(dv)            = (A S) diag(dv)        -> values are S, dv scales out_proj
+        so one (B, S, d) product S serves as keys and values, and dv costs a d x d pass, not a
+        (B, S, d) one. After `fold_for_inference` the scales already live in the projections."""
+        s = self.split_heads(self.proj(x))  # (B, H, S, Dh)
+        qk = self.dq if self.folded else self.dq * self.dk  # folded: dq holds dq * dk
+        q = s if self.folded == "projection" else s * qk.view(-1, 1, self.head_dim)  # (H, 1, Dh)
+        y = self.merge_heads(self.kernel(q, s, s, mask), rows)  # (B, S, d), or (N, d)
+        return self.out_proj(y, input_scale=None if self.folded else self.dv)
 
     @torch.no_grad()
     def fold_for_inference(self) -> None:
         """Fold the diagonals into the projections; the layer computes the same function.
 
-        Attention is linear in V column by column, A (S diag(dv)) = (A S) diag(dv), so dv moves
-        into the output projection. When every entry of p = dq*dk is positive,
-        S diag(p) S^T = S' S'^T with S' = S diag(sqrt(p)), so sqrt(p) moves into `proj` (and
-        1/sqrt(p) into the output projection): Q = K = V = S', no elementwise work at all.
-        Otherwise p stays on the query side. Afterwards the diagonals that moved are ones, so the
-        parameters still describe a valid shared layer (a saved state dict loads into an unfolded
+        dv moves into the output projection (the second identity of `forward`). When every entry of
+        p = dq*dk is positive, S diag(p) S^T = S' S'^T with S' = S diag(sqrt(p)), so sqrt(p) moves
+        into `proj` (and 1/sqrt(p) into the output projection): Q = K = V = S', no elementwise work
+        at all. Otherwise p stays on the query side. Afterwards the diagonals that moved are ones, so
+        the parameters still describe a valid shared layer (a saved state dict loads into an unfolded
         model with the same outputs). Meant for inference: a folded layer leaves them unused.
         """
         if self.folded:

@@ -19,53 +19,10 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
 )
 
-from swbert.models.attention import (
-    PairwiseAttention,
-    Rows,
-    SelfAttention,
-    SharedAttention,
-    build_attention,
-    dropout,
-)
+from swbert.models.attention import PairwiseAttention, Rows, SelfAttention, SharedAttention, build_attention
 from swbert.models.config import SWBertConfig
 
 IGNORE_INDEX = -100
-
-
-class Dropout(nn.Dropout):
-    """`nn.Dropout` computed by `swbert.models.attention.dropout`: a bool mask for backward, and on
-    CPU a cheaper random draw."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.inplace:
-            return super().forward(x)
-        return dropout(x, self.p, self.training)
-
-
-class WordEmbedding(nn.Embedding):
-    """`nn.Embedding` whose `sparse` flag is set where a tied dense gradient absorbs the sparse one.
-
-    The masked-LM decoder shares this weight and gives it a dense (vocab, d) gradient; the lookup's
-    own dense gradient would be a second (vocab, d) tensor, zero-filled, scattered into, then added
-    to the first. As a sparse gradient (the batch's rows only) nothing vocabulary-sized is
-    zero-filled: autograd adds it to the decoder's gradient (out of place: one dense sum, where the
-    dense lookup gradient would be allocated and filled, then summed into), and the parameter
-    still ends up with one dense gradient. It saves about two passes over a (vocab, d) tensor,
-    some 6 ms a step at BERT-base on CPU. torch.compile keeps the dense lookup:
-    sparse tensors break its graph.
-    """
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        sparse = self.sparse and not torch.compiler.is_compiling()
-        return F.embedding(
-            input_ids,
-            self.weight,
-            self.padding_idx,
-            self.max_norm,
-            self.norm_type,
-            self.scale_grad_by_freq,
-            sparse,
-        )
 
 
 class Embeddings(nn.Module):
@@ -74,11 +31,11 @@ class Embeddings(nn.Module):
     def __init__(self, config: SWBertConfig) -> None:
         super().__init__()
         d = config.hidden_size
-        self.word_embeddings = WordEmbedding(config.vocab_size, d, padding_idx=config.pad_token_id)
+        self.word_embeddings = nn.Embedding(config.vocab_size, d, padding_idx=config.pad_token_id)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, d)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, d)
         self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
-        self.dropout = Dropout(config.hidden_dropout_prob)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(
         self,
@@ -125,7 +82,7 @@ class Block(nn.Module):
         self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = MLP(config)
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = Dropout(config.hidden_dropout_prob)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor | None = None, rows: Rows | None = None
@@ -282,45 +239,6 @@ class SWBertModel(SWBertPreTrainedModel):
         )
 
 
-class _VocabBlockedLinear(torch.autograd.Function):
-    """F.linear whose forward runs in blocks of output columns; the backward is F.linear's."""
-
-    @staticmethod
-    def forward(
-        ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block: int
-    ) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        biases = bias.split(block) if bias is not None else [None] * -(-weight.shape[0] // block)
-        return torch.cat([F.linear(x, w, b) for w, b in zip(weight.split(block), biases)], dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        grad2d, x2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-        grad_x = (grad @ weight) if ctx.needs_input_grad[0] else None  # (..., d)
-        grad_w = (grad2d.t() @ x2d) if ctx.needs_input_grad[1] else None  # (V, d)
-        grad_b = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None
-
-
-class VocabDecoder(nn.Linear):
-    """The masked-LM decoder (d -> vocab). On CPU its forward product runs in blocks of the vocabulary.
-
-    With a few hundred masked rows against a 30k vocabulary, the CPU GEMM writes a (rows, vocab)
-    output far larger than the cache and runs at ~60% of the encoder's rate (about 55 against 90
-    GFLOP/s at BERT-base on one core); 1024-column blocks bring it to the encoder's. The backward
-    products do not have the problem and stay whole. GPUs and torch.compile take plain F.linear.
-    """
-
-    block = 1024  # vocabulary columns per block: a (rows, block) output stays in the L2 cache
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or torch.compiler.is_compiling() or self.out_features <= self.block:
-            return F.linear(x, self.weight, self.bias)
-        return _VocabBlockedLinear.apply(x, self.weight, self.bias, self.block)
-
-
 class MLMHead(nn.Module):
     """Transform (dense, GELU, LayerNorm) then the decoder, whose weight is the word embedding."""
 
@@ -329,7 +247,7 @@ class MLMHead(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.act = ACT2FN[config.hidden_act]
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.decoder = VocabDecoder(config.hidden_size, config.vocab_size)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.norm(self.act(self.dense(h))))
@@ -360,10 +278,6 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
         self.bert = SWBertModel(config, add_pooling_layer=False)
         self.mlm_head = MLMHead(config)
         self.post_init()
-        word = self.bert.embeddings.word_embeddings
-        # the decoder's dense gradient absorbs the lookup's sparse one (see WordEmbedding); untied,
-        # the lookup's gradient would stay sparse, which AdamW and DeepSpeed do not take
-        word.sparse = isinstance(word, WordEmbedding) and word.weight is self.mlm_head.decoder.weight
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.mlm_head.decoder
@@ -449,7 +363,7 @@ class SWBertForSequenceClassification(SWBertPreTrainedModel):
         self.num_labels = config.num_labels
         self.bert = SWBertModel(config)
         p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        self.dropout = Dropout(p)
+        self.dropout = nn.Dropout(p)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 

@@ -262,9 +262,9 @@ def deepspeed_estimate(config: SWBertConfig, layout: Layout, dp: int) -> tuple[f
 # Activation bytes per token per layer, in units of the hidden size at 16-bit precision, stored for
 # backward without recomputation (Korthikanti et al., 2022: 34 for BERT/GPT attention + MLP, of
 # which 10 stay whole under tensor parallelism; Q, K and V are 6 of them). The variants differ in
-# what attention keeps: `shared` keeps only S (the keys are S; Q and V are rebuilt from it in
-# backward), `symmetric` has no separate keys, `pairwise` keeps Q, Q U^T and V like standard.
-ACTIVATION_UNITS = {"standard": 34, "shared": 30, "symmetric": 32, "pairwise": 34}
+# what attention keeps: `shared` keeps S and Q = S * (dq*dk) (the keys and values are S itself),
+# `symmetric` has no separate keys, `pairwise` keeps Q, Q U^T and V like standard.
+ACTIVATION_UNITS = {"standard": 34, "shared": 32, "symmetric": 32, "pairwise": 34}
 REPLICATED_UNITS = 10  # layer-norm inputs and dropout masks that tensor parallelism does not split
 
 

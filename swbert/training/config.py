@@ -92,6 +92,9 @@ class TrainConfig:
     progress_bar: bool = True  # a tqdm bar on rank 0
     num_threads: int | None = None  # CPU: torch threads per rank (default: cores / local ranks)
     compile: bool = False  # torch.compile the model through DeepSpeed (weights and checkpoints unchanged)
+    # CPU kernels from swbert.cpu (dropout, attention, decoder; same results, faster on a CPU):
+    # auto = on for CPU runs in eager mode; off = exactly the model path a GPU runs; on = required
+    cpu_kernels: Literal["auto", "on", "off"] = "auto"
     fault_nonfinite_steps: list[int] = field(default_factory=list)  # fault injection: NaN loss at these steps
 
     def check(self) -> None:

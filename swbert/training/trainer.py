@@ -22,12 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from swbert.cpu import keep_freed_memory, optimize_for_cpu, resolve_cpu_kernels, set_cpu_threads
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.flops import masked_lm_flops, masked_lm_params
 from swbert.training import checkpoint as ckpt
 from swbert.training.config import TrainConfig, dump_config
 from swbert.training.data import TrainingData, prepare_data
-from swbert.training.dist import init_distributed, keep_freed_memory, map_launcher_env, set_cpu_threads
+from swbert.training.dist import init_distributed, map_launcher_env
 from swbert.training.ds_config import build_ds_config, offloads_optimizer, resolve_precision, zero_stage
 from swbert.training.metrics import MetricsLogger, device_peak_tflops, memory_gib
 from swbert.training.optim import build_optimizer, build_scheduler
@@ -90,6 +91,7 @@ class Trainer:
         dp_size = world // cfg.tensor_parallel
         self.on_gpu = torch.cuda.is_available()
         self.precision = resolve_precision(cfg.precision, self.on_gpu)
+        self.cpu_kernels = resolve_cpu_kernels(cfg.cpu_kernels, self.on_gpu, cfg.compile)
         self.ds_config = build_ds_config(cfg, dp_size, self.precision)
         _, self.micro_bs, self.accum = cfg.batch_layout(dp_size)
         data_dir = prepare_data(cfg.data_dir, self.output_dir)
@@ -144,6 +146,13 @@ class Trainer:
             from swbert import parallel
 
             model = parallel.parallelize(model, self.layout.tp_size)
+        # after tensor parallelism (it swaps only PyTorch's own modules), before the engine wraps it
+        self.applied_cpu_kernels = optimize_for_cpu(model) if self.cpu_kernels else []
+        if self.is_main:
+            if self.applied_cpu_kernels:
+                log.info("model path: CPU kernels from swbert.cpu (%s)", ", ".join(self.applied_cpu_kernels))
+            else:
+                log.info("model path: plain PyTorch ops, the path a GPU runs (no CPU kernels)")
         optimizer = build_optimizer(model, cfg, self.on_gpu, offloads_optimizer(self.ds_config))
         scheduler = build_scheduler(optimizer, cfg, self.total_steps)
 
@@ -187,6 +196,7 @@ class Trainer:
                 "grad_accum_steps": self.accum,
                 "precision": self.precision,
                 "zero_stage": zero_stage(self.ds_config),
+                "cpu_kernels_applied": ",".join(self.applied_cpu_kernels) or "none",
                 "parameters": masked_lm_params(self.model_config),
             }
             params.update(flatten("deepspeed", self.ds_config))  # the filled DeepSpeed config, as run
@@ -453,14 +463,19 @@ def flatten(prefix: str, value: Any) -> dict[str, Any]:
     return out
 
 
-def run(config: TrainConfig) -> dict[str, Any]:
-    """Run pretraining; every rank calls this. Returns a summary (paths on rank 0)."""
+def setup_logging() -> None:
+    """INFO on rank 0, warnings elsewhere; the libraries' per-shard chatter off."""
     logging.basicConfig(
         level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     for noisy in ("megatron", "mlflow.store.db.utils", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)  # per-shard index logs drown the progress
+
+
+def run(config: TrainConfig) -> dict[str, Any]:
+    """Run pretraining; every rank calls this. Returns a summary (paths on rank 0)."""
+    setup_logging()
     trainer = Trainer(config)
     try:
         return trainer.run()

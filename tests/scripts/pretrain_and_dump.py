@@ -5,12 +5,13 @@ import sys
 import torch
 
 from swbert.training.cli import parse_args
-from swbert.training.trainer import Trainer
+from swbert.training.trainer import Trainer, setup_logging
 
 argv = sys.argv[1:]
 i = argv.index("--dump-logits")
 dump_path = argv[i + 1]
 del argv[i : i + 2]
+setup_logging()
 trainer = Trainer(parse_args(argv))
 summary = trainer.run()
 assert summary["status"] == "FINISHED", summary
