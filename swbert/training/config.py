@@ -243,20 +243,28 @@ def build_config(recipe: str | Path | None, overrides: list[str]) -> TrainConfig
     return config
 
 
-_FIELD_LINE = re.compile(r"^\s{4}(\w+):\s*(.+?)\s*=\s*.*?#\s*(.*)$")
+_FIELD_LINE = re.compile(r"^\s{4}(\w+):\s*[^=]+?=\s*.*?(?:#\s*(.*))?$")
+_COMMENT_LINE = re.compile(r"^\s{4}#\s?(.*)$")
 
 
 def field_descriptions() -> dict[str, str]:
-    """Each field's description: the comment on its line in `TrainConfig` (read from the source)."""
+    """Each field's description, read from the source of `TrainConfig`: the comment on its line,
+    else the comment lines right above it."""
     try:
         source = inspect.getsource(TrainConfig)
     except (OSError, TypeError):  # no source shipped (a frozen or .pyc-only install)
         return {}
-    found = {}
+    found: dict[str, str] = {}
+    above: list[str] = []
     for line in source.splitlines():
+        comment = _COMMENT_LINE.match(line)
+        if comment:
+            above.append(comment.group(1).strip())
+            continue
         match = _FIELD_LINE.match(line)
-        if match:
-            found[match.group(1)] = match.group(3)
+        if match and (match.group(2) or above):
+            found[match.group(1)] = match.group(2) or " ".join(above)
+        above = []
     return found
 
 
