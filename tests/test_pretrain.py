@@ -203,6 +203,32 @@ def test_bad_input_errors_name_what_to_change(data_dir, tmp_path, capsys):
     preprocess([corpus], tmp_path / "tok90", tmp_path / "data90", workers=1, progress=False)
     err = refused(tiny_args(tmp_path / "data90", out, "--resume", "auto"), capsys)
     assert "vocab_size: checkpoint 96 vs this run 90" in err and "tokenizer_hash: checkpoint" in err
+    # what exact resume depends on: the data (same tokenizer, other documents), the seed, the layout
+    half = tmp_path / "half.txt"
+    half.write_text("".join(open(corpus).readlines()[::2]))
+    preprocess([str(half)], data_dir.parent / "tok", tmp_path / "half", workers=1, progress=False)
+    err = refused(tiny_args(tmp_path / "half", out, "--resume", "auto"), capsys)
+    assert "would change what exact resume depends on (data: checkpoint" in err
+    assert "--allow-resume-change data" in err
+    err = refused(tiny_args(data_dir, out, "--seed", "99", "--resume", "auto"), capsys)
+    assert "seed: checkpoint 1234 vs this run 99" in err and "--allow-resume-change seed" in err
+    err = refused(
+        tiny_args(data_dir, out, "--deepspeed-config", "ds_configs/zero1.json", "--resume", "auto"), capsys
+    )
+    assert "another ZeRO stage or data-parallel size (zero_stage 2 -> 1)" in err
+    assert f"python -m swbert.parallel.convert universal {out / 'checkpoints'} NEW_DIR" in err
+    err = refused(tiny_args(data_dir, out, "--allow-resume-change", "sede", "--resume", "auto"), capsys)
+    assert "'sede' is not a setting a resume may change; did you mean 'seed'?" in err
+    # a deliberate change proceeds, and the MLflow run records it
+    args = ["--seed", "99", "--allow-resume-change", "seed", "--resume", "auto", "--train-steps", "3"]
+    changed = run_single([*tiny_args(data_dir, out, *args), "--mlflow", "true"])  # the later --mlflow wins
+    check_ok(changed)
+    assert "resume changes seed: 1234 -> 99 (--allow-resume-change)" in changed.stderr
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    run = client.get_run((out / "mlflow_run_id").read_text().strip())
+    assert run.data.tags["resume_change.step_00000002"] == "seed: 1234 -> 99"
     # the exit status and message of a real process
     bad = run_single(tiny_args(data_dir, tmp_path / "other", "--precision", "fp16"))
     assert bad.returncode == 2 and "fp16 needs a GPU" in bad.stderr

@@ -5,11 +5,15 @@ Layout under `<output_dir>/checkpoints/`:
     step_00000500/            DeepSpeed's per-rank model/optimizer shards (any ZeRO stage)
         rng_rank00000.pt      every rank's RNG states
         swbert_meta.json      model config, parallel layout, step (checked before loading)
-    latest                    the newest complete tag, written last and atomically
+        complete.json         the completeness marker: step and every file with its size
+    latest                    the newest complete tag, a convenience for people and tools
+    incomplete/               saves a crash cut off, moved aside (never deleted)
 
-A checkpoint counts only once every rank has finished writing it: DeepSpeed's save ends with a
-barrier, after which rank 0 moves `latest` by writing a temporary file and renaming it. A crash
-at any earlier point leaves `latest` on the previous checkpoint.
+A checkpoint counts only once every rank has written and fsynced its files: after DeepSpeed's
+save and a barrier, rank 0 writes the meta file and then the marker (atomically, the folder
+fsynced), and only then moves `latest`. Resume trusts the markers, not `latest`: a missing, empty
+or stale pointer resumes from the newest complete checkpoint and says so. Nothing is deleted
+except complete checkpoints older than the newest `keep_checkpoints`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 LATEST = "latest"
 LATEST_UNIVERSAL = "latest_universal"  # written by `python -m swbert.parallel.convert universal`
+COMPLETE = "complete.json"  # the completeness marker, written last
+META = "swbert_meta.json"
+INCOMPLETE_DIR = "incomplete"  # where cut-off saves are moved
+CHECKPOINT_FORMAT = 2  # 2: completeness markers; 1 (no key in the meta): `latest` written after the meta
 TAG_RE = re.compile(r"^step_(\d{8})$")
 
 
@@ -45,7 +53,10 @@ def fault_kill(variable: str, step: int) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG stream of this rank, as tensors and plain values (loadable with weights_only=True)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     tracker = _tp_rng_tracker()
@@ -67,15 +78,34 @@ def _tp_rng_tracker():
     return parallel
 
 
+def load_rng_state(path: Path) -> dict[str, Any]:
+    """An RNG file, read without running pickled code: weights_only=True, with NumPy's array types
+    allowed for files written before the states were stored as tensors."""
+    numpy_core = getattr(np, "_core", None) or np.core  # renamed in NumPy 2
+    legacy = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), numpy_core.multiarray._reconstruct]
+    with torch.serialization.safe_globals(legacy):
+        return torch.load(path, weights_only=True)
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, *rest = state["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
+    np.random.set_state((name, keys.astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     tracker = _tp_rng_tracker()
     if "tensor_parallel" in state and tracker is not None:
         tracker.set_rng_tracker_states(state["tensor_parallel"])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -85,15 +115,60 @@ def _atomic_write(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under `root` and the folders themselves to stable storage."""
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    for folder in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        _fsync_dir(folder)
+
+
+def is_complete(tag_dir: Path) -> bool:
+    """Whether a checkpoint folder holds a finished save: its marker lists files that are all there
+    with their sizes (or, saved before markers existed, its meta file was written)."""
+    marker = tag_dir / COMPLETE
+    if marker.is_file():
+        try:
+            files = json.loads(marker.read_text())["files"]
+            return all(
+                (tag_dir / name).is_file() and (tag_dir / name).stat().st_size == size
+                for name, size in files.items()
+            )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False
+    meta = tag_dir / META
+    if not meta.is_file():
+        return False
+    try:  # format 1 wrote the meta after every rank's shards; format 2 writes the marker after it
+        return "checkpoint_format" not in json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def checkpoint_tags(ckpt_root: Path) -> list[str]:
+    """step_* folders directly under `ckpt_root`, oldest first."""
+    if not ckpt_root.is_dir():
+        return []
+    return sorted(p.name for p in ckpt_root.iterdir() if p.is_dir() and TAG_RE.match(p.name))
+
+
+def newest_complete(ckpt_root: Path) -> str | None:
+    return next((t for t in reversed(checkpoint_tags(ckpt_root)) if is_complete(ckpt_root / t)), None)
 
 
 def read_latest(ckpt_root: Path, name: str = LATEST) -> str | None:
-    """The tag a pointer file names, if that checkpoint folder exists."""
+    """The tag a pointer file names, if it is a step_* folder inside `ckpt_root` (nothing else)."""
     pointer = ckpt_root / name
-    if not pointer.is_file():
+    try:
+        tag = pointer.read_text().strip() if pointer.is_file() else ""
+    except (OSError, UnicodeDecodeError):
         return None
-    tag = pointer.read_text().strip()
-    return tag if (ckpt_root / tag).is_dir() else None
+    return tag if TAG_RE.match(tag) and (ckpt_root / tag).is_dir() else None
 
 
 def save(
@@ -106,33 +181,54 @@ def save(
     tag_dir.mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), tag_dir / f"rng_rank{rank:05d}.pt")
     engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client_state, save_latest=False)
-    # save_checkpoint returns after a barrier: every rank's shards are on disk now
-    fault_kill("SWBERT_FAULT_KILL_IN_SAVE", step)  # die with the shards written, the pointer not moved
+    _fsync_tree(tag_dir)  # every rank flushes what its node wrote (on a shared file system too)
+    dist.barrier()  # every rank's shards are on stable storage now
+    fault_kill("SWBERT_FAULT_KILL_IN_SAVE", step)  # die with the shards written, no marker
     if rank == 0:
-        _atomic_write(tag_dir / "swbert_meta.json", json.dumps(meta, indent=1))
+        mark_complete(tag_dir, step, meta)
         _atomic_write(ckpt_root / LATEST, tag)
         prune(ckpt_root, keep)
     dist.barrier()
     return tag_dir
 
 
+def mark_complete(tag_dir: Path, step: int, meta: dict[str, Any]) -> None:
+    """Write the meta file, then the marker listing every file of the folder with its size."""
+    _atomic_write(tag_dir / META, json.dumps({**meta, "checkpoint_format": CHECKPOINT_FORMAT}, indent=1))
+    files = {
+        str(p.relative_to(tag_dir)): p.stat().st_size
+        for p in sorted(tag_dir.rglob("*"))
+        if p.is_file() and p.name != COMPLETE
+    }
+    _atomic_write(tag_dir / COMPLETE, json.dumps({"step": step, "files": files}, indent=1))
+
+
 def prune(ckpt_root: Path, keep: int) -> None:
-    """Delete complete checkpoints older than the newest `keep` (never the one `latest` names)."""
-    latest = read_latest(ckpt_root)
-    tags = sorted(p.name for p in ckpt_root.iterdir() if p.is_dir() and TAG_RE.match(p.name))
-    complete = [t for t in tags if latest is not None and t <= latest]
-    for old in complete[:-keep] if keep > 0 else []:
-        if old != latest:
-            shutil.rmtree(ckpt_root / old, ignore_errors=True)
+    """Delete complete checkpoints older than the newest `keep` complete ones; nothing else."""
+    complete = [t for t in checkpoint_tags(ckpt_root) if is_complete(ckpt_root / t)]
+    for old in complete[: -max(keep, 1)]:
+        shutil.rmtree(ckpt_root / old, ignore_errors=True)
 
 
-def discard_incomplete(ckpt_root: Path) -> None:
-    """Remove tag folders newer than `latest`: saves that a crash cut off (rank 0 only)."""
-    latest = read_latest(ckpt_root) or ""
-    for p in ckpt_root.iterdir() if ckpt_root.is_dir() else []:
-        if p.is_dir() and TAG_RE.match(p.name) and p.name > latest:
-            log.warning("removing incomplete checkpoint %s (the save did not finish)", p)
-            shutil.rmtree(p, ignore_errors=True)
+def set_aside_incomplete(ckpt_root: Path) -> list[Path]:
+    """Move step_* folders without a finished save to `incomplete/` (rank 0, before training);
+    returns where they went. They are kept for inspection, never deleted."""
+    moved = []
+    for tag in checkpoint_tags(ckpt_root):
+        if is_complete(ckpt_root / tag):
+            continue
+        target = ckpt_root / INCOMPLETE_DIR / tag
+        n = 0
+        while target.exists():
+            n += 1
+            target = ckpt_root / INCOMPLETE_DIR / f"{tag}.{n}"
+        target.parent.mkdir(exist_ok=True)
+        os.replace(ckpt_root / tag, target)
+        log.warning(
+            "moved incomplete checkpoint %s to %s (its save did not finish; nothing deleted)", tag, target
+        )
+        moved.append(target)
+    return moved
 
 
 def resolve_resume(resume: str, ckpt_root: Path) -> tuple[Path, str] | None:
@@ -140,7 +236,17 @@ def resolve_resume(resume: str, ckpt_root: Path) -> tuple[Path, str] | None:
     if resume == "none":
         return None
     if resume == "auto":
-        tag = read_latest(ckpt_root)
+        tag = newest_complete(ckpt_root)
+        pointed = read_latest(ckpt_root)
+        if tag is not None and pointed != tag:
+            why = (
+                "is missing"
+                if not (ckpt_root / LATEST).exists()
+                else f"names {pointed or 'no valid checkpoint'}"
+            )
+            log.warning(
+                "%s %s; resuming from the newest complete checkpoint, %s", ckpt_root / LATEST, why, tag
+            )
         return (ckpt_root, tag) if tag else None
     path = Path(resume)
     for pointer in (LATEST, LATEST_UNIVERSAL):  # a checkpoints/ folder, or a converted (universal) one
@@ -156,9 +262,12 @@ def resolve_resume(resume: str, ckpt_root: Path) -> tuple[Path, str] | None:
     )
 
 
-def check_compatible(tag_dir: Path, meta: dict[str, Any]) -> None:
-    """Refuse a checkpoint of another model shape or parallel layout, naming what differs."""
-    saved_path = tag_dir / "swbert_meta.json"
+def check_compatible(
+    tag_dir: Path, meta: dict[str, Any], allow: list[str] | tuple[str, ...] = ()
+) -> list[str]:
+    """Refuse a checkpoint of another model shape, parallel layout or training setting, naming what
+    differs. Returns the changes `allow` let through ("key: saved -> now"), for the run's records."""
+    saved_path = tag_dir / META
     if not saved_path.is_file():
         raise FileNotFoundError(f"{tag_dir} has no swbert_meta.json: not a complete swbert checkpoint")
     saved = json.loads(saved_path.read_text())
@@ -178,6 +287,38 @@ def check_compatible(tag_dir: Path, meta: dict[str, Any]) -> None:
             f"uses {meta.get('tensor_parallel', 1)}; convert it first: python -m swbert.parallel.convert universal "
             f"{tag_dir.parent} NEW_DIR --tag {tag_dir.name}, then pass --resume NEW_DIR"
         )
+    return _check_run_settings(tag_dir, saved.get("run"), meta.get("run"), allow)
+
+
+def _check_run_settings(
+    tag_dir: Path,
+    saved: dict[str, Any] | None,
+    now: dict[str, Any] | None,
+    allow: list[str] | tuple[str, ...],
+) -> list[str]:
+    """The settings exact resume depends on (recorded since checkpoint format 2)."""
+    if saved is None or now is None:
+        return []
+    changed = {k: (saved[k], now.get(k)) for k in saved if k in now and saved[k] != now[k]}
+    layout = [k for k in ("zero_stage", "data_parallel") if k in changed]
+    if layout and not is_universal(tag_dir):
+        what = "; ".join(f"{k} {changed[k][0]} -> {changed[k][1]}" for k in layout)
+        raise ValueError(
+            f"checkpoint {tag_dir} was saved with another ZeRO stage or data-parallel size ({what}); DeepSpeed "
+            f"cannot reshard it as it is. Convert it first: python -m swbert.parallel.convert universal "
+            f"{tag_dir.parent} NEW_DIR --tag {tag_dir.name}, then pass --resume NEW_DIR"
+        )
+    refused = {k: v for k, v in changed.items() if k not in layout and k not in allow}
+    if refused:
+        what = "; ".join(f"{k}: checkpoint {a!r} vs this run {b!r}" for k, (a, b) in refused.items())
+        raise ValueError(
+            f"resuming {tag_dir} would change what exact resume depends on ({what}). Run with the "
+            f"checkpoint's settings, or pass --allow-resume-change {','.join(refused)} to change them on purpose"
+        )
+    allowed = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items() if k not in layout]
+    for change in allowed:
+        log.warning("resume changes %s (--allow-resume-change)", change)
+    return allowed
 
 
 def is_universal(tag_dir: Path) -> bool:
@@ -195,7 +336,7 @@ def load(engine, load_dir: Path, tag: str) -> dict[str, Any]:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {load_dir / tag}")
     rng_file = load_dir / tag / f"rng_rank{dist.get_rank():05d}.pt"
     if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(load_rng_state(rng_file))
     else:
         log.warning("%s missing (world size changed?): RNG streams restart from the seed", rng_file.name)
     return client_state

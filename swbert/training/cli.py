@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    from swbert.training.runlock import RunFolderBusy
     from swbert.training.trainer import NonFiniteStop, run
 
     try:
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     except NonFiniteStop as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(3)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, RunFolderBusy) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     if "export_dir" in summary:

@@ -40,6 +40,10 @@ def ds_config_dirs() -> list[Path]:
     return [d for d in candidates if d.is_dir() and any(d.glob("*.json"))]
 
 
+# Settings a checkpoint records that `--allow-resume-change` may override (see checkpoint.py).
+RESUME_CHANGEABLE = ("data", "seed", "seq_len", "mlm_probability", "global_batch_size", "precision")
+
+
 @dataclass
 class TrainConfig:
     """Everything a pretraining run needs. Batch sizes and LR live here only (see ds_config.py)."""
@@ -96,6 +100,9 @@ class TrainConfig:
     # auto = on for CPU runs in eager mode; off = exactly the model path a GPU runs; on = required
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
     fault_nonfinite_steps: list[int] = field(default_factory=list)  # fault injection: NaN loss at these steps
+    # what a resume may change on purpose (comma-separated): data, seed, seq_len, mlm_probability,
+    # global_batch_size, precision; a change of any other recorded setting is refused
+    allow_resume_change: list[str] = field(default_factory=list)
 
     def check(self) -> None:
         """Raise a ValueError naming the field when a value cannot work."""
@@ -123,6 +130,13 @@ class TrainConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        for key in self.allow_resume_change:
+            if key not in RESUME_CHANGEABLE:
+                close = difflib.get_close_matches(key, RESUME_CHANGEABLE, n=1)
+                hint = (
+                    f"did you mean {close[0]!r}?" if close else f"choose from {', '.join(RESUME_CHANGEABLE)}"
+                )
+                raise ValueError(f"allow_resume_change: {key!r} is not a setting a resume may change; {hint}")
         if not 0 < self.mlm_probability < 1:
             raise ValueError(f"mlm_probability={self.mlm_probability} must be in (0, 1)")
 
@@ -163,11 +177,14 @@ def _parse_value(name: str, raw: Any, tp: Any) -> Any:
     if raw.lower() in ("none", "null") and type(None) in get_args(tp):
         return None
     if get_origin(tp) is list:  # comma-separated or a JSON list
+        item = get_args(tp)[0]
         try:
-            return json.loads(raw) if raw.startswith("[") else [int(x) for x in raw.split(",") if x]
+            if raw.startswith("["):
+                return json.loads(raw)
+            return [item(x.strip()) for x in raw.split(",") if x.strip()]
         except ValueError:
             raise ValueError(
-                f"--{name.replace('_', '-')} {raw!r}: expected a comma-separated list of integers"
+                f"--{name.replace('_', '-')} {raw!r}: expected a comma-separated list of {item.__name__}"
             ) from None
     base = args[0] if get_origin(tp) not in (None, Literal) and args else tp
     if get_origin(tp) is Literal or base is str:

@@ -20,7 +20,7 @@ import torch
 
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.remote_code import add_remote_code
-from swbert.training.checkpoint import read_latest
+from swbert.training.checkpoint import newest_complete, read_latest
 
 
 def _full_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
@@ -138,10 +138,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder (default: the run's)")
     args = parser.parse_args(argv)
     tag_dir = args.checkpoints
-    if args.tag or (tag_dir / "latest").is_file():
-        tag = args.tag or read_latest(tag_dir)
+    if args.tag or not (tag_dir / "swbert_meta.json").is_file():  # a checkpoints/ folder
+        tag = args.tag or read_latest(tag_dir) or newest_complete(tag_dir)
         if tag is None:
-            parser.error(f"{tag_dir}/latest names a missing checkpoint; pass --tag")
+            parser.error(f"{tag_dir} holds no complete checkpoint; pass a step_* folder or --tag")
         tag_dir = tag_dir / tag
     if not tag_dir.is_dir():
         parser.error(f"{tag_dir} is not a checkpoint folder")

@@ -159,6 +159,9 @@ class MLflowSink:
 
         self.submit(send)
 
+    def tag(self, key: str, value: str) -> None:
+        self.submit(lambda: self.client.set_tag(self.run_id, key, value))
+
     def artifact(self, path: Path, artifact_path: str | None = None) -> None:
         def send():
             if path.is_dir():
@@ -234,6 +237,11 @@ class MetricsLogger:
         self.file.flush()
         if self.mlflow is not None:
             self.mlflow.metrics(step, {k: v for k, v in values.items() if isinstance(v, (int, float))})
+
+    def tag(self, key: str, value: str) -> None:
+        """An MLflow tag (tags, unlike params, may be set again when a run is resumed)."""
+        if self.mlflow is not None:
+            self.mlflow.tag(key, value)
 
     def artifact(self, path: Path, artifact_path: str | None = None) -> None:
         if self.mlflow is not None:

@@ -8,10 +8,12 @@ position, so a resumed run repeats an uninterrupted one step for step.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -32,6 +34,7 @@ from swbert.training.dist import init_distributed, map_launcher_env
 from swbert.training.ds_config import build_ds_config, offloads_optimizer, resolve_precision, zero_stage
 from swbert.training.metrics import MetricsLogger, device_peak_tflops, memory_gib
 from swbert.training.optim import build_optimizer, build_scheduler
+from swbert.training.runlock import RunLock
 
 log = logging.getLogger("swbert.train")
 
@@ -67,6 +70,7 @@ class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self.stop_signal: str | None = None
+        self.lock: RunLock | None = None
 
     # ---- set-up -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -76,12 +80,14 @@ class Trainer:
         self.ckpt_root = self.output_dir / "checkpoints"
         # Everything that can be wrong with the request is checked before the process group
         # starts, so a bad flag fails at once on every rank instead of hanging a collective.
-        if cfg.resume == "none" and ckpt.read_latest(self.ckpt_root):
+        map_launcher_env()
+        if os.environ["RANK"] == "0":  # one job per run folder: refused at once if another holds it
+            self.lock = RunLock(self.output_dir).acquire()
+        if cfg.resume == "none" and ckpt.newest_complete(self.ckpt_root):
             raise ValueError(
                 f"{self.output_dir} already holds a run with checkpoints; pass --resume auto to continue it, "
                 "or choose a new --output-dir"
             )
-        map_launcher_env()
         world = int(os.environ["WORLD_SIZE"])
         if world % cfg.tensor_parallel != 0:
             raise ValueError(
@@ -119,13 +125,25 @@ class Trainer:
             "model_config": self.model_config.to_dict(),
             "tensor_parallel": cfg.tensor_parallel,
             "tokenizer_dir": str(self.data.tokenizer_dir) if self.data.tokenizer_dir else None,
+            # what exact resume depends on: a change is refused unless --allow-resume-change names it
+            "run": {
+                "data": hashlib.sha256((data_dir / "manifest.json").read_bytes()).hexdigest()[:16],
+                "seed": cfg.seed,
+                "seq_len": cfg.seq_len,
+                "mlm_probability": cfg.mlm_probability,
+                "global_batch_size": cfg.global_batch_size,
+                "precision": self.precision,
+                "zero_stage": zero_stage(self.ds_config),
+                "data_parallel": dp_size,
+            },
         }
+        self.resume_changes: list[str] = []
         self.resume_from = ckpt.resolve_resume(cfg.resume, self.ckpt_root)
         if self.resume_from is None and cfg.resume not in ("none", "auto"):
             raise FileNotFoundError(f"--resume {cfg.resume}: nothing to resume from")
         if self.resume_from is not None:
             tag_dir = self.resume_from[0] / self.resume_from[1]
-            ckpt.check_compatible(tag_dir, self.meta)
+            self.resume_changes = ckpt.check_compatible(tag_dir, self.meta, cfg.allow_resume_change)
             if ckpt.is_universal(tag_dir):  # converted to resume at another tensor/data-parallel size
                 self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
 
@@ -185,7 +203,7 @@ class Trainer:
                 flush=True,
             )
             self.ckpt_root.mkdir(parents=True, exist_ok=True)
-            ckpt.discard_incomplete(self.ckpt_root)
+            ckpt.set_aside_incomplete(self.ckpt_root)
         dist.barrier()
         self.metrics = None
         if self.is_main:
@@ -205,6 +223,8 @@ class Trainer:
             )
             self.metrics.artifact(self.output_dir / "resolved_config.yaml")
             self.metrics.artifact(self.output_dir / "ds_config.json")
+            if self.resume_changes:  # deliberate changes at a resume, kept with the run
+                self.metrics.tag(f"resume_change.{self.resume_from[1]}", "; ".join(self.resume_changes))
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         self._maybe_resume()  # last: it restores the RNG streams, so nothing after it may draw from them
@@ -304,9 +324,22 @@ class Trainer:
             self.engine, self.ckpt_root, self.step, client_state, meta, self.config.keep_checkpoints
         )
 
+    def _checkpoint_now(self, last_saved: Path | None) -> Path:
+        """A complete checkpoint of the current step: the one already on disk (a finished run that
+        is resumed again, or a save this run just made) is never rewritten. Rank 0 decides."""
+        tag_dir = self.ckpt_root / ckpt.tag_for(self.step)
+        decision = [last_saved == tag_dir or (self.is_main and ckpt.is_complete(tag_dir))]
+        dist.broadcast_object_list(decision, src=0)
+        return tag_dir if decision[0] else self.save()
+
     def run(self) -> dict[str, Any]:
         cfg = self.config
-        self.setup()
+        try:
+            self.setup()
+        except BaseException:
+            if self.lock is not None:  # a refused start leaves the folder free
+                self.lock.release()
+            raise
         bar = None
         if self.is_main and cfg.progress_bar:
             from tqdm import tqdm
@@ -345,7 +378,7 @@ class Trainer:
                     if skipped_in_a_row >= cfg.max_nonfinite_steps:
                         raise NonFiniteStop(
                             f"stopping at step {self.step}: {skipped_in_a_row} steps in a row had a non-finite loss "
-                            f"or gradients. The last good checkpoint is {ckpt.read_latest(self.ckpt_root) or 'none'} "
+                            f"or gradients. The last good checkpoint is {ckpt.newest_complete(self.ckpt_root) or 'none'} "
                             f"in {self.ckpt_root}; lower --lr, check the data, or raise --max-nonfinite-steps"
                         )
                 else:
@@ -377,23 +410,21 @@ class Trainer:
                         last_saved = self.save()
                 ckpt.fault_kill("SWBERT_FAULT_KILL_AFTER_STEP", self.step)
                 if self._should_stop():
-                    last_saved = (
-                        last_saved
-                        if last_saved and last_saved.name == ckpt.tag_for(self.step)
-                        else self.save()
-                    )
+                    last_saved = self._checkpoint_now(last_saved)
                     if self.is_main:
                         print(f"pre-empted: checkpoint saved at step {self.step}", flush=True)
                     status = "KILLED"
                     break
-            if status == "FINISHED" and (last_saved is None or last_saved.name != ckpt.tag_for(self.step)):
-                last_saved = self.save()
+            if status == "FINISHED":
+                last_saved = self._checkpoint_now(last_saved)
         except BaseException:
             status = "FAILED"
             raise
         finally:
             if bar is not None:
                 bar.close()
+            if self.lock is not None and status != "FINISHED":
+                self.lock.release()
             if self.metrics is not None and status != "FINISHED":
                 self.metrics.close(status)
         summary = {"step": self.step, "output_dir": str(self.output_dir), "status": status}
@@ -401,6 +432,8 @@ class Trainer:
             summary.update(first_logged=first_logged, last_logged=last_logged)
         if status == "FINISHED":
             summary.update(self._finish(last_saved))
+            if self.lock is not None:
+                self.lock.release()
         return summary
 
     def _record(
@@ -433,13 +466,35 @@ class Trainer:
             record["mfu"] = tflops / self.peak_tflops
         return record
 
+    def _export(self, tag_dir: Path) -> Path:
+        """`<output_dir>/export` from `tag_dir`, written next to it and renamed into place, so a kill
+        leaves either the previous folder or the new one; skipped when it already holds `tag_dir`."""
+        from swbert.training.export import export
+
+        final = self.output_dir / "export"
+        stamp, source = final / "swbert_export.json", {"checkpoint": tag_dir.name}
+        try:
+            if json.loads(stamp.read_text()) == source:
+                log.info("%s already holds %s", final, tag_dir.name)
+                return final
+        except (OSError, ValueError):
+            pass  # missing, or from an export that did not finish: write it again
+        staging, old = self.output_dir / ".export.tmp", self.output_dir / ".export.old"
+        for leftover in (staging, old):
+            shutil.rmtree(leftover, ignore_errors=True)
+        export(tag_dir, staging)
+        (staging / stamp.name).write_text(json.dumps(source))
+        if final.exists():
+            os.replace(final, old)
+        os.replace(staging, final)
+        shutil.rmtree(old, ignore_errors=True)
+        return final
+
     def _finish(self, last_saved: Path | None) -> dict[str, Any]:
         """Export the final weights to a Hugging Face folder and close the MLflow run (rank 0)."""
         out: dict[str, Any] = {}
         if self.is_main and self.config.export and last_saved is not None:
-            from swbert.training.export import export
-
-            export_dir = export(last_saved, self.output_dir / "export")
+            export_dir = self._export(last_saved)
             out["export_dir"] = str(export_dir)
             if self.metrics is not None:
                 # an MLflow model (runs:/<run id>/model, for mlflow.pyfunc.load_model) that holds the

@@ -1,0 +1,165 @@
+"""A run never loses work to a missing pointer or a cut-off save: completeness markers decide what a
+checkpoint is, `latest` is only a convenience, and nothing but complete, older checkpoints is ever
+deleted."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+
+from swbert.training import checkpoint as ckpt
+from tests.launch_utils import job_env, kill_group, read_metrics, run_single, start, wait_for
+
+
+def fake_checkpoint(root, step: int, complete: bool = True):
+    tag_dir = root / ckpt.tag_for(step)
+    tag_dir.mkdir(parents=True)
+    (tag_dir / "mp_rank_00_model_states.pt").write_bytes(b"x" * (100 + step))
+    (tag_dir / "rng_rank00000.pt").write_bytes(b"r")
+    if complete:
+        ckpt.mark_complete(tag_dir, step, {"model": {}})
+    return tag_dir
+
+
+@pytest.mark.parametrize(
+    "pointer", [None, "", "garbage\n", "../../elsewhere", "step_00000099", "step_00000004"]
+)
+def test_resume_trusts_the_markers_not_latest(tmp_path, pointer, caplog):
+    root = tmp_path / "checkpoints"
+    for step in (4, 8, 12):
+        fake_checkpoint(root, step)
+    if pointer is not None:
+        (root / "latest").write_text(pointer)
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.resolve_resume("auto", root) == (root, "step_00000012")
+    assert "resuming from the newest complete checkpoint, step_00000012" in caplog.text
+    assert ckpt.set_aside_incomplete(root) == []  # nothing moved, nothing deleted
+    assert ckpt.checkpoint_tags(root) == ["step_00000004", "step_00000008", "step_00000012"]
+
+
+def test_cut_off_saves_are_moved_aside_never_deleted(tmp_path):
+    root = tmp_path / "checkpoints"
+    fake_checkpoint(root, 4)
+    fake_checkpoint(root, 8, complete=False)  # shards written, the job killed before its marker
+    torn = fake_checkpoint(root, 12)
+    (torn / "mp_rank_00_model_states.pt").write_bytes(b"short")  # a file cut short after the marker
+    assert ckpt.newest_complete(root) == "step_00000004"
+    moved = ckpt.set_aside_incomplete(root)
+    assert [p.name for p in moved] == ["step_00000008", "step_00000012"]
+    assert all(p.parent == root / "incomplete" and (p / "rng_rank00000.pt").is_file() for p in moved)
+    assert ckpt.checkpoint_tags(root) == ["step_00000004"]
+    fake_checkpoint(root, 8, complete=False)  # cut off again: kept beside the first
+    assert ckpt.set_aside_incomplete(root)[0].name == "step_00000008.1"
+
+
+def test_prune_deletes_only_complete_older_checkpoints(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (4, 8, 12, 16):
+        fake_checkpoint(root, step)
+    fake_checkpoint(root, 20, complete=False)
+    ckpt.prune(root, keep=2)
+    assert ckpt.checkpoint_tags(root) == ["step_00000012", "step_00000016", "step_00000020"]
+    ckpt.prune(root, keep=0)  # the newest complete one always stays
+    assert ckpt.checkpoint_tags(root) == ["step_00000016", "step_00000020"]
+
+
+def test_checkpoints_saved_before_markers_still_count(tmp_path):
+    """Format 1 wrote the meta file after every rank's shards and had no marker."""
+    tag_dir = fake_checkpoint(tmp_path, 4, complete=False)
+    (tag_dir / "swbert_meta.json").write_text(json.dumps({"model": {}}))
+    assert ckpt.is_complete(tag_dir)
+    (tag_dir / "swbert_meta.json").write_text(json.dumps({"model": {}, "checkpoint_format": 2}))
+    assert not ckpt.is_complete(tag_dir)  # format 2 without its marker: cut off
+
+
+@pytest.mark.slow
+def test_a_run_whose_latest_went_missing_continues_from_its_newest_checkpoint(data_dir, tmp_path):
+    """The scenario that used to delete every checkpoint and train from step 0: checkpoints at 4, 8
+    and 12, the job killed at step 14, `latest` gone. Resumed, it continues from step 12 with the
+    losses it had logged, deletes nothing, and a finished run resumed again rewrites nothing."""
+    out = tmp_path / "run"
+    args = [
+        "--config", "tiny_cpu", "--data-dir", str(data_dir), "--output-dir", str(out), "--mlflow", "false",
+        "--train-steps", "16", "--save-interval", "4", "--keep-checkpoints", "4", "--log-interval", "1",
+        "--eval-interval", "100", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+    ]  # fmt: skip
+    killed = run_single(args, env=job_env(SWBERT_FAULT_KILL_AFTER_STEP="14"))
+    assert killed.returncode != 0
+    before = read_metrics(out)
+    assert max(before) == 14
+    root = out / "checkpoints"
+    (root / "latest").unlink()
+
+    resumed = run_single([*args, "--resume", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from the newest complete checkpoint, step_00000012" in resumed.stderr
+    assert f"resumed from {root / 'step_00000012'} at step 12" in resumed.stdout
+    after = read_metrics(out)
+    for step in (13, 14):
+        assert after[step]["loss"] == before[step]["loss"], step
+    assert ckpt.checkpoint_tags(root) == [ckpt.tag_for(s) for s in (4, 8, 12, 16)]
+    assert (root / "latest").read_text() == "step_00000016"
+
+    final = root / "step_00000016"
+    stamps = {p: p.stat().st_mtime_ns for p in final.rglob("*")}
+    export_stamp = (out / "export" / "model.safetensors").stat().st_mtime_ns
+    again = run_single([*args, "--resume", "auto"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert {p: p.stat().st_mtime_ns for p in final.rglob("*")} == stamps  # not saved over
+    assert (out / "export" / "model.safetensors").stat().st_mtime_ns == export_stamp
+    assert "already holds step_00000016" in again.stderr
+
+
+@pytest.mark.slow
+def test_one_job_per_run_folder(data_dir, tmp_path):
+    """A second job on a busy run folder exits at once naming the first; once the first is killed
+    (-9), a new job takes the folder over."""
+    out = tmp_path / "run"
+    args = [
+        "--config", "tiny_cpu", "--data-dir", str(data_dir), "--output-dir", str(out), "--mlflow", "false",
+        "--save-interval", "1000", "--export", "false", "--log-interval", "1",
+    ]  # fmt: skip
+    first = start(1, [*args, "--train-steps", "100000"])
+    try:
+        wait_for(lambda: (out / "metrics.jsonl").is_file(), timeout=240, proc=first)
+        started = time.monotonic()
+        second = run_single([*args, "--resume", "auto", "--train-steps", "2"])
+        assert second.returncode != 0 and time.monotonic() - started < 30
+        holder = json.loads((out / ".swbert.lock").read_text())
+        assert f"{out} is in use by another job" in second.stderr
+        assert f'"pid": {holder["pid"]}' in second.stderr and holder["host"] in second.stderr
+    finally:
+        kill_group(first)
+    third = run_single([*args, "--resume", "auto", "--train-steps", "2"])
+    assert third.returncode == 0, third.stderr[-3000:]
+
+
+class _Payload:
+    def __reduce__(self):
+        return (print, ("code ran while loading",))
+
+
+def test_rng_files_load_without_running_pickled_code(tmp_path):
+    """RNG files are read with weights_only=True: the current format (tensors) and the earlier one
+    (NumPy arrays) both restore every stream; a file that would run code on load is refused."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    torch.save(ckpt.rng_state(), tmp_path / "new.pt")
+    earlier = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    torch.save(earlier, tmp_path / "old.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    for name in ("new.pt", "old.pt"):
+        ckpt.set_rng_state(ckpt.load_rng_state(tmp_path / name))
+        assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected, name
+    torch.save({"python": _Payload()}, tmp_path / "evil.pt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        ckpt.load_rng_state(tmp_path / "evil.pt")
