@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from swbert.models import SWBertConfig, SWBertForMaskedLM
+from swbert.models import SWBertConfig, SWBertForMaskedLM, SWBertForSequenceClassification
 from swbert.models.remote_code import add_remote_code
 from tests.launch_utils import job_env
 
@@ -28,7 +28,14 @@ import torch
 from torch.testing import assert_close
 from transformers import AutoModelForMaskedLM, pipeline
 
-for folder in sys.argv[1:]:
+from transformers import AutoModelForSequenceClassification
+
+classifier = AutoModelForSequenceClassification.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+with torch.no_grad():
+    scores = classifier(input_ids=torch.tensor([[2, 10, 11, 3]])).logits
+assert_close(scores, torch.load(f"{sys.argv[1]}/../expected.pt"), rtol=1e-5, atol=1e-5)
+
+for folder in sys.argv[2:]:
     model = AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True).eval()
     assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
     ids, mask = (torch.tensor(json.loads(open(f"{folder}/../{k}.json").read())) for k in ("ids", "mask"))
@@ -77,8 +84,19 @@ def test_exported_code_loads_without_swbert_and_gives_swbert_logits(folders, tmp
     assert copied and all("swbert" not in line for p in copied for line in _imports(folders["shared"] / p))
     env = job_env(HF_MODULES_CACHE=str(tmp_path / "modules"))
     env.pop("PYTHONPATH")  # nor from the checkout
+    torch.manual_seed(0)  # a fine-tuned head, saved as fine-tuning saves it
+    classifier = SWBertForSequenceClassification(
+        SWBertConfig.from_size("tiny", vocab_size=96, num_labels=3)
+    ).eval()
+    (tmp_path / "cls").mkdir()
+    classifier.save_pretrained(tmp_path / "cls" / "model")
+    add_remote_code(tmp_path / "cls" / "model")
+    with torch.no_grad():
+        torch.save(
+            classifier(input_ids=torch.tensor([[2, 10, 11, 3]])).logits, tmp_path / "cls" / "expected.pt"
+        )
     done = subprocess.run(
-        [sys.executable, "-c", PLAIN, *map(str, folders.values())],
+        [sys.executable, "-c", PLAIN, str(tmp_path / "cls" / "model"), *map(str, folders.values())],
         cwd=tmp_path,
         env=env,
         capture_output=True,
