@@ -15,6 +15,7 @@ from data_prep.documents import DocumentReader, Piece
 from data_prep.sources import Chunk, ReadOptions, Source
 from swbert.data._megatron import indexed_dataset
 from swbert.data.manifest import SPLITS, shard_prefix, write_json_atomic
+from swbert.fsutil import fsync_path
 
 BATCH_CHARS = 1 << 20  # text tokenized per SentencePiece call: the worker's memory bound
 
@@ -39,15 +40,6 @@ def in_valid_split(text: str, valid_fraction: float) -> bool:
     """Hold a document out by a hash of its (first piece of) text: stable across runs and tokenizers."""
     digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "big") < valid_fraction * 2.0**64
-
-
-def _sync_file(path: Path) -> None:
-    """Flush a finished file to disk before its completion record is written (node-crash safety)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _hash_and_size(path: Path) -> tuple[str, int]:
@@ -92,7 +84,7 @@ class _SplitWriter:
         record: dict[str, Any] = {"documents": self.documents, "tokens": self.tokens}
         for suffix in ("bin", "idx"):
             tmp, final = Path(f"{self.tmp_prefix}.{suffix}"), Path(f"{self.prefix}.{suffix}")
-            _sync_file(tmp)
+            fsync_path(tmp)
             record[f"{suffix}_sha256"], record[f"{suffix}_bytes"] = _hash_and_size(tmp)
             os.replace(tmp, final)
         return record

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import time
 
 import pytest
 
 from swbert.training import checkpoint as ckpt
-from tests.launch_utils import job_env, kill_group, read_metrics, run_single, start, wait_for
+from tests.launch_utils import job_env, kill_group, launch, read_metrics, run_single, start, wait_for
 
 
 def fake_checkpoint(root, step: int, complete: bool = True):
@@ -163,3 +165,59 @@ def test_rng_files_load_without_running_pickled_code(tmp_path):
     torch.save({"python": _Payload()}, tmp_path / "evil.pt")
     with pytest.raises(Exception, match="Weights only load failed"):
         ckpt.load_rng_state(tmp_path / "evil.pt")
+
+
+@pytest.mark.slow
+def test_sigterm_under_torchrun_saves_and_the_run_resumes(data_dir, tmp_path):
+    """SLURM's time limit and torchrun's own shutdown send SIGTERM; torchrun forwards it to the
+    workers and kills them 30 s later. The workers finish their step, checkpoint and exit within
+    that grace period, and --resume auto continues from the checkpoint."""
+    out = tmp_path / "run"
+    args = [
+        "--config", "tiny_cpu", "--data-dir", str(data_dir), "--output-dir", str(out), "--mlflow", "false",
+        "--save-interval", "1000", "--export", "false", "--log-interval", "1",
+    ]  # fmt: skip
+    log = tmp_path / "first.log"
+    first = start(2, [*args, "--train-steps", "100000"], log=log)
+    try:
+        wait_for(lambda: (out / "metrics.jsonl").is_file(), timeout=240, proc=first)
+        os.kill(first.pid, signal.SIGTERM)
+        first.wait(timeout=60)
+    finally:
+        kill_group(first)
+    text = log.read_text()
+    assert "pre-empted: checkpoint saved at step " in text, text[-3000:]
+    saved = int(text.split("pre-empted: checkpoint saved at step ")[1].split()[0])
+    assert ckpt.newest_complete(out / "checkpoints") == ckpt.tag_for(saved)
+    resumed = launch(2, [*args, "--resume", "auto", "--train-steps", str(saved + 2)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {saved}" in resumed.stdout and max(read_metrics(out)) == saved + 2
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_run_ends_the_job_naming_it(data_dir, tmp_path):
+    """kill -9 of one worker: the launcher ends the others at once (no 30-minute collective
+    timeout) and its report names the dead rank."""
+    import psutil
+
+    out = tmp_path / "run"
+    args = [
+        "--config", "tiny_cpu", "--data-dir", str(data_dir), "--output-dir", str(out), "--mlflow", "false",
+        "--save-interval", "1000", "--export", "false", "--log-interval", "1", "--train-steps", "100000",
+    ]  # fmt: skip
+    log = tmp_path / "job.log"
+    job = start(2, args, log=log)
+    try:
+        wait_for(lambda: (out / "metrics.jsonl").is_file(), timeout=240, proc=job)
+        workers = [
+            p for p in psutil.Process(job.pid).children(recursive=True) if p.environ().get("RANK") == "1"
+        ]
+        assert len(workers) == 1
+        workers[0].kill()
+        started = time.monotonic()
+        job.wait(timeout=60)
+        assert time.monotonic() - started < 60 and job.returncode != 0
+    finally:
+        kill_group(job)
+    text = log.read_text()
+    assert "rank      : 1" in text or "rank: 1" in text, text[-3000:]

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from swbert.fsutil import fsync_path
+
 log = logging.getLogger(__name__)
 LATEST = "latest"
 LATEST_UNIVERSAL = "latest_universal"  # written by `python -m swbert.parallel.convert universal`
@@ -100,14 +102,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         tracker.set_rng_tracker_states(state["tensor_parallel"])
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
@@ -115,17 +109,16 @@ def _atomic_write(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def _fsync_tree(root: Path) -> None:
     """Flush every file under `root` and the folders themselves to stable storage."""
     for path in sorted(root.rglob("*")):
         if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
+            fsync_path(path)
     for folder in [root, *(p for p in root.rglob("*") if p.is_dir())]:
-        _fsync_dir(folder)
+        fsync_path(folder)
 
 
 def is_complete(tag_dir: Path) -> bool:
