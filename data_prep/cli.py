@@ -34,8 +34,9 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         metavar="PATH",
         help="files (.txt, .jsonl, .parquet), folders (searched recursively, in sorted order), or a "
-        "Hugging Face dataset name (e.g. wikipedia; prefix with hf: to force), loaded when online "
-        "or from the local cache",
+        "Hugging Face dataset name (e.g. wikimedia/wikipedia with --hf-config 20231101.en; prefix "
+        "with hf: to force, also for a local folder in a Hub dataset's layout); Parquet datasets "
+        "are streamed from the Hub, others loaded when online or from the local cache",
     )
     parser.add_argument(
         "--txt-documents",
@@ -64,7 +65,11 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSON lines longer than this are skipped and counted, never held in memory "
         "(text lines of any length are read in pieces) (default: 64M)",
     )
-    parser.add_argument("--hf-config", default=None, help="configuration of a Hub dataset (e.g. 20220301.en)")
+    parser.add_argument(
+        "--hf-config",
+        default=None,
+        help="configuration of a Hub dataset (e.g. 20231101.en: wikimedia/wikipedia's dump date and language)",
+    )
     parser.add_argument("--hf-split", default="train", help="split of a Hub dataset (default: %(default)s)")
 
 

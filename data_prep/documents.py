@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from data_prep.sources import Chunk, InputError, ReadOptions, Source, open_hub_dataset
+from data_prep.sources import Chunk, InputError, ReadOptions, Source, open_hub_dataset, open_parquet
 
 BLOCK_BYTES = 1 << 20
 BOM = b"\xef\xbb\xbf"
@@ -208,9 +208,7 @@ class DocumentReader:
         """Parquet row groups or Hub dataset rows `[start, end)`, a few hundred rows at a time."""
         field, chunk = self.options.text_field, self.chunk
         if self.source.kind == "parquet":
-            import pyarrow.parquet as pq
-
-            parquet = pq.ParquetFile(self.source.path)
+            parquet = open_parquet(self.source.path)
             total = sum(parquet.metadata.row_group(g).num_rows for g in range(chunk.start, chunk.end))
             groups = list(range(chunk.start, chunk.end))
             batches = (

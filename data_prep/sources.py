@@ -46,7 +46,7 @@ class Source:
         """What the manifest records about this input (no cache paths: they vary by machine)."""
         record = asdict(self)
         record.pop("hf_files")
-        if self.kind != "hf":
+        if self.kind != "hf" and not self.hf_fingerprint:  # a Hub dataset's parquet file keeps them
             for key in ("hf_config", "hf_split", "hf_fingerprint"):
                 record.pop(key)
         if self.kind != "txt":
@@ -116,7 +116,7 @@ def resolve_inputs(
 
     for item in inputs:
         if item.startswith(HF_PREFIX):
-            sources.append(_hub_source(item[len(HF_PREFIX) :], hf_config, hf_split, text_field))
+            sources.extend(_hub_sources(item[len(HF_PREFIX) :], hf_config, hf_split, text_field))
             continue
         path = Path(item)
         if path.is_dir():
@@ -134,7 +134,7 @@ def resolve_inputs(
         elif _looks_like_path(item):
             raise InputError(f"input {item} does not exist")
         else:
-            sources.append(_hub_source(item, hf_config, hf_split, text_field))
+            sources.extend(_hub_sources(item, hf_config, hf_split, text_field))
     if not sources:
         raise InputError(f"every input is empty: {', '.join(skipped)}")
     for source in sources:
@@ -162,12 +162,23 @@ def _looks_like_path(item: str) -> bool:
     return not HUB_NAME.fullmatch(item) or Path(item).suffix.lower() in SUFFIXES
 
 
-def _check_parquet(source: Source, text_field: str) -> None:
-    import pyarrow as pa
+def open_parquet(path: str) -> Any:  # -> pyarrow.parquet.ParquetFile
+    """A local Parquet file, or a remote one (`hf://datasets/...`) read by ranges through fsspec:
+    only the footer and the row groups asked for are fetched, never the whole file."""
     import pyarrow.parquet as pq
 
+    if "://" not in path:
+        return pq.ParquetFile(path)
+    import fsspec
+
+    return pq.ParquetFile(fsspec.open(path, "rb").open())
+
+
+def _check_parquet(source: Source, text_field: str) -> None:
+    import pyarrow as pa
+
     try:
-        schema = pq.ParquetFile(source.path).schema_arrow
+        schema = open_parquet(source.path).schema_arrow
     except (OSError, pa.ArrowException) as err:
         raise InputError(f"{source.path} is not a readable Parquet file: {err}") from err
     if text_field not in schema.names:
@@ -213,6 +224,72 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
     except OSError:
         return False
     return True
+
+
+def _hub_sources(name: str, config: str | None, split: str, text_field: str) -> list[Source]:
+    """The sources of a Hub dataset split (or of a local folder in a Hub dataset's layout).
+
+    A dataset stored as Parquet (today's `wikimedia/wikipedia`, BookCorpus copies) is streamed:
+    each of its Parquet files becomes one source, read by row groups straight from the Hub by the
+    workers; nothing is downloaded ahead and no Arrow cache is written. Any other dataset is loaded
+    with `datasets.load_dataset` (downloaded once into the Hugging Face cache) as before.
+    """
+    local = Path(name).is_dir()
+    online = local or _hub_reachable()
+    if not online:
+        os.environ["HF_HUB_OFFLINE"] = "1"  # set before the import, which reads it
+    import datasets
+
+    if not online:
+        datasets.config.HF_HUB_OFFLINE = True  # in case it was imported earlier
+    try:
+        builder = datasets.load_dataset_builder(str(Path(name).resolve()) if local else name, config)
+    except Exception as err:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
+        where = (
+            "a local folder"
+            if local
+            else "the Hub"
+            if online
+            else "the local cache (the Hub is unreachable: offline?)"
+        )
+        raise InputError(
+            f"input {name!r} is not a local file or folder, and reading it as a Hugging Face dataset "
+            f"(config {config!r}) from {where} failed: {type(err).__name__}: {err}. Pass local "
+            ".txt/.jsonl/.parquet files, or check the name and --hf-config (e.g. wikimedia/wikipedia "
+            "--hf-config 20231101.en)."
+        ) from err
+    files = list((builder.config.data_files or {}).get(split, []))
+    if not files and builder.config.data_files:
+        raise InputError(
+            f"dataset {name!r} (config {config!r}) has no split {split!r}; its splits: "
+            f"{', '.join(builder.config.data_files)}. Pass --hf-split"
+        )
+    if not files or not all(str(f).endswith(".parquet") for f in files):
+        return [_hub_source(name, config, split, text_field)]
+    from tqdm.auto import tqdm
+
+    sources = []
+    for path in tqdm(
+        files, desc=f"reading the Parquet footers of {name}", unit="file", disable=len(files) < 4
+    ):
+        path = str(path)
+        parquet = open_parquet(path)
+        sources.append(
+            Source(
+                "parquet",
+                path,
+                parquet.metadata.serialized_size
+                + sum(
+                    parquet.metadata.row_group(g).total_byte_size
+                    for g in range(parquet.metadata.num_row_groups)
+                ),
+                hf_config=config,
+                hf_split=split,
+                # a Hub path names the revision (hf://datasets/NAME@SHA/...), so it changes with the data
+                hf_fingerprint=f"{name}:{parquet.metadata.num_rows}",
+            )
+        )
+    return sources
 
 
 def _hub_source(name: str, config: str | None, split: str, text_field: str) -> Source:
@@ -303,9 +380,7 @@ def _byte_chunks(index: int, source: Source, shard_bytes: int, line_mode: bool) 
 
 
 def _row_group_chunks(index: int, source: Source, shard_bytes: int) -> list[Chunk]:
-    import pyarrow.parquet as pq
-
-    meta = pq.ParquetFile(source.path).metadata
+    meta = open_parquet(source.path).metadata
     chunks, start, size = [], 0, 0
     for group in range(meta.num_row_groups):
         size += meta.row_group(group).total_byte_size

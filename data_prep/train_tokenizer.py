@@ -284,5 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def console_main() -> None:
+    """The `swbert-train-tokenizer` command."""
     cli.run_main(main)
+
+
+if __name__ == "__main__":
+    console_main()

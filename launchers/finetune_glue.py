@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             run_glue(sweep, tracker)
     if dist_info().is_main:
         tables = build_report(collect(tracker.uri, args.experiment, [parent]), args.output_dir / "report")
+        tracker.log_artifacts(parent, args.output_dir / "report", "report")  # tables and figures
         for table in tables.values():
             print(table.markdown())
         log.info("tables written to %s (re-create them with launchers/report.py)", args.output_dir / "report")

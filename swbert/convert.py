@@ -199,6 +199,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{args.input}: {e}")
     args.output.mkdir(parents=True, exist_ok=True)
     converted.save_pretrained(args.output)
+    if args.direction == "from-hf":  # loadable without swbert too, with trust_remote_code
+        from swbert.models.remote_code import add_remote_code
+
+        add_remote_code(args.output)
     _copy_tokenizer(args.input, args.output)
     print(f"wrote {type(converted).__name__} to {args.output}")
 

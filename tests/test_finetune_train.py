@@ -97,6 +97,9 @@ def test_noise_level_zero_matches_the_trial_and_cross_domain_is_logged(glue_run,
     assert set(cross) == {"mrpc/validation/accuracy", "qnli/validation/accuracy"}
     assert (out / "report" / "table5_noise.png").stat().st_size > 0
     assert "MRPC→QNLI" in (out / "report" / "table6_cross_domain.md").read_text()
+    sweep = runs[("glue_sweep", None)].info.run_id  # the report and figures are its artifacts
+    assert "report/table5_noise.png" in {a.path for a in client.list_artifacts(sweep, "report")}
+    assert "system/cpu_utilization_percentage" in client.get_run(sweep).data.metrics
 
 
 def test_evaluate_finetuned_reproduces_the_clean_score(glue_run, store, tmp_path):

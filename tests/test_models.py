@@ -93,12 +93,18 @@ def test_masked_only_mlm_loss_equals_full_head_loss(kernel):
     labels = torch.full_like(inputs["input_ids"], -100)
     labels[0, [0, 3, 7]] = inputs["input_ids"][0, [0, 3, 7]]
     labels[1, 2] = 9
-    out = model(**inputs, labels=labels)
+    out = model(**inputs, labels=labels, masked_logits_only=True)
     full = model(**inputs).logits  # (B, S, V)
     expected = F.cross_entropy(full.view(-1, full.shape[-1]), labels.view(-1), ignore_index=-100)
     assert out.logits.shape == (4, 101)
     assert_close(out.loss, expected)
     assert_close(out.logits, full[labels != -100])
+    # eval mode's default is transformers' convention (pipelines, Trainer.evaluate): every position
+    conventional = model(**inputs, labels=labels)
+    assert conventional.logits.shape == full.shape
+    assert_close(conventional.logits, full)
+    assert_close(conventional.loss, expected)
+    assert model.train()(**inputs, labels=labels).logits.shape == (4, 101)  # training: labelled rows only
 
 
 def test_sdpa_and_eager_kernels_agree():

@@ -105,9 +105,14 @@ def test_params_metrics_and_artifacts_reach_the_server(mlflow_server, data_dir, 
         [local[s]["loss"] for s in range(1, 9)]
     )
     artifacts = {a.path for a in client.list_artifacts(run_id)}
-    assert "resolved_config.yaml" in artifacts and "export" in artifacts
-    exported = {a.path for a in client.list_artifacts(run_id, "export")}
-    assert "export/model.safetensors" in exported and "export/config.json" in exported
+    assert {"resolved_config.yaml", "ds_config.json", "model"} <= artifacts
+    model = {a.path for a in client.list_artifacts(run_id, "model")}
+    assert "model/MLmodel" in model and "model/fill_mask_pyfunc.py" in model  # an MLflow model
+    exported = {a.path for a in client.list_artifacts(run_id, "model/artifacts/export")}
+    assert (
+        "model/artifacts/export/model.safetensors" in exported
+        and "model/artifacts/export/config.json" in exported
+    )
 
 
 def test_training_continues_when_the_server_goes_away(mlflow_server, data_dir, tmp_path):

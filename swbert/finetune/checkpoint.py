@@ -113,6 +113,9 @@ def save_finetuned(model, tokenizer, folder: str | Path) -> None:
         model.config.tokenizer_sha256 = tokenizer_fingerprint(tokenizer)
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
+        from swbert.models.remote_code import add_remote_code
+
+        add_remote_code(folder)  # the heads load without swbert too (trust_remote_code)
     barrier()
 
 

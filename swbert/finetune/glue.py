@@ -33,7 +33,7 @@ from swbert.finetune.metrics import glue_metrics
 from swbert.finetune.results import Summary, Trial, nest_metrics, prune_models, summarize
 from swbert.finetune.tasks import GLUE_TASKS, GlueTask, get_task
 from swbert.finetune.tracking import CHECKPOINT, KIND, TASK, VARIANT, Tracker
-from swbert.finetune.trainer import TrainConfig, default_device, dist_info, fit, move, set_seed
+from swbert.finetune.trainer import TrainConfig, default_device, dist_info, fit, move, progress_bar, set_seed
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +181,7 @@ def run_trial(
             select=f"{task.main_split}/score",
             cfg=cfg,
             log_metrics=lambda m, step: tracker.log(run_id, m, step),
+            desc=f"{ckpt.name} {task.name} lr {lr:g} seed {seed}",
         )
         best = {k: v for k, v in result.best_metrics.items() if k != "epoch"}
         tracker.log(
@@ -254,6 +255,8 @@ def run_glue(sweep: GlueSweep, tracker: Tracker) -> tuple[list[Trial], list[Summ
     """The whole sweep; returns every trial and the per-(variant, task) summaries."""
     sweep.check()
     trials: list[Trial] = []
+    runs = len(sweep.checkpoints) * len(sweep.tasks) * len(sweep.learning_rates) * len(sweep.seeds)
+    bar = progress_bar(runs, "GLUE sweep", unit="run")
     for ckpt in sweep.checkpoints:
         tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer)
         token_types = uses_token_types(ckpt.config)
@@ -271,11 +274,11 @@ def run_glue(sweep: GlueSweep, tracker: Tracker) -> tuple[list[Trial], list[Summ
                 sweep.max_eval_samples,
             )
             datas[task.name] = data
-            task_trials = [
-                run_trial(sweep, ckpt, data, tokenizer, lr, seed, tracker)
-                for lr in sweep.learning_rates
-                for seed in sweep.seeds
-            ]
+            task_trials = []
+            for lr in sweep.learning_rates:
+                for seed in sweep.seeds:
+                    task_trials.append(run_trial(sweep, ckpt, data, tokenizer, lr, seed, tracker))
+                    bar.update(1)
             trials += task_trials
             (summary,) = glue_summaries(task_trials)
             log.info("%s %s: lr %g, median %s", ckpt.name, task.name, summary.learning_rate, summary.median)
@@ -298,6 +301,7 @@ def run_glue(sweep: GlueSweep, tracker: Tracker) -> tuple[list[Trial], list[Summ
             cross_domain_evaluation(
                 ckpt.name, sources, {t: datas[t] for t in sources}, tracker, sweep.train.eval_batch_size
             )
+    bar.close()
     return trials, glue_summaries(trials)
 
 

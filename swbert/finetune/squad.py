@@ -32,7 +32,7 @@ from swbert.finetune.squad_data import (
 )
 from swbert.finetune.squad_post import decode_spans
 from swbert.finetune.tracking import CHECKPOINT, KIND, TASK, VARIANT, Tracker
-from swbert.finetune.trainer import TrainConfig, dist_info, fit, move, set_seed
+from swbert.finetune.trainer import TrainConfig, dist_info, fit, move, progress_bar, set_seed
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,7 @@ def run_squad_trial(
             select=f"{SPLIT}/f1",
             cfg=cfg,
             log_metrics=lambda m, step: tracker.log(run_id, m, step),
+            desc=f"{ckpt.name} {name} lr {lr:g} seed {seed}",
         )
         best = {k: v for k, v in result.best_metrics.items() if k != "epoch"}
         tracker.log(
@@ -164,6 +165,8 @@ def run_squad_trial(
 def run_squad(sweep: SquadSweep, tracker: Tracker) -> tuple[list[Trial], list[Summary]]:
     """The whole sweep; returns every trial and the per-(variant, version) summaries."""
     trials: list[Trial] = []
+    runs = len(sweep.checkpoints) * len(sweep.versions) * len(sweep.learning_rates) * len(sweep.seeds)
+    bar = progress_bar(runs, "SQuAD sweep", unit="run")
     for ckpt in sweep.checkpoints:
         tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer)
         token_types = uses_token_types(ckpt.config)
@@ -177,18 +180,21 @@ def run_squad(sweep: SquadSweep, tracker: Tracker) -> tuple[list[Trial], list[Su
                 dev_ex, tokenizer, sweep.max_seq_length, sweep.doc_stride, token_types
             )
             name = task_name(version)
-            version_trials = [
-                run_squad_trial(
-                    sweep, ckpt, version, tokenizer, train_set, dev_ex, dev_feats, lr, seed, tracker
-                )
-                for lr in sweep.learning_rates
-                for seed in sweep.seeds
-            ]
+            version_trials = []
+            for lr in sweep.learning_rates:
+                for seed in sweep.seeds:
+                    version_trials.append(
+                        run_squad_trial(
+                            sweep, ckpt, version, tokenizer, train_set, dev_ex, dev_feats, lr, seed, tracker
+                        )
+                    )
+                    bar.update(1)
             trials += version_trials
             (summary,) = squad_summaries(version_trials)
             log.info("%s %s: lr %g, median %s", ckpt.name, name, summary.learning_rate, summary.median)
             if sweep.keep == "median" and dist_info().is_main:
                 prune_models(version_trials, summary.median_trial)
+    bar.close()
     return trials, squad_summaries(trials)
 
 

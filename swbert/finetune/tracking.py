@@ -31,17 +31,28 @@ def tracking_uri(output_dir: str | Path) -> str:
 class Tracker:
     """A thin MLflow client wrapper; ``enabled=False`` (non-zero ranks) makes every call a no-op."""
 
-    def __init__(self, uri: str, experiment: str = DEFAULT_EXPERIMENT, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        uri: str,
+        experiment: str = DEFAULT_EXPERIMENT,
+        enabled: bool = True,
+        system_metrics: bool = True,
+    ) -> None:
         self.enabled = enabled
         self.parent_id: str | None = None
         self.uri = uri
+        self.system_metrics = system_metrics
         if not enabled:
             return
         from mlflow import MlflowClient
 
         self.client = MlflowClient(uri)
         exp = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+        # a SQLite store's artifacts go next to it, not into ./mlruns of wherever the job started
+        where = None
+        if uri.startswith("sqlite:///"):
+            where = (Path(uri[len("sqlite:///") :]).parent / "mlartifacts").as_uri()
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment, where)
 
     def _create(self, name: str, tags: dict[str, str], params: dict | None) -> str | None:
         if not self.enabled:
@@ -70,17 +81,37 @@ class Tracker:
 
     @contextlib.contextmanager
     def sweep(self, name: str, kind: str, params: dict | None = None) -> Iterator[str | None]:
-        """The parent run of a sweep; its children are nested under it in the MLflow UI."""
+        """The parent run of a sweep; its children are nested under it in the MLflow UI.
+
+        The sweep's system metrics (MLflow's monitor: CPU, memory, GPU) are logged to it."""
         run_id = self._create(name, {KIND: kind}, params)
         self.parent_id = run_id
+        monitor = None
+        if run_id is not None and self.system_metrics:
+            from swbert.training.metrics import start_system_metrics
+
+            monitor = start_system_metrics(run_id, self.uri)
         try:
             yield run_id
         except BaseException:
+            self._stop(monitor)
             self._end(run_id, "FAILED")
             raise
         finally:
             self.parent_id = None
+        self._stop(monitor)
         self._end(run_id, "FINISHED")
+
+    @staticmethod
+    def _stop(monitor: object) -> None:
+        from swbert.training.metrics import stop_system_metrics
+
+        stop_system_metrics(monitor)
+
+    def log_artifacts(self, run_id: str | None, folder: str | Path, artifact_path: str | None = None) -> None:
+        """Files of ``folder`` (reports, figures) as artifacts of ``run_id``."""
+        if self.enabled and run_id is not None and Path(folder).is_dir():
+            self.client.log_artifacts(run_id, str(folder), artifact_path)
 
     @contextlib.contextmanager
     def run(self, name: str, tags: dict[str, str], params: dict | None = None) -> Iterator[str | None]:

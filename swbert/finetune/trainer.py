@@ -104,6 +104,13 @@ def move(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torc
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def progress_bar(total: int, desc: str, **kwargs: object):  # -> tqdm
+    """A tqdm bar on rank 0 (a disabled one elsewhere): per run, and over a sweep's runs."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not dist_info().is_main, dynamic_ncols=True, **kwargs)
+
+
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     # BERT's recipe: biases and LayerNorm weights are not decayed; neither are other 1-D parameters
     # (the shared attention's dq/dk/dv scales), which act like LayerNorm gains.
@@ -182,12 +189,14 @@ def fit(
     select: str,
     cfg: TrainConfig,
     log_metrics: Callable[[dict[str, float], int], None] | None = None,
+    desc: str = "fine-tune",
 ) -> FitResult:
     """Fine-tune ``model`` in place; on return it holds the weights of the best dev epoch.
 
     ``evaluate(model)`` returns dev metrics; ``select`` names the one to maximise. ``log_metrics``
     (rank 0 only) receives the training loss and learning rate every few steps and the dev metrics
-    after every epoch (keys prefixed ``dev/``), with the optimiser step as ``step``.
+    after every epoch (keys prefixed ``dev/``), with the optimiser step as ``step``. Rank 0 shows a
+    progress bar over the steps, labelled ``desc``.
     """
     info = dist_info()
     if info.world_size > 1 and not cfg.deepspeed_config:
@@ -228,7 +237,11 @@ def fit(
         cfg.epochs * len(loader) if cfg.max_steps is None else min(cfg.max_steps, cfg.epochs * len(loader))
     )
     optimizer = torch.optim.AdamW(
-        _param_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=(0.9, 0.999), eps=1e-8
+        _param_groups(model, cfg.weight_decay),
+        lr=cfg.learning_rate,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        fused=device.type == "cuda",  # one kernel for all parameters on GPU; the same update
     )
     scheduler = _linear_schedule(optimizer, int(cfg.warmup_ratio * total), total)
     engine = None
@@ -248,6 +261,7 @@ def fit(
     result = FitResult(best_metrics={}, best_epoch=-1)
     best_value, best_state, stale, step = -math.inf, None, 0, 0
     start = time.perf_counter()
+    bar = progress_bar(total, desc, unit="step", leave=False)
     for epoch in range(cfg.epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)
@@ -269,6 +283,7 @@ def fit(
             step += 1
             running += loss.item()
             seen += 1
+            bar.update(1)
             if log_metrics and info.is_main and (step % 50 == 0 or step == total):
                 log_metrics({"train/loss": running / seen, "train/lr": scheduler.get_last_lr()[0]}, step)
                 running, seen = 0.0, 0
@@ -283,6 +298,7 @@ def fit(
             log_metrics(
                 {f"dev/{k}": v for k, v in metrics.items() if k != "epoch" and not math.isnan(v)}, step
             )
+        bar.set_postfix({select: f"{metrics[select]:.4f}", "epoch": epoch})
         value = selection_value(metrics[select])
         if best_state is None or value > best_value:
             best_value, best_state, stale = value, _state_on_cpu(module), 0
@@ -300,6 +316,7 @@ def fit(
         )
         if step >= total or (cfg.patience and stale >= cfg.patience):
             break
+    bar.close()
     result.steps = step
     result.train_seconds = time.perf_counter() - start
     if best_state is not None:

@@ -256,10 +256,12 @@ class MLMHead(nn.Module):
 class SWBertForMaskedLM(SWBertPreTrainedModel):
     """Masked-LM pretraining model with tied input/output embeddings.
 
-    With `labels`, the head runs only on the labelled positions (gathered first): computing
-    vocabulary-wide logits for every token would waste ~20% of BERT-base's FLOPs. `logits` then has
-    shape (num_labelled, vocab) in row-major order of the labelled positions. Without labels it
-    returns (B, S, vocab) logits like `BertForMaskedLM`.
+    In training mode with `labels`, the head runs only on the labelled positions (gathered first):
+    computing vocabulary-wide logits for every token would waste ~20% of BERT-base's FLOPs. `logits`
+    then has shape (num_labelled, vocab) in row-major order of the labelled positions. Otherwise
+    (no labels, or eval mode) it returns (B, S, vocab) logits like `BertForMaskedLM`, which
+    pipelines and `transformers.Trainer` expect, with the same loss; `masked_logits_only`
+    overrides the choice either way (its name avoids "label": Trainer takes such arguments for labels).
 
     The loss reads the last layer only at the labelled positions, so with `labels` (and without
     `output_hidden_states`) the last layer computes only those (`SWBertModel`'s `output_rows`): its
@@ -293,9 +295,20 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
         labels: torch.Tensor | None = None,
         output_hidden_states: bool = False,
         return_dict: bool = True,
+        masked_logits_only: bool | None = None,
         **_: object,
     ) -> MaskedLMOutput:
         selected = None if labels is None else labels != IGNORE_INDEX  # (B, S)
+        if selected is not None and not (self.training if masked_logits_only is None else masked_logits_only):
+            # transformers' convention: logits at every position, the loss at the labelled ones
+            out = self.bert(
+                input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_hidden_states
+            )
+            logits, _ = self.logits_and_loss(out.last_hidden_state, None)  # (B, S, vocab)
+            target = labels[selected]
+            picked = logits[selected].float()
+            loss = F.cross_entropy(picked, target) if target.numel() else picked.sum() * 0.0
+            return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
         prune = selected is not None and self.last_layer_on_labels and not output_hidden_states
         out = self.bert(
             input_ids,

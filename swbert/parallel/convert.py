@@ -89,7 +89,7 @@ def full_state_dict(
 def to_hf(
     ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = None, config: SWBertConfig | None = None
 ) -> Path:
-    """Write a Hugging Face folder (config.json, model.safetensors) with the merged weights."""
+    """Write a Hugging Face folder (config.json, model.safetensors, the model code) with the merged weights."""
     state, config = full_state_dict(ckpt_dir, tag, config)
     model = SWBertForMaskedLM(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -97,6 +97,9 @@ def to_hf(
     if set(missing) - tied or unexpected:
         raise ValueError(f"checkpoint does not match the config: missing {missing}, unexpected {unexpected}")
     model.save_pretrained(out_dir)
+    from swbert.models.remote_code import add_remote_code
+
+    add_remote_code(out_dir)  # loadable without swbert too, with trust_remote_code
     return Path(out_dir)
 
 

@@ -23,10 +23,11 @@ from typing import Any
 
 import psutil
 
+from swbert.launchers import launcher_path
 from swbert.scaling.grid import GridPoint
 from swbert.scaling.memory import GIB
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # the checkout, when run from one
 RUNTIME_GIB_PER_RANK = 0.8  # resident memory of a rank before the model: torch, DeepSpeed, data
 # Peaks of measured CPU runs over their whole life (start-up, optimizer swaps, the final checkpoint)
 # were 1.5-1.75x the steady-state estimate of the model states and activations (docs/scaling.md):
@@ -221,7 +222,7 @@ def run_point(
         args += ["--data-dir", data_dir]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(hardware.ranks), str(REPO / "launchers" / "pretrain.py"), *args,
+        "--nproc-per-node", str(hardware.ranks), str(launcher_path("pretrain")), *args,
     ]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
     env.pop("MLFLOW_TRACKING_URI", None)  # the study records the point; the run keeps no store
@@ -231,7 +232,12 @@ def run_point(
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            cwd=REPO if (REPO / "launchers").is_dir() else None,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         limit = hardware.headroom * hardware.host_bytes if hardware.accelerator == "cpu" else None
         sampler = MemorySampler(proc.pid, limit)

@@ -5,25 +5,33 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from swbert.training.config import RECIPES_DIR, TrainConfig, build_config
+from swbert.training.config import RECIPES_DIR, TrainConfig, build_config, field_descriptions
 
 DEFAULT_RECIPE = "default"
+
+
+def _type_name(tp: object) -> str:
+    text = tp if isinstance(tp, str) else getattr(tp, "__name__", str(tp))
+    return text.replace("Literal[", "one of [")
 
 
 def _help() -> str:
     lines = [
         "usage: deepspeed [--num_gpus N] launchers/pretrain.py [--config RECIPE] [--key value ...]",
         "       torchrun --nproc_per_node N launchers/pretrain.py [--config RECIPE] [--key value ...]",
+        "       swbert-pretrain [--config RECIPE] [--key value ...]   (one process, or under srun)",
         "",
         f"--config RECIPE   a YAML/TOML recipe, or a shipped one: "
         f"{', '.join(sorted(p.stem for p in RECIPES_DIR.glob('*.yaml')))} (default: {DEFAULT_RECIPE})",
         "",
         "Every config key can be overridden as --key value (dashes or underscores):",
     ]
+    described = field_descriptions()
     for f in dataclasses.fields(TrainConfig):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        tp = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        lines.append(f"  --{f.name.replace('_', '-'):<24} {tp:<48} default: {default!r}")
+        lines.append(f"  --{f.name.replace('_', '-'):<24} {_type_name(f.type)}, default: {default!r}")
+        if f.name in described:
+            lines.append(f"  {'':<26} {described[f.name]}")
     lines.append("\nThe resolved config is printed and saved as <output_dir>/resolved_config.yaml.")
     return "\n".join(lines)
 
@@ -100,3 +108,7 @@ def closing_summary(summary: dict) -> str:
         lines.append(f"  MLflow store:                {uri}")
         lines.append(f"  open the MLflow UI with:     mlflow ui --backend-store-uri {uri}")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m swbert.training.cli, e.g. under torchrun -m
+    main()

@@ -9,18 +9,37 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import json
+import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-import tomllib
 import yaml
 
 from swbert.models.config import ATTENTION_TYPES, SIZES
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser, before it joined the standard library
+    import tomli as tomllib
+
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-DS_CONFIGS_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
+
+
+def ds_config_dirs() -> list[Path]:
+    """Where shipped DeepSpeed configs are looked up by name, first match wins.
+
+    A checkout's (or editable install's) top-level `ds_configs/`, the folder users edit, comes first;
+    a wheel carries a copy of it as `swbert/ds_configs/` (see setup.py), found from any directory.
+    """
+    package = Path(__file__).resolve().parents[1]
+    candidates = [package.parent / "ds_configs", package / "ds_configs"]
+    return [d for d in candidates if d.is_dir() and any(d.glob("*.json"))]
+
+
 # Settings a checkpoint records that `--allow-resume-change` may override (see checkpoint.py).
 RESUME_CHANGEABLE = ("data", "seed", "seq_len", "mlm_probability", "global_batch_size", "precision")
 
@@ -39,23 +58,23 @@ class TrainConfig:
     seq_len: int = 128  # tokens per packed sequence, [CLS] and [SEP] included
     mlm_probability: float = 0.15  # fraction of tokens to predict (80% [MASK], 10% random, 10% kept)
     # batch: global = micro x data-parallel ranks x accumulation; give any two of the three
-    global_batch_size: int = 32
-    micro_batch_size: int = 16
+    global_batch_size: int = 32  # sequences per optimizer step, over all ranks
+    micro_batch_size: int = 16  # sequences per forward pass on one data-parallel rank
     grad_accum_steps: int | None = None  # derived from the other two when None
     # optimisation
     optimizer: Literal["auto", "torch_adamw", "fused_adam", "cpu_adam"] = "auto"  # auto: fused on GPU
-    lr: float = 1e-3
+    lr: float = 1e-3  # peak learning rate, reached after the warm-up
     min_lr: float = 0.0  # floor of the decay
-    lr_schedule: Literal["linear", "cosine", "constant"] = "linear"
-    warmup_steps: int = 100
+    lr_schedule: Literal["linear", "cosine", "constant"] = "linear"  # decay after the warm-up, to min_lr
+    warmup_steps: int = 100  # linear warm-up from 0 to lr
     weight_decay: float = 0.01  # not applied to biases, norms and the shared-attention diagonals
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.98
-    adam_eps: float = 1e-6
+    adam_beta1: float = 0.9  # AdamW first-moment decay
+    adam_beta2: float = 0.98  # AdamW second-moment decay
+    adam_eps: float = 1e-6  # AdamW denominator epsilon
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     # length of the run: steps, or a token budget (converted to steps)
-    train_steps: int = 1000
-    train_tokens: int | None = None
+    train_steps: int = 1000  # optimizer steps (ignored when train_tokens is set)
+    train_tokens: int | None = None  # token budget, converted to steps of global_batch_size x seq_len
     # precision and parallelism
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     deepspeed_config: str = "ds_configs/zero2.json"  # ZeRO stage and offload; batch/LR are filled here
@@ -63,17 +82,18 @@ class TrainConfig:
     # bookkeeping
     output_dir: str | None = None  # default: runs/<run_name>
     run_name: str | None = None  # default: <size>-<attention_type>-<timestamp>
-    seed: int = 1234
-    log_interval: int = 10
-    eval_interval: int = 200
+    seed: int = 1234  # initial weights, data order and masks
+    log_interval: int = 10  # steps between logged metrics
+    eval_interval: int = 200  # steps between validations (on a logging step)
     eval_batches: int = 10  # validation micro-batches per evaluation
-    save_interval: int = 500
+    save_interval: int = 500  # steps between checkpoints (and one at the end)
     keep_checkpoints: int = 3  # newest complete checkpoints kept on disk
     resume: str = "none"  # none | auto (newest complete checkpoint in output_dir) | a checkpoint path
     max_nonfinite_steps: int = 5  # stop after this many skipped (non-finite) steps in a row
     export: bool = True  # write a Hugging Face folder at the end
     mlflow: bool = True  # log to MLflow (MLFLOW_TRACKING_URI, else a SQLite store in output_dir)
-    progress_bar: bool = True
+    system_metrics: bool = True  # MLflow's system metrics (CPU, memory, disk, network; GPUs when present)
+    progress_bar: bool = True  # a tqdm bar on rank 0
     num_threads: int | None = None  # CPU: torch threads per rank (default: cores / local ranks)
     compile: bool = False  # torch.compile the model through DeepSpeed (weights and checkpoints unchanged)
     # CPU kernels from swbert.cpu (dropout, attention, decoder; same results, faster on a CPU):
@@ -238,6 +258,31 @@ def build_config(recipe: str | Path | None, overrides: list[str]) -> TrainConfig
     config = TrainConfig(**values)
     config.check()
     return config
+
+
+_FIELD_LINE = re.compile(r"^\s{4}(\w+):\s*[^=]+?=\s*.*?(?:#\s*(.*))?$")
+_COMMENT_LINE = re.compile(r"^\s{4}#\s?(.*)$")
+
+
+def field_descriptions() -> dict[str, str]:
+    """Each field's description, read from the source of `TrainConfig`: the comment on its line,
+    else the comment lines right above it."""
+    try:
+        source = inspect.getsource(TrainConfig)
+    except (OSError, TypeError):  # no source shipped (a frozen or .pyc-only install)
+        return {}
+    found: dict[str, str] = {}
+    above: list[str] = []
+    for line in source.splitlines():
+        comment = _COMMENT_LINE.match(line)
+        if comment:
+            above.append(comment.group(1).strip())
+            continue
+        match = _FIELD_LINE.match(line)
+        if match and (match.group(2) or above):
+            found[match.group(1)] = match.group(2) or " ".join(above)
+        above = []
+    return found
 
 
 def dump_config(config: TrainConfig) -> str:

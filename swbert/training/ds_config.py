@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from swbert.training.config import DS_CONFIGS_DIR, TrainConfig
+from swbert.training.config import TrainConfig, ds_config_dirs
 
 
 def resolve_precision(requested: str, on_gpu: bool) -> str:
@@ -26,13 +26,30 @@ def resolve_precision(requested: str, on_gpu: bool) -> str:
     return requested
 
 
-def load_ds_config(path: str | Path) -> dict[str, Any]:
+def find_ds_config(path: str | Path) -> Path:
+    """The file a `--deepspeed-config` value names.
+
+    An existing path wins. A bare name (`zero2.json`) or the recipes' `ds_configs/<name>` form that
+    does not exist from the working directory is looked up among the shipped configs, so a run
+    works from any folder with a non-editable install; any other missing path is an error.
+    """
     p = Path(path)
-    if not p.is_file() and (DS_CONFIGS_DIR / p.name).is_file():
-        p = DS_CONFIGS_DIR / p.name  # a shipped config named from anywhere
-    if not p.is_file():
-        shipped = ", ".join(sorted(x.name for x in DS_CONFIGS_DIR.glob("*.json")))
-        raise FileNotFoundError(f"--deepspeed-config {path} not found (shipped: {shipped})")
+    if p.is_file():
+        return p
+    dirs = ds_config_dirs()
+    if p.parent in (Path(), Path("ds_configs")):
+        for folder in dirs:
+            if (folder / p.name).is_file():
+                return folder / p.name
+    shipped = sorted({x.name for folder in dirs for x in folder.glob("*.json")})
+    raise FileNotFoundError(
+        f"--deepspeed-config {path} not found; give an existing JSON file or the name of a shipped "
+        f"one ({', '.join(shipped) or 'none found: reinstall swbert'})"
+    )
+
+
+def load_ds_config(path: str | Path) -> dict[str, Any]:
+    p = find_ds_config(path)
     try:
         return json.loads(p.read_text())
     except json.JSONDecodeError as err:

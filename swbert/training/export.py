@@ -2,8 +2,11 @@
 
     python -m swbert.training.export runs/mini-shared/checkpoints [--tag step_00001000] --output DIR
 
-The folder holds config.json, model.safetensors (fp32) and the tokenizer, and loads with
-`SWBertForMaskedLM.from_pretrained` or, after `import swbert`, `AutoModelForMaskedLM`.
+The folder holds config.json, model.safetensors (fp32), the tokenizer, the model's code and a
+README.md on loading it: with swbert installed, `AutoModelForMaskedLM.from_pretrained(DIR)` after
+`import swbert`; anywhere else `AutoModelForMaskedLM.from_pretrained(DIR, trust_remote_code=True)` or
+`pipeline("fill-mask", model=DIR, trust_remote_code=True)`. A `standard` model also converts to
+transformers' own `BertForMaskedLM` (`swbert-convert to-hf DIR OUT`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 import torch
 
 from swbert.models import SWBertConfig, SWBertForMaskedLM
+from swbert.models.remote_code import add_remote_code
 from swbert.training.checkpoint import newest_complete, read_latest
 
 
@@ -62,6 +66,8 @@ def export(tag_dir: Path, output: Path, tokenizer_dir: Path | None = None) -> Pa
     model = load_model_from_checkpoint(tag_dir)
     output.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output)
+    add_remote_code(output)
+    (output / "README.md").write_text(model_card(model.config))
     if tokenizer_dir is None:
         meta = json.loads((tag_dir / "swbert_meta.json").read_text())
         tokenizer_dir = Path(meta["tokenizer_dir"]) if meta.get("tokenizer_dir") else None
@@ -70,6 +76,54 @@ def export(tag_dir: Path, output: Path, tokenizer_dir: Path | None = None) -> Pa
             if item.is_file() and item.name != "config.json":
                 shutil.copy2(item, output / item.name)
     return output
+
+
+def model_card(config: SWBertConfig) -> str:
+    """README.md of an exported folder: what the model is and how to load it, with or without swbert."""
+    lines = [
+        f"# swbert masked language model ({config.attention_type} attention)",
+        "",
+        f"{config.num_hidden_layers} layers, hidden size {config.hidden_size}, "
+        f"{config.num_attention_heads} heads, vocabulary {config.vocab_size}; trained with swbert.",
+        "",
+        "## Loading",
+        "",
+        "Anywhere transformers is installed (the model code is in this folder):",
+        "",
+        "```python",
+        "from transformers import AutoModelForMaskedLM, pipeline",
+        'model = AutoModelForMaskedLM.from_pretrained("THIS_FOLDER", trust_remote_code=True)',
+        'fill = pipeline("fill-mask", model="THIS_FOLDER", trust_remote_code=True)',
+        "```",
+        "",
+        "With swbert installed, `import swbert` first: its registered classes are used and",
+        "`trust_remote_code` is not needed.",
+        "",
+    ]
+    if config.attention_type == "standard":
+        lines += [
+            "## As transformers' BertForMaskedLM",
+            "",
+            "The `standard` variant is numerically BERT. Convert it once, then load it with",
+            "transformers alone:",
+            "",
+            "```bash",
+            "swbert-convert to-hf THIS_FOLDER bert/   # or: python -m swbert.convert to-hf THIS_FOLDER bert/",
+            "```",
+            "",
+            "```python",
+            "from transformers import BertForMaskedLM",
+            'model = BertForMaskedLM.from_pretrained("bert/")',
+            "```",
+            "",
+        ]
+    else:
+        lines += [
+            f"The `{config.attention_type}` attention has no transformers equivalent, so this model has",
+            "no BertForMaskedLM conversion; the code in this folder is the reference.",
+            "",
+        ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{tag_dir} is not a checkpoint folder")
     out = export(tag_dir, args.output, args.tokenizer)
     print(f"exported {tag_dir} -> {out}")
+    if json.loads((out / "config.json").read_text()).get("attention_type") == "standard":
+        print(f"as transformers' BertForMaskedLM: swbert-convert to-hf {out} BERT_FOLDER")
 
 
 if __name__ == "__main__":

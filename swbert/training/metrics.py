@@ -49,18 +49,49 @@ def memory_gib() -> dict[str, float]:
     return {"mem_rss_gib": psutil.Process().memory_info().rss / 2**30}
 
 
+def start_system_metrics(run_id: str, uri: str, resume: bool = False) -> Any:
+    """MLflow's own system-metrics monitor on `run_id`: CPU, memory, disk and network, and GPU
+    utilisation and memory when pynvml sees a GPU, as "system/..." metrics sampled on its thread.
+    Returns it (for `stop_system_metrics`), or None when MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING=false."""
+    if os.environ.get("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "").lower() in ("false", "0", "no"):
+        return None
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, resume_logging=resume, tracking_uri=uri)
+    monitor.start()
+    return monitor
+
+
+def stop_system_metrics(monitor: Any) -> None:
+    """Stop the monitor after one last sample, so a run shorter than the sampling interval has one too."""
+    if monitor is None:
+        return
+    monitor.finish()
+    try:
+        monitor.collect_metrics()
+        monitor.publish_metrics(monitor.aggregate_metrics())
+        monitor.mlflow_logger.flush()
+    except Exception as err:  # noqa: BLE001 - a missing sample must not fail the run
+        log.warning("last system-metrics sample not logged (%s: %s)", type(err).__name__, err)
+
+
 class MLflowSink:
     """Sends params, metrics and artifacts to MLflow from a background thread."""
 
-    def __init__(self, output_dir: Path, run_name: str, params: dict[str, Any]) -> None:
+    def __init__(
+        self, output_dir: Path, run_name: str, params: dict[str, Any], system_metrics: bool = True
+    ) -> None:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        self.embedded = not os.environ.get("MLFLOW_TRACKING_URI")
         self.uri = (
             os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(output_dir / 'mlflow.db').resolve()}"
         )
         self.output_dir = output_dir
         self.run_name = run_name
         self.run_id: str | None = None
+        self.system_metrics = system_metrics
+        self.monitor = None
         self.failed = False
         self.queue: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._work, name="mlflow-sink", daemon=True)
@@ -98,18 +129,23 @@ class MLflowSink:
         self.client = MlflowClient(tracking_uri=self.uri)
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "swbert-pretrain")
         exp = self.client.get_experiment_by_name(name)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(name)
+        # the embedded store keeps its artifacts in the run folder too, not in ./mlruns of wherever
+        # the job was started
+        where = (self.output_dir / "mlartifacts").resolve().as_uri() if self.embedded else None
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(name, artifact_location=where)
         id_file = self.output_dir / "mlflow_run_id"
-        if id_file.is_file():  # a resumed run keeps logging into the same MLflow run
+        resumed = id_file.is_file()
+        if resumed:  # a resumed run keeps logging into the same MLflow run
             self.run_id = id_file.read_text().strip()
             self.client.update_run(self.run_id, status="RUNNING")
-            return
-        run = self.client.create_run(exp_id, run_name=self.run_name)
-        self.run_id = run.info.run_id
-        id_file.write_text(self.run_id)
-        items = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]
-        for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[i : i + 100])
+        else:
+            self.run_id = self.client.create_run(exp_id, run_name=self.run_name).info.run_id
+            id_file.write_text(self.run_id)
+            items = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]
+            for i in range(0, len(items), 100):
+                self.client.log_batch(self.run_id, params=items[i : i + 100])
+        if self.system_metrics:
+            self.monitor = start_system_metrics(self.run_id, self.uri, resume=resumed)
 
     def metrics(self, step: int, values: dict[str, float]) -> None:
         snapshot = dict(values)
@@ -135,8 +171,41 @@ class MLflowSink:
 
         self.submit(send)
 
+    def log_model(self, export_dir: Path) -> None:
+        """Log an exported folder as an MLflow pyfunc model at `model` (fill-mask; see fill_mask_pyfunc)."""
+
+        def send():
+            import tempfile
+
+            import mlflow.pyfunc
+            import transformers
+
+            code = Path(__file__).with_name("fill_mask_pyfunc.py")
+            requirements = [
+                f"torch=={torch.__version__.split('+')[0]}",
+                f"transformers=={transformers.__version__}",
+            ]
+            # texts in; top_k a parameter of predict (MLflow drops params a signature does not name)
+            signature = mlflow.models.infer_signature(["the [MASK] sat on the mat ."], params={"top_k": 5})
+            with tempfile.TemporaryDirectory(dir=self.output_dir) as tmp:
+                path = Path(tmp) / "model"
+                mlflow.pyfunc.save_model(
+                    path,
+                    python_model=str(code),
+                    artifacts={"model": str(export_dir)},
+                    pip_requirements=requirements,
+                    signature=signature,
+                )
+                self.client.log_artifacts(self.run_id, str(path), "model")
+
+        self.submit(send)
+
     def close(self, status: str = "FINISHED", timeout: float = 120.0) -> None:
-        self.submit(lambda: self.client.set_terminated(self.run_id, status=status))
+        def end():
+            stop_system_metrics(self.monitor)  # before the run is marked terminated
+            self.client.set_terminated(self.run_id, status=status)
+
+        self.submit(end)
         self.queue.put(None)
         self.thread.join(timeout)
 
@@ -148,10 +217,17 @@ def _finite_or_none(value: Any) -> Any:
 class MetricsLogger:
     """Rank 0's sink: appends JSON lines to metrics.jsonl and forwards to MLflow."""
 
-    def __init__(self, output_dir: Path, run_name: str, params: dict[str, Any], use_mlflow: bool) -> None:
+    def __init__(
+        self,
+        output_dir: Path,
+        run_name: str,
+        params: dict[str, Any],
+        use_mlflow: bool,
+        system_metrics: bool = True,
+    ) -> None:
         self.path = output_dir / "metrics.jsonl"
         self.file = open(self.path, "a")
-        self.mlflow = MLflowSink(output_dir, run_name, params) if use_mlflow else None
+        self.mlflow = MLflowSink(output_dir, run_name, params, system_metrics) if use_mlflow else None
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         # strict JSON: a non-finite value (a skipped step's loss) is null, not NaN, which jq and
@@ -170,6 +246,10 @@ class MetricsLogger:
     def artifact(self, path: Path, artifact_path: str | None = None) -> None:
         if self.mlflow is not None:
             self.mlflow.artifact(path, artifact_path)
+
+    def log_model(self, export_dir: Path) -> None:
+        if self.mlflow is not None:
+            self.mlflow.log_model(export_dir)
 
     def close(self, status: str = "FINISHED") -> None:
         self.file.close()

@@ -197,6 +197,7 @@ class Trainer:
         if self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "resolved_config.yaml").write_text(dump_config(cfg))
+            (self.output_dir / "ds_config.json").write_text(json.dumps(self.ds_config, indent=2) + "\n")
             print(
                 f"resolved config ({self.output_dir / 'resolved_config.yaml'}):\n{dump_config(cfg)}",
                 flush=True,
@@ -216,8 +217,12 @@ class Trainer:
                 "cpu_kernels_applied": ",".join(self.applied_cpu_kernels) or "none",
                 "parameters": masked_lm_params(self.model_config),
             }
-            self.metrics = MetricsLogger(self.output_dir, self.run_name, params, cfg.mlflow)
+            params.update(flatten("deepspeed", self.ds_config))  # the filled DeepSpeed config, as run
+            self.metrics = MetricsLogger(
+                self.output_dir, self.run_name, params, cfg.mlflow, cfg.system_metrics
+            )
             self.metrics.artifact(self.output_dir / "resolved_config.yaml")
+            self.metrics.artifact(self.output_dir / "ds_config.json")
             if self.resume_changes:  # deliberate changes at a resume, kept with the run
                 self.metrics.tag(f"resume_change.{self.resume_from[1]}", "; ".join(self.resume_changes))
         for sig in (signal.SIGUSR1, signal.SIGTERM):
@@ -264,6 +269,7 @@ class Trainer:
                 input_ids=batch["input_ids"],
                 attention_mask=batch.get("attention_mask"),
                 labels=batch["labels"],
+                masked_logits_only=True,  # validation too: the head on the masked positions only
             )
             loss = out.loss
             if self.step + 1 in cfg.fault_nonfinite_steps:
@@ -291,6 +297,7 @@ class Trainer:
                 input_ids=batch["input_ids"],
                 attention_mask=batch.get("attention_mask"),
                 labels=batch["labels"],
+                masked_logits_only=True,  # validation too: the head on the masked positions only
             )
             n = int((batch["labels"] != -100).sum())
             loss_sum += float(out.loss) * n
@@ -490,13 +497,25 @@ class Trainer:
             export_dir = self._export(last_saved)
             out["export_dir"] = str(export_dir)
             if self.metrics is not None:
-                self.metrics.artifact(export_dir, "export")
+                # an MLflow model (runs:/<run id>/model, for mlflow.pyfunc.load_model) that holds the
+                # folder itself, under model/artifacts/
+                self.metrics.log_model(export_dir)
         if self.metrics is not None:
             self.metrics.close("FINISHED")
             if self.metrics.mlflow is not None:
                 out["mlflow_uri"] = self.metrics.mlflow.uri
         dist.barrier()
         return out
+
+
+def flatten(prefix: str, value: Any) -> dict[str, Any]:
+    """A nested dict as `prefix.key.subkey` -> leaf value (MLflow params are flat)."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        out.update(flatten(f"{prefix}.{key}", item))
+    return out
 
 
 def setup_logging() -> None:
