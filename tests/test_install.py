@@ -178,12 +178,18 @@ def test_the_default_store_holds_a_loadable_model_system_metrics_and_the_configs
     }
     assert json.loads((out / "ds_config.json").read_text())["train_micro_batch_size_per_gpu"] == 4
 
-    before = mlflow.get_tracking_uri()
+    # set_tracking_uri also sets MLFLOW_TRACKING_URI in os.environ: restore both, or every later test
+    # in this process that reads the variable would log into this store
+    before, before_env = mlflow.get_tracking_uri(), os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
     try:
         model = mlflow.pyfunc.load_model(f"runs:/{run_id}/model")
     finally:
         mlflow.set_tracking_uri(before)
+        if before_env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = before_env
     predictions = model.predict(["the cat [MASK] the dog .", "a [MASK] ."], params={"top_k": 2})
     assert len(predictions) == 2 and all(len(p) == 2 for p in predictions)
     assert all(isinstance(p["token_str"], str) and 0 < p["score"] <= 1 for p in predictions[0])
