@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -245,3 +246,25 @@ def test_a_flipped_bit_in_a_shard_names_the_shard_and_the_check(data_dir, tmp_pa
             samples[i]
     with pytest.raises(ValueError, match=f"python -m data_prep.verify {copy}"):
         corpus.document(0)
+
+
+def _agree_on_resume(tmp: str) -> None:
+    import torch.distributed as dist
+
+    root, rank = Path(tmp), dist.get_rank()
+    local = (root, "step_00000012") if rank == 0 else None  # rank 1 read a stale view: nothing to resume
+    assert ckpt.agree_on_resume(local) == (root, "step_00000012")
+    with pytest.raises(
+        RuntimeError, match=r"rank 1 on \S+ cannot see checkpoint .*step_00000012.*every node shares"
+    ):
+        ckpt.agree_on_resume(local, visible=lambda path: rank != 1)  # a node without the shared folder
+    assert ckpt.agree_on_resume(None) is None
+
+
+def test_every_rank_resumes_what_rank_0_chose_or_all_fail_naming_the_blind_rank(tmp_path):
+    """Rank 0 decides what to resume; a rank that cannot see that checkpoint (an output folder on a
+    node-local disk) fails every rank at once with what to fix, instead of training from scratch."""
+    from tests.test_parallel_harness import run_ranks
+
+    (tmp_path / "step_00000012").mkdir()
+    run_ranks(_agree_on_resume, 2, str(tmp_path))

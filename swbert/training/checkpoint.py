@@ -25,6 +25,8 @@ import random
 import re
 import shutil
 import signal
+import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +255,26 @@ def resolve_resume(resume: str, ckpt_root: Path) -> tuple[Path, str] | None:
     raise FileNotFoundError(
         f"--resume {resume}: not a checkpoint (expected a checkpoints/ folder with 'latest' or a step_* folder)"
     )
+
+
+def agree_on_resume(
+    choice: tuple[Path, str] | None, visible: Callable[[Path], bool] = Path.is_dir
+) -> tuple[Path, str] | None:
+    """Rank 0's checkpoint to resume from, on every rank (collective). Each rank checks that it can
+    see that folder; if any cannot, every rank raises, naming those ranks and their hosts."""
+    decision = [choice]
+    dist.broadcast_object_list(decision, src=0)
+    chosen = decision[0]
+    ok = chosen is None or visible(chosen[0] / chosen[1])
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (dist.get_rank(), socket.gethostname(), ok))
+    blind = [f"rank {r} on {host}" for r, host, can_see in seen if not can_see]
+    if blind:
+        raise RuntimeError(
+            f"{', '.join(blind)} cannot see checkpoint {chosen[0] / chosen[1]}, which rank 0 resumes from: "
+            "the output folder must be on a file system every node shares"
+        )
+    return chosen
 
 
 def check_compatible(

@@ -144,10 +144,13 @@ class Trainer:
         if self.resume_from is not None:
             tag_dir = self.resume_from[0] / self.resume_from[1]
             self.resume_changes = ckpt.check_compatible(tag_dir, self.meta, cfg.allow_resume_change)
-            if ckpt.is_universal(tag_dir):  # converted to resume at another tensor/data-parallel size
-                self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
 
         rank, self.local_rank, world = init_distributed()
+        # every rank resumes from what rank 0 chose, and says so if it cannot see it
+        self.resume_from = ckpt.agree_on_resume(self.resume_from)
+        if self.resume_from is not None and ckpt.is_universal(self.resume_from[0] / self.resume_from[1]):
+            # converted to resume at another tensor/data-parallel size
+            self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
         set_cpu_threads(cfg.num_threads)
         if not self.on_gpu:
             keep_freed_memory()  # no page faults for the tensors every step frees and allocates again
