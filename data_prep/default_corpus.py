@@ -122,19 +122,32 @@ def write_default_corpus(path: Path, *, workers: int = 2, max_bytes: int | None 
     return info
 
 
+DATA_HOME = "SWBERT_DATA_HOME"  # where built data lives; default runs/data
+
+
+def default_root() -> Path:
+    """`$SWBERT_DATA_HOME/default`, else `runs/data/default` (relative to the working directory)."""
+    return Path(os.environ.get(DATA_HOME, "runs/data")) / "default"
+
+
 def ensure_default_data(
-    root: str | Path, *, vocab_size: int = 8000, workers: int = 2, max_corpus_bytes: int | None = None
+    root: str | Path | None = None,
+    *,
+    vocab_size: int = 8000,
+    workers: int = 2,
+    max_corpus_bytes: int | None = None,
 ) -> Path:
-    """Build the default corpus, its tokenizer and its shards under `root`, unless already there.
+    """Build the default corpus, its tokenizer and its shards under `root` (`default_root()` when
+    None), unless already there.
 
     Returns the data folder that `swbert.data.open_corpus` accepts. Idempotent, and safe to call
     from several processes at once: an exclusive lock on `root` makes one build while the others
     wait, then find it done. Every step is itself atomic or resumable, so a killed build
     continues where it stopped. `max_corpus_bytes` truncates the corpus (for quick smoke runs).
-    Worker processes are forked: call it before starting threads (the trainer calls it before
-    creating its process group).
+    Worker processes are forked: call it before starting threads (the pretraining entry point calls
+    it before any process group exists).
     """
-    root = Path(root)
+    root = Path(root) if root is not None else default_root()
     root.mkdir(parents=True, exist_ok=True)
     suffix = f"v{vocab_size}" + (f"-max{max_corpus_bytes}" if max_corpus_bytes else "")
     corpus = (

@@ -3,11 +3,43 @@
     deepspeed --num_gpus 8 launchers/pretrain.py --config base_shared --data-dir data/wiki
     torchrun --nproc_per_node 2 launchers/pretrain.py --size tiny --train-steps 20
     deepspeed launchers/pretrain.py            # the embedded default recipe, on any machine
+    torchrun --nproc_per_node 8 -m swbert.launchers.pretrain ...   # the same, as a module
 
-Run with --help for every option.
+Run with --help for every option. Without --data-dir, the embedded default corpus is built first
+(once, under SWBERT_DATA_HOME or runs/data; every rank waits on one lock while one builds it).
 """
 
-from swbert.training.cli import main
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    from swbert.training.cli import closing_summary, parse_args
+
+    try:
+        config = parse_args(sys.argv[1:] if argv is None else argv)
+        if config.data_dir is None:  # offline preprocessing, before any process group or thread
+            from data_prep.default_corpus import ensure_default_data
+
+            config.data_dir = str(ensure_default_data())
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    from swbert.training.runlock import RunFolderBusy
+    from swbert.training.trainer import NonFiniteStop, run
+
+    try:
+        summary = run(config)
+    except NonFiniteStop as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(3)
+    except (ValueError, FileNotFoundError, RunFolderBusy) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    if "export_dir" in summary:
+        print(closing_summary(summary), flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -10,37 +10,24 @@ markdown. Variants are rows; numbers are medians over seeds at the best learning
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-from pathlib import Path
 
-from swbert.finetune.report import build_report, collect
-from swbert.finetune.tracking import DEFAULT_EXPERIMENT
+from swbert import cli
+from swbert.finetune.report import ReportConfig, build_report, collect
+
+USAGE = "usage: launchers/report.py (--runs-dir DIR | --tracking-uri URI) --out DIR [--key value ...]"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument(
-        "--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, else --runs-dir's mlflow.db)"
-    )
-    src.add_argument("--runs-dir", type=Path, help="a launcher's --output-dir holding mlflow.db")
-    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT)
-    p.add_argument("--parent-run", nargs="+", help="only runs under these sweep (parent) run ids")
-    p.add_argument("--out", type=Path, required=True, help="folder for the .md/.csv/.png files")
-    args = p.parse_args(argv)
-    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if args.runs_dir:
-        db = args.runs_dir / "mlflow.db"
-        if not db.is_file():
-            p.error(f"--runs-dir {args.runs_dir}: no mlflow.db there")
-        uri = f"sqlite:///{db.resolve()}"
-    if not uri:
-        p.error("say where the runs are: --runs-dir, --tracking-uri or MLFLOW_TRACKING_URI")
-    tables = build_report(collect(uri, args.experiment, args.parent_run), args.out)
+    cfg = cli.parse_or_exit(ReportConfig, argv, USAGE)
+    try:
+        uri = cfg.uri()
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    tables = build_report(collect(uri, cfg.experiment, cfg.parent_run), cfg.out)
     if not tables:
-        print(f"no finished fine-tuning runs in experiment {args.experiment!r} at {uri}", file=sys.stderr)
+        print(f"no finished fine-tuning runs in experiment {cfg.experiment!r} at {uri}", file=sys.stderr)
         return 1
     for table in tables.values():
         print(table.markdown())

@@ -33,7 +33,7 @@ def _ok(result) -> None:
 def _refused_as_rank0_of_2(argv: list[str], capsys) -> str:
     """The launcher in this process as rank 0 of 2: it must stop (status 2) before any process group
     exists; returns what it printed."""
-    from swbert.training.cli import main
+    from swbert.launchers.pretrain import main
 
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     with mock.patch.dict(os.environ, env), pytest.raises(SystemExit) as exit_:

@@ -56,14 +56,16 @@ def test_zero_stage_trains_exports_and_resumes_exactly(stage, data_dir, tmp_path
         "--log-interval", "1", "--save-interval", str(k), "--eval-interval", "1000",
         "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--keep-checkpoints", "1",
     ]  # fmt: skip
+    fault = {}
     if stage >= 2:  # one injected non-finite loss: skipped, counted, and the run goes on
-        args += ["--fault-nonfinite-steps", "7"]
+        fault = {"SWBERT_FAULT_NONFINITE_STEPS": "7"}
         args += ["--cpu-kernels", "off"]  # exactly the model path a GPU runs, resume included
     full = tmp_path / "full"
     result = launch(
         2,
         [*tiny_args(data_dir, full, *args), "--dump-logits", str(tmp_path / "logits.pt")],
         script="tests/scripts/pretrain_and_dump.py",
+        env=job_env(**fault),
     )
     check_ok(result)
     if stage >= 2:
@@ -105,16 +107,16 @@ def test_zero_stage_trains_exports_and_resumes_exactly(stage, data_dir, tmp_path
         return
 
     cut, ckpts = tmp_path / "cut", tmp_path / "cut" / "checkpoints"
-    fault, last = (
+    kill, last = (
         ("SWBERT_FAULT_KILL_AFTER_STEP", k + 2) if stage == 2 else ("SWBERT_FAULT_KILL_IN_SAVE", 2 * k)
     )
-    killed = launch(2, tiny_args(data_dir, cut, *args), env=job_env(**{fault: str(last)}))
+    killed = launch(2, tiny_args(data_dir, cut, *args), env=job_env(**fault, **{kill: str(last)}))
     assert killed.returncode != 0
     assert max(read_metrics(cut)) == last
     assert (ckpts / "latest").read_text() == f"step_{k:08d}"
     if stage == 3:
         assert (ckpts / f"step_{2 * k:08d}").is_dir()  # the cut-off save is there, but not pointed to
-    resumed = launch(2, tiny_args(data_dir, cut, *args, "--resume", "auto"))
+    resumed = launch(2, tiny_args(data_dir, cut, *args, "--resume", "auto"), env=job_env(**fault))
     check_ok(resumed)
     assert "model path: plain PyTorch ops" in resumed.stderr
     assert f"resumed from {ckpts / f'step_{k:08d}'}" in resumed.stdout
@@ -148,11 +150,10 @@ def test_nonfinite_steps_in_a_row_stop_cleanly(data_dir, tmp_path):
             "2",
             "--log-interval",
             "1",
-            "--fault-nonfinite-steps",
-            "5,6,7",
             "--max-nonfinite-steps",
             "3",
         ),
+        env=job_env(SWBERT_FAULT_NONFINITE_STEPS="5,6,7"),
     )
     assert result.returncode != 0
     assert "3 steps in a row had a non-finite loss" in result.stderr
@@ -165,12 +166,12 @@ def test_nonfinite_steps_in_a_row_stop_cleanly(data_dir, tmp_path):
 def refused(argv: list[str], capsys) -> str:
     """`launchers/pretrain.py ARGV` run in this process: it must exit with status 2 before any
     process group exists; returns what it printed to stderr."""
-    from swbert.training.cli import main
+    from swbert.launchers.pretrain import main
 
     started = AssertionError("the process group started before the input was checked")
     with (
         mock.patch.dict(os.environ),  # the launcher sets RANK, ...
-        mock.patch("swbert.training.trainer.init_distributed", side_effect=started),
+        mock.patch("swbert.training.build.init_distributed", side_effect=started),
         pytest.raises(SystemExit) as exit_,
     ):
         main(argv)
@@ -245,9 +246,9 @@ def test_config_typos_and_recipes():
     with pytest.raises(ValueError, match="lr_schedule='cosinus' is not one of linear, cosine, constant"):
         parse_args(["--lr-schedule", "cosinus"])
     config = parse_args(
-        ["--config", "tiny_cpu", "--lr", "5e-4", "--local_rank=0", "--fault-nonfinite-steps", "3,4"]
+        ["--config", "tiny_cpu", "--lr", "5e-4", "--local_rank=0", "--allow-resume-change", "seed,data"]
     )
-    assert config.lr == 5e-4 and config.size == "tiny" and config.fault_nonfinite_steps == [3, 4]
+    assert config.lr == 5e-4 and config.size == "tiny" and config.allow_resume_change == ["seed", "data"]
     assert (REPO / "swbert" / "recipes" / "default.yaml").is_file()
 
 
@@ -269,14 +270,19 @@ def test_deepspeed_configs_take_batch_lr_and_precision_from_the_training_config(
     """Every shipped JSON is filled from TrainConfig; a hard-coded value that disagrees with it, or an
     optimizer/scheduler section (its own LR), is an error naming the flag, never a silent override."""
     from swbert.training.config import TrainConfig
-    from swbert.training.ds_config import build_ds_config, load_ds_config, offloads_optimizer, zero_stage
+    from swbert.training.ds_config import (
+        load_ds_config,
+        offloads_optimizer,
+        pretraining_ds_config,
+        zero_stage,
+    )
 
     shipped = {p.name for p in (REPO / "ds_configs").glob("*.json")}
     assert shipped == {"zero1.json", "zero2.json", "zero3.json", "zero2_fp16.json", "zero3_offload.json"}
     batch = dict(global_batch_size=32, micro_batch_size=4, grad_clip=0.5)
 
     def build(path: str, precision: str = "fp32") -> dict:
-        return build_ds_config(TrainConfig(deepspeed_config=path, **batch), 2, precision)
+        return pretraining_ds_config(TrainConfig(deepspeed_config=path, **batch), 2, precision)
 
     for name, stage in [("zero1.json", 1), ("zero2.json", 2), ("zero3.json", 3), ("zero3_offload.json", 3)]:
         ds = build(f"ds_configs/{name}", "bf16")

@@ -85,12 +85,12 @@ def test_generated_deepspeed_configs_are_filled_by_the_trainer(tmp_path):
     """Batch sizes and precision stay "auto": the trainer fills them from its own config."""
     from swbert.scaling.grid import write_ds_config
     from swbert.training.config import TrainConfig
-    from swbert.training.ds_config import build_ds_config
+    from swbert.training.ds_config import pretraining_ds_config
 
     for layout in ("z0", "z1", "z2", "z3", "z3-offload", "z3-offload-params", "z3-offload-params-nvme"):
         path = write_ds_config(Layout.parse(layout), tmp_path / "ds", tmp_path / "swap")
         config = TrainConfig(deepspeed_config=str(path), global_batch_size=16, micro_batch_size=4)
-        ds = build_ds_config(config, dp_size=2, precision="bf16")
+        ds = pretraining_ds_config(config, dp_size=2, precision="bf16")
         assert ds["train_batch_size"] == 16 and ds["gradient_accumulation_steps"] == 2
         assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
         assert ds["zero_optimization"]["stage"] == Layout.parse(layout).zero

@@ -107,9 +107,10 @@ def save_finetuned(model, tokenizer, folder: str | Path) -> None:
 
     Every rank waits until the folder is complete, so any rank may load it afterwards.
     """
-    from swbert.finetune.trainer import barrier, dist_info
+    from swbert.dist import ParallelDims
+    from swbert.finetune.trainer import barrier
 
-    if dist_info().is_main:
+    if ParallelDims.from_env().is_main:
         model.config.tokenizer_sha256 = tokenizer_fingerprint(tokenizer)
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
@@ -19,52 +18,60 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from swbert import SWBertConfig, SWBertForSequenceClassification
+from swbert.dist import ParallelDims
 from swbert.finetune import cross_domain, robustness
 from swbert.finetune.checkpoint import (
     Checkpoint,
     CheckpointError,
     load_tokenizer,
-    save_finetuned,
     tokenizer_fingerprint,
     uses_token_types,
 )
 from swbert.finetune.glue_data import EncodedDataset, GlueExamples, encode_glue, load_glue_split, pad_collate
 from swbert.finetune.metrics import glue_metrics
-from swbert.finetune.results import Summary, Trial, nest_metrics, prune_models, summarize
+from swbert.finetune.results import Summary, Trial, prune_models, summarize
+from swbert.finetune.robustness import DEFAULT_LEVELS
+from swbert.finetune.sweep import SweepConfig, TrialSpec, run_trial
 from swbert.finetune.tasks import GLUE_TASKS, GlueTask, get_task
 from swbert.finetune.tracking import CHECKPOINT, KIND, TASK, VARIANT, Tracker
-from swbert.finetune.trainer import TrainConfig, default_device, dist_info, fit, move, progress_bar, set_seed
+from swbert.finetune.trainer import default_device, move, progress_bar
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class GlueSweep:
-    """Everything one ``finetune_glue.py`` invocation does."""
+class GlueSweep(SweepConfig):
+    """Everything one ``finetune_glue.py`` invocation does (its flags; see `SweepConfig` for the rest)."""
 
-    checkpoints: list[Checkpoint]
-    tasks: list[str] = field(default_factory=lambda: list(GLUE_TASKS))
-    data_dir: Path | None = None
-    """GLUE TSV root (``<dir>/CoLA/train.tsv`` ...); None: the Hub's ``nyu-mll/glue``."""
-    output_dir: Path = Path("runs/glue")
-    learning_rates: list[float] = field(default_factory=lambda: [1e-4, 2e-5, 2e-6])
-    seeds: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
-    train: TrainConfig = field(default_factory=TrainConfig)
-    max_seq_length: int = 128
-    attention_dropout: float = 0.1
-    hidden_dropout: float | None = None
-    """None keeps the checkpoint's value."""
-    max_train_samples: int | None = None
-    max_eval_samples: int | None = None
-    keep: Literal["none", "median", "all"] = "median"
-    noise_levels: list[float] = field(default_factory=list)
-    noise_seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
-    cross_domain: bool = False
-    tokenizer: Path | None = None
+    learning_rates: list[float] = field(default_factory=lambda: [1e-4, 2e-5, 2e-6])  # grid; best median
+    seeds: list[int] = field(
+        default_factory=lambda: [1, 2, 3, 4, 5]
+    )  # one run per seed; the median is reported
+    epochs: int = 10  # passes over the training set per run
+    tasks: list[str] = field(
+        default_factory=lambda: list(GLUE_TASKS)
+    )  # GLUE tasks (mnli: matched and mismatched)
+    data_dir: Path | None = (
+        None  # GLUE TSV root (CoLA/train.tsv, MNLI/dev_matched.tsv, ...); default: the Hub
+    )
+    max_seq_length: int = 128  # tokens per example (pairs packed as [CLS] a [SEP] b [SEP])
+    noise: bool = False  # evaluate kept models under embedding noise at the default levels (Table 5)
+    noise_levels: list[float] = field(default_factory=list)  # custom noise levels (implies --noise)
+    noise_seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # one noise draw per seed
+    cross_domain: bool = False  # evaluate kept MNLI/QNLI/QQP/MRPC models on each other's dev sets (Table 6)
+    # --checkpoint folders are already fine-tuned GLUE models: only run --noise / --cross-domain
+    evaluate_finetuned: bool = False
 
     def check(self) -> None:
+        super().check()
         for name in self.tasks:
             get_task(name)
+        if self.noise and not self.noise_levels:
+            self.noise_levels = list(DEFAULT_LEVELS)
+        if self.evaluate_finetuned:
+            if not (self.noise_levels or self.cross_domain):
+                raise ValueError("--evaluate-finetuned needs --noise, --noise-levels or --cross-domain")
+            return
         if (self.noise_levels or self.cross_domain) and self.keep == "none":
             raise ValueError(
                 "--noise-levels and --cross-domain evaluate saved models: use --keep median or all"
@@ -155,45 +162,29 @@ def evaluate_task(model: nn.Module, data: TaskData, collate, batch_size: int = 1
     return metrics
 
 
-def run_trial(
+def glue_trial(
     sweep: GlueSweep, ckpt: Checkpoint, data: TaskData, tokenizer, lr: float, seed: int, tracker: Tracker
 ) -> Trial:
     """Fine-tune one (checkpoint, task, learning rate, seed) and log it as a child run."""
     task = data.task
-    cfg = TrainConfig(**{**vars(sweep.train), "learning_rate": lr, "seed": seed})
-    tags = {KIND: "glue_trial", VARIANT: ckpt.name, TASK: task.name, CHECKPOINT: str(ckpt.path)}
     params = {
-        **vars(cfg),
         "max_seq_length": sweep.max_seq_length,
         "attention_dropout": sweep.attention_dropout,
         "hidden_dropout": sweep.hidden_dropout,
         "train_examples": len(data.train),
     }
-    with tracker.run(f"{ckpt.name}/{task.name}/lr{lr:g}/seed{seed}", tags, params) as run_id:
-        set_seed(seed)  # the classifier head's initialisation depends on it
-        model = load_classifier(ckpt.path, task, sweep.attention_dropout, sweep.hidden_dropout)
-        collate = pad_collate(tokenizer.pad_token_id)
-        result = fit(
-            model,
-            data.train,
-            collate,
-            evaluate=lambda m: evaluate_task(m, data, collate, cfg.eval_batch_size),
-            select=f"{task.main_split}/score",
-            cfg=cfg,
-            log_metrics=lambda m, step: tracker.log(run_id, m, step),
-            desc=f"{ckpt.name} {task.name} lr {lr:g} seed {seed}",
-        )
-        best = {k: v for k, v in result.best_metrics.items() if k != "epoch"}
-        tracker.log(
-            run_id,
-            {f"best/{k}": v for k, v in best.items()}
-            | {"best_epoch": result.best_epoch, "train_seconds": result.train_seconds, "steps": result.steps},
-        )
-        model_dir = ""
-        if sweep.keep != "none":
-            model_dir = str(sweep.output_dir / ckpt.name / task.name / f"lr{lr:g}-seed{seed}")
-            save_finetuned(model, tokenizer, model_dir)
-    return Trial(ckpt.name, task.name, lr, seed, nest_metrics(best), model_dir)
+    collate = pad_collate(tokenizer.pad_token_id)
+    return run_trial(
+        sweep,
+        TrialSpec(ckpt, task.name, lr, seed, "glue_trial", params),
+        tracker,
+        build_model=lambda: load_classifier(ckpt.path, task, sweep.attention_dropout, sweep.hidden_dropout),
+        train_set=data.train,
+        collate=collate,
+        evaluate=lambda m: evaluate_task(m, data, collate, sweep.eval_batch_size),
+        select=f"{task.main_split}/score",
+        tokenizer=tokenizer,
+    )
 
 
 def glue_summaries(trials: list[Trial]) -> list[Summary]:
@@ -254,10 +245,11 @@ def cross_domain_evaluation(
 def run_glue(sweep: GlueSweep, tracker: Tracker) -> tuple[list[Trial], list[Summary]]:
     """The whole sweep; returns every trial and the per-(variant, task) summaries."""
     sweep.check()
+    checkpoints = sweep.checkpoints()
     trials: list[Trial] = []
-    runs = len(sweep.checkpoints) * len(sweep.tasks) * len(sweep.learning_rates) * len(sweep.seeds)
+    runs = len(checkpoints) * len(sweep.tasks) * len(sweep.learning_rates) * len(sweep.seeds)
     bar = progress_bar(runs, "GLUE sweep", unit="run")
-    for ckpt in sweep.checkpoints:
+    for ckpt in checkpoints:
         tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer)
         token_types = uses_token_types(ckpt.config)
         kept: dict[str, Path] = {}
@@ -277,12 +269,12 @@ def run_glue(sweep: GlueSweep, tracker: Tracker) -> tuple[list[Trial], list[Summ
             task_trials = []
             for lr in sweep.learning_rates:
                 for seed in sweep.seeds:
-                    task_trials.append(run_trial(sweep, ckpt, data, tokenizer, lr, seed, tracker))
+                    task_trials.append(glue_trial(sweep, ckpt, data, tokenizer, lr, seed, tracker))
                     bar.update(1)
             trials += task_trials
             (summary,) = glue_summaries(task_trials)
             log.info("%s %s: lr %g, median %s", ckpt.name, task.name, summary.learning_rate, summary.median)
-            if sweep.keep == "median" and dist_info().is_main:
+            if sweep.keep == "median" and ParallelDims.from_env().is_main:
                 prune_models(task_trials, summary.median_trial)
             if sweep.keep != "none":
                 kept[task.name] = Path(summary.median_trial.model_dir)
@@ -294,12 +286,12 @@ def run_glue(sweep: GlueSweep, tracker: Tracker) -> tuple[list[Trial], list[Summ
                     sweep.noise_levels,
                     sweep.noise_seeds,
                     tracker,
-                    sweep.train.eval_batch_size,
+                    sweep.eval_batch_size,
                 )
         if sweep.cross_domain:
             sources = {t: kept[t] for t in cross_domain.CROSS_DOMAIN_TASKS if t in kept}
             cross_domain_evaluation(
-                ckpt.name, sources, {t: datas[t] for t in sources}, tracker, sweep.train.eval_batch_size
+                ckpt.name, sources, {t: datas[t] for t in sources}, tracker, sweep.eval_batch_size
             )
     bar.close()
     return trials, glue_summaries(trials)

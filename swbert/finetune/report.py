@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,10 +24,39 @@ import numpy as np
 from swbert.finetune.cross_domain import CROSS_DOMAIN_TASKS
 from swbert.finetune.results import Summary, Trial, summarize
 from swbert.finetune.tasks import TABLE1_COLUMNS, get_task, split_label
-from swbert.finetune.tracking import KIND, TASK, VARIANT
+from swbert.finetune.tracking import DEFAULT_EXPERIMENT, KIND, TASK, VARIANT
 
 VARIANT_ORDER = ("standard", "symmetric", "pairwise", "shared")  # the paper's row order
 METRIC_ABBREV = {"accuracy": "Acc", "f1": "F1", "matthews": "MCC", "pearson": "P", "spearman": "S"}
+
+
+@dataclass
+class ReportConfig:
+    """The flags of `launchers/report.py`: where the runs are and where the tables go."""
+
+    out: Path  # folder for the .md/.csv/.png files
+    runs_dir: Path | None = None  # a launcher's --output-dir holding mlflow.db
+    tracking_uri: str | None = (
+        None  # MLflow store (default: $MLFLOW_TRACKING_URI, else --runs-dir's mlflow.db)
+    )
+    experiment: str = DEFAULT_EXPERIMENT  # MLflow experiment of the sweeps
+    parent_run: list[str] | None = None  # only runs under these sweep (parent) run ids
+
+    def check(self) -> None:
+        if self.runs_dir is not None and self.tracking_uri is not None:
+            raise ValueError("--runs-dir and --tracking-uri name two stores: give one")
+
+    def uri(self) -> str:
+        """The store to read; a ValueError says what to pass when there is none."""
+        if self.runs_dir is not None:
+            db = self.runs_dir / "mlflow.db"
+            if not db.is_file():
+                raise ValueError(f"--runs-dir {self.runs_dir}: no mlflow.db there")
+            return f"sqlite:///{db.resolve()}"
+        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            raise ValueError("say where the runs are: --runs-dir, --tracking-uri or MLFLOW_TRACKING_URI")
+        return uri
 
 
 @dataclass

@@ -18,10 +18,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from swbert import SWBertForQuestionAnswering
-from swbert.finetune.checkpoint import Checkpoint, load_tokenizer, save_finetuned, uses_token_types
+from swbert.dist import ParallelDims
+from swbert.finetune.checkpoint import Checkpoint, load_tokenizer, uses_token_types
 from swbert.finetune.glue_data import EncodedDataset, pad_collate
 from swbert.finetune.metrics import best_null_threshold, squad_scores
-from swbert.finetune.results import Summary, Trial, nest_metrics, prune_models, summarize
+from swbert.finetune.results import Summary, Trial, prune_models, summarize
 from swbert.finetune.squad_data import (
     SquadEvalFeatures,
     SquadExample,
@@ -31,8 +32,9 @@ from swbert.finetune.squad_data import (
     read_squad_json,
 )
 from swbert.finetune.squad_post import decode_spans
-from swbert.finetune.tracking import CHECKPOINT, KIND, TASK, VARIANT, Tracker
-from swbert.finetune.trainer import TrainConfig, dist_info, fit, move, progress_bar, set_seed
+from swbert.finetune.sweep import SweepConfig, TrialSpec, run_trial
+from swbert.finetune.tracking import Tracker
+from swbert.finetune.trainer import move, progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -44,28 +46,49 @@ def task_name(version: str) -> str:
 
 
 @dataclass
-class SquadSweep:
-    """Everything one ``finetune_squad.py`` invocation does."""
+class SquadSweep(SweepConfig):
+    """Everything one ``finetune_squad.py`` invocation does (its flags; see `SweepConfig` for the rest)."""
 
-    checkpoints: list[Checkpoint]
-    versions: list[str] = field(default_factory=lambda: ["1.1", "2.0"])
-    train_files: dict[str, Path] = field(default_factory=dict)
-    """version -> official train JSON; a version without one comes from the Hub."""
-    dev_files: dict[str, Path] = field(default_factory=dict)
-    output_dir: Path = Path("runs/squad")
-    learning_rates: list[float] = field(default_factory=lambda: [1e-4])
-    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=3))
-    max_seq_length: int = 384
-    doc_stride: int = 128
-    n_best: int = 20
-    max_answer_length: int = 30
-    null_threshold: float = 0.0
-    attention_dropout: float = 0.1
-    max_train_samples: int | None = None
-    max_eval_samples: int | None = None
-    keep: Literal["none", "median", "all"] = "median"
-    tokenizer: Path | None = None
+    # SQuAD versions to run
+    versions: list[Literal["1.1", "2.0"]] = field(
+        default_factory=lambda: ["1.1", "2.0"], metadata={"aliases": ("version",)}
+    )
+    # official SQuAD train JSON per version, [VERSION=]PATH; a version without one comes from the Hub
+    train_file: list[str] = field(default_factory=list)
+    dev_file: list[str] = field(default_factory=list)  # official SQuAD dev JSON per version, [VERSION=]PATH
+    max_seq_length: int = 384  # tokens per window (question + a slice of the context)
+    doc_stride: int = 128  # overlap, in tokens, between a context's windows
+    n_best: int = 20  # start/end candidates per window in span decoding
+    max_answer_length: int = 30  # longest answer span, in tokens
+    null_threshold: float = 0.0  # v2.0: answer nothing when the no-answer score beats the best span by this
+
+    def check(self) -> None:
+        super().check()
+        self.train_files()
+        self.dev_files()
+
+    def train_files(self) -> dict[str, Path]:
+        return _version_files("--train-file", self.train_file, self.versions)
+
+    def dev_files(self) -> dict[str, Path]:
+        return _version_files("--dev-file", self.dev_file, self.versions)
+
+
+def _version_files(flag: str, specs: list[str], versions: list[str]) -> dict[str, Path]:
+    """``VERSION=PATH`` (or a bare PATH when only one version is run) -> {version: path}."""
+    out = {}
+    for spec in specs:
+        version, sep, path = spec.partition("=")
+        if not sep:
+            if len(versions) != 1:
+                raise ValueError(f"{flag} {spec}: with several versions write VERSION=PATH (e.g. 2.0={spec})")
+            version, path = versions[0], spec
+        if version not in versions:
+            raise ValueError(f"{flag} {spec}: version {version} is not in --version {' '.join(versions)}")
+        if not Path(path).is_file():
+            raise ValueError(f"{flag} {spec}: {path} not found")
+        out[version] = Path(path)
+    return out
 
 
 def load_squad(version: str, split: Literal["train", "validation"], path: Path | None) -> list[SquadExample]:
@@ -96,7 +119,7 @@ def evaluate_squad(
     version: str,
 ) -> dict[str, float]:
     """Official EM/F1 (plus v2.0's HasAns/NoAns and best-threshold scores), flat as ``validation/<metric>``."""
-    start, end = predict_spans(model, features.dataset, collate, sweep.train.eval_batch_size)
+    start, end = predict_spans(model, features.dataset, collate, sweep.eval_batch_size)
     preds = decode_spans(
         examples, features, start, end, version, sweep.n_best, sweep.max_answer_length, sweep.null_threshold
     )
@@ -107,7 +130,7 @@ def evaluate_squad(
     return {f"{SPLIT}/{k}": v for k, v in scores.items()}
 
 
-def run_squad_trial(
+def squad_trial(
     sweep: SquadSweep,
     ckpt: Checkpoint,
     version: str,
@@ -120,59 +143,46 @@ def run_squad_trial(
     tracker: Tracker,
 ) -> Trial:
     """Fine-tune one (checkpoint, version, learning rate, seed) and log it as a child run."""
-    name = task_name(version)
     collate = pad_collate(tokenizer.pad_token_id)
-    cfg = TrainConfig(**{**vars(sweep.train), "learning_rate": lr, "seed": seed})
-    tags = {KIND: "squad_trial", VARIANT: ckpt.name, TASK: name, CHECKPOINT: str(ckpt.path)}
     params = {
-        **vars(cfg),
         "max_seq_length": sweep.max_seq_length,
         "doc_stride": sweep.doc_stride,
         "n_best": sweep.n_best,
         "max_answer_length": sweep.max_answer_length,
         "null_threshold": sweep.null_threshold,
         "attention_dropout": sweep.attention_dropout,
+        "hidden_dropout": sweep.hidden_dropout,
         "train_windows": len(train_set),
     }
-    with tracker.run(f"{ckpt.name}/{name}/lr{lr:g}/seed{seed}", tags, params) as run_id:
-        set_seed(seed)  # the span head's initialisation depends on it
-        model = SWBertForQuestionAnswering.from_pretrained(
-            ckpt.path, attention_probs_dropout_prob=sweep.attention_dropout
-        )
-        result = fit(
-            model,
-            train_set,
-            collate,
-            evaluate=lambda m: evaluate_squad(m, dev_ex, dev_feats, collate, sweep, version),
-            select=f"{SPLIT}/f1",
-            cfg=cfg,
-            log_metrics=lambda m, step: tracker.log(run_id, m, step),
-            desc=f"{ckpt.name} {name} lr {lr:g} seed {seed}",
-        )
-        best = {k: v for k, v in result.best_metrics.items() if k != "epoch"}
-        tracker.log(
-            run_id,
-            {f"best/{k}": v for k, v in best.items()}
-            | {"best_epoch": result.best_epoch, "train_seconds": result.train_seconds, "steps": result.steps},
-        )
-        model_dir = ""
-        if sweep.keep != "none":
-            model_dir = str(sweep.output_dir / ckpt.name / name / f"lr{lr:g}-seed{seed}")
-            save_finetuned(model, tokenizer, model_dir)
-    return Trial(ckpt.name, name, lr, seed, nest_metrics(best), model_dir)
+    dropout = {"attention_probs_dropout_prob": sweep.attention_dropout}
+    if sweep.hidden_dropout is not None:
+        dropout["hidden_dropout_prob"] = sweep.hidden_dropout
+    return run_trial(
+        sweep,
+        TrialSpec(ckpt, task_name(version), lr, seed, "squad_trial", params),
+        tracker,
+        build_model=lambda: SWBertForQuestionAnswering.from_pretrained(ckpt.path, **dropout),
+        train_set=train_set,
+        collate=collate,
+        evaluate=lambda m: evaluate_squad(m, dev_ex, dev_feats, collate, sweep, version),
+        select=f"{SPLIT}/f1",
+        tokenizer=tokenizer,
+    )
 
 
 def run_squad(sweep: SquadSweep, tracker: Tracker) -> tuple[list[Trial], list[Summary]]:
     """The whole sweep; returns every trial and the per-(variant, version) summaries."""
+    sweep.check()
+    checkpoints, train_files, dev_files = sweep.checkpoints(), sweep.train_files(), sweep.dev_files()
     trials: list[Trial] = []
-    runs = len(sweep.checkpoints) * len(sweep.versions) * len(sweep.learning_rates) * len(sweep.seeds)
+    runs = len(checkpoints) * len(sweep.versions) * len(sweep.learning_rates) * len(sweep.seeds)
     bar = progress_bar(runs, "SQuAD sweep", unit="run")
-    for ckpt in sweep.checkpoints:
+    for ckpt in checkpoints:
         tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer)
         token_types = uses_token_types(ckpt.config)
         for version in sweep.versions:
-            train_ex = load_squad(version, "train", sweep.train_files.get(version))[: sweep.max_train_samples]
-            dev_ex = load_squad(version, "validation", sweep.dev_files.get(version))[: sweep.max_eval_samples]
+            train_ex = load_squad(version, "train", train_files.get(version))[: sweep.max_train_samples]
+            dev_ex = load_squad(version, "validation", dev_files.get(version))[: sweep.max_eval_samples]
             train_set = encode_squad_train(
                 train_ex, tokenizer, sweep.max_seq_length, sweep.doc_stride, token_types
             )
@@ -184,7 +194,7 @@ def run_squad(sweep: SquadSweep, tracker: Tracker) -> tuple[list[Trial], list[Su
             for lr in sweep.learning_rates:
                 for seed in sweep.seeds:
                     version_trials.append(
-                        run_squad_trial(
+                        squad_trial(
                             sweep, ckpt, version, tokenizer, train_set, dev_ex, dev_feats, lr, seed, tracker
                         )
                     )
@@ -192,7 +202,7 @@ def run_squad(sweep: SquadSweep, tracker: Tracker) -> tuple[list[Trial], list[Su
             trials += version_trials
             (summary,) = squad_summaries(version_trials)
             log.info("%s %s: lr %g, median %s", ckpt.name, name, summary.learning_rate, summary.median)
-            if sweep.keep == "median" and dist_info().is_main:
+            if sweep.keep == "median" and ParallelDims.from_env().is_main:
                 prune_models(version_trials, summary.median_trial)
     bar.close()
     return trials, squad_summaries(trials)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
 import time
 from collections.abc import Callable
@@ -25,15 +24,17 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from swbert.dist import ParallelDims
 from swbert.finetune.metrics import selection_value
-from swbert.training.ds_config import load_ds_config, resolve_precision
+from swbert.training.ds_config import BatchShape, Flags, build_ds_config, resolve_precision
+from swbert.training.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class TrainConfig:
-    """Fine-tuning hyper-parameters (defaults: the paper's appendix where it gives them)."""
+class FinetuneConfig:
+    """The hyper-parameters of one fine-tuning run (defaults: the paper's appendix where it gives them)."""
 
     learning_rate: float = 1e-4
     weight_decay: float = 0.1
@@ -63,26 +64,6 @@ class FitResult:
     train_seconds: float = 0.0
 
 
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def dist_info() -> DistInfo:
-    """Rank and world size from the launcher's environment (``deepspeed``, ``torchrun``, ``srun``)."""
-    return DistInfo(
-        int(os.environ.get("RANK", 0)),
-        int(os.environ.get("WORLD_SIZE", 1)),
-        int(os.environ.get("LOCAL_RANK", 0)),
-    )
-
-
 def barrier() -> None:
     """Wait for every rank (a no-op in single-process runs)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -95,8 +76,8 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def default_device(info: DistInfo | None = None) -> torch.device:
-    info = info or dist_info()
+def default_device(info: ParallelDims | None = None) -> torch.device:
+    info = info or ParallelDims.from_env()
     return torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -108,73 +89,32 @@ def progress_bar(total: int, desc: str, **kwargs: object):  # -> tqdm
     """A tqdm bar on rank 0 (a disabled one elsewhere): per run, and over a sweep's runs."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, disable=not dist_info().is_main, dynamic_ncols=True, **kwargs)
+    return tqdm(
+        total=total, desc=desc, disable=not ParallelDims.from_env().is_main, dynamic_ncols=True, **kwargs
+    )
 
 
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    # BERT's recipe: biases and LayerNorm weights are not decayed; neither are other 1-D parameters
-    # (the shared attention's dq/dk/dv scales), which act like LayerNorm gains.
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+# the flags that set what the DeepSpeed config must agree with, named in its errors
+FLAGS = Flags(
+    global_batch="--batch-size",
+    micro_batch="--batch-size (split over ranks)",
+    accum="--batch-size (no accumulation)",
+    grad_clip="--max-grad-norm",
+    lr="the fine-tuning flags (--learning-rates, --warmup-ratio)",
+    source="the fine-tuning flags give",
+    job="fine-tuning",
+)
 
 
-def _linear_schedule(
-    optimizer: torch.optim.Optimizer, warmup: int, total: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / max(1, warmup)
-        return max(0.0, (total - step) / max(1, total - warmup))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def deepspeed_config(path: str | Path, cfg: TrainConfig, world_size: int, precision: str) -> dict:
-    """Load a DeepSpeed JSON (a path or a shipped ``ds_configs/`` name) and fill it from ``cfg``.
-
-    Batch sizes, clipping and ``bf16``/``fp16`` are filled where "auto" or absent, as for pretraining.
-    An explicit value that disagrees with the fine-tuning flags is an error rather than a silent
-    override; so is an ``optimizer``/``scheduler`` section (the LR grid lives in the flags) or ZeRO-3
-    (best-epoch weights are kept as a full state dict, which stage 3 does not hold on any one rank).
-    """
-    ds = load_ds_config(path)
+def deepspeed_config(path: str | Path, cfg: FinetuneConfig, world_size: int, precision: str) -> dict:
+    """The DeepSpeed JSON (a path or a shipped ``ds_configs/`` name) filled from ``cfg`` by the builder
+    pretraining uses: batch sizes, clipping and ``bf16``/``fp16`` where "auto" or absent, an error for a
+    value that disagrees with the flags or an ``optimizer``/``scheduler`` section. ZeRO-3 is refused:
+    best-epoch weights are kept as a full state dict, which stage 3 does not hold on any one rank."""
     if cfg.batch_size % world_size:
         raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by the world size {world_size}")
-    want = {
-        "train_batch_size": cfg.batch_size,
-        "train_micro_batch_size_per_gpu": cfg.batch_size // world_size,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": cfg.max_grad_norm,
-    }
-    for key, value in want.items():
-        have = ds.get(key, "auto")
-        if have != "auto" and have != value:
-            raise ValueError(
-                f'{path}: {key}={have} disagrees with the fine-tuning flags ({value}); set it to "auto"'
-            )
-        ds[key] = value
-    for key in ("optimizer", "scheduler"):
-        if key in ds:
-            raise ValueError(
-                f"{path}: remove the {key!r} section; fine-tuning sets AdamW and the LR schedule from its flags"
-            )
-    for dtype in ("bf16", "fp16"):
-        section = ds.setdefault(dtype, {})
-        enabled = section.get("enabled", "auto")
-        if enabled != "auto" and bool(enabled) != (precision == dtype):
-            raise ValueError(
-                f'{path}: {dtype}.enabled={enabled} but --precision is {precision}; set "enabled": "auto"'
-            )
-        section["enabled"] = precision == dtype
-    if ds.get("zero_optimization", {}).get("stage", 0) >= 3:
-        raise ValueError(
-            f"{path}: ZeRO stage 3 is not supported for fine-tuning; use stage 0-2 (e.g. zero2.json)"
-        )
-    return ds
+    batch = BatchShape(cfg.batch_size, cfg.batch_size // world_size, 1)
+    return build_ds_config(path, batch, cfg.max_grad_norm, precision, FLAGS, max_zero_stage=2)
 
 
 def _state_on_cpu(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -187,7 +127,7 @@ def fit(
     collate: Callable,
     evaluate: Callable[[nn.Module], dict[str, float]],
     select: str,
-    cfg: TrainConfig,
+    cfg: FinetuneConfig,
     log_metrics: Callable[[dict[str, float], int], None] | None = None,
     desc: str = "fine-tune",
 ) -> FitResult:
@@ -198,12 +138,12 @@ def fit(
     after every epoch (keys prefixed ``dev/``), with the optimiser step as ``step``. Rank 0 shows a
     progress bar over the steps, labelled ``desc``.
     """
-    info = dist_info()
-    if info.world_size > 1 and not cfg.deepspeed_config:
+    info = ParallelDims.from_env()
+    if info.world > 1 and not cfg.deepspeed_config:
         raise ValueError(
-            f"launched with world size {info.world_size}: pass --deepspeed CONFIG for multi-GPU fine-tuning"
+            f"launched with world size {info.world}: pass --deepspeed CONFIG for multi-GPU fine-tuning"
         )
-    use_ds = info.world_size > 1
+    use_ds = info.world > 1
     if use_ds:
         from swbert.training.dist import init_distributed
 
@@ -215,10 +155,10 @@ def fit(
             "--precision fp16 needs DeepSpeed's loss scaling; use bf16, or launch with --deepspeed"
         )
     model.to(device)
-    micro = cfg.batch_size // info.world_size
+    micro = cfg.batch_size // info.world
     sampler = (
-        DistributedSampler(train_set, info.world_size, info.rank, shuffle=True, seed=cfg.seed)
-        if info.world_size > 1
+        DistributedSampler(train_set, info.world, info.rank, shuffle=True, seed=cfg.seed)
+        if info.world > 1
         else None
     )
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -236,19 +176,15 @@ def fit(
     total = (
         cfg.epochs * len(loader) if cfg.max_steps is None else min(cfg.max_steps, cfg.epochs * len(loader))
     )
-    optimizer = torch.optim.AdamW(
-        _param_groups(model, cfg.weight_decay),
-        lr=cfg.learning_rate,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        fused=device.type == "cuda",  # one kernel for all parameters on GPU; the same update
+    optimizer = build_optimizer(
+        model, cfg.learning_rate, cfg.weight_decay, kind="torch_adamw", on_gpu=device.type == "cuda"
     )
-    scheduler = _linear_schedule(optimizer, int(cfg.warmup_ratio * total), total)
+    scheduler = build_scheduler(optimizer, total, warmup=int(cfg.warmup_ratio * total))
     engine = None
     if use_ds:
         import deepspeed
 
-        ds_cfg = deepspeed_config(cfg.deepspeed_config, cfg, info.world_size, precision)
+        ds_cfg = deepspeed_config(cfg.deepspeed_config, cfg, info.world, precision)
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg
         )

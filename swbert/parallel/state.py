@@ -8,13 +8,14 @@ TP=2, ranks {0, 1} and {2, 3} each hold one copy of the model split in two, and 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as mcore_random
 
+from swbert.dist import ParallelDims
 from swbert.parallel import cpu_compat
 
 logger = logging.getLogger(__name__)
@@ -22,22 +23,6 @@ logger = logging.getLogger(__name__)
 # megatron-core's offset between the data-parallel seed and the tensor-parallel ("model-parallel-rng")
 # seeds; any positive value works, this one keeps seeds comparable with Megatron-LM runs.
 _TP_SEED_OFFSET = 2718
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """Sizes, ranks and groups of this process."""
-
-    tp_size: int
-    dp_size: int
-    tp_rank: int
-    dp_rank: int
-    tp_group: dist.ProcessGroup
-    dp_group: dist.ProcessGroup
-
-    @property
-    def is_tp_enabled(self) -> bool:
-        return self.tp_size > 1
 
 
 def log_rank0(msg: str, *args: object) -> None:
@@ -88,6 +73,9 @@ def dims() -> ParallelDims:
     """The `ParallelDims` of this process (after `initialize`)."""
     _require_initialized()
     return ParallelDims(
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         dp_size=parallel_state.get_data_parallel_world_size(),
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),

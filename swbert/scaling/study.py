@@ -11,7 +11,7 @@ import shlex
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from swbert.scaling.grid import BERT_VOCAB, GridPoint, build_grid, estimate, write_ds_config
 from swbert.scaling.measure import Hardware, Measurement, parse_metrics, run_point
@@ -23,27 +23,42 @@ log = logging.getLogger("swbert.scaling")
 
 @dataclass
 class StudyConfig:
-    """What to sweep and how; see `launchers/scaling_study.py --help`."""
+    """What to sweep and how: the flags of `launchers/scaling_study.py` (see its --help)."""
 
-    output_dir: Path
-    sizes: list[str] = field(default_factory=lambda: ["tiny", "mini", "small", "base", "large", "xl"])
-    attentions: list[str] = field(default_factory=lambda: ["standard", "shared"])
+    output_dir: Path = Path("runs/scaling")  # scaling.csv, plots/, mlflow.db and the measured runs
+    sizes: list[str] = field(
+        default_factory=lambda: ["tiny", "mini", "small", "base", "large", "xl"]
+    )  # named sizes
+    # attention variants to compare
+    attentions: list[str] = field(
+        default_factory=lambda: ["standard", "shared"], metadata={"aliases": ("attention",)}
+    )
+    # parallel layouts: z0..z3, tpN-zK, z3-offload (optimizer), z3-offload-params (both), ...-nvme
     layouts: list[str] = field(default_factory=lambda: ["z0", "z1", "z2", "z3", "z3-offload"])
-    seq_len: int = 128
-    micro_batch: int = 8
-    precision: str = "auto"  # auto: fp32 when measuring on CPU, else bf16
+    seq_len: int = 128  # tokens per sequence
+    micro_batch: int = 8  # sequences per rank per step
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: fp32 when measuring on CPU, else bf16
     gpus: int | None = None  # devices the closed forms assume (default: --nproc)
     nproc: int = 2  # processes of a measured run on this machine
-    measure: bool = True
-    measure_max_params: float = math.inf  # estimate only above this many parameters
+    measure: bool = True  # run short measured trainings (--no-measure: closed forms only)
+    measure_max_params: float = math.inf  # measure only points up to this many parameters
     steps: int = 5  # optimizer steps of a measured run
-    data_dir: str | None = None
-    vocab_size: int | None = None  # default: the data's vocabulary when measuring, else BERT's
-    point_timeout_s: float = 1800
-    memory_limit_gib: float | None = None  # plan measured runs within this much host memory
-    nvme_path: Path | None = None  # swap folder of NVMe offload (default: output_dir/nvme)
-    keep_checkpoints: bool = False
-    experiment: str = "swbert-scaling"
+    data_dir: str | None = None  # shards of measured runs (default: the embedded default corpus)
+    vocab_size: int | None = (
+        None  # vocabulary of the closed forms (default: the data's when measuring, else BERT's)
+    )
+    # seconds per measured run
+    point_timeout_s: float = field(default=1800, metadata={"aliases": ("point_timeout",)})
+    memory_limit_gib: float | None = None  # host memory measured runs may use (default: what is available)
+    nvme_path: Path | None = (
+        None  # swap folder of *-nvme layouts, on a fast local disk (default: output_dir/nvme)
+    )
+    keep_checkpoints: bool = False  # keep the measured runs' checkpoints
+    experiment: str = "swbert-scaling"  # MLflow experiment
+    emit_slurm: bool = False  # write the grid as a SLURM job array instead of running it
+    nodes: int = 1  # with --emit-slurm: nodes per grid point
+    gpus_per_node: int = 8  # with --emit-slurm; 0: CPU nodes with one process each
+    collect: Path | None = None  # tabulate a job array's results from this folder (written by --emit-slurm)
 
 
 def tracking_uri(output_dir: Path) -> str:
@@ -95,10 +110,11 @@ class Recorder:
 
 
 def _prepare_data(cfg: StudyConfig) -> tuple[str, int]:
-    """The shards measured runs read (the embedded default corpus unless --data-dir) and their vocab."""
+    """The shards measured runs read (the entry point builds the default corpus when none is given)
+    and their vocabulary."""
     from swbert.training.data import prepare_data
 
-    path = prepare_data(cfg.data_dir, cfg.output_dir)
+    path = prepare_data(cfg.data_dir)
     manifest = json.loads((Path(path) / "manifest.json").read_text())
     return str(path), int(manifest["tokenizer"]["vocab_size"])
 

@@ -1,85 +1,36 @@
-"""Command line of `launchers/pretrain.py`: a recipe plus `--key value` overrides."""
+"""Command line of pretraining: a recipe plus `--key value` overrides (`swbert.cli`), and the
+closing summary. The entry point is `launchers/pretrain.py`."""
 
 from __future__ import annotations
 
-import dataclasses
-import sys
+from collections.abc import Sequence
 
-from swbert.training.config import RECIPES_DIR, TrainConfig, build_config, field_descriptions
+from swbert import cli
+from swbert.training.config import RECIPES_DIR, TrainConfig
 
 DEFAULT_RECIPE = "default"
-
-
-def _type_name(tp: object) -> str:
-    text = tp if isinstance(tp, str) else getattr(tp, "__name__", str(tp))
-    return text.replace("Literal[", "one of [")
-
-
-def _help() -> str:
-    lines = [
+USAGE = "\n".join(
+    [
         "usage: deepspeed [--num_gpus N] launchers/pretrain.py [--config RECIPE] [--key value ...]",
         "       torchrun --nproc_per_node N launchers/pretrain.py [--config RECIPE] [--key value ...]",
         "       swbert-pretrain [--config RECIPE] [--key value ...]   (one process, or under srun)",
-        "",
-        f"--config RECIPE   a YAML/TOML recipe, or a shipped one: "
-        f"{', '.join(sorted(p.stem for p in RECIPES_DIR.glob('*.yaml')))} (default: {DEFAULT_RECIPE})",
-        "",
-        "Every config key can be overridden as --key value (dashes or underscores):",
     ]
-    described = field_descriptions()
-    for f in dataclasses.fields(TrainConfig):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        lines.append(f"  --{f.name.replace('_', '-'):<24} {_type_name(f.type)}, default: {default!r}")
-        if f.name in described:
-            lines.append(f"  {'':<26} {described[f.name]}")
-    lines.append("\nThe resolved config is printed and saved as <output_dir>/resolved_config.yaml.")
-    return "\n".join(lines)
+)
 
 
-def parse_args(argv: list[str]) -> TrainConfig:
-    recipe: str | None = DEFAULT_RECIPE
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("-h", "--help"):
-            print(_help())
-            sys.exit(0)
-        if arg.startswith(("--local_rank", "--local-rank")):  # added by the deepspeed launcher
-            i += 1 if "=" in arg else 2
-            continue
-        if arg == "--config":
-            if i + 1 >= len(argv):
-                raise SystemExit("--config needs a recipe file or name")
-            recipe, i = argv[i + 1], i + 2
-            continue
-        if arg.startswith("--config="):
-            recipe, i = arg.split("=", 1)[1], i + 1
-            continue
-        rest.append(arg)
-        i += 1
-    return build_config(recipe, rest)
+def _help() -> str:
+    return (
+        cli.help_text(TrainConfig, USAGE, DEFAULT_RECIPE, RECIPES_DIR)
+        + "\n\nThe resolved config is printed and saved as <output_dir>/resolved_config.yaml."
+    )
 
 
-def main(argv: list[str] | None = None) -> None:
-    try:
-        config = parse_args(sys.argv[1:] if argv is None else argv)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    from swbert.training.runlock import RunFolderBusy
-    from swbert.training.trainer import NonFiniteStop, run
-
-    try:
-        summary = run(config)
-    except NonFiniteStop as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(3)
-    except (ValueError, FileNotFoundError, RunFolderBusy) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    if "export_dir" in summary:
-        print(closing_summary(summary), flush=True)
+def parse_args(argv: Sequence[str]) -> TrainConfig:
+    """`[--config RECIPE] [--key value ...]` -> the checked `TrainConfig` (`--help` prints and exits)."""
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(_help())
+        raise SystemExit(0)
+    return cli.parse_cli(TrainConfig, argv, USAGE, DEFAULT_RECIPE, RECIPES_DIR)
 
 
 def closing_summary(summary: dict) -> str:
@@ -108,7 +59,3 @@ def closing_summary(summary: dict) -> str:
         lines.append(f"  MLflow store:                {uri}")
         lines.append(f"  open the MLflow UI with:     mlflow ui --backend-store-uri {uri}")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # python -m swbert.training.cli, e.g. under torchrun -m
-    main()

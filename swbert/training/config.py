@@ -9,22 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
-import json
-import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal
 
 import yaml
 
+from swbert import cli
 from swbert.models.config import ATTENTION_TYPES, SIZES
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # the same parser, before it joined the standard library
-    import tomli as tomllib
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -80,8 +72,8 @@ class TrainConfig:
     deepspeed_config: str = "ds_configs/zero2.json"  # ZeRO stage and offload; batch/LR are filled here
     tensor_parallel: int = 1  # megatron-core tensor-parallel size (divides the world size)
     # bookkeeping
-    output_dir: str | None = None  # default: runs/<run_name>
-    run_name: str | None = None  # default: <size>-<attention_type>-<timestamp>
+    output_dir: str | None = None  # default: runs/<run_name>; one run per folder (--resume auto continues it)
+    run_name: str | None = None  # MLflow run name; default: <size>-<attention_type>
     seed: int = 1234  # initial weights, data order and masks
     log_interval: int = 10  # steps between logged metrics
     eval_interval: int = 200  # steps between validations (on a logging step)
@@ -99,7 +91,6 @@ class TrainConfig:
     # CPU kernels from swbert.cpu (dropout, attention, decoder; same results, faster on a CPU):
     # auto = on for CPU runs in eager mode; off = exactly the model path a GPU runs; on = required
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
-    fault_nonfinite_steps: list[int] = field(default_factory=list)  # fault injection: NaN loss at these steps
     # what a resume may change on purpose (comma-separated): data, seed, seq_len, mlm_probability,
     # global_batch_size, precision; a change of any other recorded setting is refused
     allow_resume_change: list[str] = field(default_factory=list)
@@ -112,11 +103,7 @@ class TrainConfig:
             raise ValueError(
                 f"attention_type={self.attention_type!r} is not one of {', '.join(ATTENTION_TYPES)}"
             )
-        hints = get_type_hints(TrainConfig)
-        for f in dataclasses.fields(self):
-            choices = _literal_choices(hints[f.name])
-            if choices and getattr(self, f.name) not in choices:
-                raise ValueError(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(choices)}")
+        cli.check_choices(self)
         for name in (
             "seq_len",
             "global_batch_size",
@@ -163,126 +150,14 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def _literal_choices(tp: Any) -> tuple[Any, ...]:
-    if get_origin(tp) is Literal:
-        return get_args(tp)
-    return ()
-
-
-def _parse_value(name: str, raw: Any, tp: Any) -> Any:
-    """Turn a string from the command line (or a recipe value) into the field's type."""
-    if not isinstance(raw, str):
-        return raw
-    args = [a for a in get_args(tp) if a is not type(None)]
-    if raw.lower() in ("none", "null") and type(None) in get_args(tp):
-        return None
-    if get_origin(tp) is list:  # comma-separated or a JSON list
-        item = get_args(tp)[0]
-        try:
-            if raw.startswith("["):
-                return json.loads(raw)
-            return [item(x.strip()) for x in raw.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError(
-                f"--{name.replace('_', '-')} {raw!r}: expected a comma-separated list of {item.__name__}"
-            ) from None
-    base = args[0] if get_origin(tp) not in (None, Literal) and args else tp
-    if get_origin(tp) is Literal or base is str:
-        return raw
-    try:
-        if base is bool:
-            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError
-            return raw.lower() in ("true", "1", "yes")
-        if base is int:
-            return int(float(raw)) if "e" in raw.lower() else int(raw)
-        if base is float:
-            return float(raw)
-    except ValueError:
-        raise ValueError(
-            f"--{name.replace('_', '-')} {raw!r}: expected {getattr(base, '__name__', base)}"
-        ) from None
-    return raw
-
-
-def _unknown_key(key: str, where: str) -> ValueError:
-    names = [f.name for f in dataclasses.fields(TrainConfig)]
-    close = difflib.get_close_matches(key, names, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(names)}"
-    return ValueError(f"unknown config key {key!r} in {where}{hint}")
-
-
-def read_recipe(path: str | Path) -> dict[str, Any]:
-    """A recipe file (YAML or TOML), or the name of one shipped in swbert/recipes/."""
-    p = Path(path)
-    if not p.exists() and (RECIPES_DIR / f"{path}.yaml").exists():
-        p = RECIPES_DIR / f"{path}.yaml"
-    if not p.is_file():
-        shipped = ", ".join(sorted(x.stem for x in RECIPES_DIR.glob("*.yaml")))
-        raise FileNotFoundError(f"recipe {path} not found (shipped recipes: {shipped})")
-    text = p.read_text()
-    data = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
-    if not isinstance(data, dict):
-        raise ValueError(f"recipe {p} must hold a mapping of config keys, got {type(data).__name__}")
-    return data
-
-
 def build_config(recipe: str | Path | None, overrides: list[str]) -> TrainConfig:
-    """Recipe values, then `--key value` overrides, checked."""
-    hints = get_type_hints(TrainConfig)
-    values: dict[str, Any] = {}
-    if recipe is not None:
-        for key, value in read_recipe(recipe).items():
-            name = key.replace("-", "_")
-            if name not in hints:
-                raise _unknown_key(key, f"recipe {recipe}")
-            values[name] = _parse_value(name, value, hints[name])
-    i = 0
-    while i < len(overrides):
-        token = overrides[i]
-        if not token.startswith("--"):
-            raise ValueError(f"unexpected argument {token!r}: overrides are --key value pairs")
-        key, _, inline = token[2:].partition("=")
-        name = key.replace("-", "_")
-        if name not in hints:
-            raise _unknown_key(key, "the command line")
-        if inline:
-            raw, i = inline, i + 1
-        elif i + 1 < len(overrides) and not overrides[i + 1].startswith("--"):
-            raw, i = overrides[i + 1], i + 2
-        elif hints[name] is bool:
-            raw, i = "true", i + 1
-        else:
-            raise ValueError(f"--{key} needs a value")
-        values[name] = _parse_value(name, raw, hints[name])
-    config = TrainConfig(**values)
-    config.check()
-    return config
-
-
-_FIELD_LINE = re.compile(r"^\s{4}(\w+):\s*[^=]+?=\s*.*?(?:#\s*(.*))?$")
-_COMMENT_LINE = re.compile(r"^\s{4}#\s?(.*)$")
+    """Recipe values, then `--key value` overrides, checked (see `swbert.cli`)."""
+    return cli.build_config(TrainConfig, recipe, overrides, RECIPES_DIR)
 
 
 def field_descriptions() -> dict[str, str]:
-    """Each field's description, read from the source of `TrainConfig`: the comment on its line,
-    else the comment lines right above it."""
-    try:
-        source = inspect.getsource(TrainConfig)
-    except (OSError, TypeError):  # no source shipped (a frozen or .pyc-only install)
-        return {}
-    found: dict[str, str] = {}
-    above: list[str] = []
-    for line in source.splitlines():
-        comment = _COMMENT_LINE.match(line)
-        if comment:
-            above.append(comment.group(1).strip())
-            continue
-        match = _FIELD_LINE.match(line)
-        if match and (match.group(2) or above):
-            found[match.group(1)] = match.group(2) or " ".join(above)
-        above = []
-    return found
+    """Each field's description: the comment on its line in `TrainConfig`, else the lines above it."""
+    return cli.field_descriptions(TrainConfig)
 
 
 def dump_config(config: TrainConfig) -> str:

@@ -8,40 +8,35 @@ interrupted and resumed.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
-from filelock import FileLock
 
 from swbert.data import GlobalSampler, MaskingCollator, PackedSequences, open_corpus
 
-DEFAULT_DATA_HOME = "runs/data"
 
-
-def prepare_data(data_dir: str | None, output_dir: Path) -> Path:
-    """The shards to train on; the embedded default corpus is built on first use (under a file lock,
-    so concurrent ranks and jobs build it once)."""
-    if data_dir is not None:
-        path = Path(data_dir)
-        if not (path / "manifest.json").is_file():
-            raise FileNotFoundError(
-                f"--data-dir {path} holds no manifest.json: make shards with "
-                f"`python -m data_prep.preprocess --input FILES --tokenizer TOK_DIR --output {path}`"
-            )
-        return path
-    from data_prep.default_corpus import ensure_default_data
-
-    root = Path(os.environ.get("SWBERT_DATA_HOME", DEFAULT_DATA_HOME)) / "default"
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root) + ".lock"):
-        return Path(ensure_default_data(root))
+def prepare_data(data_dir: str | Path | None) -> Path:
+    """The folder of shards to train on, checked to hold a manifest. Building data is the offline
+    tools' job (`data_prep`; the pretraining entry point builds the embedded default corpus)."""
+    if data_dir is None:
+        raise ValueError(
+            "no --data-dir: make shards with `python -m data_prep.preprocess --input FILES --tokenizer "
+            "TOK_DIR --output DIR`, or run launchers/pretrain.py, which builds the embedded default corpus"
+        )
+    path = Path(data_dir)
+    if not (path / "manifest.json").is_file():
+        raise FileNotFoundError(
+            f"--data-dir {path} holds no manifest.json: make shards with "
+            f"`python -m data_prep.preprocess --input FILES --tokenizer TOK_DIR --output {path}`"
+        )
+    return path
 
 
 class TrainingData:
     """Train and validation sequences of one data folder, served by global stream position."""
 
     def __init__(self, data_dir: Path, seq_len: int, mlm_probability: float, seed: int) -> None:
+        self.data_dir = Path(data_dir)
         corpus = open_corpus(data_dir, "train")
         self.train = PackedSequences(corpus, seq_len)
         self.vocab_size = corpus.vocab_size

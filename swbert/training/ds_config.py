@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,32 +57,68 @@ def load_ds_config(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"--deepspeed-config {p}: invalid JSON ({err})") from None
 
 
-def _fill(ds: dict[str, Any], key: str, value: Any, source: str, path: str) -> None:
-    current = ds.get(key, "auto")
-    if current == "auto":
-        ds[key] = value
-    elif current != value:
-        raise ValueError(
-            f"{path} sets {key}={current!r} but the training config gives {value!r} ({source}); "
-            f'set it to "auto" in the DeepSpeed config and choose the value with --{source.replace("_", "-")}'
-        )
+@dataclass(frozen=True)
+class BatchShape:
+    """Sequences per optimizer step over all ranks, per forward pass on one rank, and the number
+    of micro-batches accumulated per step (global = micro x data-parallel ranks x accumulation)."""
+
+    global_batch: int
+    micro_batch: int
+    accum: int
 
 
-def build_ds_config(config: TrainConfig, dp_size: int, precision: str) -> dict[str, Any]:
-    """The DeepSpeed config for this run: the template with every managed field filled and checked."""
-    path = config.deepspeed_config
+@dataclass(frozen=True)
+class Flags:
+    """The command-line flags that set each managed value, for error messages."""
+
+    global_batch: str = "--global-batch-size"
+    micro_batch: str = "--micro-batch-size"
+    accum: str = "--grad-accum-steps"
+    grad_clip: str = "--grad-clip"
+    lr: str = "the training config (--lr, --warmup-steps, --lr-schedule, ...)"
+    source: str = "the training config gives"
+    job: str = "pretraining"
+
+
+def build_ds_config(
+    path: str | Path,
+    batch: BatchShape,
+    grad_clip: float,
+    precision: str,
+    flags: Flags = Flags(),
+    max_zero_stage: int = 3,
+) -> dict[str, Any]:
+    """The DeepSpeed config for a run: the JSON template (a path or a shipped name) with every
+    managed field filled, and any hard-coded value that disagrees with the run an error naming the
+    flag that sets it. Pretraining and fine-tuning both build theirs here."""
     ds = copy.deepcopy(load_ds_config(path))
     for section in ("optimizer", "scheduler"):
         if section in ds:
             raise ValueError(
-                f"{path} has a '{section}' section; swbert builds the optimizer and LR schedule from the "
-                "training config (--lr, --warmup-steps, --lr-schedule, ...): remove the section"
+                f"{path} has a '{section}' section; swbert builds the optimizer and LR schedule from "
+                f"{flags.lr}: remove the '{section}' section"
             )
-    global_bs, micro_bs, accum = config.batch_layout(dp_size)
-    _fill(ds, "train_batch_size", global_bs, "global_batch_size", path)
-    _fill(ds, "train_micro_batch_size_per_gpu", micro_bs, "micro_batch_size", path)
-    _fill(ds, "gradient_accumulation_steps", accum, "grad_accum_steps", path)
-    _fill(ds, "gradient_clipping", float(config.grad_clip), "grad_clip", path)
+    stage = zero_stage(ds)
+    if stage > max_zero_stage:
+        raise ValueError(
+            f"{path}: ZeRO stage {stage} is not supported for {flags.job}; use stage 0-{max_zero_stage} "
+            f"(e.g. zero{min(max_zero_stage, 2)}.json)"
+        )
+    managed = [
+        ("train_batch_size", batch.global_batch, flags.global_batch),
+        ("train_micro_batch_size_per_gpu", batch.micro_batch, flags.micro_batch),
+        ("gradient_accumulation_steps", batch.accum, flags.accum),
+        ("gradient_clipping", float(grad_clip), flags.grad_clip),
+    ]
+    for key, value, flag in managed:
+        current = ds.get(key, "auto")
+        if current == "auto":
+            ds[key] = value
+        elif current != value:
+            raise ValueError(
+                f"{path} sets {key}={current!r} but {flags.source} {value!r}; set it to "
+                f'"auto" in the DeepSpeed config and choose the value with {flag}'
+            )
     for dtype in ("bf16", "fp16"):
         section = ds.setdefault(dtype, {})
         wanted = precision == dtype
@@ -93,14 +130,18 @@ def build_ds_config(config: TrainConfig, dp_size: int, precision: str) -> dict[s
                 f"{path} sets {dtype}.enabled={enabled} but the run's precision is {precision}; "
                 f'set "enabled": "auto" or pass --precision {dtype if enabled else precision}'
             )
-    if not torch.cuda.is_available():
-        offload = ds.get("zero_optimization", {}).get("offload_optimizer", {})
-        if offload.get("pin_memory"):
-            offload["pin_memory"] = False  # pinned host memory needs a GPU
-        param_offload = ds.get("zero_optimization", {}).get("offload_param", {})
-        if param_offload.get("pin_memory"):
-            param_offload["pin_memory"] = False
+    if not torch.cuda.is_available():  # pinned host memory needs a GPU
+        for offload in ("offload_optimizer", "offload_param"):
+            target = ds.get("zero_optimization", {}).get(offload, {})
+            if target.get("pin_memory"):
+                target["pin_memory"] = False
     return ds
+
+
+def pretraining_ds_config(config: TrainConfig, dp_size: int, precision: str) -> dict[str, Any]:
+    """The pretraining run's DeepSpeed config: batch shape, clipping and precision from `config`."""
+    batch = BatchShape(*config.batch_layout(dp_size))
+    return build_ds_config(config.deepspeed_config, batch, config.grad_clip, precision)
 
 
 def zero_stage(ds: dict[str, Any]) -> int:

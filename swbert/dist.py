@@ -1,0 +1,60 @@
+"""Who this process is: one type for pretraining, fine-tuning and the scaling tools.
+
+Ranks are laid out tensor-parallel first (megatron-core's order): with 4 processes and TP=2, ranks
+{0, 1} and {2, 3} each hold one copy of the model split in two, and ranks {0, 2} and {1, 3} are
+the data-parallel groups. Without tensor parallelism every process is a data-parallel rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Global rank and world size, this node's local rank, and the tensor/data-parallel grid.
+
+    `tp_group`/`dp_group` are process groups once they exist (None: the whole world, or no
+    process group at all in a single process)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    tp_size: int = 1
+    tp_rank: int = 0
+    dp_size: int = 1
+    dp_rank: int = 0
+    tp_group: Any = None
+    dp_group: Any = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_tp_enabled(self) -> bool:
+        return self.tp_size > 1
+
+    @classmethod
+    def plan(cls, world: int, tp_size: int = 1, rank: int = 0, local_rank: int = 0) -> ParallelDims:
+        """The grid of `world` processes at tensor-parallel size `tp_size`, before any group exists;
+        raises a ValueError saying what to launch when `tp_size` does not divide `world`."""
+        if tp_size < 1 or world % tp_size:
+            raise ValueError(
+                f"world size {world} is not divisible by --tensor-parallel {tp_size}; "
+                f"launch a multiple of {tp_size} ranks"
+            )
+        return cls(rank, world, local_rank, tp_size, rank % tp_size, world // tp_size, rank // tp_size)
+
+    @classmethod
+    def from_env(cls, tp_size: int = 1) -> ParallelDims:
+        """From the launcher's environment (torchrun, deepspeed, srun once mapped); one process when
+        none is set. Needs no process group."""
+        return cls.plan(
+            int(os.environ.get("WORLD_SIZE", 1)),
+            tp_size,
+            int(os.environ.get("RANK", 0)),
+            int(os.environ.get("LOCAL_RANK", 0)),
+        )

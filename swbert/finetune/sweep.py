@@ -1,0 +1,185 @@
+"""What every fine-tuning sweep shares: its flags, and one trial (fit, log the best epoch, save).
+
+A sweep is a typed config (`swbert.cli`: `--key value` flags, or a YAML/TOML file with
+`--config`): GLUE's `GlueSweep` and SQuAD's `SquadSweep` extend `SweepConfig` with their own fields.
+Every (checkpoint, task, learning rate, seed) is one `run_trial`: an MLflow child run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from torch import nn
+
+from swbert.dist import ParallelDims
+from swbert.finetune.checkpoint import Checkpoint, parse_checkpoints, save_finetuned
+from swbert.finetune.results import Trial, nest_metrics
+from swbert.finetune.tracking import DEFAULT_EXPERIMENT, Tracker, tracking_uri
+from swbert.finetune.trainer import FinetuneConfig, fit, set_seed
+
+log = logging.getLogger("swbert.finetune")
+
+
+@dataclass
+class SweepConfig:
+    """The flags of every fine-tuning launcher (each launcher sets its own defaults)."""
+
+    # exported model folders as [NAME=]PATH; NAME labels the table row (default: the attention type)
+    checkpoint: list[str]
+    output_dir: Path  # fine-tuned models, the resolved config and (by default) mlflow.db
+    tokenizer: Path | None = None  # tokenizer folder, when not the checkpoint's own
+    learning_rates: list[float] = field(default_factory=lambda: [1e-4])  # grid; the best median over seeds
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])  # one run per seed; the median is reported
+    epochs: int = 3  # passes over the training set per run
+    batch_size: int = 32  # global batch size (split over GPUs)
+    eval_batch_size: int = 128  # sequences per evaluation batch
+    weight_decay: float = 0.1  # AdamW weight decay (not on biases, norms and 1-D scales)
+    warmup_ratio: float = 0.1  # fraction of steps with linear warm-up
+    max_grad_norm: float = 1.0  # gradient clipping
+    patience: int = 0  # stop after N epochs without a better dev score (0: never)
+    max_steps: int | None = None  # cap on optimiser steps per run (smoke tests)
+    attention_dropout: float = 0.1  # attention_probs_dropout_prob during fine-tuning
+    hidden_dropout: float | None = None  # hidden_dropout_prob during fine-tuning (default: the checkpoint's)
+    max_train_samples: int | None = None  # use only the first N training examples
+    max_eval_samples: int | None = None  # use only the first N dev examples
+    # fine-tuned models kept on disk: the median seed's at the best learning rate, all, or none
+    keep: Literal["none", "median", "all"] = "median"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    # DeepSpeed JSON (a path or a ds_configs/ name, stages 0-2), used with a world size > 1
+    deepspeed: str | None = None
+    experiment: str = DEFAULT_EXPERIMENT  # MLflow experiment name
+    tracking_uri: str | None = (
+        None  # MLflow store (default: $MLFLOW_TRACKING_URI, else <output-dir>/mlflow.db)
+    )
+    run_name: str | None = None  # name of the parent MLflow run (default: launcher and time)
+
+    def check(self) -> None:
+        for name in ("epochs", "batch_size", "eval_batch_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if not self.learning_rates or not self.seeds:
+            raise ValueError("--learning-rates and --seeds each need at least one value")
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """The `--checkpoint` folders, checked and named."""
+        return parse_checkpoints(self.checkpoint)
+
+    def finetune_config(self, learning_rate: float | None = None, seed: int = 0) -> FinetuneConfig:
+        """The hyper-parameters of one run of this sweep."""
+        return FinetuneConfig(
+            learning_rate=self.learning_rates[0] if learning_rate is None else learning_rate,
+            weight_decay=self.weight_decay,
+            epochs=self.epochs,
+            batch_size=self.batch_size,
+            eval_batch_size=self.eval_batch_size,
+            warmup_ratio=self.warmup_ratio,
+            max_grad_norm=self.max_grad_norm,
+            seed=seed,
+            patience=self.patience,
+            precision=self.precision,
+            max_steps=self.max_steps,
+            deepspeed_config=self.deepspeed,
+        )
+
+    def params(self) -> dict[str, str]:
+        """The flags as MLflow params of the parent run (lists joined with spaces)."""
+        out = {}
+        for key, value in dataclasses.asdict(self).items():
+            if value is not None:
+                out[key] = " ".join(map(str, value)) if isinstance(value, list) else str(value)
+        return out
+
+
+def report_sweep(tracker: Tracker, sweep: SweepConfig, parent: str | None) -> None:
+    """After a sweep (rank 0): its tables under <output-dir>/report, logged to the parent run, and
+    printed as markdown."""
+    from swbert.finetune.report import build_report, collect
+
+    if not ParallelDims.from_env().is_main:
+        return
+    folder = sweep.output_dir / "report"
+    tables = build_report(collect(tracker.uri, sweep.experiment, [parent]), folder)
+    tracker.log_artifacts(parent, folder, "report")  # tables and figures
+    for table in tables.values():
+        print(table.markdown())
+    log.info("tables written to %s (re-create them with launchers/report.py)", folder)
+
+
+def open_tracker(sweep: SweepConfig) -> Tracker:
+    """The MLflow tracker (rank 0 only) after logging and saving the resolved flags."""
+    info = ParallelDims.from_env()
+    if info.is_main:
+        sweep.output_dir.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(dataclasses.asdict(sweep), indent=2, default=str)
+        log.info("resolved arguments:\n%s", text)
+        (sweep.output_dir / f"args-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(text + "\n")
+    uri = sweep.tracking_uri or tracking_uri(sweep.output_dir)
+    return Tracker(uri, sweep.experiment, enabled=info.is_main)
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    """One (checkpoint, task, learning rate, seed) of a sweep, and how its MLflow run is labelled."""
+
+    ckpt: Checkpoint
+    task: str
+    lr: float
+    seed: int
+    kind: str  # the MLflow tag swbert.kind: glue_trial, squad_trial
+    params: dict[str, Any]  # logged besides the hyper-parameters
+
+    @property
+    def name(self) -> str:
+        return f"{self.ckpt.name}/{self.task}/lr{self.lr:g}/seed{self.seed}"
+
+
+def run_trial(
+    sweep: SweepConfig,
+    spec: TrialSpec,
+    tracker: Tracker,
+    build_model: Callable[[], nn.Module],
+    train_set: Any,
+    collate: Callable,
+    evaluate: Callable[[nn.Module], dict[str, float]],
+    select: str,
+    tokenizer: Any,
+) -> Trial:
+    """Fine-tune one trial as a child run: fit (best dev epoch kept), log the best metrics, save the
+    model (unless --keep none). `build_model` runs after seeding: the new head's init depends on it."""
+    from swbert.finetune.tracking import CHECKPOINT, KIND, TASK, VARIANT
+
+    cfg = sweep.finetune_config(spec.lr, spec.seed)
+    tags = {KIND: spec.kind, VARIANT: spec.ckpt.name, TASK: spec.task, CHECKPOINT: str(spec.ckpt.path)}
+    params = {**dataclasses.asdict(cfg), **spec.params}
+    with tracker.run(spec.name, tags, params) as run_id:
+        set_seed(spec.seed)
+        model = build_model()
+        result = fit(
+            model,
+            train_set,
+            collate,
+            evaluate=evaluate,
+            select=select,
+            cfg=cfg,
+            log_metrics=lambda m, step: tracker.log(run_id, m, step),
+            desc=spec.name.replace("/", " "),
+        )
+        best = {k: v for k, v in result.best_metrics.items() if k != "epoch"}
+        summary = {
+            "best_epoch": result.best_epoch,
+            "train_seconds": result.train_seconds,
+            "steps": result.steps,
+        }
+        tracker.log(run_id, {f"best/{k}": v for k, v in best.items()} | summary)
+        model_dir = ""
+        if sweep.keep != "none":
+            model_dir = str(sweep.output_dir / spec.ckpt.name / spec.task / f"lr{spec.lr:g}-seed{spec.seed}")
+            save_finetuned(model, tokenizer, model_dir)
+    return Trial(spec.ckpt.name, spec.task, spec.lr, spec.seed, nest_metrics(best), model_dir)

@@ -1,0 +1,300 @@
+"""The steps that set a pretraining run up, each a function that can be called and tested alone.
+
+`Trainer.setup` calls them in this order; the order matters and the comments say why:
+
+    folder = open_run_folder(cfg)          # paths and the one-job lock: refused at once if busy
+    plan = plan_run(cfg)                   # precision, batch shape, DeepSpeed config
+    data = build_data(cfg)                 # the shards, found and checked
+    record = run_record(...)               # what exact resume depends on
+    resume = choose_resume(...)            # refused here, before any process group, if incompatible
+    dims, mpu = build_layout(cfg, plan)    # process group, tensor-parallel groups
+    model = build_model(...)               # seeded weights, tensor parallelism, CPU kernels
+    engine, scheduler = build_engine(...)  # optimizer, schedule, deepspeed.initialize, compile
+    metrics = build_tracking(...)          # metrics.jsonl and MLflow (rank 0)
+
+Everything that can be wrong with a request is checked before the process group starts, so a bad
+flag fails at once on every rank instead of hanging a collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from swbert.cpu import keep_freed_memory, optimize_for_cpu, resolve_cpu_kernels, set_cpu_threads
+from swbert.dist import ParallelDims
+from swbert.logs import status
+from swbert.models import SWBertConfig, SWBertForMaskedLM
+from swbert.models.flops import masked_lm_params
+from swbert.training import checkpoint as ckpt
+from swbert.training.config import TrainConfig, dump_config
+from swbert.training.data import TrainingData, prepare_data
+from swbert.training.dist import init_distributed, map_launcher_env
+from swbert.training.ds_config import (
+    BatchShape,
+    offloads_optimizer,
+    pretraining_ds_config,
+    resolve_precision,
+    zero_stage,
+)
+from swbert.training.metrics import MetricsLogger
+from swbert.training.optim import build_optimizer, build_scheduler
+from swbert.training.runlock import RunLock
+
+log = logging.getLogger("swbert.train")
+
+
+@dataclass
+class RunFolder:
+    """Where a run lives; rank 0 holds its lock for the job's lifetime."""
+
+    output_dir: Path
+    run_name: str
+    lock: RunLock | None = None
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.output_dir / "checkpoints"
+
+
+def open_run_folder(cfg: TrainConfig) -> RunFolder:
+    """The run folder, locked by rank 0 (one job per folder); a fresh run refuses a folder that
+    already holds checkpoints."""
+    map_launcher_env()
+    run_name = cfg.run_name or f"{cfg.size}-{cfg.attention_type}"
+    folder = RunFolder(Path(cfg.output_dir or f"runs/{run_name}"), run_name)
+    if os.environ["RANK"] == "0":
+        folder.lock = RunLock(folder.output_dir).acquire()
+    if cfg.resume == "none" and ckpt.newest_complete(folder.ckpt_root):
+        release(folder)
+        raise ValueError(
+            f"{folder.output_dir} already holds a run with checkpoints; pass --resume auto to continue it, "
+            "or choose a new --output-dir"
+        )
+    return folder
+
+
+def release(folder: RunFolder) -> None:
+    if folder.lock is not None:
+        folder.lock.release()
+        folder.lock = None
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What the request resolves to on this machine, before any process group exists."""
+
+    dims: ParallelDims  # the grid from the launcher's environment (no groups yet)
+    on_gpu: bool
+    precision: str
+    cpu_kernels: bool
+    ds_config: dict[str, Any]
+    batch: BatchShape
+
+    @property
+    def zero_stage(self) -> int:
+        return zero_stage(self.ds_config)
+
+
+def plan_run(cfg: TrainConfig) -> RunPlan:
+    dims = ParallelDims.from_env(cfg.tensor_parallel)
+    on_gpu = torch.cuda.is_available()
+    precision = resolve_precision(cfg.precision, on_gpu)
+    cpu_kernels = resolve_cpu_kernels(cfg.cpu_kernels, on_gpu, cfg.compile)
+    ds_config = pretraining_ds_config(cfg, dims.dp_size, precision)
+    batch = BatchShape(*cfg.batch_layout(dims.dp_size))
+    return RunPlan(dims, on_gpu, precision, cpu_kernels, ds_config, batch)
+
+
+def build_data(cfg: TrainConfig) -> TrainingData:
+    """The run's shards, found and checked (the entry point builds the default corpus beforehand)."""
+    return TrainingData(prepare_data(cfg.data_dir), cfg.seq_len, cfg.mlm_probability, cfg.seed)
+
+
+def total_steps(cfg: TrainConfig) -> int:
+    if cfg.train_tokens is not None:
+        return math.ceil(cfg.train_tokens / (cfg.global_batch_size * cfg.seq_len))
+    return cfg.train_steps
+
+
+def build_model_config(cfg: TrainConfig, data: TrainingData) -> SWBertConfig:
+    return SWBertConfig.from_size(
+        cfg.size,
+        attention_type=cfg.attention_type,
+        vocab_size=data.vocab_size,
+        max_position_embeddings=max(512, cfg.seq_len),
+        hidden_dropout_prob=cfg.hidden_dropout,
+        attention_probs_dropout_prob=cfg.attention_dropout,
+    )
+
+
+def run_record(
+    cfg: TrainConfig, data: TrainingData, model_config: SWBertConfig, plan: RunPlan
+) -> dict[str, Any]:
+    """What every checkpoint records: the model's shape, and the settings exact resume depends on
+    (a change of those is refused unless --allow-resume-change names it)."""
+    return {
+        "model": {
+            "size": cfg.size,
+            "attention_type": cfg.attention_type,
+            "vocab_size": data.vocab_size,
+            "hidden_size": model_config.hidden_size,
+            "num_hidden_layers": model_config.num_hidden_layers,
+            "tokenizer_hash": data.tokenizer_hash,
+        },
+        "model_config": model_config.to_dict(),
+        "tensor_parallel": cfg.tensor_parallel,
+        "tokenizer_dir": str(data.tokenizer_dir) if data.tokenizer_dir else None,
+        "run": {
+            "data": hashlib.sha256((data.data_dir / "manifest.json").read_bytes()).hexdigest()[:16],
+            "seed": cfg.seed,
+            "seq_len": cfg.seq_len,
+            "mlm_probability": cfg.mlm_probability,
+            "global_batch_size": cfg.global_batch_size,
+            "precision": plan.precision,
+            "zero_stage": plan.zero_stage,
+            "data_parallel": plan.dims.dp_size,
+        },
+    }
+
+
+def choose_resume(
+    cfg: TrainConfig, ckpt_root: Path, record: dict[str, Any]
+) -> tuple[tuple[Path, str] | None, list[str]]:
+    """The checkpoint to resume from (None: a fresh start) and the deliberate changes it allows;
+    an incompatible checkpoint is refused here, naming what differs."""
+    resume_from = ckpt.resolve_resume(cfg.resume, ckpt_root)
+    if resume_from is None and cfg.resume not in ("none", "auto"):
+        raise FileNotFoundError(f"--resume {cfg.resume}: nothing to resume from")
+    if resume_from is None:
+        return None, []
+    return resume_from, ckpt.check_compatible(
+        resume_from[0] / resume_from[1], record, cfg.allow_resume_change
+    )
+
+
+def build_layout(cfg: TrainConfig, plan: RunPlan) -> tuple[ParallelDims, Any]:
+    """Start the process group (NCCL on GPU, gloo on CPU) and the tensor-parallel groups; returns
+    this process's `ParallelDims` and the DeepSpeed `mpu` (None without tensor parallelism)."""
+    rank, local_rank, world = init_distributed()
+    set_cpu_threads(cfg.num_threads)
+    if not plan.on_gpu:
+        keep_freed_memory()  # no page faults for the tensors every step frees and allocates again
+    if cfg.tensor_parallel == 1:
+        return ParallelDims(rank, world, local_rank, dp_size=world, dp_rank=rank), None
+    from swbert import parallel
+
+    return parallel.initialize(cfg.tensor_parallel, seed=cfg.seed), parallel.mpu()
+
+
+def build_model(
+    cfg: TrainConfig, model_config: SWBertConfig, dims: ParallelDims, cpu_kernels: bool
+) -> tuple[SWBertForMaskedLM, list[str]]:
+    """The model every rank builds from the same seed, split by tensor parallelism, then (CPU only)
+    with swbert.cpu's kernels swapped in; returns it and the kernels applied."""
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    model = SWBertForMaskedLM(model_config)
+    if dims.is_tp_enabled:
+        from swbert import parallel
+
+        model = parallel.parallelize(model, dims.tp_size)
+    # after tensor parallelism (it swaps only PyTorch's own modules), before the engine wraps it
+    applied = optimize_for_cpu(model) if cpu_kernels else []
+    if dims.is_main:
+        if applied:
+            log.info("model path: CPU kernels from swbert.cpu (%s)", ", ".join(applied))
+        else:
+            log.info("model path: plain PyTorch ops, the path a GPU runs (no CPU kernels)")
+    return model, applied
+
+
+def build_engine(
+    cfg: TrainConfig, model: SWBertForMaskedLM, plan: RunPlan, ds_config: dict[str, Any], mpu: Any, steps: int
+) -> tuple[Any, Any]:
+    """AdamW and the LR schedule from the config, wrapped by `deepspeed.initialize`; compiled in
+    place when asked (parameter names, checkpoints and exports stay those of the eager model)."""
+    import deepspeed
+
+    optimizer = build_optimizer(
+        model,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        kind=cfg.optimizer,
+        on_gpu=plan.on_gpu,
+        offload=offloads_optimizer(ds_config),
+    )
+    floor = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
+    scheduler = build_scheduler(optimizer, steps, cfg.warmup_steps, cfg.lr_schedule, floor)
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=ds_config,
+        mpu=mpu,
+        dist_init_required=False,
+    )
+    if cfg.compile:
+        engine.compile()
+    return engine, scheduler
+
+
+def write_run_files(cfg: TrainConfig, folder: RunFolder, ds_config: dict[str, Any], is_main: bool) -> None:
+    """Rank 0 saves the resolved config and the filled DeepSpeed config, and moves cut-off saves
+    aside; every rank waits for it."""
+    if is_main:
+        folder.output_dir.mkdir(parents=True, exist_ok=True)
+        (folder.output_dir / "resolved_config.yaml").write_text(dump_config(cfg))
+        (folder.output_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
+        status.info("resolved config (%s):\n%s", folder.output_dir / "resolved_config.yaml", dump_config(cfg))
+        folder.ckpt_root.mkdir(parents=True, exist_ok=True)
+        ckpt.set_aside_incomplete(folder.ckpt_root)
+    dist.barrier()
+
+
+def build_tracking(
+    cfg: TrainConfig,
+    folder: RunFolder,
+    dims: ParallelDims,
+    plan: RunPlan,
+    model_config: SWBertConfig,
+    applied_kernels: list[str],
+) -> MetricsLogger | None:
+    """metrics.jsonl and (with --mlflow) the MLflow run, on rank 0; None elsewhere."""
+    if not dims.is_main:
+        return None
+    params = {
+        **cfg.to_dict(),
+        "world_size": dims.world,
+        "dp_size": dims.dp_size,
+        "grad_accum_steps": plan.batch.accum,
+        "precision": plan.precision,
+        "zero_stage": plan.zero_stage,
+        "cpu_kernels_applied": ",".join(applied_kernels) or "none",
+        "parameters": masked_lm_params(model_config),
+        **flatten("deepspeed", plan.ds_config),  # the filled DeepSpeed config, as run
+    }
+    metrics = MetricsLogger(folder.output_dir, folder.run_name, params, cfg.mlflow, cfg.system_metrics)
+    metrics.artifact(folder.output_dir / "resolved_config.yaml")
+    metrics.artifact(folder.output_dir / "ds_config.json")
+    return metrics
+
+
+def flatten(prefix: str, value: Any) -> dict[str, Any]:
+    """A nested dict as `prefix.key.subkey` -> leaf value (MLflow params are flat)."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        out.update(flatten(f"{prefix}.{key}", item))
+    return out
