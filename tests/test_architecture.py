@@ -1,0 +1,179 @@
+"""The architecture as built: training never imports the offline tools, the trainer is short steps
+each callable alone, and every entry point speaks one command-line convention."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import runpy
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from swbert import cli
+from tests.launch_utils import REPO
+
+TRAINING = REPO / "swbert" / "training"
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_training_never_imports_data_prep():
+    found = {p.name: m for p in TRAINING.glob("*.py") for m in _imports(p) if m.split(".")[0] == "data_prep"}
+    assert not found, found
+    # and at run time: building a trainer loads nothing of data_prep
+    code = "import sys, swbert.training.trainer, swbert.training.build; print('data_prep' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_no_trainer_method_is_over_60_lines():
+    for name in ("trainer.py", "build.py"):
+        tree = ast.parse((TRAINING / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                assert length <= 60, f"{name}:{node.lineno} {node.name} is {length} lines"
+
+
+def test_build_steps_run_alone_before_any_process_group(data_dir, tmp_path, monkeypatch):
+    """The steps before the process group, called one by one as a reader (or a test) would."""
+    from swbert.training import build
+    from swbert.training.config import build_config
+
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "")  # recorded, so the values the launcher mapping sets are undone
+        monkeypatch.delenv(key)
+    out = tmp_path / "run"
+    cfg = build_config(
+        "tiny_cpu", ["--data-dir", str(data_dir), "--output-dir", str(out), "--mlflow", "false"]
+    )
+    folder = build.open_run_folder(cfg)
+    try:
+        assert folder.lock is not None and (out / ".swbert.lock").is_file()
+        assert folder.run_name == "tiny-shared" and folder.ckpt_root == out / "checkpoints"
+        plan = build.plan_run(cfg)
+        assert (plan.dims.world, plan.dims.dp_size, plan.precision) == (1, 1, "fp32")
+        assert (plan.batch.global_batch, plan.batch.micro_batch, plan.batch.accum) == (8, 4, 2)
+        assert plan.ds_config["gradient_accumulation_steps"] == 2 and plan.zero_stage == 2
+        data = build.build_data(cfg)
+        model_config = build.build_model_config(cfg, data)
+        assert model_config.vocab_size == data.vocab_size and model_config.attention_type == "shared"
+        record = build.run_record(cfg, data, model_config, plan)
+        assert record["run"]["global_batch_size"] == 8 and record["run"]["data_parallel"] == 1
+        assert build.choose_resume(cfg, folder.ckpt_root, record) == (None, [])
+        assert build.total_steps(cfg) == 20
+        assert build.total_steps(dataclasses.replace(cfg, train_tokens=8 * 64 * 3 + 1)) == 4
+    finally:
+        build.release(folder)
+    assert folder.lock is None
+    build.release(build.open_run_folder(cfg))  # released: a second job takes the folder
+    with pytest.raises(ValueError, match="no --data-dir"):
+        build.build_data(dataclasses.replace(cfg, data_dir=None))
+
+
+def test_fault_injection_is_an_environment_hook_not_a_config_key(monkeypatch):
+    from swbert.training.config import TrainConfig
+    from swbert.training.faults import NONFINITE_STEPS, nonfinite_steps
+
+    assert not [f.name for f in dataclasses.fields(TrainConfig) if "fault" in f.name]
+    monkeypatch.setenv(NONFINITE_STEPS, "3, 7")
+    assert nonfinite_steps() == {3, 7}
+    monkeypatch.setenv(NONFINITE_STEPS, "seven")
+    with pytest.raises(ValueError, match="SWBERT_FAULT_NONFINITE_STEPS='seven'"):
+        nonfinite_steps()
+
+
+# ---- the one command-line convention ---------------------------------------------------------------
+
+
+@dataclass
+class _Base:
+    names: list[str]  # required, several values
+    out: Path = Path("runs/x")  # where things go
+    kind: Literal["a", "b"] = "a"  # one of two
+    rates: list[float] = field(default_factory=lambda: [1.0])
+    verbose: bool = True  # talk
+    limit: int | None = None
+
+
+@dataclass
+class _Child(_Base):
+    # a new default, described anew
+    rates: list[float] = field(default_factory=lambda: [0.1, 0.01], metadata={"aliases": ("rate",)})
+    steps: int = 3
+    """a string below the field describes it too"""
+
+
+def test_cli_values_lists_flags_and_aliases(tmp_path):
+    argv = ["--names", "x=1", "y", "--rate", "1e-3", "2e-4", "--no-verbose", "--limit", "none", "--kind=b"]
+    got = cli.build_config(_Child, None, argv)
+    assert got.names == ["x=1", "y"] and got.rates == [1e-3, 2e-4] and got.verbose is False
+    assert got.limit is None and got.kind == "b" and got.out == Path("runs/x") and got.steps == 3
+    assert cli.build_config(_Child, None, ["--names", "a,b", "--rates", "[1, 2]"]).rates == [1.0, 2.0]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("names: [p, q]\nsteps: 9\nout: elsewhere\n")
+    got = cli.build_config(_Child, recipe, ["--steps", "4"])  # the command line wins over the recipe
+    assert (got.names, got.steps, got.out) == (["p", "q"], 4, Path("elsewhere"))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "--names is required"),
+        (
+            ["--names", "a", "--stpes", "2"],
+            "unknown config key 'stpes' in the command line; did you mean 'steps'",
+        ),
+        (["--names", "a", "--kind", "c"], "kind='c' is not one of a, b"),
+        (["--names", "a", "--steps", "2", "3"], "--steps takes one value"),
+        (["--names", "a", "--steps", "two"], "--steps 'two': expected int"),
+        (["--names", "a", "--limit"], "--limit needs a value"),
+        (["names", "a"], "unexpected argument 'names'"),
+    ],
+)
+def test_cli_bad_input_names_the_flag(argv, message):
+    with pytest.raises(ValueError, match=message):
+        cli.build_config(_Child, None, argv)
+
+
+def test_cli_help_lists_every_field_with_its_comment_and_inherited_ones():
+    text = cli.help_text(_Child, "usage: x")
+    assert "--names                    list[str], required" in text
+    assert "where things go" in text and "talk" in text  # the base class's comments
+    assert "a new default, described anew" in text and "(or --rate)" in text
+    assert "a string below the field describes it too" in text
+    assert "default: 'runs/x'" in text
+
+
+@pytest.mark.parametrize(
+    "launcher, required",
+    [
+        ("finetune_glue", ["--checkpoint", "c", "--output-dir", "o"]),
+        ("finetune_squad", ["--checkpoint", "c", "--output-dir", "o"]),
+        ("scaling_study", []),
+        ("report", ["--out", "o"]),
+    ],
+)
+def test_every_launcher_speaks_the_convention(launcher, required, capsys):
+    """--help documents every key; a typo is refused with the closest key and status 2."""
+    main = runpy.run_path(str(REPO / "launchers" / f"{launcher}.py"), run_name="launcher")["main"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0 and "Every key can be given as --key value" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main([*required, "--experimnet", "x"])
+    assert exit_.value.code == 2 and "did you mean 'experiment'" in capsys.readouterr().err
