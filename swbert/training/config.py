@@ -19,7 +19,8 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
-from swbert.models.config import ATTENTION_TYPES, SIZES
+from swbert.models.attention import attention_class
+from swbert.models.config import SIZES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -108,10 +109,7 @@ class TrainConfig:
         """Raise a ValueError naming the field when a value cannot work."""
         if self.size not in SIZES:
             raise ValueError(f"size={self.size!r} is not one of {', '.join(SIZES)}")
-        if self.attention_type not in ATTENTION_TYPES:
-            raise ValueError(
-                f"attention_type={self.attention_type!r} is not one of {', '.join(ATTENTION_TYPES)}"
-            )
+        attention_class(self.attention_type)  # a ValueError listing the registered variants
         hints = get_type_hints(TrainConfig)
         for f in dataclasses.fields(self):
             choices = _literal_choices(hints[f.name])
