@@ -8,7 +8,7 @@ CONSTRAINTS ?= constraints-cpu.txt
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/swbert/torch_extensions/$(shell echo $(abspath $(VENV)) | cksum | cut -d' ' -f1)
 BIN := $(VENV)/bin
 
-.PHONY: setup pretrain test lint clean
+.PHONY: setup pretrain test lint golden clean
 
 $(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ pretrain: setup
 test: setup
 	$(BIN)/ruff check .
 	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n 2 --dist loadfile
+
+# Rewrite the golden loss curves (tests/assets/losses/) after a change of numerics on purpose;
+# the commit that does it says why (tests/golden.py).
+golden: setup
+	SWBERT_UPDATE_GOLDEN=1 DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n 2 --dist loadfile -m golden
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -16,6 +16,7 @@ pytest.importorskip("swbert.data", reason="the pretraining job needs the data pi
 
 from swbert.models import SWBertForMaskedLM  # noqa: E402
 from swbert.parallel.convert import to_universal  # noqa: E402
+from tests.golden import check_golden  # noqa: E402
 from tests.launch_utils import launch, read_metrics  # noqa: E402
 
 
@@ -50,6 +51,7 @@ def _assert_same_steps(got: dict[int, dict], expected: dict[int, dict], steps: l
 
 
 @pytest.mark.slow
+@pytest.mark.golden
 def test_pretrain_tensor_parallel_2_matches_tp1_and_exports(data_dir, tmp_path, capsys):
     logits_file = tmp_path / "logits.pt"
     # TP=2 x DP=1 under ZeRO-1, TP=1 x DP=1 under the recipe's ZeRO-2: the same global batches
@@ -63,6 +65,8 @@ def test_pretrain_tensor_parallel_2_matches_tp1_and_exports(data_dir, tmp_path, 
 
     tp1_metrics, tp2_metrics = read_metrics(tmp_path / "tp1"), read_metrics(tmp_path / "tp2")
     _assert_same_steps(tp2_metrics, tp1_metrics, list(range(1, 11)))
+    check_golden("tiny_cpu-tp1-zero2-1rank", tp1_metrics)  # every logged loss, bit for bit
+    check_golden("tiny_cpu-tp2-zero1-2ranks", tp2_metrics)
     shards = sorted(p.name for p in (tmp_path / "tp2" / "checkpoints" / "step_00000010").glob("mp_rank_*"))
     assert shards == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]  # one per TP rank
 

@@ -12,6 +12,7 @@ from torch.testing import assert_close
 from transformers import AutoModelForMaskedLM
 
 import swbert  # noqa: F401  (registers the Auto classes)
+from tests.golden import check_golden
 from tests.launch_utils import (
     REPO,
     free_port,
@@ -40,6 +41,7 @@ def check_ok(result):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
 
 
+@pytest.mark.golden
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_trains_exports_and_resumes_exactly(stage, data_dir, tmp_path):
     """The loss falls and the exported folder reloads with the engine's logits. For stages 2 and 3
@@ -69,6 +71,7 @@ def test_zero_stage_trains_exports_and_resumes_exactly(stage, data_dir, tmp_path
     else:  # on a CPU the default swaps in swbert.cpu's kernels
         assert "model path: CPU kernels from swbert.cpu (attention)" in result.stderr
     metrics = read_metrics(full)
+    check_golden(f"tiny_cpu-zero{stage}-2ranks", metrics)  # every logged loss, bit for bit
     losses = [metrics[s]["loss"] for s in sorted(metrics) if s != 7]
     assert losses[-1] < losses[0] - 0.5, losses
     for key in ("loss", "lr", "tokens_per_s", "mlm_acc", "grad_norm", "samples_per_s", "tflops_per_device"):
