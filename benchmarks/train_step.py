@@ -48,7 +48,8 @@ import transformers
 from torch import nn
 
 from swbert.cpu import CPU_KERNELS, keep_freed_memory, optimize_for_cpu
-from swbert.models import ATTENTION_TYPES, SWBertConfig, SWBertForMaskedLM
+from swbert.models import SWBertConfig, SWBertForMaskedLM
+from swbert.models.attention import attention_types
 from swbert.models.flops import masked_lm_flops
 
 MODELS: tuple[str, ...] = ("hf", "standard", "shared", "symmetric", "pairwise")
@@ -56,7 +57,7 @@ MODELS: tuple[str, ...] = ("hf", "standard", "shared", "symmetric", "pairwise")
 FULL_LAST_LAYER = "-full"
 # Suffixes for the CPU kernels: none of them (the GPU's path), or only the named ones.
 PLAIN = "-plain"
-MODEL_FORMS = f"hf, or <variant>[{FULL_LAST_LAYER}][{PLAIN} | +kernel...] with a variant of {ATTENTION_TYPES} and kernels of {CPU_KERNELS}"
+MODEL_FORMS = f"hf, or <variant>[{FULL_LAST_LAYER}][{PLAIN} | +kernel...] with a variant of {attention_types()} and kernels of {CPU_KERNELS}"
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Dense bf16 peak of the accelerators MFU is quoted against (TFLOP/s); others need --peak-tflops.
 PEAK_TFLOPS: dict[str, float] = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -155,7 +156,7 @@ def parse_model(name: str) -> ModelSpec:
     base = base.removesuffix(PLAIN)
     full = base.endswith(FULL_LAST_LAYER)
     variant = base.removesuffix(FULL_LAST_LAYER)
-    if variant not in ATTENTION_TYPES or (plain and kernels) or not set(kernels) <= set(CPU_KERNELS):
+    if variant not in attention_types() or (plain and kernels) or not set(kernels) <= set(CPU_KERNELS):
         raise ValueError(f"unknown model {name!r}: use {MODEL_FORMS}")
     return ModelSpec(variant, full, () if plain else tuple(kernels) or CPU_KERNELS)
 

@@ -22,8 +22,9 @@ from swbert.models import (
     SWBertForSequenceClassification,
     SWBertModel,
 )
+from swbert.models.attention import StandardAttention, attention_class, attention_types
 
-# (transformers name, swbert name) for every parameter; the regexes are applied in both directions.
+# (transformers name, swbert name) for every parameter, the attention's those of `StandardAttention`.
 _RENAMES: list[tuple[str, str]] = [
     (r"embeddings\.LayerNorm\.", r"embeddings.norm."),
     (r"encoder\.layer\.(\d+)\.attention\.self\.query\.", r"encoder.layers.\1.attn.q_proj."),
@@ -103,7 +104,7 @@ def config_from_hf(hf_config: BertConfig, **overrides: object) -> SWBertConfig:
     fields.update(
         {name: getattr(hf_config, name) for name in _LABEL_FIELDS if getattr(hf_config, name, None)}
     )
-    return SWBertConfig(**fields, attention_type="standard", **overrides)
+    return SWBertConfig(**fields, attention_type=StandardAttention.attention_type, **overrides)
 
 
 def from_hf_bert(hf_model: nn.Module, vocab_size: int | None = None) -> nn.Module:
@@ -130,10 +131,12 @@ def from_hf_bert(hf_model: nn.Module, vocab_size: int | None = None) -> nn.Modul
 def to_hf_bert(model: nn.Module) -> nn.Module:
     """The transformers BERT model equivalent to a swbert `standard` model."""
     config: SWBertConfig = model.config
-    if config.attention_type != "standard":
+    if not attention_class(config.attention_type).bert_equivalent:
+        convertible = [v for v in attention_types() if attention_class(v).bert_equivalent]
         raise ValueError(
             f"attention_type={config.attention_type!r} has no transformers BERT equivalent; only "
-            "'standard' converts (the other variants load with swbert or AutoModel after `import swbert`)"
+            f"{', '.join(map(repr, convertible))} converts (the other variants load with swbert or "
+            "AutoModel after `import swbert`)"
         )
     target = next((theirs for theirs, ours in _PAIRS if type(model) is ours), None)
     if target is None:

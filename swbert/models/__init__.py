@@ -8,7 +8,15 @@ from transformers import (
     AutoModelForSequenceClassification,
 )
 
-from swbert.models.attention import ATTENTION_CLASSES, build_attention
+from swbert.models.attention import (
+    ATTENTION_CLASSES,
+    SelfAttention,
+    attention_class,
+    attention_types,
+    build_attention,
+    register_attention,
+    unregister_attention,
+)
 from swbert.models.config import ATTENTION_TYPES, SIZES, SWBertConfig
 from swbert.models.modeling import (
     SWBertForMaskedLM,
@@ -34,5 +42,10 @@ __all__ = [
     "SWBertForSequenceClassification",
     "SWBertModel",
     "SWBertPreTrainedModel",
+    "SelfAttention",
+    "attention_class",
+    "attention_types",
     "build_attention",
+    "register_attention",
+    "unregister_attention",
 ]

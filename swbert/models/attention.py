@@ -11,20 +11,36 @@ tensor-parallel wrapper that shards the projections by heads needs no change her
 
 One path for every device: PyTorch's own ops, the fused `scaled_dot_product_attention` kernel.
 Device-specific kernels are swapped in from outside (`swbert.cpu`), never chosen here.
+
+A variant is one class that knows itself: `@register_attention(name)` makes its name a valid
+`attention_type`, and the class carries every fact the rest of swbert needs (its tensor-parallel
+plan, parameter and FLOP counts, activation memory, initialisation, whether it is BERT's), so
+nothing outside this file keys on a variant's name. Counts are read off a module built on the
+meta device (`meta_attention`), never written a second time.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swbert.models.config import SWBertConfig
+if TYPE_CHECKING:  # a type only: config.py imports this module to validate `attention_type`
+    from swbert.models.config import SWBertConfig
 
 # positions to keep: (batch indices, sequence indices), row-major, as `mask.nonzero(as_tuple=True)`
 Rows = tuple[torch.Tensor, torch.Tensor]
+
+# How tensor parallelism splits a submodule or parameter of an attention layer (swbert.parallel.plan):
+#   column  an nn.Linear by output features, i.e. by heads (`split_heads` is head-major)
+#   row     an nn.Linear by input features, its output all-reduced (the bias added once, after)
+#   heads   a per-head parameter, by its first dimension (head-major, like the features)
+Split = Literal["column", "row", "heads"]
 
 
 class SDPAKernel(nn.Module):
@@ -76,7 +92,26 @@ class OutProjection(nn.Linear):
 
 
 class SelfAttention(nn.Module):
-    """Common part: split heads, run the kernel, merge heads, project out."""
+    """Common part: split heads, run the kernel, merge heads, project out.
+
+    A variant subclasses this, implements `qkv`, declares the class facts below and registers
+    with `@register_attention(name)`. What it must declare: `qkv_plan`. What it may override:
+    `activation_units`, `bert_equivalent`, `init_parameters`, `extra_flops_per_token`,
+    `closed_form_qkv_params`, `fold_for_inference`. Parameter and GEMM counts are derived.
+    """
+
+    attention_type: ClassVar[str] = ""  # the registered name, set by `register_attention`
+    # Tensor-parallel split of every submodule/parameter that produces Q, K and V, by attribute
+    # name. Every parameter must be placed: one left whole would get a gradient from this rank's
+    # heads only. `tp_plan()` adds the common output projection.
+    qkv_plan: ClassVar[Mapping[str, Split]] = {}
+    # Activation bytes per token per layer kept for backward, in units of d at 16 bits (Korthikanti
+    # et al., 2022; see swbert.scaling.memory): 34 for attention that keeps Q, K and V apart (6 of
+    # the 34) as BERT's does. A variant that keeps fewer tensors says so.
+    activation_units: ClassVar[int] = 34
+    # True when the variant is transformers' BERT attention, so the model converts to BertFor*
+    # (swbert.convert) with the same numerics.
+    bert_equivalent: ClassVar[bool] = False
 
     def __init__(self, config: SWBertConfig) -> None:
         super().__init__()
@@ -87,6 +122,38 @@ class SelfAttention(nn.Module):
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values, each (B, H, S, Dh)."""
         raise NotImplementedError
+
+    @torch.no_grad()
+    def init_parameters(self) -> None:
+        """Set the parameters this class holds directly to their initial values.
+
+        The model's `_init_weights` calls it; the nn.Linear children are initialised there like every
+        other linear layer. Nothing to do by default."""
+
+    @classmethod
+    def tp_plan(cls) -> dict[str, Split]:
+        """The tensor-parallel split of every submodule/parameter: `qkv_plan` and the row-parallel
+        output projection (one all-reduce per layer)."""
+        return {**cls.qkv_plan, "out_proj": "row"}
+
+    def qkv_parameters(self) -> int:
+        """Parameters that produce Q, K and V (this module's, less the common output projection)."""
+        return sum(p.numel() for name, p in self.named_parameters() if not name.startswith("out_proj."))
+
+    def projection_weights(self) -> int:
+        """Weight entries of the column-split linears: the Q/K/V GEMMs that every token goes through."""
+        return sum(getattr(self, attr).weight.numel() for attr, s in self.qkv_plan.items() if s == "column")
+
+    def extra_flops_per_token(self) -> int:
+        """Forward FLOPs per token of other products that MFU counts (elementwise work is not counted)."""
+        return 0
+
+    @classmethod
+    def closed_form_qkv_params(cls, config: SWBertConfig) -> int | None:
+        """The documented formula for `qkv_parameters`, held equal to it by tests; None if there is none.
+
+        A new variant needs none: every count is read off the module itself."""
+        return None
 
     def fold_for_inference(self) -> None:
         """Rewrite parameters into a cheaper form computing the same function (a no-op by default)."""
@@ -112,8 +179,82 @@ class SelfAttention(nn.Module):
         return self.out_proj(self.merge_heads(y, rows))
 
 
+_REGISTRY: dict[str, type[SelfAttention]] = {}
+# name -> class, in registration order; a read-only view (register with `register_attention`)
+ATTENTION_CLASSES: Mapping[str, type[SelfAttention]] = MappingProxyType(_REGISTRY)
+A = TypeVar("A", bound=type[SelfAttention])
+
+
+def register_attention(name: str) -> Callable[[A], A]:
+    """Class decorator: `name` becomes a valid `attention_type` building this class.
+
+    Registering the same class again under its name is a no-op; another class under a taken name is
+    an error (unregister the old one first).
+    """
+
+    def register(cls: A) -> A:
+        if not (isinstance(cls, type) and issubclass(cls, SelfAttention)):
+            raise TypeError(f"register_attention({name!r}): {cls!r} is not a subclass of SelfAttention")
+        if not name or not isinstance(name, str):
+            raise ValueError(f"register_attention: the name must be a non-empty string, got {name!r}")
+        if _REGISTRY.get(name, cls) is not cls:
+            raise ValueError(
+                f"attention_type {name!r} is already registered to {_REGISTRY[name].__qualname__}; "
+                f"unregister_attention({name!r}) first or choose another name"
+            )
+        bad = {attr: split for attr, split in cls.tp_plan().items() if split not in get_args(Split)}
+        if bad:
+            raise ValueError(f"{cls.__qualname__}.qkv_plan: {bad} are not among {get_args(Split)}")
+        cls.attention_type = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return register
+
+
+def unregister_attention(name: str) -> None:
+    """Remove a registered variant (for tests and plugins that registered one for a while)."""
+    attention_class(name)  # the same error as an unknown name elsewhere
+    del _REGISTRY[name]
+
+
+def attention_types() -> tuple[str, ...]:
+    """The registered variant names, in registration order (the four of the paper first)."""
+    return tuple(_REGISTRY)
+
+
+def attention_class(name: str) -> type[SelfAttention]:
+    """The class registered as `name`; a ValueError listing the registered names otherwise."""
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"attention_type={name!r} is not one of {', '.join(_REGISTRY)} (the registered attention "
+            "variants; a new one registers with @swbert.models.attention.register_attention)"
+        )
+    return _REGISTRY[name]
+
+
+def build_attention(config: SWBertConfig) -> SelfAttention:
+    """The one place where `config.attention_type` picks a class."""
+    return attention_class(config.attention_type)(config)
+
+
+def meta_attention(config: SWBertConfig) -> SelfAttention:
+    """The attention layer of `config` built on the meta device: shapes and counts, no memory."""
+    with torch.device("meta"):
+        return build_attention(config)
+
+
+@register_attention("standard")
 class StandardAttention(SelfAttention):
     """Separate Wq, Wk, Wv with biases: BERT's attention."""
+
+    qkv_plan = {"q_proj": "column", "k_proj": "column", "v_proj": "column"}
+    bert_equivalent = True
+
+    @classmethod
+    def closed_form_qkv_params(cls, config: SWBertConfig) -> int:
+        d = config.hidden_size
+        return 3 * (d * d + d)  # Wq, Wk, Wv and their biases
 
     def __init__(self, config: SWBertConfig) -> None:
         super().__init__(config)
@@ -130,6 +271,7 @@ class StandardAttention(SelfAttention):
         )
 
 
+@register_attention("shared")
 class SharedAttention(SelfAttention):
     """One projection S = X Ws + bs; Q, K, V are S scaled elementwise by dq, dk, dv.
 
@@ -138,14 +280,31 @@ class SharedAttention(SelfAttention):
     symmetric in the tokens.
     """
 
+    # rank r holds the rows of Ws, bs, dq, dk, dv for its heads: Q, K, V with no communication
+    qkv_plan = {"proj": "column", "dq": "heads", "dk": "heads", "dv": "heads"}
+    # `forward` keeps S and Q = S * (dq*dk) for backward: the keys and values are S itself
+    activation_units = 32
+
+    @classmethod
+    def closed_form_qkv_params(cls, config: SWBertConfig) -> int:
+        d = config.hidden_size
+        return d * d + d + 3 * d  # Ws, bs and the diagonals dq, dk, dv
+
     def __init__(self, config: SWBertConfig) -> None:
         super().__init__(config)
         d = config.hidden_size
         self.proj = nn.Linear(d, d)
-        self.dq = nn.Parameter(torch.ones(d))
-        self.dk = nn.Parameter(torch.ones(d))
-        self.dv = nn.Parameter(torch.ones(d))
+        self.dq = nn.Parameter(torch.empty(d))
+        self.dk = nn.Parameter(torch.empty(d))
+        self.dv = nn.Parameter(torch.empty(d))
         self.folded = ""  # set by fold_for_inference(): "query" or "projection"
+        self.init_parameters()
+
+    @torch.no_grad()
+    def init_parameters(self) -> None:
+        """The diagonals start at ones: Q = K = V = S."""
+        for p in (self.dq, self.dk, self.dv):
+            p.fill_(1.0)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q, K, V as the paper writes them (`SelfAttention.forward` on these is the reference)."""
@@ -202,8 +361,17 @@ class SharedAttention(SelfAttention):
         self.dv.fill_(1.0)
 
 
+@register_attention("symmetric")
 class SymmetricAttention(SelfAttention):
     """Keys are the queries (no Wk): scores Q Q^T are symmetric."""
+
+    qkv_plan = {"q_proj": "column", "v_proj": "column"}
+    activation_units = 32  # no separate keys to keep
+
+    @classmethod
+    def closed_form_qkv_params(cls, config: SWBertConfig) -> int:
+        d = config.hidden_size
+        return 2 * (d * d + d)  # Wq, Wv and their biases (K = Q)
 
     def __init__(self, config: SWBertConfig) -> None:
         super().__init__(config)
@@ -216,33 +384,40 @@ class SymmetricAttention(SelfAttention):
         return q, q, self.split_heads(self.v_proj(x))
 
 
+@register_attention("pairwise")
 class PairwiseAttention(SelfAttention):
     """Scores Q U Q^T with a learned Dh x Dh matrix U per head (no bias), i.e. K = Q U^T.
 
     U starts as the identity, so training starts from symmetric attention.
     """
 
+    qkv_plan = {"q_proj": "column", "v_proj": "column", "pair": "heads"}
+    # keeps Q, K = Q U^T and V, as standard keeps Q, K and V: the default 34 units
+
+    @classmethod
+    def closed_form_qkv_params(cls, config: SWBertConfig) -> int:
+        d, h, dh = config.hidden_size, config.num_attention_heads, config.head_dim
+        return 2 * (d * d + d) + h * dh * dh  # Wq, Wv and one Dh x Dh U per head
+
     def __init__(self, config: SWBertConfig) -> None:
         super().__init__(config)
         d, h, dh = config.hidden_size, config.num_attention_heads, config.head_dim
         self.q_proj = nn.Linear(d, d)
         self.v_proj = nn.Linear(d, d)
-        self.pair = nn.Parameter(torch.eye(dh).repeat(h, 1, 1))  # (H, Dh, Dh)
+        self.pair = nn.Parameter(torch.empty(h, dh, dh))  # (H, Dh, Dh)
+        self.init_parameters()
+
+    @torch.no_grad()
+    def init_parameters(self) -> None:
+        """Every U starts as the identity: the layer starts as symmetric attention."""
+        eye = torch.eye(self.pair.shape[-1], device=self.pair.device, dtype=self.pair.dtype)
+        self.pair.copy_(eye.expand_as(self.pair))
+
+    def extra_flops_per_token(self) -> int:
+        """K = Q U^T: a Dh x Dh product per head and token, 2 H Dh^2 = 2 d Dh FLOPs."""
+        return 2 * self.pair.numel()
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = self.split_heads(self.q_proj(x))  # (B, H, S, Dh)
         k = q @ self.pair.transpose(-1, -2)  # (B, H, S, Dh): q_i . k_j = q_i U q_j^T
         return q, k, self.split_heads(self.v_proj(x))
-
-
-ATTENTION_CLASSES: dict[str, type[SelfAttention]] = {
-    "standard": StandardAttention,
-    "shared": SharedAttention,
-    "symmetric": SymmetricAttention,
-    "pairwise": PairwiseAttention,
-}
-
-
-def build_attention(config: SWBertConfig) -> SelfAttention:
-    """The one place where `config.attention_type` picks a class."""
-    return ATTENTION_CLASSES[config.attention_type](config)

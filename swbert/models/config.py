@@ -8,6 +8,10 @@ from typing import Any, Literal, get_args
 
 from transformers import PretrainedConfig
 
+from swbert.models.attention import attention_class
+
+# The paper's four variants, for type hints and docs. Which names are valid is the registry's say
+# (`swbert.models.attention.attention_types()`), so a registered fifth variant is accepted too.
 AttentionType = Literal["standard", "shared", "symmetric", "pairwise"]
 AttentionKernel = Literal["sdpa", "eager"]
 ATTENTION_TYPES: tuple[str, ...] = get_args(AttentionType)
@@ -52,7 +56,7 @@ class SWBertConfig(PretrainedConfig):
         layer_norm_eps: float = 1e-12,  # LayerNorm epsilon (BERT's value)
         pad_token_id: int = 0,  # id of [PAD]
         classifier_dropout: float | None = None,  # dropout before classification heads (None: hidden)
-        attention_type: AttentionType = "shared",  # which Q/K/V parameterisation (see attention.py)
+        attention_type: AttentionType | str = "shared",  # a registered Q/K/V variant (attention.py)
         attention_kernel: AttentionKernel = "sdpa",  # inner kernel: fused SDPA or the eager reference
         **kwargs: Any,
     ) -> None:
@@ -81,10 +85,7 @@ class SWBertConfig(PretrainedConfig):
 
     def check(self) -> None:
         """Raise a ValueError naming the field and the allowed values when the config is invalid."""
-        if self.attention_type not in ATTENTION_TYPES:
-            raise ValueError(
-                f"attention_type={self.attention_type!r} is not one of {', '.join(ATTENTION_TYPES)}"
-            )
+        attention_class(self.attention_type)  # a ValueError listing the registered variants
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(
                 f"attention_kernel={self.attention_kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}"

@@ -1,10 +1,14 @@
-"""Closed-form parameter and FLOP counts for each attention variant.
+"""Parameter and FLOP counts of the model for any attention variant.
+
+The attention part is read off the variant's own layer built on the meta device (its parameters
+and the weights of its column-split linears, plus any product it declares: pairwise's K = Q U^T),
+so a new variant needs no formula here; the rest of the layer is common and written out.
 
 FLOPs count a multiply-add as 2 and ignore elementwise work (softmax, GELU, LayerNorm, the shared
 variant's d-vector scalings), as is usual for MFU. With f the MLP width, s the sequence length and
-p the parameters of the Q/K/V projections, one layer's forward FLOPs per token are
+w the weight entries of the Q/K/V projections, one layer's forward FLOPs per token are
 
-    2 p + 2 d^2 (output projection) + 4 d f (MLP) + 4 s d (Q K^T and A V)
+    2 w + 2 d^2 (output projection) + 4 d f (MLP) + 4 s d (Q K^T and A V)
 
 which is 24 d^2 + 4 s d for `standard` and 20 d^2 + 4 s d for `shared` when f = 4d.
 """
@@ -13,18 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from swbert.models.attention import meta_attention
 from swbert.models.config import SWBertConfig
 
 
 def qkv_params(config: SWBertConfig) -> int:
     """Parameters that produce Q, K and V in one layer (the part the variants differ in)."""
-    d, h, dh = config.hidden_size, config.num_attention_heads, config.head_dim
-    return {
-        "standard": 3 * (d * d + d),  # Wq, Wk, Wv and biases
-        "shared": d * d + d + 3 * d,  # Ws, bs and the diagonals dq, dk, dv
-        "symmetric": 2 * (d * d + d),  # Wq, Wv (K = Q)
-        "pairwise": 2 * (d * d + d) + h * dh * dh,  # Wq, Wv and one Dh x Dh U per head
-    }[config.attention_type]
+    return meta_attention(config).qkv_parameters()
 
 
 def layer_params(config: SWBertConfig) -> int:
@@ -73,19 +72,15 @@ class FlopCount:
 
 def layer_forward_flops(config: SWBertConfig, seq_len: int) -> float:
     """Forward FLOPs per token of one encoder layer."""
-    d, f, dh = config.hidden_size, config.intermediate_size, config.head_dim
-    projections = 2 * qkv_params_weights(config)
-    if config.attention_type == "pairwise":
-        projections += 2 * d * dh  # K = Q U^T, one Dh x Dh product per head
+    d, f = config.hidden_size, config.intermediate_size
+    attn = meta_attention(config)
+    projections = 2 * attn.projection_weights() + attn.extra_flops_per_token()
     return projections + 2 * d * d + 4 * d * f + 4 * seq_len * d
 
 
 def qkv_params_weights(config: SWBertConfig) -> int:
     """Weight-matrix entries of the Q/K/V projections that take part in a GEMM on every token."""
-    d = config.hidden_size
-    return {"standard": 3 * d * d, "shared": d * d, "symmetric": 2 * d * d, "pairwise": 2 * d * d}[
-        config.attention_type
-    ]
+    return meta_attention(config).projection_weights()
 
 
 def masked_lm_flops(

@@ -19,7 +19,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
 )
 
-from swbert.models.attention import PairwiseAttention, Rows, SelfAttention, SharedAttention, build_attention
+from swbert.models.attention import Rows, SelfAttention, build_attention
 from swbert.models.config import SWBertConfig
 
 IGNORE_INDEX = -100
@@ -186,11 +186,8 @@ class SWBertPreTrainedModel(PreTrainedModel):
         elif isinstance(module, nn.LayerNorm):
             module.weight.fill_(1.0)
             module.bias.zero_()
-        elif isinstance(module, SharedAttention):
-            for p in (module.dq, module.dk, module.dv):
-                p.fill_(1.0)
-        elif isinstance(module, PairwiseAttention):
-            module.pair.copy_(torch.eye(module.pair.shape[-1]).expand_as(module.pair))
+        elif isinstance(module, SelfAttention):
+            module.init_parameters()  # each variant knows its own (dq, dk, dv at ones; U the identity)
 
 
 class SWBertModel(SWBertPreTrainedModel):

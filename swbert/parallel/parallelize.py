@@ -52,6 +52,7 @@ def parallelize(model: SWBertForMaskedLM, tp_size: int, sequence_parallel: bool 
         )
     config = model.config
     plan.check_divisible(config, tp_size)
+    attention_plan = plan.attention_plan(model.bert.encoder.layers[0].attn)  # every layer: one class
     step = _Step(tp_size)
     layers = model.bert.encoder.layers
     sp = sequence_parallel
@@ -73,7 +74,6 @@ def parallelize(model: SWBertForMaskedLM, tp_size: int, sequence_parallel: bool 
         config.attention_type,
         config.num_attention_heads // tp_size,
     )
-    attention_plan = plan.ATTENTION_PLANS[config.attention_type]
     for layer in layers:
         _split_by_plan(layer.attn, attention_plan, mcfg, d.tp_rank, tp_size, region_entry=True, seq=sp)
         _split_by_plan(layer.mlp, plan.MLP_PLAN, mcfg, d.tp_rank, tp_size, region_entry=sp, seq=sp)

@@ -1,14 +1,12 @@
-"""How each parameter is split over tensor-parallel ranks: one table, used by `parallelize` to swap
-modules and by the checkpoint tools to shard and merge state dicts.
+"""How each parameter is split over tensor-parallel ranks, used by `parallelize` to swap modules
+and by the checkpoint tools to shard and merge state dicts.
 
-Every split is into `tp` equal contiguous chunks. Attention projections are split by output
-features, which is by heads (`split_heads` views features as (H, Dh), head-major), so rank r owns
-heads [r H/tp, (r+1) H/tp) and computes their Q, K, V with no communication:
-
-    standard    q_proj, k_proj, v_proj column                       out_proj row
-    shared      proj (Ws, bs) column; dq, dk, dv by heads            out_proj row
-    symmetric   q_proj, v_proj column                                out_proj row
-    pairwise    q_proj, v_proj column; pair (one U per head) by heads out_proj row
+Every split is into `tp` equal contiguous chunks. Each attention class carries its own table
+(`SelfAttention.tp_plan()`): its projections are split by output features, which is by heads
+(`split_heads` views features as (H, Dh), head-major), and its per-head parameters by heads, so
+rank r owns heads [r H/tp, (r+1) H/tp) and computes their Q, K, V with no communication; the
+output projection is row-parallel. For example the shared variant's table is proj (Ws, bs)
+column; dq, dk, dv by heads; out_proj row.
 
 MLP: fc1 column, fc2 row. Word embedding and the tied MLM decoder (weight and bias): by
 vocabulary rows. Everything else (LayerNorms, position and token-type embeddings, row-parallel
@@ -18,24 +16,31 @@ biases, the MLM transform) is replicated.
 from __future__ import annotations
 
 import re
-from typing import Literal
 
 import torch
 
 from swbert.models import SWBertConfig
+from swbert.models.attention import SelfAttention, Split, attention_class
 
-Split = Literal["column", "row", "heads"]
-
-ATTENTION_PLANS: dict[str, dict[str, Split]] = {
-    "standard": {"q_proj": "column", "k_proj": "column", "v_proj": "column", "out_proj": "row"},
-    "shared": {"proj": "column", "dq": "heads", "dk": "heads", "dv": "heads", "out_proj": "row"},
-    "symmetric": {"q_proj": "column", "v_proj": "column", "out_proj": "row"},
-    "pairwise": {"q_proj": "column", "v_proj": "column", "pair": "heads", "out_proj": "row"},
-}
 MLP_PLAN: dict[str, Split] = {"fc1": "column", "fc2": "row"}
 VOCAB_PARALLEL = ("embeddings.word_embeddings.weight", "mlm_head.decoder.weight", "mlm_head.decoder.bias")
 
 _LAYER_PARAM = re.compile(r"(?:^|\.)layers\.\d+\.(attn|mlp)\.(\w+?)(?:\.(weight|bias))?$")
+
+
+def attention_plan(attn: SelfAttention) -> dict[str, Split]:
+    """The split table of an attention layer (its class's `tp_plan()`), checked to place every
+    parameter: one left whole would stay equal on every rank while its gradient came from that
+    rank's heads only, a silently wrong model."""
+    table = type(attn).tp_plan()
+    unplaced = sorted({name.split(".")[0] for name, _ in attn.named_parameters()} - set(table))
+    if unplaced:
+        raise ValueError(
+            f"{type(attn).__qualname__} (attention_type={attn.attention_type!r}) has parameters "
+            f"{unplaced} that its qkv_plan does not place; add each to {type(attn).__qualname__}.qkv_plan "
+            "as 'column' (an nn.Linear producing per-head features) or 'heads' (a per-head parameter)"
+        )
+    return table
 
 
 def partition_dim(name: str, config: SWBertConfig) -> int | None:
@@ -46,7 +51,8 @@ def partition_dim(name: str, config: SWBertConfig) -> int | None:
     if m is None:
         return None
     block, module, kind = m.groups()
-    split = (ATTENTION_PLANS[config.attention_type] if block == "attn" else MLP_PLAN).get(module)
+    table = attention_class(config.attention_type).tp_plan() if block == "attn" else MLP_PLAN
+    split = table.get(module)
     if split == "column" or split == "heads":
         return 0
     if split == "row":

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from swbert.models.config import ATTENTION_TYPES, SIZES, SWBertConfig
+from swbert.models.attention import attention_types
+from swbert.models.config import SIZES, SWBertConfig
 from swbert.models.flops import masked_lm_flops, masked_lm_params
 from swbert.scaling.memory import (
     GIB,
@@ -130,9 +131,9 @@ def build_grid(
         if size not in SIZES:
             raise ValueError(f"unknown size {size!r} (--sizes); known: {', '.join(SIZES)}")
     for attention in attentions:
-        if attention not in ATTENTION_TYPES:
+        if attention not in attention_types():
             raise ValueError(
-                f"unknown attention {attention!r} (--attention); known: {', '.join(ATTENTION_TYPES)}"
+                f"unknown attention {attention!r} (--attention); known: {', '.join(attention_types())}"
             )
     parsed = [Layout.parse(text) for text in layouts]
     return [

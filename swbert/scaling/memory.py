@@ -30,7 +30,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
+from swbert.models.attention import attention_class
 from swbert.models.config import SWBertConfig
+from swbert.models.modeling import SWBertForMaskedLM
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Offload = Literal["none", "optimizer", "params"]
@@ -54,57 +58,24 @@ class ParamTensor:
 
 
 def model_tensors(config: SWBertConfig) -> list[ParamTensor]:
-    """The parameter tensors of `SWBertForMaskedLM`, by formula (the tied decoder weight once).
+    """The parameter tensors of `SWBertForMaskedLM` (the tied decoder weight once), read off the
+    model built on the meta device, so every attention variant is counted as it is built.
 
-    Tensor parallelism (swbert.parallel's plan) shards the attention projections and their
-    per-head parameters (column-parallel), the output projection's weight (row-parallel), the
-    MLP's first layer (column) and the second layer's weight (row), and the word embedding with
-    the tied decoder's bias by vocabulary rows; the rest is replicated.
+    Whether tensor parallelism shards a tensor is its plan's say (`swbert.parallel.plan`): the
+    attention projections and per-head parameters, the output projection's weight (row-parallel),
+    the MLP's first layer and second weight, and the word embedding with the tied decoder's bias
+    by vocabulary rows; the rest is replicated.
     """
-    d, f, h, dh = (
-        config.hidden_size,
-        config.intermediate_size,
-        config.num_attention_heads,
-        config.head_dim,
-    )
-    out = [
-        ParamTensor("embeddings.word", config.vocab_size * d, True),
-        ParamTensor("embeddings.position", config.max_position_embeddings * d, False),
-        ParamTensor("embeddings.token_type", config.type_vocab_size * d, False),
-        ParamTensor("embeddings.norm.weight", d, False),
-        ParamTensor("embeddings.norm.bias", d, False),
+    # imported here: swbert.parallel brings megatron-core and DeepSpeed (seconds, and their import
+    # warnings), which the rest of these closed forms never need
+    from swbert.parallel.plan import partition_dim
+
+    with torch.device("meta"):
+        model = SWBertForMaskedLM(config)
+    return [
+        ParamTensor(name, p.numel(), partition_dim(name, config) is not None)
+        for name, p in model.named_parameters()  # unique parameters: the tied decoder weight once
     ]
-    attention = {
-        "standard": [("q.weight", d * d), ("q.bias", d), ("k.weight", d * d), ("k.bias", d)]
-        + [("v.weight", d * d), ("v.bias", d)],
-        "shared": [("s.weight", d * d), ("s.bias", d), ("dq", d), ("dk", d), ("dv", d)],
-        "symmetric": [("q.weight", d * d), ("q.bias", d), ("v.weight", d * d), ("v.bias", d)],
-        "pairwise": [("q.weight", d * d), ("q.bias", d), ("v.weight", d * d), ("v.bias", d)]
-        + [("pair", h * dh * dh)],
-    }[config.attention_type]
-    for i in range(config.num_hidden_layers):
-        layer = [ParamTensor(f"layer{i}.attn.{n}", k, True) for n, k in attention]
-        layer += [
-            ParamTensor(f"layer{i}.attn.out.weight", d * d, True),
-            ParamTensor(f"layer{i}.attn.out.bias", d, False),
-            ParamTensor(f"layer{i}.attn_norm.weight", d, False),
-            ParamTensor(f"layer{i}.attn_norm.bias", d, False),
-            ParamTensor(f"layer{i}.mlp.fc1.weight", f * d, True),
-            ParamTensor(f"layer{i}.mlp.fc1.bias", f, True),
-            ParamTensor(f"layer{i}.mlp.fc2.weight", d * f, True),
-            ParamTensor(f"layer{i}.mlp.fc2.bias", d, False),
-            ParamTensor(f"layer{i}.mlp_norm.weight", d, False),
-            ParamTensor(f"layer{i}.mlp_norm.bias", d, False),
-        ]
-        out += layer
-    out += [
-        ParamTensor("mlm_head.dense.weight", d * d, False),
-        ParamTensor("mlm_head.dense.bias", d, False),
-        ParamTensor("mlm_head.norm.weight", d, False),
-        ParamTensor("mlm_head.norm.bias", d, False),
-        ParamTensor("mlm_head.decoder.bias", config.vocab_size, True),
-    ]
-    return out
 
 
 def rank_tensor_sizes(config: SWBertConfig, tp: int = 1) -> list[int]:
@@ -262,9 +233,7 @@ def deepspeed_estimate(config: SWBertConfig, layout: Layout, dp: int) -> tuple[f
 # Activation bytes per token per layer, in units of the hidden size at 16-bit precision, stored for
 # backward without recomputation (Korthikanti et al., 2022: 34 for BERT/GPT attention + MLP, of
 # which 10 stay whole under tensor parallelism; Q, K and V are 6 of them). The variants differ in
-# what attention keeps: `shared` keeps S and Q = S * (dq*dk) (the keys and values are S itself),
-# `symmetric` has no separate keys, `pairwise` keeps Q, Q U^T and V like standard.
-ACTIVATION_UNITS = {"standard": 34, "shared": 32, "symmetric": 32, "pairwise": 34}
+# what attention keeps; each class says how many units (`SelfAttention.activation_units`).
 REPLICATED_UNITS = 10  # layer-norm inputs and dropout masks that tensor parallelism does not split
 
 
@@ -285,7 +254,7 @@ def activation_bytes(
     """
     d, a, s, b = config.hidden_size, config.num_attention_heads, seq_len, micro_batch
     scale = param_bytes(precision) / 2
-    units = ACTIVATION_UNITS[config.attention_type]
+    units = attention_class(config.attention_type).activation_units
     per_layer = s * b * d * (REPLICATED_UNITS + (units - REPLICATED_UNITS) / tp) * scale
     if not fused_attention:
         per_layer += 5 * a * s * s * b / tp * scale

@@ -6,7 +6,17 @@ import csv
 from pathlib import Path
 from typing import Any
 
-STYLE = {"standard": "--", "shared": "-", "symmetric": ":", "pairwise": "-."}
+from swbert.models.attention import attention_types
+
+# Line styles given to the attention variants in registration order (standard dashed, shared solid,
+# symmetric dotted, pairwise dash-dot), cycling for any registered after them.
+LINE_STYLES = ("--", "-", ":", "-.")
+
+
+def line_style(attention: str) -> str:
+    """The variant's line style; solid for a name not registered in this process (an old CSV's)."""
+    names = attention_types()
+    return LINE_STYLES[names.index(attention) % len(LINE_STYLES)] if attention in names else "-"
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
@@ -73,7 +83,7 @@ def plot(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
         fig, ax = axes("Measured training throughput", "tokens / s")
         ax.set_yscale("log")
         for (attention, layout), pts in tput.items():
-            ax.plot(*zip(*pts), STYLE.get(attention, "-"), marker="o", label=f"{attention} {layout}")
+            ax.plot(*zip(*pts), line_style(attention), marker="o", label=f"{attention} {layout}")
         save(fig, ax, "throughput.png")
 
     if rows:
@@ -83,7 +93,7 @@ def plot(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
             for (attention,), pts in _series(rows, f"mem_z{stage}_gib", ("attention",)).items():
                 ax.plot(
                     *zip(*pts),
-                    STYLE.get(attention, "-"),
+                    line_style(attention),
                     color=f"C{stage}",
                     label=f"ZeRO-{stage} {attention}",
                 )
@@ -97,6 +107,6 @@ def plot(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
     if loss:
         fig, ax = axes("Loss after the measured steps", "MLM loss")
         for (attention, layout), pts in loss.items():
-            ax.plot(*zip(*pts), STYLE.get(attention, "-"), marker="o", label=f"{attention} {layout}")
+            ax.plot(*zip(*pts), line_style(attention), marker="o", label=f"{attention} {layout}")
         save(fig, ax, "loss.png")
     return written

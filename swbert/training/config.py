@@ -16,7 +16,8 @@ from typing import Any, Literal
 import yaml
 
 from swbert import cli
-from swbert.models.config import ATTENTION_TYPES, SIZES
+from swbert.models.attention import attention_class
+from swbert.models.config import SIZES
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -99,10 +100,7 @@ class TrainConfig:
         """Raise a ValueError naming the field when a value cannot work."""
         if self.size not in SIZES:
             raise ValueError(f"size={self.size!r} is not one of {', '.join(SIZES)}")
-        if self.attention_type not in ATTENTION_TYPES:
-            raise ValueError(
-                f"attention_type={self.attention_type!r} is not one of {', '.join(ATTENTION_TYPES)}"
-            )
+        attention_class(self.attention_type)  # a ValueError listing the registered variants
         cli.check_choices(self)
         for name in (
             "seq_len",

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from swbert.models import SWBertConfig, SWBertForMaskedLM
+from swbert.models.attention import attention_class
 from swbert.models.remote_code import add_remote_code
 from swbert.training.checkpoint import newest_complete, read_latest
 
@@ -100,11 +101,11 @@ def model_card(config: SWBertConfig) -> str:
         "`trust_remote_code` is not needed.",
         "",
     ]
-    if config.attention_type == "standard":
+    if attention_class(config.attention_type).bert_equivalent:
         lines += [
             "## As transformers' BertForMaskedLM",
             "",
-            "The `standard` variant is numerically BERT. Convert it once, then load it with",
+            f"The `{config.attention_type}` variant is numerically BERT. Convert it once, then load it with",
             "transformers alone:",
             "",
             "```bash",
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{tag_dir} is not a checkpoint folder")
     out = export(tag_dir, args.output, args.tokenizer)
     print(f"exported {tag_dir} -> {out}")
-    if json.loads((out / "config.json").read_text()).get("attention_type") == "standard":
+    if attention_class(json.loads((out / "config.json").read_text())["attention_type"]).bert_equivalent:
         print(f"as transformers' BertForMaskedLM: swbert-convert to-hf {out} BERT_FOLDER")
 
 
