@@ -14,12 +14,10 @@ Already fine-tuned models (one folder per task, grouped by NAME) can be evaluate
 from __future__ import annotations
 
 import sys
-import time
 
 from swbert import cli
-from swbert.finetune.glue import GlueSweep, evaluate_finetuned, run_glue
-from swbert.finetune.sweep import open_tracker, report_sweep
-from swbert.logs import setup_logging
+from swbert.finetune.glue import GlueSweep, run_glue
+from swbert.finetune.sweep import run_sweep
 
 USAGE = "usage: launchers/finetune_glue.py --checkpoint [NAME=]PATH ... --output-dir DIR [--key value ...]"
 
@@ -30,27 +28,7 @@ def parse_args(argv: list[str] | None = None) -> GlueSweep:
 
 
 def main(argv: list[str] | None = None) -> int:
-    sweep = parse_args(argv)
-    setup_logging()
-    tracker = open_tracker(sweep)
-    name = sweep.run_name or f"glue-{time.strftime('%Y%m%d-%H%M%S')}"
-    with tracker.sweep(name, "glue_sweep", sweep.params()) as parent:
-        if sweep.evaluate_finetuned:
-            evaluate_finetuned(
-                sweep.checkpoints(),
-                sweep.data_dir,
-                tracker,
-                sweep.max_seq_length,
-                sweep.noise_levels,
-                sweep.noise_seeds,
-                sweep.cross_domain,
-                sweep.max_eval_samples,
-                sweep.eval_batch_size,
-            )
-        else:
-            run_glue(sweep, tracker)
-    report_sweep(tracker, sweep, parent)
-    return 0
+    return run_sweep(parse_args(argv), "glue", run_glue)
 
 
 if __name__ == "__main__":

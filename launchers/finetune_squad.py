@@ -10,12 +10,10 @@ Without --train-file/--dev-file the data comes from the Hub (rajpurkar/squad, ra
 from __future__ import annotations
 
 import sys
-import time
 
 from swbert import cli
 from swbert.finetune.squad import SquadSweep, run_squad
-from swbert.finetune.sweep import open_tracker, report_sweep
-from swbert.logs import setup_logging
+from swbert.finetune.sweep import run_sweep
 
 USAGE = "usage: launchers/finetune_squad.py --checkpoint [NAME=]PATH ... --output-dir DIR [--key value ...]"
 
@@ -26,14 +24,7 @@ def parse_args(argv: list[str] | None = None) -> SquadSweep:
 
 
 def main(argv: list[str] | None = None) -> int:
-    sweep = parse_args(argv)
-    setup_logging()
-    tracker = open_tracker(sweep)
-    name = sweep.run_name or f"squad-{time.strftime('%Y%m%d-%H%M%S')}"
-    with tracker.sweep(name, "squad_sweep", sweep.params()) as parent:
-        run_squad(sweep, tracker)
-    report_sweep(tracker, sweep, parent)
-    return 0
+    return run_sweep(parse_args(argv), "squad", run_squad)
 
 
 if __name__ == "__main__":

@@ -243,8 +243,22 @@ def cross_domain_evaluation(
 
 
 def run_glue(sweep: GlueSweep, tracker: Tracker) -> tuple[list[Trial], list[Summary]]:
-    """The whole sweep; returns every trial and the per-(variant, task) summaries."""
+    """The whole sweep; returns every trial and the per-(variant, task) summaries. With
+    `evaluate_finetuned`, only the noise and cross-domain evaluations of already fine-tuned folders."""
     sweep.check()
+    if sweep.evaluate_finetuned:
+        evaluate_finetuned(
+            sweep.checkpoints(),
+            sweep.data_dir,
+            tracker,
+            sweep.max_seq_length,
+            sweep.noise_levels,
+            sweep.noise_seeds,
+            sweep.cross_domain,
+            sweep.max_eval_samples,
+            sweep.eval_batch_size,
+        )
+        return [], []
     checkpoints = sweep.checkpoints()
     trials: list[Trial] = []
     runs = len(checkpoints) * len(sweep.tasks) * len(sweep.learning_rates) * len(sweep.seeds)

@@ -97,6 +97,20 @@ class SweepConfig:
         return out
 
 
+def run_sweep(sweep: SweepConfig, kind: str, run: Callable[[Any, Tracker], object]) -> int:
+    """What a fine-tuning launcher does with its parsed sweep: a parent MLflow run around `run`,
+    then the tables (`report_sweep`). Returns the exit status."""
+    from swbert.logs import setup_logging
+
+    setup_logging()
+    tracker = open_tracker(sweep)
+    name = sweep.run_name or f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    with tracker.sweep(name, f"{kind}_sweep", sweep.params()) as parent:
+        run(sweep, tracker)
+    report_sweep(tracker, sweep, parent)
+    return 0
+
+
 def report_sweep(tracker: Tracker, sweep: SweepConfig, parent: str | None) -> None:
     """After a sweep (rank 0): its tables under <output-dir>/report, logged to the parent run, and
     printed as markdown."""
