@@ -30,7 +30,7 @@ from swbert.models.flops import masked_lm_flops, masked_lm_params
 from swbert.training import checkpoint as ckpt
 from swbert.training.config import TrainConfig, dump_config
 from swbert.training.data import TrainingData, prepare_data
-from swbert.training.dist import init_distributed, map_launcher_env
+from swbert.training.dist import bound_every_group, init_distributed, lost_ranks_named, map_launcher_env
 from swbert.training.ds_config import build_ds_config, offloads_optimizer, resolve_precision, zero_stage
 from swbert.training.metrics import MetricsLogger, device_peak_tflops, memory_gib
 from swbert.training.optim import build_optimizer, build_scheduler
@@ -187,6 +187,7 @@ class Trainer:
             mpu=mpu,
             dist_init_required=False,
         )
+        bound_every_group()  # SWBERT_DIST_TIMEOUT_MIN for DeepSpeed's and megatron's groups too
         if cfg.compile:  # in place: parameter names, checkpoints and exports stay those of the eager model
             self.engine.compile()
         self.step, self.samples_consumed = 0, 0
@@ -536,7 +537,8 @@ def run(config: TrainConfig) -> dict[str, Any]:
     setup_logging()
     trainer = Trainer(config)
     try:
-        return trainer.run()
+        with lost_ranks_named():  # a collective failed by a dead or hung rank names that rank
+            return trainer.run()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
