@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import REPO, free_port, job_env, wait_for
+from swbert.training import checkpoint as ckpt
+from tests.launch_utils import REPO, free_port, job_env, kill_group, read_metrics, wait_for
 
 
 def start_rank(rank: int, world: int, port: int, args: list[str], log: Path, **env: str) -> subprocess.Popen:
@@ -73,3 +74,76 @@ def test_a_lost_rank_without_a_launcher_is_named_by_the_others(fault, victim, da
     else:  # the collective timeout, then the heartbeat check
         assert 15 <= took < 35, took
         assert "SWBERT_DIST_TIMEOUT_MIN=0.25" in text
+
+
+def start_deepspeed(args: list[str], log: Path) -> subprocess.Popen:
+    """`deepspeed --num_gpus 2 launchers/pretrain.py ARGS` (2 CPU ranks here) in its own process group."""
+    cmd = [
+        str(Path(sys.executable).parent / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
+    return subprocess.Popen(
+        [*cmd, "launchers/pretrain.py", *args],
+        cwd=REPO,
+        env=job_env(),
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def saved_step(text: str) -> int:
+    assert "pre-empted: checkpoint saved at step " in text, text[-3000:]
+    return int(text.split("pre-empted: checkpoint saved at step ")[-1].split()[0])
+
+
+@pytest.mark.slow
+def test_signals_under_the_deepspeed_launcher_checkpoint_and_the_run_resumes(data_dir, tmp_path):
+    """On one node the `deepspeed` runner forwards no signal: SIGTERM to it used to end the runner
+    alone and leave launch.py and the workers training as orphans. The workers watch the runner,
+    checkpoint at the current step and exit within launch.py's 30 s grace. Resumed, the job gets
+    SIGUSR1 on its whole process group (as a signal through srun or scancel reaches every process):
+    the runner and launch.py die of it at once, and the workers, which used to be killed with their
+    launcher, checkpoint and exit too. Every step is logged once across the three runs' worth."""
+    import psutil
+
+    out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    args = [
+        "--config", "tiny_cpu", "--data-dir", str(data_dir), "--output-dir", str(out), "--mlflow", "false",
+        "--save-interval", "1000", "--export", "false", "--log-interval", "1", "--train-steps", "100000",
+    ]  # fmt: skip
+    first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
+    first = start_deepspeed(args, first_log)
+    try:
+        wait_for(lambda: logged_steps(out) >= 2, timeout=240, proc=first)
+        family = psutil.Process(first.pid).children(recursive=True)  # launch.py and the two workers
+        os.kill(first.pid, signal.SIGTERM)
+        started = time.monotonic()
+        _, alive = psutil.wait_procs(family, timeout=30)
+        assert not alive, alive
+        took = time.monotonic() - started
+    finally:
+        kill_group(first)
+    text = first_log.read_text()
+    saved = saved_step(text)
+    assert f"the deepspeed launcher (pid {first.pid}) exited: checkpointing and stopping" in text
+    assert took < 30, took
+    assert ckpt.newest_complete(root) == ckpt.tag_for(saved) and max(read_metrics(out)) == saved
+
+    second = start_deepspeed([*args, "--resume", "auto"], second_log)
+    try:
+        wait_for(lambda: logged_steps(out) >= saved + 2, timeout=240, proc=second)
+        family = [psutil.Process(second.pid), *psutil.Process(second.pid).children(recursive=True)]
+        os.killpg(second.pid, signal.SIGUSR1)
+        _, alive = psutil.wait_procs(family, timeout=30)
+        assert not alive, alive
+    finally:
+        kill_group(second)
+    text = second_log.read_text()
+    assert f"resumed from {root / ckpt.tag_for(saved)} at step {saved}" in text, text[-3000:]
+    again = saved_step(text)
+    assert again > saved and ckpt.newest_complete(root) == ckpt.tag_for(again)
+    assert sorted(read_metrics(out)) == list(range(1, again + 1))

@@ -45,15 +45,52 @@ def map_launcher_env() -> None:
 
 
 def die_with_launcher() -> None:
-    """Linux: a worker whose launcher (torchrun, deepspeed) is killed dies too, instead of training on
-    as an orphan that holds GPUs and writes into the run folder."""
+    """Linux: a worker whose launcher (torchrun, deepspeed's launch.py) dies gets SIGTERM, so it
+    checkpoints at the end of its step and exits instead of training on as an orphan that holds
+    GPUs and writes into the run folder. (SIGTERM, not SIGKILL: a launcher that dies of a signal it
+    does not handle, such as deepspeed's launch.py of SIGUSR1, would otherwise lose the work since
+    the last checkpoint. An orphan stuck in a collective still ends, at SWBERT_DIST_TIMEOUT_MIN.)"""
     if not sys.platform.startswith("linux"):
         return
     try:
         PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+
+
+def stop_with_deepspeed_runner() -> None:
+    """Under `deepspeed` (its runner starts deepspeed.launcher.launch, which starts the workers), stop
+    this worker like SIGTERM does when the runner exits.
+
+    On one node the runner forwards no signal: SIGTERM or SIGUSR1 to the `deepspeed` process (a
+    scheduler, `timeout`, a user) ends the runner alone, and launch.py and the workers trained on
+    as orphans. A thread notices the runner is gone (launch.py is handed to another parent) and
+    sends this process SIGTERM: it checkpoints at the end of its step and exits; launch.py follows."""
+    import psutil
+
+    try:
+        launch = psutil.Process(os.getppid())
+        if "deepspeed.launcher.launch" not in launch.cmdline():
+            return
+        runner = launch.parent()
+        if runner is None or not any(
+            os.path.basename(a) in ("deepspeed", "ds") for a in runner.cmdline()[:2]
+        ):
+            return
+    except psutil.Error:
+        return
+
+    def watch() -> None:
+        try:
+            while launch.ppid() == runner.pid:
+                time.sleep(1.0)
+        except psutil.Error:  # launch.py itself is gone: the parent-death signal has done this already
+            return
+        log.warning("the deepspeed launcher (pid %d) exited: checkpointing and stopping", runner.pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="swbert-deepspeed-runner", daemon=True).start()
 
 
 def init_distributed(timeout_minutes: float | None = None) -> tuple[int, int, int]:
@@ -82,6 +119,7 @@ def init_distributed(timeout_minutes: float | None = None) -> tuple[int, int, in
     map_launcher_env()
     if launched:
         die_with_launcher()
+        stop_with_deepspeed_runner()
     on_gpu = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if on_gpu:
