@@ -34,6 +34,7 @@ from swbert.training.dist import bound_every_group, init_distributed, lost_ranks
 from swbert.training.ds_config import build_ds_config, offloads_optimizer, resolve_precision, zero_stage
 from swbert.training.metrics import MetricsLogger, device_peak_tflops, memory_gib
 from swbert.training.optim import build_optimizer, build_scheduler
+from swbert.training.run_tokenizer import keep_in_run
 from swbert.training.runlock import RunLock
 
 log = logging.getLogger("swbert.train")
@@ -124,7 +125,8 @@ class Trainer:
             },
             "model_config": self.model_config.to_dict(),
             "tensor_parallel": cfg.tensor_parallel,
-            "tokenizer_dir": str(self.data.tokenizer_dir) if self.data.tokenizer_dir else None,
+            # relative to the run folder: rank 0 copies the tokenizer files into <output_dir>/tokenizer
+            "tokenizer_dir": keep_in_run(self.data.tokenizer_dir, self.output_dir, os.environ["RANK"] == "0"),
             # what exact resume depends on: a change is refused unless --allow-resume-change names it
             "run": {
                 "data": hashlib.sha256((data_dir / "manifest.json").read_bytes()).hexdigest()[:16],
