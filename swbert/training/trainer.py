@@ -125,8 +125,6 @@ class Trainer:
             },
             "model_config": self.model_config.to_dict(),
             "tensor_parallel": cfg.tensor_parallel,
-            # relative to the run folder: rank 0 copies the tokenizer files into <output_dir>/tokenizer
-            "tokenizer_dir": keep_in_run(self.data.tokenizer_dir, self.output_dir, os.environ["RANK"] == "0"),
             # what exact resume depends on: a change is refused unless --allow-resume-change names it
             "run": {
                 "data": hashlib.sha256((data_dir / "manifest.json").read_bytes()).hexdigest()[:16],
@@ -146,6 +144,10 @@ class Trainer:
         if self.resume_from is not None:
             tag_dir = self.resume_from[0] / self.resume_from[1]
             self.resume_changes = ckpt.check_compatible(tag_dir, self.meta, cfg.allow_resume_change)
+        # rank 0 copies the tokenizer files into <output_dir>/tokenizer; checkpoints name it relative to the run
+        self.meta["tokenizer_dir"] = keep_in_run(
+            self.data.tokenizer_dir, self.output_dir, os.environ["RANK"] == "0"
+        )
 
         rank, self.local_rank, world = init_distributed()
         # every rank resumes from what rank 0 chose, and says so if it cannot see it
