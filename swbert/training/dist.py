@@ -132,7 +132,10 @@ def init_distributed(timeout_minutes: float | None = None) -> tuple[int, int, in
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     global _heartbeat
     if world > 1 and _heartbeat is None:
-        _heartbeat = Heartbeat(rank, world)
+        try:
+            _heartbeat = Heartbeat(rank, world)
+        except Exception as err:  # a diagnosis aid only: training does not depend on it
+            log.warning("no heartbeat (%s): a lost rank will not be named", err)
     return rank, local_rank, world
 
 
