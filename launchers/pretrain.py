@@ -26,12 +26,14 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    from swbert.training.checkpoint import CheckpointSaveError
+    from swbert.training.dist import LostRanks
     from swbert.training.runlock import RunFolderBusy
     from swbert.training.trainer import NonFiniteStop, run
 
     try:
         summary = run(config)
-    except NonFiniteStop as err:
+    except (NonFiniteStop, CheckpointSaveError, LostRanks) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(3)
     except (ValueError, FileNotFoundError, RunFolderBusy) as err:

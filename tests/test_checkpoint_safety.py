@@ -196,6 +196,42 @@ def test_sigterm_under_torchrun_saves_and_the_run_resumes(data_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_full_disk_fails_the_save_on_every_rank_and_the_run_resumes(data_dir, tmp_path):
+    """Rank 1 cannot write its optimizer shard of the step-4 checkpoint (a file size limit: the
+    kernel fails the write as a full disk does). Both ranks stop at once with an error naming the
+    rank, the file, the folder and what to do, instead of rank 0 waiting in the save's barrier for
+    the collective timeout; step 2 stays the newest complete checkpoint and --resume auto continues
+    from it, the partial folder moved aside."""
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    args = [
+        "--config", "tiny_cpu", "--data-dir", str(data_dir), "--output-dir", str(out), "--mlflow", "false",
+        "--train-steps", "4", "--save-interval", "2", "--export", "false", "--log-interval", "1",
+    ]  # fmt: skip
+    # the timeout bounds a regression (a rank left in a barrier) to a minute
+    env = job_env(SWBERT_TEST_FSIZE="1:step_00000004:100000", SWBERT_DIST_TIMEOUT_MIN="1")
+    started = time.monotonic()
+    full = launch(2, args, env=env, script="tests/scripts/pretrain_fsize_limit.py")
+    took = time.monotonic() - started
+    assert full.returncode != 0
+    error = f"error: checkpoint step_00000004 could not be saved in {root}: rank 1 on "
+    assert full.stderr.count(error) == 2, full.stderr[-5000:]  # from each rank
+    line = next(x for x in full.stderr.splitlines() if x.startswith(error))
+    assert "could not write zero_pp_rank_1_mp_rank_00_optim_states.pt" in line
+    assert "file size limit (ulimit -f) 100000 bytes" in line and "Free space on the file system" in line
+    assert "--resume auto continues from step_00000002, the newest complete checkpoint" in line
+    assert took < 60, took
+    assert ckpt.newest_complete(root) == "step_00000002" and (root / "latest").read_text() == "step_00000002"
+    assert (root / "step_00000004").is_dir() and not ckpt.is_complete(root / "step_00000004")
+
+    resumed = launch(2, [*args, "--resume", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {root / 'step_00000002'} at step 2" in resumed.stdout
+    assert (root / "incomplete" / "step_00000004" / "rng_rank00001.pt").is_file()
+    assert ckpt.newest_complete(root) == "step_00000004" and max(read_metrics(out)) == 4
+
+
+@pytest.mark.slow
 def test_a_rank_killed_mid_run_ends_the_job_naming_it(data_dir, tmp_path):
     """kill -9 of one worker: the launcher ends the others at once (no 30-minute collective
     timeout) and its report names the dead rank."""

@@ -10,6 +10,7 @@ import os
 import shlex
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -121,8 +122,7 @@ def cluster():
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    state = Path(tempfile.mkdtemp(prefix="swbert-slurm-"))
-    state.chmod(0o755)  # munged (as the munge user) must reach its socket folder inside
+    state = Path(tempfile.mkdtemp(prefix="swbert-slurm-"))  # private (0700); the script sets its mode
     c = Cluster(state)
     started = time.time()
     try:
@@ -151,7 +151,8 @@ def test_two_node_pretraining_preempted_requeued_and_resumed(cluster, data_dir, 
         f"--output={tmp_path}/slurm-%j.out",
         PRETRAIN_SBATCH,
         *tiny(data_dir, out, "--train-steps", str(steps), "--log-interval", "1", "--save-interval", "1000"),
-        env={"SWBERT_LOG_ROOT": str(logs)},
+        # the requeue after a pre-emption checkpoint is no restart after a failure: allowed at 0
+        env={"SWBERT_LOG_ROOT": str(logs), "SWBERT_MAX_RESTARTS": "0"},
     )
     batch_log = tmp_path / f"slurm-{job}.out"
     # Pre-empt once a few steps are logged.
@@ -193,6 +194,58 @@ def test_two_node_pretraining_preempted_requeued_and_resumed(cluster, data_dir, 
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert latest.endswith(f"{steps:08d}") and (out / "checkpoints" / latest).is_dir()
     assert (out / "export" / "config.json").is_file()
+
+
+def test_restarts_after_failures_stop_at_the_limit(cluster, data_dir, tmp_path):
+    """With --requeue SLURM starts a job again after a node failure; SWBERT_MAX_RESTARTS bounds how
+    often. Here 0: the running job is requeued (`scontrol requeue`, what SLURM does when a node
+    fails), and its next start refuses with exit status 3 and says why, without training again."""
+    logs = tmp_path / "logs"
+    job = cluster.sbatch(
+        "--nodes=1",
+        f"--output={tmp_path}/slurm-%j.out",
+        PRETRAIN_SBATCH,
+        *tiny(data_dir, tmp_path / "run", "--train-steps", "100000"),
+        env={"SWBERT_LOG_ROOT": str(logs), "SWBERT_MAX_RESTARTS": "0"},
+    )
+    job_txt = logs / f"swbert-pretrain-{job}" / "job.txt"
+    deadline = time.time() + 60
+    while not job_txt.is_file():  # the first run is under way
+        assert time.time() < deadline, cluster.logs()
+        time.sleep(0.5)
+    requeued = cluster.run("scontrol", "requeue", str(job))
+    assert requeued.returncode == 0, requeued.stderr
+    cluster.wait(job, timeout=120)
+    text = (tmp_path / f"slurm-{job}.out").read_text()
+    assert f"job {job} was restarted 1 time(s) after a failure" in text, text
+    assert "more than SWBERT_MAX_RESTARTS=0: not starting again" in text and "--output-dir" in text
+    assert cluster.accounting(job)[-1] == ("FAILED", "3:0"), cluster.accounting(job)
+    assert "refused, 1 restart(s) after failures" in job_txt.read_text()
+    assert not list(job_txt.parent.glob("*-r1.log"))  # no training step started the second time
+
+
+def test_the_local_cluster_keeps_its_state_private(cluster, tmp_path):
+    """The state folder is never a fixed path in /tmp: only root lists it or creates entries in it,
+    its logs and state are root's alone, and a folder others can write, or none, is refused."""
+    assert stat.S_IMODE(cluster.state.stat().st_mode) == 0o711
+    for sub in ("log", "ctld", "pids"):
+        assert stat.S_IMODE((cluster.state / sub).stat().st_mode) == 0o700, sub
+    unset = {k: v for k, v in cluster.env.items() if k != "SWBERT_SLURM_DIR"}
+    status = subprocess.run(
+        ["bash", str(CLUSTER_SCRIPT), "status"], env=unset, capture_output=True, text=True
+    )
+    assert status.returncode != 0 and "SWBERT_SLURM_DIR is not set" in status.stderr
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    refused = subprocess.run(
+        ["bash", str(CLUSTER_SCRIPT), "start"],
+        env={**cluster.env, "SWBERT_SLURM_DIR": str(shared)},
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode != 0 and "is writable by others" in refused.stderr
+    assert not list(shared.iterdir())
 
 
 def test_bad_requests_fail_fast_with_a_message(cluster, data_dir, tmp_path):

@@ -6,7 +6,8 @@
 # with `srun`, and handles pre-emption: on SIGUSR1 (sent by SLURM before the time limit with
 # `#SBATCH --signal=B:USR1@...`, or by `scancel --signal=USR1 --batch JOBID`) the training
 # processes checkpoint and exit, and the job requeues itself; the next run continues with
-# `--resume auto`. See launchers/slurm/README.md for the settings.
+# `--resume auto`. Restarts SLURM makes after a failure (a node lost, with --requeue) are bounded by
+# SWBERT_MAX_RESTARTS. See launchers/slurm/README.md for the settings.
 
 swbert_die() {
     echo "swbert-slurm: error: $*" >&2
@@ -140,6 +141,23 @@ swbert_job() {
     if [[ -z $(swbert_arg output-dir "${args[@]}") ]]; then
         args=(--output-dir "runs/$name-$tag" "${args[@]}")
     fi
+    # Restarts SLURM made on its own (a node failure with --requeue, `scontrol requeue`), as opposed
+    # to the requeues this script asks for after a pre-emption checkpoint (each marked by a
+    # requeued-r<N> file in the log folder): a job that keeps failing stops after
+    # SWBERT_MAX_RESTARTS of them instead of starting again and again.
+    local max_restarts=${SWBERT_MAX_RESTARTS:-3} planned unplanned
+    [[ $max_restarts =~ ^[0-9]+$ ]] || swbert_die "SWBERT_MAX_RESTARTS=$max_restarts is not a whole number (restarts after failures allowed, default 3)"
+    planned=$(find "$SWBERT_LOG_DIR" -maxdepth 1 -name 'requeued-r*' | wc -l)
+    unplanned=$((restart - planned))
+    if ((unplanned > max_restarts)); then
+        echo "swbert-slurm: error: job $tag was restarted $unplanned time(s) after a failure (node failure or requeue, not a pre-emption)," \
+            "more than SWBERT_MAX_RESTARTS=$max_restarts: not starting again. See what ended the earlier runs in" \
+            "$SWBERT_LOG_DIR (*-r<N>.log) and in sacct; then resubmit with the same --output-dir (it resumes" \
+            "from the newest complete checkpoint), or raise SWBERT_MAX_RESTARTS" >&2
+        echo "# restart $restart, $(date '+%F %T'): refused, $unplanned restart(s) after failures > SWBERT_MAX_RESTARTS=$max_restarts" >>"$SWBERT_LOG_DIR/job.txt"
+        exit 3
+    fi
+
     # Resume (entry points that checkpoint): `auto` unless the user chose otherwise; always `auto`
     # after a requeue.
     if [[ ${SWBERT_RESUMABLE:-1} == 1 ]]; then
@@ -148,7 +166,7 @@ swbert_job() {
     fi
 
     {
-        echo "# restart $restart, $(date '+%F %T')"
+        echo "# restart $restart, $(date '+%F %T'), $unplanned after failures (SWBERT_MAX_RESTARTS=$max_restarts)"
         echo "job=$SLURM_JOB_ID tag=$tag nodes=$SLURM_JOB_NODELIST nnodes=$nnodes per_node=$per_node launcher=$launch_mode"
         echo "master=$MASTER_ADDR:$MASTER_PORT rdzv_timeout=${RDZV_TIMEOUT}s dist_timeout=${SWBERT_DIST_TIMEOUT_MIN}min"
         printf 'command: %s' "$entry"
@@ -189,7 +207,12 @@ swbert_job() {
             exit 0
         fi
         swbert_log "checkpoint saved after ${SWBERT_SIGNALLED:-a signal}; requeueing job $SLURM_JOB_ID (it resumes with --resume auto)"
-        scontrol requeue "$SLURM_JOB_ID" || swbert_die "scontrol requeue $SLURM_JOB_ID failed; resubmit with the same --output-dir to resume"
+        # Marked before the requeue (SLURM ends this script once it runs): not a restart after a failure.
+        touch "$SWBERT_LOG_DIR/requeued-r$restart"
+        if ! scontrol requeue "$SLURM_JOB_ID"; then
+            rm -f "$SWBERT_LOG_DIR/requeued-r$restart"
+            swbert_die "scontrol requeue $SLURM_JOB_ID failed; resubmit with the same --output-dir to resume"
+        fi
         exit 0
     fi
     if ((rc != 0)); then

@@ -2,18 +2,23 @@
 # A real SLURM cluster on one host: munge, slurmctld and N slurmd "nodes" on 127.0.0.1.
 #
 #   launchers/slurm/local_cluster.sh install   # Debian packages (idempotent; seconds when present)
-#   launchers/slurm/local_cluster.sh start     # install if needed, start munged, slurmctld, slurmd x N
-#   eval "$(launchers/slurm/local_cluster.sh env)"   # point sbatch/squeue/sacct at it
+#   eval "$(launchers/slurm/local_cluster.sh start)"   # install if needed, start munged, slurmctld,
+#                                               # slurmd x N; exports SWBERT_SLURM_DIR and SLURM_CONF
 #   launchers/slurm/local_cluster.sh status
 #   launchers/slurm/local_cluster.sh stop      # cancel jobs, stop the daemons by pid
 #
 # It exists to run the sbatch scripts of this folder against real daemons (the test suite does),
-# and to try them on a workstation before a cluster. Everything it writes lives in one state
-# folder; it touches no system configuration and starts no system service.
+# and to try them on a workstation before a cluster. Everything it writes lives in one private
+# state folder; it touches no system configuration and starts no system service.
 #
 # Settings (environment):
-#   SWBERT_SLURM_DIR        state folder (config, munge key and socket, logs, pid files)
-#                           [/tmp/swbert-slurm]
+#   SWBERT_SLURM_DIR        state folder (config, munge key and socket, logs, pid files): `start`
+#                           creates a new one with mktemp when unset and prints it; the other
+#                           commands need it. An existing folder must be yours and writable by
+#                           nobody else. Mode 0711: only root lists or creates entries in it;
+#                           others may only pass through to the munge socket and slurm.conf
+#                           (munged runs as the munge user, jobs as their users); logs, state
+#                           and pid files are 0700.
 #   SWBERT_SLURM_NODES      number of slurmd "nodes" n1..nN [2]
 #   SWBERT_SLURM_CPUS       CPUs each node advertises [all CPUs of the host]
 #   SWBERT_SLURM_CTLD_PORT  slurmctld port [16817]; node i listens on SWBERT_SLURM_NODE_PORT + i - 1
@@ -22,7 +27,7 @@
 # Needs root (slurmd runs jobs as their user; munged runs as the munge user) and apt for install.
 set -euo pipefail
 
-DIR=${SWBERT_SLURM_DIR:-/tmp/swbert-slurm}
+DIR=${SWBERT_SLURM_DIR:-}
 NODES=${SWBERT_SLURM_NODES:-2}
 CPUS=${SWBERT_SLURM_CPUS:-$(nproc)}
 CTLD_PORT=${SWBERT_SLURM_CTLD_PORT:-16817}
@@ -129,11 +134,33 @@ start_munge() {
     die "munged did not write its pid file; see $DIR/munge/munged.log"
 }
 
+# The state folder: a new private one from mktemp for `start` when SWBERT_SLURM_DIR is unset (never
+# a fixed, guessable path in /tmp, where another user could plant a folder or a link that root then
+# writes through); an existing one only if it is a real folder of ours that nobody else can write.
+state_folder() {
+    if [[ -z $DIR ]]; then
+        [[ $1 == start ]] || die "SWBERT_SLURM_DIR is not set: set it to the folder 'start' printed (eval \"\$($0 start)\" sets it)"
+        DIR=$(mktemp -d "${TMPDIR:-/tmp}/swbert-slurm.XXXXXXXX") || die "mktemp -d failed"
+        CONF=$DIR/slurm.conf
+        return 0
+    fi
+    [[ $DIR == /* ]] || die "SWBERT_SLURM_DIR=$DIR must be an absolute path"
+    if [[ $1 == start && ! -e $DIR ]]; then
+        mkdir -m 0700 "$DIR" || die "cannot create SWBERT_SLURM_DIR=$DIR"
+    fi
+    [[ -d $DIR && ! -L $DIR ]] || die "SWBERT_SLURM_DIR=$DIR is not a folder (or is a symbolic link)"
+    [[ -O $DIR ]] || die "SWBERT_SLURM_DIR=$DIR belongs to another user; use a folder of your own"
+    ((8#$(stat -c '%a' "$DIR") & 8#022)) && die "SWBERT_SLURM_DIR=$DIR is writable by others; use a private folder (mktemp -d)"
+    return 0
+}
+
 cmd_start() {
     require_root
     cmd_install
     mkdir -p "$DIR"/{ctld,spool,pids,log}
-    chmod 0755 "$DIR"
+    chmod 0711 "$DIR"
+    chmod 0700 "$DIR"/{ctld,pids,log}
+    chmod 0711 "$DIR/spool" # slurmd keeps each job's script in it, run as the job's user
     if ! pid_alive "$DIR/pids/slurmctld.pid"; then
         write_config
     fi
@@ -150,8 +177,11 @@ cmd_start() {
         fi
     done
     wait_idle
-    log "up: $NODES node(s) x $CPUS CPU(s); export SLURM_CONF=$CONF"
+    log "up: $NODES node(s) x $CPUS CPU(s) in $DIR"
+    cmd_env
 }
+
+cmd_env() { echo "export SWBERT_SLURM_DIR=$DIR SLURM_CONF=$CONF"; }
 
 wait_idle() {
     export SLURM_CONF=$CONF
@@ -227,10 +257,10 @@ cmd_status() {
 
 case ${1:-} in
 install) cmd_install ;;
-start) cmd_start ;;
-stop) cmd_stop ;;
-status) cmd_status ;;
-env) echo "export SLURM_CONF=$CONF" ;;
+start) state_folder start && cmd_start ;;
+stop) state_folder stop && cmd_stop ;;
+status) state_folder status && cmd_status ;;
+env) state_folder env && cmd_env ;;
 *)
     echo "usage: $0 install|start|stop|status|env" >&2
     exit 2

@@ -38,7 +38,7 @@ from swbert.models.flops import masked_lm_params
 from swbert.training import checkpoint as ckpt
 from swbert.training.config import TrainConfig, dump_config
 from swbert.training.data import TrainingData, prepare_data
-from swbert.training.dist import init_distributed, map_launcher_env
+from swbert.training.dist import bound_every_group, init_distributed, map_launcher_env
 from swbert.training.ds_config import (
     BatchShape,
     offloads_optimizer,
@@ -153,7 +153,6 @@ def run_record(
         },
         "model_config": model_config.to_dict(),
         "tensor_parallel": cfg.tensor_parallel,
-        "tokenizer_dir": str(data.tokenizer_dir) if data.tokenizer_dir else None,
         "run": {
             "data": hashlib.sha256((data.data_dir / "manifest.json").read_bytes()).hexdigest()[:16],
             "seed": cfg.seed,
@@ -244,6 +243,7 @@ def build_engine(
         mpu=mpu,
         dist_init_required=False,
     )
+    bound_every_group()  # SWBERT_DIST_TIMEOUT_MIN for DeepSpeed's and megatron's groups too
     if cfg.compile:
         engine.compile()
     return engine, scheduler

@@ -14,6 +14,11 @@ save and a barrier, rank 0 writes the meta file and then the marker (atomically,
 fsynced), and only then moves `latest`. Resume trusts the markers, not `latest`: a missing, empty
 or stale pointer resumes from the newest complete checkpoint and says so. Nothing is deleted
 except complete checkpoints older than the newest `keep_checkpoints`.
+
+A write that fails (a full disk, a quota, a file size limit) fails the save on every rank at once
+with `CheckpointSaveError`, naming the ranks and files: every rank goes through the whole save and
+the ranks compare their failures before the barrier, instead of one rank raising while the others
+wait in the next collective until its timeout. The partial folder stays for `set_aside_incomplete`.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ import logging
 import os
 import random
 import re
+import resource
 import shutil
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -166,25 +173,137 @@ def read_latest(ckpt_root: Path, name: str = LATEST) -> str | None:
     return tag if TAG_RE.match(tag) and (ckpt_root / tag).is_dir() else None
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; raised on every rank, naming the ranks and what failed."""
+
+
 def save(
     engine, ckpt_root: Path, step: int, client_state: dict[str, Any], meta: dict[str, Any], keep: int
 ) -> Path:
-    """Save on every rank; returns the tag folder. Collective: all ranks must call it."""
+    """Save on every rank; returns the tag folder. Collective: all ranks must call it.
+
+    Raises CheckpointSaveError on every rank when any rank could not write its files; the previous
+    checkpoints are untouched then."""
     rank = dist.get_rank()
     tag = tag_for(step)
     tag_dir = ckpt_root / tag
-    tag_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(), tag_dir / f"rng_rank{rank:05d}.pt")
-    engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client_state, save_latest=False)
-    _fsync_tree(tag_dir)  # every rank flushes what its node wrote (on a shared file system too)
-    dist.barrier()  # every rank's shards are on stable storage now
+    failures: list[str] = []
+    try:
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(rng_state(), tag_dir / f"rng_rank{rank:05d}.pt")
+    except Exception as err:
+        failures.append(_failure(tag_dir / f"rng_rank{rank:05d}.pt", err))
+    with _writes_recorded(engine, failures):  # every rank runs DeepSpeed's save to its end
+        engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client_state, save_latest=False)
+    if not failures:
+        try:  # every rank flushes what its node wrote (on a shared file system too)
+            _fsync_tree(tag_dir)
+        except OSError as err:
+            failures.append(_failure(tag_dir, err))
+    _fail_together(ckpt_root, tag, failures)  # a barrier: every rank's shards are on stable storage now
     fault_kill("SWBERT_FAULT_KILL_IN_SAVE", step)  # die with the shards written, no marker
     if rank == 0:
-        mark_complete(tag_dir, step, meta)
-        _atomic_write(ckpt_root / LATEST, tag)
-        prune(ckpt_root, keep)
-    dist.barrier()
+        try:
+            mark_complete(tag_dir, step, meta)
+            _atomic_write(ckpt_root / LATEST, tag)
+            prune(ckpt_root, keep)
+        except Exception as err:
+            failures.append(_failure(tag_dir / COMPLETE, err))
+    _fail_together(ckpt_root, tag, failures)
     return tag_dir
+
+
+class _RecordedWrites:
+    """DeepSpeed's checkpoint engine, with a failed write recorded instead of raised.
+
+    DeepSpeed runs collectives between the files it writes (barriers, ZeRO-3 gathers): a rank that
+    raised out of `save_checkpoint` midway would leave the others waiting in the next collective
+    until the timeout. After a failure, this rank's remaining writes are skipped."""
+
+    def __init__(self, inner: Any, failures: list[str]) -> None:
+        self.inner = inner
+        self.failures = failures
+
+    def guard(self, path: str | Path, write: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.failures:
+            return None
+        try:
+            return write(*args, **kwargs)
+        except Exception as err:
+            self.failures.append(_failure(Path(path), err))
+            return None
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self.guard(path, self.inner.save, state_dict, path)
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        self.guard(path, self.inner.makedirs, path, exist_ok=exist_ok)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@contextmanager
+def _writes_recorded(engine, failures: list[str]) -> Iterator[_RecordedWrites]:
+    """Record the failures of DeepSpeed's writes during one save: its checkpoint engine (model and
+    optimizer states) and rank 0's copy of its recovery scripts (zero_to_fp32.py)."""
+    recorder = _RecordedWrites(engine.checkpoint_engine, failures)
+    engine.checkpoint_engine = recorder
+    copy_scripts = getattr(engine, "_copy_recovery_script", None)
+    if copy_scripts is not None:
+        engine._copy_recovery_script = lambda path: recorder.guard(path, copy_scripts, path)
+    try:
+        yield recorder
+    finally:
+        engine.checkpoint_engine = recorder.inner
+        if copy_scripts is not None:
+            del engine._copy_recovery_script
+
+
+def _failure(path: Path, err: BaseException) -> str:
+    """One failed write, with what bounds writing there: free space and this process's file size limit."""
+    text = f"{path.name}: {type(err).__name__}: {err}"
+    limits = []
+    try:
+        folder = next(p for p in (path, *path.parents) if p.is_dir())
+        limits.append(f"{shutil.disk_usage(folder).free / 2**20:,.0f} MiB free there")
+    except (OSError, StopIteration):
+        pass
+    fsize = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if fsize != resource.RLIM_INFINITY:
+        limits.append(f"file size limit (ulimit -f) {fsize} bytes")
+    return f"{text} ({', '.join(limits)})" if limits else text
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _fail_together(ckpt_root: Path, tag: str, failures: list[str]) -> None:
+    """Collective: raise CheckpointSaveError on every rank if any rank failed, naming every failure.
+    One all-reduce when all went well."""
+    flag = torch.tensor([1 if failures else 0], device=_collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (dist.get_rank(), socket.gethostname(), failures))
+    named = "; ".join(f"rank {r} on {host} could not write {', '.join(f)}" for r, host, f in gathered if f)
+    newest = newest_complete(ckpt_root)
+    if newest == tag:  # only `latest` or pruning failed: the checkpoint itself is complete
+        after = f"{tag} is complete and --resume auto continues from it"
+    else:
+        earlier = f"from {newest}, the newest complete checkpoint, untouched" if newest else "from step 0"
+        after = (
+            f"--resume auto continues {earlier}; the partial {tag} is moved to "
+            f"{ckpt_root / INCOMPLETE_DIR} then, never deleted"
+        )
+    raise CheckpointSaveError(
+        f"checkpoint {tag} could not be saved in {ckpt_root}: {named}. Free space on the file system "
+        f"that holds it (or raise the quota or file size limit named), then restart the run: {after}"
+    )
 
 
 def mark_complete(tag_dir: Path, step: int, meta: dict[str, Any]) -> None:

@@ -1,15 +1,23 @@
-"""Process-group start-up shared by torchrun, the deepspeed launcher, srun and plain python."""
+"""Process-group start-up shared by torchrun, the deepspeed launcher, srun and plain python, and what
+the ranks know about each other once it runs: a rank that dies or hangs is named by the others."""
 
 from __future__ import annotations
 
 import ctypes
 import datetime
+import logging
 import os
 import signal
 import socket
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def map_launcher_env() -> None:
@@ -37,38 +45,224 @@ def map_launcher_env() -> None:
 
 
 def die_with_launcher() -> None:
-    """Linux: a worker whose launcher (torchrun, deepspeed) is killed dies too, instead of training on
-    as an orphan that holds GPUs and writes into the run folder."""
+    """Linux: a worker whose launcher (torchrun, deepspeed's launch.py) dies gets SIGTERM, so it
+    checkpoints at the end of its step and exits instead of training on as an orphan that holds
+    GPUs and writes into the run folder. (SIGTERM, not SIGKILL: a launcher that dies of a signal it
+    does not handle, such as deepspeed's launch.py of SIGUSR1, would otherwise lose the work since
+    the last checkpoint. An orphan stuck in a collective still ends, at SWBERT_DIST_TIMEOUT_MIN.)"""
     if not sys.platform.startswith("linux"):
         return
     try:
         PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+
+
+def stop_with_deepspeed_runner() -> None:
+    """Under `deepspeed` (its runner starts deepspeed.launcher.launch, which starts the workers), stop
+    this worker like SIGTERM does when the runner exits.
+
+    On one node the runner forwards no signal: SIGTERM or SIGUSR1 to the `deepspeed` process (a
+    scheduler, `timeout`, a user) ends the runner alone, and launch.py and the workers trained on
+    as orphans. A thread notices the runner is gone (launch.py is handed to another parent) and
+    sends this process SIGTERM: it checkpoints at the end of its step and exits; launch.py follows."""
+    import psutil
+
+    try:
+        launch = psutil.Process(os.getppid())
+        if "deepspeed.launcher.launch" not in launch.cmdline():
+            return
+        runner = launch.parent()
+        if runner is None or not any(
+            os.path.basename(a) in ("deepspeed", "ds") for a in runner.cmdline()[:2]
+        ):
+            return
+    except psutil.Error:
+        return
+
+    def watch() -> None:
+        try:
+            while launch.ppid() == runner.pid:
+                time.sleep(1.0)
+        except psutil.Error:  # launch.py itself is gone: the parent-death signal has done this already
+            return
+        log.warning("the deepspeed launcher (pid %d) exited: checkpointing and stopping", runner.pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="swbert-deepspeed-runner", daemon=True).start()
 
 
 def init_distributed(timeout_minutes: float | None = None) -> tuple[int, int, int]:
     """Start DeepSpeed's process group (NCCL on GPU, gloo on CPU). Returns (rank, local_rank, world).
 
-    The collective timeout (default 30 min) can be set per job with SWBERT_DIST_TIMEOUT_MIN: a rank
-    that dies then fails the others after that long instead of the backend's default.
+    The collective timeout (default 30 min) can be set per job with SWBERT_DIST_TIMEOUT_MIN (fractions
+    allowed): a rank that hangs fails the others after that long (`bound_every_group` extends it to
+    the groups DeepSpeed and megatron-core create later). With more than one rank, a heartbeat
+    starts, so that a failed collective can name the rank that died or hangs (`lost_ranks_named`).
     """
     import deepspeed
 
     if timeout_minutes is None:
-        timeout_minutes = float(os.environ.get("SWBERT_DIST_TIMEOUT_MIN", "30"))
+        raw = os.environ.get("SWBERT_DIST_TIMEOUT_MIN", "30")
+        try:
+            timeout_minutes = float(raw)
+        except ValueError:
+            timeout_minutes = -1.0
+        if not timeout_minutes > 0:
+            raise ValueError(
+                f"SWBERT_DIST_TIMEOUT_MIN={raw!r} is not a positive number of minutes (e.g. 30, or 0.5)"
+            )
+    global _timeout
+    _timeout = datetime.timedelta(minutes=timeout_minutes)
     launched = "RANK" in os.environ
     map_launcher_env()
     if launched:
         die_with_launcher()
+        stop_with_deepspeed_runner()
     on_gpu = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if on_gpu:
         torch.cuda.set_device(local_rank)
     deepspeed.init_distributed(
         dist_backend="nccl" if on_gpu else "gloo",
-        timeout=datetime.timedelta(minutes=timeout_minutes),
+        timeout=_timeout,
         auto_mpi_discovery=False,
     )
-    return torch.distributed.get_rank(), local_rank, torch.distributed.get_world_size()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    global _heartbeat
+    if world > 1 and _heartbeat is None:
+        try:
+            _heartbeat = Heartbeat(rank, world)
+        except Exception as err:  # a diagnosis aid only: training does not depend on it
+            log.warning("no heartbeat (%s): a lost rank will not be named", err)
+    return rank, local_rank, world
+
+
+_timeout: datetime.timedelta | None = None
+
+
+def bound_every_group() -> None:
+    """Give every process group that exists now the job's collective timeout (init_distributed's).
+
+    DeepSpeed creates its data-parallel group, and megatron-core its tensor-parallel groups, with
+    their own default (30 minutes): without this, SWBERT_DIST_TIMEOUT_MIN bounded only the world
+    group's collectives, not the gradient all-reduce a rank usually waits in. Call it once the
+    engine (and every group) exists."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if _timeout is None or not torch.distributed.is_initialized():
+        return
+    for group in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(_timeout, group)
+
+
+class LostRanks(RuntimeError):
+    """A collective failed because other ranks died or hang; the message names them."""
+
+
+class Heartbeat:
+    """Every rank bumps a counter in the rendezvous store (`MASTER_ADDR:MASTER_PORT`, held by rank 0
+    or by torchrun) from a daemon thread. After a collective fails, the ranks whose counter stands
+    still are the lost ones: a dead process, or a hung one (a stopped process's threads stop too,
+    while a healthy rank blocked in the same collective keeps beating). Works for gloo and NCCL
+    alike, and costs one small store write per rank every few seconds."""
+
+    STORE_TIMEOUT = datetime.timedelta(seconds=10)  # a store that does not answer is itself an answer
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.interval = max(2.0, world / 200)  # at most ~200 writes a second on the store at any size
+        self.address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        self.store = torch.distributed.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=self.STORE_TIMEOUT
+        )
+        self.me = f"{socket.gethostname()} pid {os.getpid()}"
+        self.store.set(self._key(rank), f"0 {self.me}")
+        self._reader = self.store.clone()  # the beating thread keeps its own connection
+        threading.Thread(target=self._beat, name="swbert-heartbeat", daemon=True).start()
+
+    @staticmethod
+    def _key(rank: int) -> str:
+        return f"swbert/heartbeat/{rank}"
+
+    def _beat(self) -> None:
+        count = 0
+        while True:
+            time.sleep(self.interval)
+            count += 1
+            try:
+                self.store.set(self._key(self.rank), f"{count} {self.me}")
+            except Exception:  # the store is gone: a collective will fail and say so
+                return
+
+    def _read(self, ranks: set[int]) -> dict[int, str | None]:
+        return {
+            r: self._reader.get(self._key(r)).decode() if self._reader.check([self._key(r)]) else None
+            for r in ranks
+        }
+
+    def lost(self) -> str | None:
+        """Who is lost, in words: the ranks whose heartbeat stood still for a few intervals, or the
+        store itself; None when every other rank is alive."""
+        window = 2.5 * self.interval
+        others = set(range(self.world)) - {self.rank}
+        try:
+            first = self._read(others)
+            deadline = time.monotonic() + window
+            still = set(others)
+            while still and time.monotonic() < deadline:
+                time.sleep(0.5)
+                now = self._read(still)
+                still = {r for r in still if now[r] is None or now[r] == first[r]}
+        except Exception as err:
+            holder = "torchrun on the first node" if os.environ.get("TORCHELASTIC_RUN_ID") else "rank 0"
+            return (
+                f"the rendezvous store at {self.address}, held by {holder}, no longer answers "
+                f"({type(err).__name__}): {holder} is lost (its process died, its node went down, or it hangs)"
+            )
+        if not still:
+            return None
+        named = ", ".join(
+            f"rank {r} (on {first[r].split(' ', 1)[1]})" if first[r] else f"rank {r} (never reported)"
+            for r in sorted(still)
+        )
+        return (
+            f"lost {named}: its heartbeat stood still for {window:.0f} s (the process died, its node "
+            "went down, or it hangs)"
+        )
+
+
+_heartbeat: Heartbeat | None = None
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """Whether `err` is a failed collective (a peer gone, a timeout) rather than a bug or bad input."""
+    if isinstance(err, torch.distributed.DistError):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(
+        mark in text
+        for mark in ("gloo/transport", "NCCL", "Connection reset", "Connection closed", "Timed out")
+    )
+
+
+@contextmanager
+def lost_ranks_named() -> Iterator[None]:
+    """Turn a collective that failed because a rank died or hangs into LostRanks, naming that rank,
+    on every surviving rank (the backend's own message names an address at best)."""
+    try:
+        yield
+    except Exception as err:
+        if _heartbeat is None or not is_collective_failure(err):
+            raise
+        lost = _heartbeat.lost()
+        if lost is None:  # everyone is alive: not a lost rank, the backend's error stands
+            raise
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        timeout = os.environ.get("SWBERT_DIST_TIMEOUT_MIN", "30")
+        raise LostRanks(
+            f"{lost}. Rank {_heartbeat.rank} stops: its collective failed with: {first_line}. Restart "
+            "the job with --resume auto to continue from the newest complete checkpoint (a hung rank is "
+            f"waited for SWBERT_DIST_TIMEOUT_MIN={timeout} minutes before it counts as lost)"
+        ) from err

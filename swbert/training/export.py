@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.attention import attention_class
 from swbert.models.remote_code import add_remote_code
 from swbert.training.checkpoint import newest_complete, read_latest
+from swbert.training.run_tokenizer import copy_tokenizer, tokenizer_for_export
 
 
 def _full_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
@@ -63,19 +63,19 @@ def load_model_from_checkpoint(tag_dir: Path) -> SWBertForMaskedLM:
 
 
 def export(tag_dir: Path, output: Path, tokenizer_dir: Path | None = None) -> Path:
-    """Write the HF folder for one checkpoint; the tokenizer is copied when known."""
+    """Write the HF folder for one checkpoint, with its tokenizer's files (only those): from
+    `tokenizer_dir`, else from the run folder's `tokenizer/` (see swbert.training.run_tokenizer)."""
     model = load_model_from_checkpoint(tag_dir)
+    meta = json.loads((tag_dir / "swbert_meta.json").read_text())
+    if tokenizer_dir is not None and not tokenizer_dir.is_dir():
+        raise FileNotFoundError(f"--tokenizer {tokenizer_dir} is not a folder")
+    tokenizer = tokenizer_dir if tokenizer_dir is not None else tokenizer_for_export(tag_dir, meta)
     output.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output)
     add_remote_code(output)
     (output / "README.md").write_text(model_card(model.config))
-    if tokenizer_dir is None:
-        meta = json.loads((tag_dir / "swbert_meta.json").read_text())
-        tokenizer_dir = Path(meta["tokenizer_dir"]) if meta.get("tokenizer_dir") else None
-    if tokenizer_dir is not None and tokenizer_dir.is_dir():
-        for item in tokenizer_dir.iterdir():
-            if item.is_file() and item.name != "config.json":
-                shutil.copy2(item, output / item.name)
+    if tokenizer is not None:
+        copy_tokenizer(tokenizer, output, meta.get("model", {}).get("tokenizer_hash"))
     return output
 
 
@@ -136,7 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--tag", default=None, help="which step_* folder (default: the one 'latest' names)")
     parser.add_argument("--output", type=Path, required=True, help="Hugging Face folder to write")
-    parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder (default: the run's)")
+    parser.add_argument(
+        "--tokenizer", type=Path, default=None, help="tokenizer folder (default: the run folder's tokenizer/)"
+    )
     args = parser.parse_args(argv)
     tag_dir = args.checkpoints
     if args.tag or not (tag_dir / "swbert_meta.json").is_file():  # a checkpoints/ folder

@@ -31,8 +31,10 @@ from swbert.models.modeling import IGNORE_INDEX
 from swbert.training import build
 from swbert.training import checkpoint as ckpt
 from swbert.training.config import TrainConfig
+from swbert.training.dist import lost_ranks_named
 from swbert.training.faults import nonfinite_steps
 from swbert.training.metrics import device_peak_tflops, memory_gib
+from swbert.training.run_tokenizer import keep_in_run
 
 log = logging.getLogger("swbert.train")
 
@@ -86,6 +88,10 @@ class Trainer:
         self.model_config = build.build_model_config(cfg, self.data)
         self.meta = build.run_record(cfg, self.data, self.model_config, plan)
         self.resume_from, self.resume_changes = build.choose_resume(cfg, self.ckpt_root, self.meta)
+        # rank 0 copies the tokenizer files into <output_dir>/tokenizer; checkpoints name it relative to the run
+        self.meta["tokenizer_dir"] = keep_in_run(
+            self.data.tokenizer_dir, self.output_dir, self.plan.dims.is_main
+        )
 
         self.dims, mpu = build.build_layout(cfg, plan)  # the process group starts here
         self.is_main = self.dims.is_main
@@ -402,7 +408,8 @@ def run(config: TrainConfig) -> dict[str, Any]:
     setup_logging()
     trainer = Trainer(config)
     try:
-        return trainer.run()
+        with lost_ranks_named():  # a collective failed by a dead or hung rank names that rank
+            return trainer.run()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,169 @@
+"""The tokenizer a run trains with, kept in its run folder: tokenizer files only.
+
+At start, rank 0 copies the data's tokenizer files into `<output_dir>/tokenizer/` and checkpoints
+record `tokenizer_dir: "tokenizer"`, relative to the run folder (`<run>/checkpoints/step_N` ->
+`<run>`). An export takes the tokenizer from there, and only from there: a recorded path that
+leaves the run folder, or a folder that holds anything but tokenizer files, is refused. Before,
+the checkpoint recorded the data folder's absolute path and the export copied whatever that folder
+held into the model folder and MLflow (`swbert_tokenizer.json` with the corpus paths of the machine
+that trained the tokenizer, for one).
+
+Checkpoints from before record an absolute path. It is used only when it still holds the tokenizer
+the checkpoint was trained with (the sha256 of its `spm.model` equals the recorded
+`tokenizer_hash`), and then only its tokenizer files; otherwise the export goes on without a
+tokenizer and says so, with the `--tokenizer DIR` that adds one.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from swbert.data.tokenizer import SPM_MODEL_NAME, tokenizer_hash
+
+log = logging.getLogger(__name__)
+
+RUN_TOKENIZER_DIR = "tokenizer"
+TOKENIZER_NAMES = frozenset(
+    {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.txt",
+        "vocab.json",
+        "merges.txt",
+    }
+)
+TOKENIZER_PATTERNS = ("*.model", "*.vocab")  # SentencePiece: spm.model, and its piece list
+
+
+def is_tokenizer_file(name: str) -> bool:
+    return name in TOKENIZER_NAMES or any(fnmatch.fnmatchcase(name, p) for p in TOKENIZER_PATTERNS)
+
+
+def tokenizer_files(folder: Path) -> tuple[list[Path], list[str]]:
+    """(the tokenizer files of `folder`, the names of everything else in it). A link counts as
+    something else: its target could be anywhere."""
+    files, others = [], []
+    for item in sorted(folder.iterdir()):
+        if item.is_file() and not item.is_symlink() and is_tokenizer_file(item.name):
+            files.append(item)
+        else:
+            others.append(item.name)
+    return files, others
+
+
+def _same_files(a: Path, b: Path) -> bool:
+    names_a = [p.name for p in tokenizer_files(a)[0]]
+    names_b = [p.name for p in tokenizer_files(b)[0]]
+    return names_a == names_b and all((a / n).read_bytes() == (b / n).read_bytes() for n in names_a)
+
+
+def keep_in_run(source: Path | None, output_dir: Path, write: bool) -> str | None:
+    """The tokenizer path to record in checkpoints, relative to the run folder (None without a
+    tokenizer). With `write` (rank 0), copy `source`'s tokenizer files to `<output_dir>/tokenizer/`
+    first, atomically; a run folder that already holds another tokenizer is refused once it has
+    checkpoints that were trained with that one."""
+    if source is None:
+        return None
+    if not write:
+        return RUN_TOKENIZER_DIR
+    files, skipped = tokenizer_files(source)
+    if not files:
+        raise ValueError(f"{source} holds no tokenizer files ({', '.join(sorted(TOKENIZER_NAMES))}, *.model)")
+    target = output_dir / RUN_TOKENIZER_DIR
+    staging = output_dir / f".{RUN_TOKENIZER_DIR}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for item in files:
+        shutil.copyfile(item, staging / item.name)
+    if target.exists():
+        if _same_files(staging, target):
+            shutil.rmtree(staging)
+            return RUN_TOKENIZER_DIR
+        from swbert.training.checkpoint import newest_complete
+
+        trained = newest_complete(output_dir / "checkpoints")
+        if trained is not None:
+            shutil.rmtree(staging)
+            raise ValueError(
+                f"{target} holds another tokenizer than the data's ({source}), and {trained} was trained "
+                "with it: resume with the --data-dir the run was started with, or choose a new --output-dir"
+            )
+        shutil.rmtree(target)  # left by a start that saved no checkpoint: nothing depends on it
+    os.replace(staging, target)
+    if skipped:
+        log.info("tokenizer files copied to %s; not copied: %s", target, ", ".join(skipped))
+    return RUN_TOKENIZER_DIR
+
+
+def run_folder(tag_dir: Path) -> Path:
+    """The run folder of a checkpoint: `<run>/checkpoints/step_N` -> `<run>`."""
+    return tag_dir.resolve().parent.parent
+
+
+def tokenizer_for_export(tag_dir: Path, meta: dict[str, Any]) -> Path | None:
+    """The folder whose tokenizer files go into an export of `tag_dir`, or None (with a warning)."""
+    recorded = meta.get("tokenizer_dir")
+    if not recorded:
+        return None
+    run = run_folder(tag_dir)
+    if not Path(recorded).is_absolute():
+        folder = (run / recorded).resolve()
+        if not folder.is_relative_to(run):
+            raise ValueError(
+                f"{tag_dir}: its tokenizer_dir {recorded!r} leads out of the run folder {run}; a run's "
+                "tokenizer lives in <run>/tokenizer. Pass the tokenizer with --tokenizer DIR"
+            )
+        if not folder.is_dir():
+            log.warning(
+                "%s: the run's tokenizer folder %s is missing (checkpoints copied without it?); "
+                "exporting without a tokenizer: pass --tokenizer DIR to add one",
+                tag_dir,
+                folder,
+            )
+            return None
+        others = tokenizer_files(folder)[1]
+        if others:
+            raise ValueError(
+                f"{folder} holds files that are not a tokenizer's ({', '.join(others)}); an export copies "
+                f"tokenizer files only ({', '.join(sorted(TOKENIZER_NAMES))}, *.model, *.vocab). "
+                "Move the others out of it"
+            )
+        return folder
+    folder = Path(recorded)  # a checkpoint from before the run kept its tokenizer
+    expected = meta.get("model", {}).get("tokenizer_hash")
+    if (
+        folder.is_dir()
+        and expected
+        and (folder / SPM_MODEL_NAME).is_file()
+        and tokenizer_hash(folder) == expected
+    ):
+        return folder
+    log.warning(
+        "%s records the tokenizer at %s, which %s; exporting without a tokenizer: pass --tokenizer DIR "
+        "(the tokenizer the run was trained with) to add one",
+        tag_dir,
+        folder,
+        "no longer holds the tokenizer it was trained with" if folder.is_dir() else "is gone",
+    )
+    return None
+
+
+def copy_tokenizer(folder: Path, output: Path, expected_hash: str | None = None) -> list[str]:
+    """Copy `folder`'s tokenizer files (nothing else) into `output`; returns their names. With
+    `expected_hash`, a folder whose spm.model is another tokenizer is refused."""
+    if expected_hash and (folder / SPM_MODEL_NAME).is_file() and tokenizer_hash(folder) != expected_hash:
+        raise ValueError(
+            f"{folder} is not the tokenizer the checkpoint was trained with (its {SPM_MODEL_NAME} has "
+            f"another sha256 than the recorded {expected_hash[:12]}...); pass the run's tokenizer"
+        )
+    files, _ = tokenizer_files(folder)
+    for item in files:
+        shutil.copyfile(item, output / item.name)
+    return [item.name for item in files]
