@@ -136,6 +136,32 @@ def test_squad_v11_and_v20_end_to_end(tmp_path, store):
     assert "| standard |" in (tmp_path / "out" / "report" / "table2_squad.md").read_text()
 
 
+def test_squad_defaults_are_the_papers_appendix(tmp_path, capsys):
+    """SQuAD: dropout 0.2, attention dropout 0.05, weight decay 0.1, 1e-4 then 2e-5 and 2e-6, 5 epochs;
+    --help shows them."""
+    parse = runpy.run_path(str(ROOT / "launchers" / "finetune_squad.py"), run_name="launcher")["parse_args"]
+    args = parse(["--checkpoint", "ckpt", "--output-dir", str(tmp_path)])
+    cfg = args.finetune_config()
+    assert args.learning_rates == [1e-4, 2e-5, 2e-6] and args.lr_plan == "stepped"
+    assert (cfg.weight_decay, cfg.epochs, args.attention_dropout, args.hidden_dropout) == (0.1, 5, 0.05, 0.2)
+    assert [c.warmup_ratio for c in (args.finetune_config(2e-5, 1, stage=s) for s in (0, 1, 2))] == [
+        0.1,
+        0,
+        0,
+    ]
+    with pytest.raises(SystemExit) as exit_:
+        parse(["--help"])
+    assert exit_.value.code == 0
+    help_text = capsys.readouterr().out
+    for line in ["--learning-rates           list[float], default: [0.0001, 2e-05, 2e-06]",
+                 "--lr-plan                  one of ['stepped', 'grid'], default: 'stepped'",
+                 "--epochs                   int, default: 5", "--weight-decay             float, default: 0.1",
+                 "--attention-dropout        float, default: 0.05",
+                 "--hidden-dropout           float | None, default: 0.2"]:  # fmt: skip
+        assert line in help_text, line
+    assert "the appendix's SQuAD attention dropout" in help_text
+
+
 def test_fit_restores_the_best_epoch_and_stops_early():
     torch.manual_seed(0)
     model = SWBertForSequenceClassification(SWBertConfig.from_size("tiny", vocab_size=32, num_labels=2))
@@ -225,18 +251,24 @@ def test_two_ranks_under_deepspeed_train_like_one_process(tmp_path):
     assert not torch.equal(single["classifier.weight"], start["classifier.weight"])  # it did train
 
 
-def test_glue_defaults_are_the_papers_appendix(tmp_path):
-    """LR 1e-4 then 2e-5/2e-6, weight decay 0.1, attention dropout 0.1 (also over a checkpoint
-    pretrained without it), 10 epochs, several seeds, every GLUE task."""
+def test_glue_defaults_are_the_papers_appendix(tmp_path, capsys):
+    """LR 1e-4 then 2e-5/2e-6 (stepped by default), weight decay 0.1, attention dropout 0.1 (also over a
+    checkpoint pretrained without it), 10 epochs, several seeds, the paper's eight tasks (no WNLI);
+    --help shows them."""
     from swbert.finetune.glue import load_classifier
-    from swbert.finetune.tasks import GLUE_TASKS, get_task
+    from swbert.finetune.tasks import get_task
 
     parse = runpy.run_path(str(ROOT / "launchers" / "finetune_glue.py"), run_name="launcher")["parse_args"]
     args = parse(["--checkpoint", "ckpt", "--output-dir", str(tmp_path)])
     cfg = args.finetune_config()
-    assert (
-        args.learning_rates == [1e-4, 2e-5, 2e-6] and len(args.seeds) >= 3 and args.tasks == list(GLUE_TASKS)
-    )
+    assert args.learning_rates == [1e-4, 2e-5, 2e-6] and len(args.seeds) >= 3
+    assert args.lr_settings() == [(1e-4, 2e-5, 2e-6)]  # stepped: one sequence of three stages per seed
+    assert parse(["--checkpoint", "c", "--output-dir", "o", "--lr-plan", "grid"]).lr_settings() == [
+        (1e-4,),
+        (2e-5,),
+        (2e-6,),
+    ]
+    assert sorted(args.tasks) == ["cola", "mnli", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb"]
     assert (cfg.weight_decay, cfg.epochs, args.attention_dropout) == (0.1, 10, 0.1)
     ckpt = make_checkpoint(tmp_path / "ckpt")
     config = SWBertConfig.from_pretrained(ckpt)
@@ -244,3 +276,48 @@ def test_glue_defaults_are_the_papers_appendix(tmp_path):
     config.save_pretrained(ckpt)
     model = load_classifier(ckpt, get_task("rte"), args.attention_dropout, args.hidden_dropout)
     assert model.config.attention_probs_dropout_prob == 0.1 and model.config.hidden_dropout_prob == 0.1
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    help_text = capsys.readouterr().out
+    for line in ["--learning-rates           list[float], default: [0.0001, 2e-05, 2e-06]",
+                 "--epochs                   int, default: 10", "--weight-decay             float, default: 0.1",
+                 "--attention-dropout        float, default: 0.1",
+                 "--tasks                    list[str], default: ['mnli', 'qqp', 'qnli', 'sst2', 'cola', 'stsb', "
+                 "'mrpc', 'rte']"]:  # fmt: skip
+        assert line in help_text, line
+    assert "the paper's eight by default, WNLI only when named" in help_text
+
+
+def test_stepped_plan_continues_from_the_best_weights(tmp_path):
+    """Stage 2 (worse than stage 1) hands stage 1's best weights on to stage 3; the model ends with the
+    best weights of all stages; logged steps continue across stages."""
+    from swbert.finetune.checkpoint import Checkpoint
+    from swbert.finetune.sweep import SweepConfig, TrialSpec, fit_stages
+
+    torch.manual_seed(0)
+    model = SWBertForSequenceClassification(SWBertConfig.from_size("tiny", vocab_size=32, num_labels=2))
+    data = EncodedDataset({"input_ids": [[2, 5 + i % 7, 3] for i in range(16)], "attention_mask": [[1, 1, 1]] * 16},
+                          {"labels": torch.tensor([i % 2 for i in range(16)]).numpy()})  # fmt: skip
+    scores, evaluated, started = iter([0.5, 0.9, 0.7, 0.8, 0.95, 0.6]), [], []
+
+    def evaluate(m):
+        evaluated.append({k: v.clone() for k, v in m.state_dict().items()})
+        return {"validation/score": next(scores)}
+
+    def collate(batch):  # called right before each step: the weights that step starts from
+        started.append({k: v.clone() for k, v in model.state_dict().items()})
+        return pad_collate(0)(batch)
+
+    sweep = SweepConfig(
+        ["c"], tmp_path, learning_rates=[1e-3, 1e-4, 1e-5], epochs=2, batch_size=8, precision="fp32"
+    )
+    spec = TrialSpec(Checkpoint("c", tmp_path), "t", tuple(sweep.learning_rates), 1, "glue_trial", {})
+    logged = []
+    result = fit_stages(sweep, spec, model, data, collate, evaluate, "validation/score",
+                        lambda m, step: logged.append(step))  # fmt: skip
+    assert (result.best_stage, result.best_epoch, result.steps, result.epochs_trained) == (2, 4, 12, 6)
+    for k, v in started[8].items():  # the first step of stage 3 starts from stage 1's best (epoch 1)
+        assert torch.equal(v, evaluated[1][k]), k
+    for k, v in model.state_dict().items():  # the end: stage 3's first epoch, the best of all
+        assert torch.equal(v, evaluated[4][k]), k
+    assert max(logged) == 12 and logged == sorted(logged)

@@ -163,6 +163,10 @@ GLUE_TASKS: dict[str, GlueTask] = {
     ]
 }
 
+# The paper's GLUE benchmark: eight tasks (no WNLI). The GLUE launcher runs these by default; WNLI only
+# when named in --tasks.
+PAPER_GLUE_TASKS: tuple[str, ...] = ("mnli", "qqp", "qnli", "sst2", "cola", "stsb", "mrpc", "rte")
+
 # Column order of the paper's GLUE table; MNLI contributes two columns (matched, mismatched).
 TABLE1_COLUMNS: tuple[tuple[str, str], ...] = (
     ("mnli", "validation_matched"),
