@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                 sweep.cross_domain,
                 sweep.max_eval_samples,
                 sweep.eval_batch_size,
+                sweep.noise_scales,
             )
         else:
             run_glue(sweep, tracker)

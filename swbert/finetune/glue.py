@@ -30,7 +30,7 @@ from swbert.finetune.checkpoint import (
 from swbert.finetune.glue_data import EncodedDataset, GlueExamples, encode_glue, load_glue_split, pad_collate
 from swbert.finetune.metrics import glue_metrics
 from swbert.finetune.results import Summary, Trial, prune_models, summarize
-from swbert.finetune.robustness import DEFAULT_LEVELS
+from swbert.finetune.robustness import DEFAULT_LEVELS, NOISE_SCALES, NoiseScale
 from swbert.finetune.sweep import SweepConfig, TrialSpec, run_trial
 from swbert.finetune.tasks import GLUE_TASKS, PAPER_GLUE_TASKS, GlueTask, get_task
 from swbert.finetune.tracking import CHECKPOINT, KIND, TASK, VARIANT, Tracker
@@ -55,6 +55,9 @@ class GlueSweep(SweepConfig):
     noise: bool = False  # evaluate kept models under embedding noise at the default levels (Table 5)
     noise_levels: list[float] = field(default_factory=list)  # custom noise levels (implies --noise)
     noise_seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # one noise draw per seed
+    # what a noise level means (both by default, each its own table): unit = the paper's standard
+    # deviation 1 times the level; norm = the level times the mean embedding norm (ours)
+    noise_scales: list[NoiseScale] = field(default_factory=lambda: list(NOISE_SCALES))
     cross_domain: bool = False  # evaluate kept MNLI/QNLI/QQP/MRPC models on each other's dev sets (Table 6)
     # --checkpoint folders are already fine-tuned GLUE models: only run --noise / --cross-domain
     evaluate_finetuned: bool = False
@@ -196,9 +199,17 @@ def glue_summaries(trials: list[Trial]) -> list[Summary]:
 
 
 def noise_evaluation(
-    name: str, model_dir: Path, data: TaskData, levels, seeds, tracker: Tracker, batch_size: int = 128
+    name: str,
+    model_dir: Path,
+    data: TaskData,
+    levels,
+    seeds,
+    tracker: Tracker,
+    batch_size: int = 128,
+    scales: list[NoiseScale] | tuple[NoiseScale, ...] = NOISE_SCALES,
 ) -> dict:
-    """Table 5: evaluate a fine-tuned model under embedding noise; one MLflow run per noise seed."""
+    """Table 5: evaluate a fine-tuned model under embedding noise; one MLflow run per (noise definition,
+    noise seed), the level in percent as the step."""
     task = data.task
     model = load_classifier(model_dir, task).to(default_device()).eval()
     collate = pad_collate(model.config.pad_token_id)
@@ -206,25 +217,28 @@ def noise_evaluation(
     mean_norm = robustness.mean_embedding_norm(
         model, DataLoader(main_enc, batch_size=batch_size, collate_fn=collate)
     )
-    results = robustness.evaluate_under_noise(
-        model, lambda m: evaluate_task(m, data, collate, batch_size), mean_norm, levels, seeds
-    )
-    for seed in seeds:
-        tags = {KIND: "noise", VARIANT: name, TASK: task.name, CHECKPOINT: str(model_dir)}
-        with tracker.run(
-            f"{name}/{task.name}/noise-seed{seed}",
-            tags,
-            {"noise_seed": seed, "mean_embedding_norm": mean_norm},
-        ) as rid:
-            for level in levels:
-                tracker.log(rid, results[(level, seed)], step=round(level * 100))
-    return results
+    out = {}
+    for scale in scales:
+        results = robustness.evaluate_under_noise(
+            model, lambda m: evaluate_task(m, data, collate, batch_size), mean_norm, levels, seeds, scale
+        )
+        for seed in seeds:
+            tags = {KIND: "noise", VARIANT: name, TASK: task.name, CHECKPOINT: str(model_dir)}
+            params = {"noise_seed": seed, "noise_scale": scale, "mean_embedding_norm": mean_norm}
+            with tracker.run(f"{name}/{task.name}/noise-{scale}-seed{seed}", tags, params) as rid:
+                for level in levels:
+                    tracker.log(rid, results[(level, seed)], step=round(level * 100))
+        out[scale] = results
+    return out
 
 
 def cross_domain_evaluation(
     name: str, models: dict[str, Path], data: dict[str, TaskData], tracker: Tracker, batch_size: int = 128
 ) -> dict:
-    """Table 6: each source task's model on every target task's dev sets (binary accuracy)."""
+    """Table 6: each trained-on task's model on every evaluated-on task's dev sets. Off the diagonal the
+    predicted and gold classes are mapped to one binary question (binary accuracy); on the diagonal the
+    model is scored with its own task's labels (MNLI: 3-way accuracy), and the binary score is logged
+    beside it as ``binary_accuracy``."""
     out = {}
     for source, model_dir in models.items():
         source_task = get_task(source)
@@ -235,11 +249,14 @@ def cross_domain_evaluation(
             for split, (ex, enc) in td.dev.items():
                 # the source model's classes; cross_domain maps them and the target's gold labels
                 preds = to_predictions(source_task, predict(model, enc, collate, batch_size))
-                metrics[f"{target}/{split}/accuracy"] = cross_domain.cross_domain_accuracy(
-                    source, preds, target, ex.labels
-                )
+                binary = cross_domain.cross_domain_accuracy(source, preds, target, ex.labels)
+                if target == source:
+                    metrics[f"{target}/{split}/accuracy"] = float(np.mean(preds == np.asarray(ex.labels)))
+                    metrics[f"{target}/{split}/binary_accuracy"] = binary
+                else:
+                    metrics[f"{target}/{split}/accuracy"] = binary
         tags = {KIND: "cross_domain", VARIANT: name, TASK: source, CHECKPOINT: str(model_dir)}
-        with tracker.run(f"{name}/{source}/cross-domain", tags) as rid:
+        with tracker.run(f"{name}/{source}/cross-domain", tags, {"diagonal": "own_labels"}) as rid:
             tracker.log(rid, metrics)
         out[source] = metrics
     return out
@@ -290,6 +307,7 @@ def run_glue(sweep: GlueSweep, tracker: Tracker) -> tuple[list[Trial], list[Summ
                     sweep.noise_seeds,
                     tracker,
                     sweep.eval_batch_size,
+                    sweep.noise_scales,
                 )
         if sweep.cross_domain:
             sources = {t: kept[t] for t in cross_domain.CROSS_DOMAIN_TASKS if t in kept}
@@ -310,6 +328,7 @@ def evaluate_finetuned(
     cross: bool = False,
     max_eval_samples: int | None = None,
     batch_size: int = 128,
+    noise_scales: list[NoiseScale] | tuple[NoiseScale, ...] = NOISE_SCALES,
 ) -> None:
     """Noise and/or cross-domain evaluation of already fine-tuned folders (their task is in config.json).
 
@@ -349,7 +368,14 @@ def evaluate_finetuned(
             )
             if noise_levels:
                 noise_evaluation(
-                    name, path, datas[task_name], noise_levels, noise_seeds or [0], tracker, batch_size
+                    name,
+                    path,
+                    datas[task_name],
+                    noise_levels,
+                    noise_seeds or [0],
+                    tracker,
+                    batch_size,
+                    noise_scales,
                 )
         if cross:
             sources = {t: p for t, p in paths.items() if t in cross_domain.CROSS_DOMAIN_TASKS}
