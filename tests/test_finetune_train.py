@@ -13,7 +13,12 @@ from mlflow import MlflowClient
 
 from swbert import SWBertConfig, SWBertForSequenceClassification
 from swbert.finetune.glue_data import EncodedDataset, pad_collate
-from swbert.finetune.synthetic import make_checkpoint, write_glue_fixture, write_squad_fixture
+from swbert.finetune.synthetic import (
+    make_checkpoint,
+    write_glue_fixture,
+    write_squad_fixture,
+    write_triviaqa_fixture,
+)
 from swbert.finetune.trainer import FinetuneConfig, deepspeed_config, fit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,25 +133,40 @@ def test_evaluate_finetuned_reproduces_the_clean_score(glue_run, store, tmp_path
 
 
 def test_squad_v11_and_v20_end_to_end(tmp_path, store):
+    """Both versions, the stepped learning-rate plan (two stages of one epoch), and the "+ TriviaQA"
+    rows: TriviaQA first (from its official RC layout), then SQuAD from the kept TriviaQA model."""
     ckpt = make_checkpoint(tmp_path / "ckpt", attention_type="standard")
     for v in ("1.1", "2.0"):
         write_squad_fixture(tmp_path / f"train{v}.json", 64, v, seed=0)
         write_squad_fixture(tmp_path / f"dev{v}.json", 16, v, seed=1)
-    argv = ["--checkpoint", str(ckpt), "--output-dir", str(tmp_path / "out"), "--learning-rates", "1e-3", "--seeds", "1",
-            "--epochs", "2", "--batch-size", "16", "--max-seq-length", "32", "--doc-stride", "8", "--keep", "none",
-            "--train-file", f"1.1={tmp_path / 'train1.1.json'}", f"2.0={tmp_path / 'train2.0.json'}",
+    trivia = [write_triviaqa_fixture(tmp_path / "triviaqa", split, n, seed) for split, n, seed in
+              [("train", 48, 0), ("dev", 16, 1)]]  # fmt: skip
+    argv = ["--checkpoint", str(ckpt), "--output-dir", str(tmp_path / "out"), "--learning-rates", "1e-3", "3e-4",
+            "--seeds", "1", "--epochs", "1", "--batch-size", "16", "--max-seq-length", "32", "--doc-stride", "8",
+            "--keep", "none", "--train-file", f"1.1={tmp_path / 'train1.1.json'}", f"2.0={tmp_path / 'train2.0.json'}",
             "--dev-file", f"1.1={tmp_path / 'dev1.1.json'}", f"2.0={tmp_path / 'dev2.0.json'}",
+            "--triviaqa", "--triviaqa-train-file", str(trivia[0]), "--triviaqa-dev-file", str(trivia[1]),
             "--tracking-uri", store, "--experiment", "squad"]  # fmt: skip
     assert launcher("finetune_squad")(argv) == 0
     runs = runs_of(store, "squad", "tags.`swbert.kind` = 'squad_trial'")
-    metrics = {r.data.tags["swbert.task"]: r.data.metrics for r in runs}
-    assert set(metrics) == {"squad1.1", "squad2.0"}
-    for m in metrics.values():
+    by = {(r.data.tags["swbert.variant"], r.data.tags["swbert.task"]): r for r in runs}
+    assert set(by) == {("standard", "squad1.1"), ("standard", "squad2.0"), ("standard", "triviaqa"),
+                       ("standard+triviaqa", "squad1.1"), ("standard+triviaqa", "squad2.0")}  # fmt: skip
+    for r in by.values():
+        m = r.data.metrics
         assert 0 <= m["best/validation/exact"] <= m["best/validation/f1"] <= 100
+        # one run per seed goes through both learning rates, the second stage from the first's best
+        assert (r.data.params["lr_plan"], r.data.params["later_learning_rates"]) == ("stepped", "0.0003")
+        assert m["best_stage"] in (0, 1) and m["epochs_trained"] == 2 and m["seconds_per_epoch"] > 0
     assert {"best/validation/HasAns_f1", "best/validation/NoAns_f1", "best/validation/best_f1"} <= set(
-        metrics["squad2.0"]
+        by[("standard", "squad2.0")].data.metrics
     )
-    assert "| standard |" in (tmp_path / "out" / "report" / "table2_squad.md").read_text()
+    # SQuAD after TriviaQA starts from the kept TriviaQA model (kept whatever --keep says)
+    kept = tmp_path / "out" / "standard" / "triviaqa" / "lr0.001-0.0003-seed1"
+    assert by[("standard+triviaqa", "squad1.1")].data.tags["swbert.checkpoint"] == str(kept)
+    assert SWBertConfig.from_pretrained(kept).architectures == ["SWBertForQuestionAnswering"]
+    table = (tmp_path / "out" / "report" / "table2_squad.md").read_text().splitlines()
+    assert [row.split(" | ")[0] for row in table[4:6]] == ["| standard", "| standard + TriviaQA"]
 
 
 def test_squad_defaults_are_the_papers_appendix(tmp_path, capsys):
