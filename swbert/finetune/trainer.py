@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class FinetuneConfig:
-    """The hyper-parameters of one fine-tuning run (defaults: the paper's appendix where it gives them)."""
+    """The hyper-parameters of one fine-tuning run. The sweeps set every field (their flags say where each
+    default comes from); these defaults are GLUE's appendix values for the rate, decay and epochs, the
+    rest ours."""
 
     learning_rate: float = 1e-4
     weight_decay: float = 0.1
