@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -57,7 +58,7 @@ class GlueSweep(SweepConfig):
     noise_seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # one noise draw per seed
     # what a noise level means (both by default, each its own table): unit = the paper's standard
     # deviation 1 times the level; norm = the level times the mean embedding norm (ours)
-    noise_scales: list[NoiseScale] = field(default_factory=lambda: list(NOISE_SCALES))
+    noise_scales: list[Literal["unit", "norm"]] = field(default_factory=lambda: list(NOISE_SCALES))
     cross_domain: bool = False  # evaluate kept MNLI/QNLI/QQP/MRPC models on each other's dev sets (Table 6)
     # --checkpoint folders are already fine-tuned GLUE models: only run --noise / --cross-domain
     evaluate_finetuned: bool = False

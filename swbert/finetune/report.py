@@ -59,9 +59,8 @@ class ReportConfig:
 
     out: Path  # folder for the .md/.csv/.png files
     runs_dir: Path | None = None  # a launcher's --output-dir holding mlflow.db
-    tracking_uri: str | None = (
-        None  # MLflow store (default: $MLFLOW_TRACKING_URI, else --runs-dir's mlflow.db)
-    )
+    # MLflow store (default: $MLFLOW_TRACKING_URI, else --runs-dir's mlflow.db)
+    tracking_uri: str | None = None
     experiment: str = DEFAULT_EXPERIMENT  # MLflow experiment of the sweeps
     parent_run: list[str] | None = None  # only runs under these sweep (parent) run ids
     # Figure 2: pretraining runs as NAME=RUN_DIR (a folder holding metrics.jsonl); NAME labels the curve

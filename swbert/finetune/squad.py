@@ -76,7 +76,7 @@ class SquadSweep(SweepConfig):
     # TriviaQA train/dev: the official RC JSON (qa/wikipedia-train.json ...) or a SQuAD-format JSON;
     # without them, the Hub's mandarjoshi/trivia_qa (--triviaqa-hub-config)
     triviaqa_train_file: Path | None = None
-    triviaqa_dev_file: Path | None = None
+    triviaqa_dev_file: Path | None = None  # TriviaQA dev, the same forms: picks the TriviaQA model kept
     triviaqa_evidence_dir: Path | None = None  # the release's evidence/ (default: beside its qa/)
     triviaqa_hub_config: str = "rc.wikipedia"  # configuration of mandarjoshi/trivia_qa
     triviaqa_context_words: int = 400  # each evidence document's first N words are a context (ours)

@@ -64,9 +64,8 @@ class SweepConfig:
     # DeepSpeed JSON (a path or a ds_configs/ name, stages 0-2), used with a world size > 1
     deepspeed: str | None = None
     experiment: str = DEFAULT_EXPERIMENT  # MLflow experiment name
-    tracking_uri: str | None = (
-        None  # MLflow store (default: $MLFLOW_TRACKING_URI, else <output-dir>/mlflow.db)
-    )
+    # MLflow store (default: $MLFLOW_TRACKING_URI, else <output-dir>/mlflow.db)
+    tracking_uri: str | None = None
     run_name: str | None = None  # name of the parent MLflow run (default: launcher and time)
 
     def check(self) -> None:
