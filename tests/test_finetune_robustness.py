@@ -98,3 +98,23 @@ def test_noise_seeds_are_reproducible_and_distinct(setup):
 
     assert (logits(1) == logits(1)).all()
     assert not (logits(1) == logits(2)).all()
+
+
+@pytest.mark.parametrize("level", [0.05, 0.4])
+def test_unit_noise_has_the_papers_standard_deviation_times_the_level(setup, level):
+    """The paper's definition: each coordinate N(0, 1) scaled by the level, whatever the embeddings' size."""
+    model, data, collate = setup
+    _, enc = data.dev["validation"]
+    emb = model.get_input_embeddings()
+    batch = collate([enc[i] for i in range(len(enc))])
+    clean = emb(batch["input_ids"]).detach()
+    seen = []
+    with torch.no_grad(), embedding_noise(model, level, mean_norm=123.0, seed=3, scale="unit"):
+        handle = emb.register_forward_hook(lambda m, i, out: seen.append(out.detach()))
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        handle.remove()
+    noise = seen[0] - clean
+    assert noise.std().item() == pytest.approx(level, rel=0.03)  # the mean norm plays no part
+    with pytest.raises(ValueError, match="noise scale 'other' is not one of unit, norm"):
+        with embedding_noise(model, level, 1.0, seed=0, scale="other"):  # type: ignore[arg-type]
+            pass

@@ -13,7 +13,12 @@ from mlflow import MlflowClient
 
 from swbert import SWBertConfig, SWBertForSequenceClassification
 from swbert.finetune.glue_data import EncodedDataset, pad_collate
-from swbert.finetune.synthetic import make_checkpoint, write_glue_fixture, write_squad_fixture
+from swbert.finetune.synthetic import (
+    make_checkpoint,
+    write_glue_fixture,
+    write_squad_fixture,
+    write_triviaqa_fixture,
+)
 from swbert.finetune.trainer import FinetuneConfig, deepspeed_config, fit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,9 +86,9 @@ def test_regression_and_pair_tasks_produce_their_metrics(glue_run):
         runs[("glue_trial", "mrpc")].data.metrics
     )
     table = (out / "report" / "table1_glue.md").read_text()
-    assert table.splitlines()[2].startswith(
-        "| Model | QNLI (Acc) | SST-2 (Acc) | STS-B (P/S) | MRPC (Acc/F1) | Avg |"
-    )
+    # the paper's metric per task; Avg needs all eight of the paper's tasks, four were run
+    assert table.splitlines()[2] == "| Model | QNLI (Acc) | SST-2 (Acc) | STS-B (P) | MRPC (Acc) | Avg |"
+    assert table.splitlines()[4].endswith(" | – |")
 
 
 def test_noise_level_zero_matches_the_trial_and_cross_domain_is_logged(glue_run, store):
@@ -94,11 +99,22 @@ def test_noise_level_zero_matches_the_trial_and_cross_domain_is_logged(glue_run,
     assert set(curve) == {0, 20}
     assert curve[0] == runs[("glue_trial", "sst2")].data.metrics["best/validation/accuracy"]
     cross = runs[("cross_domain", "mrpc")].data.metrics
-    assert set(cross) == {"mrpc/validation/accuracy", "qnli/validation/accuracy"}
-    assert (out / "report" / "table5_noise.png").stat().st_size > 0
-    assert "MRPC→QNLI" in (out / "report" / "table6_cross_domain.md").read_text()
+    assert set(cross) == {
+        "mrpc/validation/accuracy",
+        "mrpc/validation/binary_accuracy",
+        "qnli/validation/accuracy",
+    }
+    # the diagonal is the task's own accuracy: the trial's best dev accuracy, the same model
+    mrpc_trial = runs[("glue_trial", "mrpc")].data.metrics["best/validation/accuracy"]
+    assert cross["mrpc/validation/accuracy"] == pytest.approx(mrpc_trial)
+    for stem in ("table5_noise", "table5_noise_relative"):  # both noise definitions, each its own table
+        assert (out / "report" / f"{stem}.png").stat().st_size > 0
+    table6 = (out / "report" / "table6_cross_domain.md").read_text().splitlines()
+    assert table6[2] == "| Model | Trained on | QNLI | MRPC |"
+    assert table6[5].startswith("| tiny | MRPC | ") and table6[5].endswith(f" | **{100 * mrpc_trial:.1f}** |")
     sweep = runs[("glue_sweep", None)].info.run_id  # the report and figures are its artifacts
-    assert "report/table5_noise.png" in {a.path for a in client.list_artifacts(sweep, "report")}
+    artifacts = {a.path for a in client.list_artifacts(sweep, "report")}
+    assert {"report/table5_noise.png", "report/figure3_finetune_time.png"} <= artifacts
     assert "system/cpu_utilization_percentage" in client.get_run(sweep).data.metrics
 
 
@@ -109,31 +125,74 @@ def test_evaluate_finetuned_reproduces_the_clean_score(glue_run, store, tmp_path
             "--output-dir", str(tmp_path), "--noise-levels", "0", "--noise-seeds", "5", "--max-seq-length", "32",
             "--tracking-uri", store, "--experiment", "evaluate"]  # fmt: skip
     assert launcher("finetune_glue")(argv) == 0
-    csv = (tmp_path / "report" / "table5_noise.csv").read_text().splitlines()
     expected = 100 * runs[("glue_trial", "sst2")].data.metrics["best/validation/accuracy"]
-    assert float(csv[1].split(",")[2]) == pytest.approx(expected)
+    for stem in ("table5_noise", "table5_noise_relative"):
+        csv = (tmp_path / "report" / f"{stem}.csv").read_text().splitlines()
+        assert csv[1].split(",")[:3] == ["tiny", "sst2", "accuracy"]
+        assert float(csv[1].split(",")[3]) == pytest.approx(expected)
 
 
 def test_squad_v11_and_v20_end_to_end(tmp_path, store):
+    """Both versions, the stepped learning-rate plan (two stages of one epoch), and the "+ TriviaQA"
+    rows: TriviaQA first (from its official RC layout), then SQuAD from the kept TriviaQA model."""
     ckpt = make_checkpoint(tmp_path / "ckpt", attention_type="standard")
     for v in ("1.1", "2.0"):
         write_squad_fixture(tmp_path / f"train{v}.json", 64, v, seed=0)
         write_squad_fixture(tmp_path / f"dev{v}.json", 16, v, seed=1)
-    argv = ["--checkpoint", str(ckpt), "--output-dir", str(tmp_path / "out"), "--learning-rates", "1e-3", "--seeds", "1",
-            "--epochs", "2", "--batch-size", "16", "--max-seq-length", "32", "--doc-stride", "8", "--keep", "none",
-            "--train-file", f"1.1={tmp_path / 'train1.1.json'}", f"2.0={tmp_path / 'train2.0.json'}",
+    trivia = [write_triviaqa_fixture(tmp_path / "triviaqa", split, n, seed) for split, n, seed in
+              [("train", 48, 0), ("dev", 16, 1)]]  # fmt: skip
+    argv = ["--checkpoint", str(ckpt), "--output-dir", str(tmp_path / "out"), "--learning-rates", "1e-3", "3e-4",
+            "--seeds", "1", "--epochs", "1", "--batch-size", "16", "--max-seq-length", "32", "--doc-stride", "8",
+            "--keep", "none", "--train-file", f"1.1={tmp_path / 'train1.1.json'}", f"2.0={tmp_path / 'train2.0.json'}",
             "--dev-file", f"1.1={tmp_path / 'dev1.1.json'}", f"2.0={tmp_path / 'dev2.0.json'}",
+            "--triviaqa", "--triviaqa-train-file", str(trivia[0]), "--triviaqa-dev-file", str(trivia[1]),
             "--tracking-uri", store, "--experiment", "squad"]  # fmt: skip
     assert launcher("finetune_squad")(argv) == 0
     runs = runs_of(store, "squad", "tags.`swbert.kind` = 'squad_trial'")
-    metrics = {r.data.tags["swbert.task"]: r.data.metrics for r in runs}
-    assert set(metrics) == {"squad1.1", "squad2.0"}
-    for m in metrics.values():
+    by = {(r.data.tags["swbert.variant"], r.data.tags["swbert.task"]): r for r in runs}
+    assert set(by) == {("standard", "squad1.1"), ("standard", "squad2.0"), ("standard", "triviaqa"),
+                       ("standard+triviaqa", "squad1.1"), ("standard+triviaqa", "squad2.0")}  # fmt: skip
+    for r in by.values():
+        m = r.data.metrics
         assert 0 <= m["best/validation/exact"] <= m["best/validation/f1"] <= 100
+        # one run per seed goes through both learning rates, the second stage from the first's best
+        assert (r.data.params["lr_plan"], r.data.params["later_learning_rates"]) == ("stepped", "0.0003")
+        assert m["best_stage"] in (0, 1) and m["epochs_trained"] == 2 and m["seconds_per_epoch"] > 0
     assert {"best/validation/HasAns_f1", "best/validation/NoAns_f1", "best/validation/best_f1"} <= set(
-        metrics["squad2.0"]
+        by[("standard", "squad2.0")].data.metrics
     )
-    assert "| standard |" in (tmp_path / "out" / "report" / "table2_squad.md").read_text()
+    # SQuAD after TriviaQA starts from the kept TriviaQA model (kept whatever --keep says)
+    kept = tmp_path / "out" / "standard" / "triviaqa" / "lr0.001-0.0003-seed1"
+    assert by[("standard+triviaqa", "squad1.1")].data.tags["swbert.checkpoint"] == str(kept)
+    assert SWBertConfig.from_pretrained(kept).architectures == ["SWBertForQuestionAnswering"]
+    table = (tmp_path / "out" / "report" / "table2_squad.md").read_text().splitlines()
+    assert [row.split(" | ")[0] for row in table[4:6]] == ["| standard", "| standard + TriviaQA"]
+
+
+def test_squad_defaults_are_the_papers_appendix(tmp_path, capsys):
+    """SQuAD: dropout 0.2, attention dropout 0.05, weight decay 0.1, 1e-4 then 2e-5 and 2e-6, 5 epochs;
+    --help shows them."""
+    parse = runpy.run_path(str(ROOT / "launchers" / "finetune_squad.py"), run_name="launcher")["parse_args"]
+    args = parse(["--checkpoint", "ckpt", "--output-dir", str(tmp_path)])
+    cfg = args.finetune_config()
+    assert args.learning_rates == [1e-4, 2e-5, 2e-6] and args.lr_plan == "stepped"
+    assert (cfg.weight_decay, cfg.epochs, args.attention_dropout, args.hidden_dropout) == (0.1, 5, 0.05, 0.2)
+    assert [c.warmup_ratio for c in (args.finetune_config(2e-5, 1, stage=s) for s in (0, 1, 2))] == [
+        0.1,
+        0,
+        0,
+    ]
+    with pytest.raises(SystemExit) as exit_:
+        parse(["--help"])
+    assert exit_.value.code == 0
+    help_text = capsys.readouterr().out
+    for line in ["--learning-rates           list[float], default: [0.0001, 2e-05, 2e-06]",
+                 "--lr-plan                  one of ['stepped', 'grid'], default: 'stepped'",
+                 "--epochs                   int, default: 5", "--weight-decay             float, default: 0.1",
+                 "--attention-dropout        float, default: 0.05",
+                 "--hidden-dropout           float | None, default: 0.2"]:  # fmt: skip
+        assert line in help_text, line
+    assert "the appendix's SQuAD attention dropout" in help_text
 
 
 def test_fit_restores_the_best_epoch_and_stops_early():
@@ -225,18 +284,24 @@ def test_two_ranks_under_deepspeed_train_like_one_process(tmp_path):
     assert not torch.equal(single["classifier.weight"], start["classifier.weight"])  # it did train
 
 
-def test_glue_defaults_are_the_papers_appendix(tmp_path):
-    """LR 1e-4 then 2e-5/2e-6, weight decay 0.1, attention dropout 0.1 (also over a checkpoint
-    pretrained without it), 10 epochs, several seeds, every GLUE task."""
+def test_glue_defaults_are_the_papers_appendix(tmp_path, capsys):
+    """LR 1e-4 then 2e-5/2e-6 (stepped by default), weight decay 0.1, attention dropout 0.1 (also over a
+    checkpoint pretrained without it), 10 epochs, several seeds, the paper's eight tasks (no WNLI);
+    --help shows them."""
     from swbert.finetune.glue import load_classifier
-    from swbert.finetune.tasks import GLUE_TASKS, get_task
+    from swbert.finetune.tasks import get_task
 
     parse = runpy.run_path(str(ROOT / "launchers" / "finetune_glue.py"), run_name="launcher")["parse_args"]
     args = parse(["--checkpoint", "ckpt", "--output-dir", str(tmp_path)])
     cfg = args.finetune_config()
-    assert (
-        args.learning_rates == [1e-4, 2e-5, 2e-6] and len(args.seeds) >= 3 and args.tasks == list(GLUE_TASKS)
-    )
+    assert args.learning_rates == [1e-4, 2e-5, 2e-6] and len(args.seeds) >= 3
+    assert args.lr_settings() == [(1e-4, 2e-5, 2e-6)]  # stepped: one sequence of three stages per seed
+    assert parse(["--checkpoint", "c", "--output-dir", "o", "--lr-plan", "grid"]).lr_settings() == [
+        (1e-4,),
+        (2e-5,),
+        (2e-6,),
+    ]
+    assert sorted(args.tasks) == ["cola", "mnli", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb"]
     assert (cfg.weight_decay, cfg.epochs, args.attention_dropout) == (0.1, 10, 0.1)
     ckpt = make_checkpoint(tmp_path / "ckpt")
     config = SWBertConfig.from_pretrained(ckpt)
@@ -244,3 +309,48 @@ def test_glue_defaults_are_the_papers_appendix(tmp_path):
     config.save_pretrained(ckpt)
     model = load_classifier(ckpt, get_task("rte"), args.attention_dropout, args.hidden_dropout)
     assert model.config.attention_probs_dropout_prob == 0.1 and model.config.hidden_dropout_prob == 0.1
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    help_text = capsys.readouterr().out
+    for line in ["--learning-rates           list[float], default: [0.0001, 2e-05, 2e-06]",
+                 "--epochs                   int, default: 10", "--weight-decay             float, default: 0.1",
+                 "--attention-dropout        float, default: 0.1",
+                 "--tasks                    list[str], default: ['mnli', 'qqp', 'qnli', 'sst2', 'cola', 'stsb', "
+                 "'mrpc', 'rte']"]:  # fmt: skip
+        assert line in help_text, line
+    assert "the paper's eight by default, WNLI only when named" in help_text
+
+
+def test_stepped_plan_continues_from_the_best_weights(tmp_path):
+    """Stage 2 (worse than stage 1) hands stage 1's best weights on to stage 3; the model ends with the
+    best weights of all stages; logged steps continue across stages."""
+    from swbert.finetune.checkpoint import Checkpoint
+    from swbert.finetune.sweep import SweepConfig, TrialSpec, fit_stages
+
+    torch.manual_seed(0)
+    model = SWBertForSequenceClassification(SWBertConfig.from_size("tiny", vocab_size=32, num_labels=2))
+    data = EncodedDataset({"input_ids": [[2, 5 + i % 7, 3] for i in range(16)], "attention_mask": [[1, 1, 1]] * 16},
+                          {"labels": torch.tensor([i % 2 for i in range(16)]).numpy()})  # fmt: skip
+    scores, evaluated, started = iter([0.5, 0.9, 0.7, 0.8, 0.95, 0.6]), [], []
+
+    def evaluate(m):
+        evaluated.append({k: v.clone() for k, v in m.state_dict().items()})
+        return {"validation/score": next(scores)}
+
+    def collate(batch):  # called right before each step: the weights that step starts from
+        started.append({k: v.clone() for k, v in model.state_dict().items()})
+        return pad_collate(0)(batch)
+
+    sweep = SweepConfig(
+        ["c"], tmp_path, learning_rates=[1e-3, 1e-4, 1e-5], epochs=2, batch_size=8, precision="fp32"
+    )
+    spec = TrialSpec(Checkpoint("c", tmp_path), "t", tuple(sweep.learning_rates), 1, "glue_trial", {})
+    logged = []
+    result = fit_stages(sweep, spec, model, data, collate, evaluate, "validation/score",
+                        lambda m, step: logged.append(step))  # fmt: skip
+    assert (result.best_stage, result.best_epoch, result.steps, result.epochs_trained) == (2, 4, 12, 6)
+    for k, v in started[8].items():  # the first step of stage 3 starts from stage 1's best (epoch 1)
+        assert torch.equal(v, evaluated[1][k]), k
+    for k, v in model.state_dict().items():  # the end: stage 3's first epoch, the best of all
+        assert torch.equal(v, evaluated[4][k]), k
+    assert max(logged) == 12 and logged == sorted(logged)

@@ -46,7 +46,8 @@ def test_shared_layer_equals_the_paper_formula_by_hand():
     x = torch.randn(2, 7, config.hidden_size)
     mask = torch.ones(2, 7, dtype=torch.bool)
     mask[1, 5:] = False
-    # the paper: S = X Ws + bs; Q = S diag(dq); K = S diag(dk); V = S diag(dv); per-head softmax attention
+    # the paper's form (plus our bias bs): S = X Ws + bs; Q = S diag(dq); K = S diag(dk); V = S diag(dv);
+    # per-head softmax attention
     Ws, bs = attn.proj.weight.T, attn.proj.bias
     S = x @ Ws + bs
     Q, K, V = S @ torch.diag(attn.dq), S @ torch.diag(attn.dk), S @ torch.diag(attn.dv)
@@ -154,7 +155,7 @@ def test_every_variant_trains_and_round_trips(variant, tmp_path):
     torch.manual_seed(0)
     model = SWBertForMaskedLM(tiny(attention_type=variant))
     attn = model.bert.encoder.layers[0].attn
-    if variant == "shared":  # the paper's diagonals start at ones
+    if variant == "shared":  # the diagonals start at ones (our initialisation)
         assert all(torch.equal(p, torch.ones(64)) for p in (attn.dq, attn.dk, attn.dv))
     if variant == "pairwise":
         assert torch.equal(attn.pair, torch.eye(16).expand(4, 16, 16))

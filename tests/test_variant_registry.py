@@ -163,8 +163,9 @@ def test_memory_tensors_are_the_models_with_the_plan_deciding_the_shards():
 
 @pytest.mark.parametrize("size", ["tiny", "base", "xl"])
 def test_the_builtin_closed_forms_equal_the_derived_counts(size):
-    """The paper's formulas (standard 3(d^2+d), shared d^2+d+3d, ...) stay as documentation that
-    must agree with what is read off the built layers; the new variant has none."""
+    """The hand formulas (standard 3(d^2+d) as in the paper's Table 3; shared d^2+d+3d, the paper's
+    d^2+3d plus our bias bs; ...) stay as documentation that must agree with what is read off the built
+    layers; the new variant has none."""
     for variant in ATTENTION_TYPES:
         config = SWBertConfig.from_size(size, attention_type=variant)
         assert attention_class(variant).closed_form_qkv_params(config) == qkv_params(config), variant

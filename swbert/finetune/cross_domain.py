@@ -13,8 +13,10 @@ MRPC   equivalent                      not_equivalent
 =====  ==============================  ============================
 
 A model's predicted class (in its own task's labels) and the target's gold class are mapped through
-this table and compared: the score is binary accuracy. The diagonal (a model on its own task) is
-scored the same way, so the table compares like with like.
+this table and compared: the score is binary accuracy. The mapping is ours: the paper does not say (in
+what we have of it) how it scores a model on a task with other labels. The diagonal (a model on its
+own task) is scored with the task's own labels, as the paper's Table 6 does (MNLI: 3-way accuracy);
+``swbert.finetune.glue.cross_domain_evaluation`` logs the binary score beside it.
 """
 
 from __future__ import annotations

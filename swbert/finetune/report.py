@@ -1,62 +1,112 @@
-"""Collect fine-tuning runs from MLflow into the paper's table layouts (markdown and CSV) and plots.
+"""Fine-tuning runs in MLflow (and pretraining runs' metrics.jsonl) -> the paper's tables and figures.
 
-* Table 1 (GLUE): variants as rows, the GLUE dev columns (MNLI-m, MNLI-mm, QQP, QNLI, SST-2, CoLA,
-  STS-B, MRPC, RTE, WNLI) and their average; median over seeds at the best learning rate.
-* Table 2 (SQuAD): EM/F1 for v1.1 and v2.0, same aggregation (selection by F1).
-* Table 5 (robustness): variants (x task) as rows, noise levels 0-40% as columns; the mean over noise
-  seeds of the task score. ``noise.png`` plots the curves.
-* Table 6 (cross-domain): variants as rows, one column per (fine-tuned on -> evaluated on) pair.
+Each table follows the paper's definition (docs/paper.md says where we had to read it):
 
-GLUE numbers are printed in percent (correlations x 100), as papers do.
+* Table 1 (GLUE): variants as rows; per task the paper's metric, in its column order (MNLI-m, MNLI-mm,
+  QQP, QNLI, SST-2, CoLA, STS-B, MRPC, RTE; WNLI last, only when it was run), and ``Avg``, the paper's:
+  the mean over its eight tasks with MNLI matched and accuracy for MRPC and QQP
+  (:data:`swbert.finetune.tasks.PAPER_AVG_METRIC`). The CSV adds every metric and, labelled as ours,
+  the mean of GLUE's task scores over every task run.
+* Table 2 (SQuAD): EM/F1 per version; a checkpoint fine-tuned on TriviaQA first is its own row,
+  ``NAME + TriviaQA`` (the paper's "single + TriviaQA").
+* Table 5 (robustness): accuracy (the task's own metric where it has no accuracy: CoLA, STS-B) at
+  each noise level, mean over noise seeds; one table per noise definition: ``table5_noise`` (the
+  paper's standard-deviation-1 noise) and ``table5_noise_relative`` (ours, relative to the embedding
+  norm).
+* Table 6 (cross-domain): per variant a trained-on x evaluated-on matrix; the diagonal with the task's
+  own labels, the rest with the binary mapping of :mod:`swbert.finetune.cross_domain`.
+* Figures 2 and 3 (:mod:`swbert.finetune.figures`): pretraining loss curves, fine-tuning time per epoch.
+
+Per task the number is the median over seeds at the best learning-rate setting: our aggregation, the
+paper does not say how it combined seeds. GLUE numbers are in percent (correlations x 100).
 """
 
 from __future__ import annotations
 
 import csv
+import logging
 import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
 from swbert.finetune.cross_domain import CROSS_DOMAIN_TASKS
 from swbert.finetune.results import Summary, Trial, summarize
-from swbert.finetune.tasks import TABLE1_COLUMNS, get_task, split_label
+from swbert.finetune.tasks import PAPER_AVG_METRIC, TABLE1_COLUMNS, GlueTask, get_task, split_label
 from swbert.finetune.tracking import DEFAULT_EXPERIMENT, KIND, TASK, VARIANT
+
+log = logging.getLogger(__name__)
 
 VARIANT_ORDER = ("standard", "symmetric", "pairwise", "shared")  # the paper's row order
 METRIC_ABBREV = {"accuracy": "Acc", "f1": "F1", "matthews": "MCC", "pearson": "P", "spearman": "S"}
+TRIVIAQA_SUFFIX = "+triviaqa"  # a variant fine-tuned on TriviaQA before SQuAD (swbert.finetune.squad)
+NOISE_TABLES = {"unit": "table5_noise", "norm": "table5_noise_relative"}
+NOISE_TITLES = {
+    "unit": "Table 5: dev accuracy under Gaussian embedding noise of standard deviation 1 x level "
+    "(the paper's noise; how the level scales it is our reading)",
+    "norm": "Table 5 (ours, relative noise): dev accuracy under Gaussian embedding noise of RMS norm "
+    "level x the mean embedding norm",
+}
 
 
 @dataclass
 class ReportConfig:
-    """The flags of `launchers/report.py`: where the runs are and where the tables go."""
+    """The flags of `launchers/report.py`: where the runs are and where the tables and figures go."""
 
     out: Path  # folder for the .md/.csv/.png files
     runs_dir: Path | None = None  # a launcher's --output-dir holding mlflow.db
-    tracking_uri: str | None = (
-        None  # MLflow store (default: $MLFLOW_TRACKING_URI, else --runs-dir's mlflow.db)
-    )
+    # MLflow store (default: $MLFLOW_TRACKING_URI, else --runs-dir's mlflow.db)
+    tracking_uri: str | None = None
     experiment: str = DEFAULT_EXPERIMENT  # MLflow experiment of the sweeps
     parent_run: list[str] | None = None  # only runs under these sweep (parent) run ids
+    # Figure 2: pretraining runs as NAME=RUN_DIR (a folder holding metrics.jsonl); NAME labels the curve
+    pretrain_runs: list[str] = field(default_factory=list)
+    # Table 1's STS-B number (and its share of Avg): the paper's metric is not known to us; Pearson is our reading
+    stsb_metric: Literal["pearson", "spearman"] = "pearson"
+    # Figure 3: only trials fine-tuned at this global batch size (the paper's 16); none: every trial
+    timing_batch_size: int | None = 16
+    baseline: str = "standard"  # Figure 3: the variant whose time the others' savings are relative to
 
     def check(self) -> None:
         if self.runs_dir is not None and self.tracking_uri is not None:
             raise ValueError("--runs-dir and --tracking-uri name two stores: give one")
+        self.pretrain_curves()  # bad NAME=RUN_DIR specs fail before anything is read
 
-    def uri(self) -> str:
-        """The store to read; a ValueError says what to pass when there is none."""
+    def uri(self) -> str | None:
+        """The store to read; None when there is none and Figure 2's runs are all there is to report.
+        A ValueError says what to pass when there is nothing at all."""
         if self.runs_dir is not None:
             db = self.runs_dir / "mlflow.db"
             if not db.is_file():
                 raise ValueError(f"--runs-dir {self.runs_dir}: no mlflow.db there")
             return f"sqlite:///{db.resolve()}"
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-        if not uri:
-            raise ValueError("say where the runs are: --runs-dir, --tracking-uri or MLFLOW_TRACKING_URI")
-        return uri
+        if not uri and not self.pretrain_runs:
+            raise ValueError(
+                "say where the runs are: --runs-dir, --tracking-uri or MLFLOW_TRACKING_URI "
+                "(and/or --pretrain-runs NAME=RUN_DIR for Figure 2)"
+            )
+        return uri or None
+
+    def pretrain_curves(self) -> dict[str, Path]:
+        """``--pretrain-runs`` as {name: run folder}, each checked to hold a metrics.jsonl."""
+        out: dict[str, Path] = {}
+        for spec in self.pretrain_runs:
+            name, sep, path = spec.partition("=")
+            if not sep:
+                name, path = Path(spec).name, spec
+            if not (Path(path) / "metrics.jsonl").is_file():
+                raise ValueError(
+                    f"--pretrain-runs {spec}: {path}/metrics.jsonl not found; pass a pretraining run folder"
+                )
+            if name in out:
+                raise ValueError(f"--pretrain-runs: two runs named {name!r}; write them as NAME=RUN_DIR")
+            out[name] = Path(path)
+        return out
 
 
 @dataclass
@@ -68,11 +118,14 @@ class Table:
     rows: list[list[str]]
     csv_header: list[str]
     csv_rows: list[list[object]]
+    note: str = ""  # a line under the markdown table (what a column means, where a number comes from)
 
     def markdown(self) -> str:
         lines = [f"### {self.title}", "", "| " + " | ".join(self.header) + " |"]
         lines.append("|" + "|".join(["---"] + ["---:"] * (len(self.header) - 1)) + "|")
         lines += ["| " + " | ".join(r) + " |" for r in self.rows]
+        if self.note:
+            lines += ["", self.note]
         return "\n".join(lines) + "\n"
 
     def write(self, out_dir: Path, stem: str) -> list[Path]:
@@ -87,37 +140,70 @@ class Table:
 
 
 @dataclass
+class Timing:
+    """One trial's training time (Figure 3)."""
+
+    variant: str
+    task: str
+    batch_size: int
+    seconds_per_epoch: float
+    attention_type: str = ""
+
+
+@dataclass
 class Collected:
     glue: list[Trial] = field(default_factory=list)
     squad: list[Trial] = field(default_factory=list)
-    noise: dict[tuple[str, str], dict[int, dict[float, float]]] = field(default_factory=dict)
-    """(variant, task) -> noise seed -> noise level (fraction) -> task score on the main split."""
+    noise: dict[tuple[str, str, str], dict[int, dict[float, float]]] = field(default_factory=dict)
+    """(variant, task, noise scale) -> noise seed -> noise level (fraction) -> accuracy (else the task's
+    own metric) on the main split."""
     cross: dict[str, dict[tuple[str, str, str], float]] = field(default_factory=dict)
-    """variant -> (source task, target task, target split) -> binary accuracy."""
+    """variant -> (trained on, evaluated on, split) -> accuracy (own labels on the diagonal)."""
+    timings: list[Timing] = field(default_factory=list)
 
 
-def variant_key(name: str) -> tuple[int, str]:
-    return (VARIANT_ORDER.index(name) if name in VARIANT_ORDER else len(VARIANT_ORDER), name)
+def variant_key(name: str) -> tuple[int, str, str]:
+    """The paper's row order; ``NAME+triviaqa`` right after ``NAME``."""
+    base, _, suffix = name.partition("+")
+    return (VARIANT_ORDER.index(base) if base in VARIANT_ORDER else len(VARIANT_ORDER), base, suffix)
+
+
+def variant_label(name: str) -> str:
+    """``shared+triviaqa`` -> ``shared + TriviaQA`` (Table 2's "single + TriviaQA" rows)."""
+    return name[: -len(TRIVIAQA_SUFFIX)] + " + TriviaQA" if name.endswith(TRIVIAQA_SUFFIX) else name
 
 
 def _pct(value: float | None, digits: int = 1) -> str:
     return "–" if value is None or math.isnan(value) else f"{100 * value:.{digits}f}"
 
 
+def _csv(value: float) -> object:
+    return "" if value is None or math.isnan(value) else round(100 * value, 4)
+
+
+def noise_metric(task: GlueTask) -> str:
+    """What Table 5 reports for ``task``: accuracy, or the task's own metric where it has none."""
+    return "accuracy" if "accuracy" in task.metrics else task.metrics[0]
+
+
 # ---------------------------------------------------------------------------------------- collecting
 
 
-def collect(tracking_uri: str, experiment: str, parent_runs: list[str] | None = None) -> Collected:
+def collect(
+    tracking_uri: str, experiment: str, parent_runs: list[str] | None = None, missing_ok: bool = False
+) -> Collected:
     """Read finished child runs of ``experiment`` (optionally only those under ``parent_runs``).
 
-    A trial repeated in several sweeps (same variant, task, learning rate and seed) counts once: the
-    most recent run wins, so re-running a sweep does not double the seeds.
+    A trial repeated in several sweeps (same variant, task, learning-rate setting and seed) counts once:
+    the most recent run wins, so re-running a sweep does not double the seeds.
     """
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
+        if missing_ok:
+            return Collected()
         raise ValueError(f"no MLflow experiment {experiment!r} at {tracking_uri}")
     runs = client.search_runs(
         [exp.experiment_id],
@@ -129,8 +215,9 @@ def collect(tracking_uri: str, experiment: str, parent_runs: list[str] | None = 
         runs = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in set(parent_runs)]
     out = Collected()
     trials: dict[tuple, Trial] = {}
+    timings: dict[tuple, Timing] = {}
     for r in runs:
-        tags, kind = r.data.tags, r.data.tags.get(KIND)
+        tags, params, kind = r.data.tags, r.data.params, r.data.tags.get(KIND)
         variant, task = tags.get(VARIANT), tags.get(TASK)
         if kind in ("glue_trial", "squad_trial"):
             metrics: dict[str, dict[str, float]] = defaultdict(dict)
@@ -138,66 +225,106 @@ def collect(tracking_uri: str, experiment: str, parent_runs: list[str] | None = 
                 if key.startswith("best/"):
                     split, _, metric = key[5:].rpartition("/")
                     metrics[split][metric] = value
-            lr, seed = float(r.data.params["learning_rate"]), int(r.data.params["seed"])
-            trials[(kind, variant, task, lr, seed)] = Trial(variant, task, lr, seed, dict(metrics))
+            lr, seed = float(params["learning_rate"]), int(params["seed"])
+            later = tuple(float(x) for x in params.get("later_learning_rates", "").split())
+            key = (kind, variant, task, lr, later, seed)
+            trials[key] = Trial(variant, task, lr, seed, dict(metrics), later_lrs=later)
+            seconds = r.data.metrics.get("seconds_per_epoch")
+            if seconds and "batch_size" in params:
+                timings[key] = Timing(
+                    variant, task, int(params["batch_size"]), seconds, params.get("attention_type", "")
+                )
         elif kind == "noise":
-            main = get_task(task).main_split
-            seed = int(r.data.params.get("noise_seed", 0))
-            history = client.get_metric_history(r.info.run_id, f"{main}/score")
-            out.noise.setdefault((variant, task), {})[seed] = {m.step / 100: m.value for m in history}
+            t = get_task(task)
+            seed = int(params.get("noise_seed", 0))
+            scale = params.get("noise_scale", "norm")  # runs from before both definitions: relative
+            history = client.get_metric_history(r.info.run_id, f"{t.main_split}/{noise_metric(t)}")
+            out.noise.setdefault((variant, task, scale), {})[seed] = {m.step / 100: m.value for m in history}
         elif kind == "cross_domain":
+            own_labels = params.get("diagonal") == "own_labels"
             for key, value in r.data.metrics.items():
-                target, split, _ = key.split("/")
-                out.cross.setdefault(variant, {})[(task, target, split)] = value
+                target, split, metric = key.split("/")
+                # an older run scored its diagonal in the binary mapping: left out, not mislabelled
+                if metric == "accuracy" and (target != task or own_labels):
+                    out.cross.setdefault(variant, {})[(task, target, split)] = value
     for (kind, *_), t in trials.items():
         (out.glue if kind == "glue_trial" else out.squad).append(t)
+    out.timings = list(timings.values())
     return out
 
 
 # ------------------------------------------------------------------------------------------- tables
 
 
-def glue_table(summaries: list[Summary]) -> Table:
+def _columns(summaries: list[Summary]) -> list[tuple[str, str]]:
+    tasks = {s.task for s in summaries}
+    return [(t, sp) for t, sp in TABLE1_COLUMNS if t in tasks]
+
+
+def paper_metric(task: str, split: str, stsb_metric: str = "pearson") -> str:
+    """The one metric Table 1 shows (and averages) for a task's dev split."""
+    if task == "stsb":
+        return stsb_metric
+    return PAPER_AVG_METRIC[task][1] if task in PAPER_AVG_METRIC else get_task(task).metrics[0]
+
+
+def paper_average(by_task: dict[str, Summary], stsb_metric: str = "pearson") -> float:
+    """Table 1's Avg: the mean over the paper's eight tasks of one metric each (tasks.PAPER_AVG_METRIC);
+    nan unless all eight are there (a mean over fewer tasks is not the paper's number)."""
+    values = []
+    for task, (split, metric) in PAPER_AVG_METRIC.items():
+        s = by_task.get(task)
+        metric = stsb_metric if task == "stsb" else metric
+        values.append(s.median.get(split, {}).get(metric, float("nan")) if s else float("nan"))
+    return float("nan") if any(math.isnan(v) for v in values) else float(np.mean(values))
+
+
+def glue_table(summaries: list[Summary], stsb_metric: str = "pearson") -> Table:
     """Table 1 from GLUE summaries (see :func:`swbert.finetune.glue.glue_summaries`)."""
     by = {(s.variant, s.task): s for s in summaries}
-    present = [(t, sp) for t, sp in TABLE1_COLUMNS if any(task == t for _, task in by)]
+    present = _columns(summaries)
     header, csv_header = ["Model"], ["variant"]
     for t, sp in present:
-        task = get_task(t)
-        header.append(f"{split_label(task, sp)} ({'/'.join(METRIC_ABBREV[m] for m in task.metrics)})")
-        csv_header += [f"{split_label(task, sp)} {m}" for m in task.metrics]
+        label = split_label(get_task(t), sp)
+        extra = " (not in Avg)" if t not in PAPER_AVG_METRIC else ""
+        header.append(f"{label} ({METRIC_ABBREV[paper_metric(t, sp, stsb_metric)]}){extra}")
+        csv_header += [f"{label} {m}" for m in get_task(t).metrics]
     header.append("Avg")
-    csv_header += ["avg", "learning_rates", "seeds"]
+    csv_header += ["avg", "avg_glue_score_ours", "learning_rates", "seeds"]
     rows, csv_rows = [], []
     for variant in sorted({v for v, _ in by}, key=variant_key):
-        row, csv_row, scores, lrs, seeds = [variant], [variant], [], [], set()
+        row, csv_row, scores, lrs, seeds = [variant_label(variant)], [variant], [], [], set()
+        mine = {t: s for (v, t), s in by.items() if v == variant}
         for t, sp in present:
-            task, s = get_task(t), by.get((variant, t))
-            values = [s.median.get(sp, {}).get(m, float("nan")) if s else float("nan") for m in task.metrics]
-            row.append("/".join(_pct(v) for v in values))
-            csv_row += [round(100 * v, 4) if not math.isnan(v) else "" for v in values]
+            s = mine.get(t)
+            med = s.median.get(sp, {}) if s else {}
+            row.append(_pct(med.get(paper_metric(t, sp, stsb_metric), float("nan"))))
+            csv_row += [_csv(med.get(m, float("nan"))) for m in get_task(t).metrics]
             if s:
-                score = s.median.get(sp, {}).get("score", float("nan"))
+                score = med.get("score", float("nan"))
                 if not math.isnan(score):
                     scores.append(score)
-                lrs.append(f"{t}={s.learning_rate:g}")
+                lrs.append(f"{t}={s.lr_label}")
                 seeds.add(len(s.seeds))
-        avg = float(np.mean(scores)) if scores else float("nan")
+        avg = paper_average(mine, stsb_metric)
         row.append(_pct(avg))
-        csv_row += [
-            round(100 * avg, 4) if scores else "",
-            " ".join(dict.fromkeys(lrs)),
-            "/".join(map(str, sorted(seeds))),
-        ]
+        ours = float(np.mean(scores)) if scores else float("nan")
+        csv_row += [_csv(avg), _csv(ours), " ".join(dict.fromkeys(lrs)), "/".join(map(str, sorted(seeds)))]
         rows.append(row)
         csv_rows.append(csv_row)
+    note = (
+        "Avg: the paper's, the mean over its eight tasks (MNLI-m, QQP, QNLI, SST-2, CoLA, STS-B, MRPC, RTE) "
+        f"of the metric shown, STS-B as {stsb_metric.capitalize()}; '–' unless all eight were run. The CSV's "
+        "avg_glue_score_ours is the mean of GLUE's task scores over every task run (ours). Each number: the "
+        "median over seeds at the best learning-rate setting (ours)."
+    )
     return Table(
-        "Table 1: GLUE dev (median over seeds, best learning rate)", header, rows, csv_header, csv_rows
+        "Table 1: GLUE dev (median over seeds, best learning rate)", header, rows, csv_header, csv_rows, note
     )
 
 
 def squad_table(summaries: list[Summary]) -> Table:
-    """Table 2: EM/F1 per SQuAD version."""
+    """Table 2: EM/F1 per SQuAD version; ``NAME+triviaqa`` rows are the paper's "single + TriviaQA"."""
     by = {(s.variant, s.task): s for s in summaries}
     versions = [v for v in ("1.1", "2.0") if any(t == f"squad{v}" for _, t in by)]
     header = ["Model"] + [f"SQuAD v{v} (EM/F1)" for v in versions]
@@ -205,8 +332,9 @@ def squad_table(summaries: list[Summary]) -> Table:
         ["variant"] + [f"v{v} {m}" for v in versions for m in ("exact", "f1")] + ["learning_rates", "seeds"]
     )
     rows, csv_rows = [], []
-    for variant in sorted({v for v, _ in by}, key=variant_key):
-        row, csv_row, lrs, seeds = [variant], [variant], [], set()
+    squad_variants = {v for v, t in by if t.startswith("squad")}
+    for variant in sorted(squad_variants, key=variant_key):
+        row, csv_row, lrs, seeds = [variant_label(variant)], [variant], [], set()
         for v in versions:
             s = by.get((variant, f"squad{v}"))
             med = s.median.get("validation", {}) if s else {}
@@ -214,30 +342,39 @@ def squad_table(summaries: list[Summary]) -> Table:
             row.append(f"{_pct(em / 100)}/{_pct(f1 / 100)}")
             csv_row += [em, f1]
             if s:
-                lrs.append(f"v{v}={s.learning_rate:g}")
+                lrs.append(f"v{v}={s.lr_label}")
                 seeds.add(len(s.seeds))
         rows.append(row)
         csv_rows.append(csv_row + [" ".join(lrs), "/".join(map(str, sorted(seeds)))])
     return Table(
-        "Table 2: SQuAD dev (median over seeds, best learning rate)", header, rows, csv_header, csv_rows
+        "Table 2: SQuAD dev (median over seeds, best learning rate)",
+        header,
+        rows,
+        csv_header,
+        csv_rows,
+        "A '+ TriviaQA' row was fine-tuned on TriviaQA reading comprehension first, then on SQuAD.",
     )
 
 
-def noise_table(noise: dict[tuple[str, str], dict[int, dict[float, float]]]) -> Table:
-    """Table 5: mean (over noise seeds) task score at each noise level."""
+def noise_table(noise: dict[tuple[str, str, str], dict[int, dict[float, float]]], scale: str) -> Table:
+    """Table 5 for one noise definition: mean (over noise seeds) accuracy at each noise level."""
+    noise = {k: v for k, v in noise.items() if k[2] == scale}
     levels = sorted({lvl for seeds in noise.values() for curve in seeds.values() for lvl in curve})
-    tasks = sorted({t for _, t in noise})
+    tasks = sorted({t for _, t, _ in noise})
     header = ["Model"] + (["Task"] if len(tasks) > 1 else []) + [f"{round(100 * lvl)}%" for lvl in levels]
     csv_header = (
-        ["variant", "task"]
+        ["variant", "task", "metric"]
         + [f"{round(100 * lvl)}% {s}" for lvl in levels for s in ("mean", "std")]
         + ["noise_seeds"]
     )
     rows, csv_rows = [], []
-    for variant, task in sorted(noise, key=lambda k: (variant_key(k[0]), k[1])):
-        seeds = noise[(variant, task)]
-        row = [variant] + ([split_label(get_task(task), get_task(task).main_split)] if len(tasks) > 1 else [])
-        csv_row: list[object] = [variant, task]
+    for variant, task, _ in sorted(noise, key=lambda k: (variant_key(k[0]), k[1])):
+        seeds = noise[(variant, task, scale)]
+        t = get_task(task)
+        metric = noise_metric(t)
+        label = split_label(t, t.main_split) + ("" if metric == "accuracy" else f" ({METRIC_ABBREV[metric]})")
+        row = [variant_label(variant)] + ([label] if len(tasks) > 1 else [])
+        csv_row: list[object] = [variant, task, metric]
         for lvl in levels:
             vals = [c[lvl] for c in seeds.values() if lvl in c]
             mean = float(np.mean(vals)) if vals else float("nan")
@@ -245,94 +382,78 @@ def noise_table(noise: dict[tuple[str, str], dict[int, dict[float, float]]]) -> 
             csv_row += [round(100 * mean, 4), round(100 * float(np.std(vals)), 4)] if vals else ["", ""]
         rows.append(row)
         csv_rows.append(csv_row + [len(seeds)])
-    return Table(
-        "Table 5: dev score under Gaussian embedding noise (fraction of the mean embedding norm)",
-        header,
-        rows,
-        csv_header,
-        csv_rows,
-    )
+    return Table(NOISE_TITLES.get(scale, f"Table 5 ({scale} noise)"), header, rows, csv_header, csv_rows)
 
 
 def cross_domain_table(cross: dict[str, dict[tuple[str, str, str], float]]) -> Table:
-    """Table 6: binary accuracy of each source task's model on each target dev set."""
+    """Table 6: per variant, rows trained on, columns evaluated on (each task's main dev split)."""
     order = {t: i for i, t in enumerate(CROSS_DOMAIN_TASKS)}
-    pairs = sorted(
-        {k for v in cross.values() for k in v}, key=lambda k: (order.get(k[0], 9), order.get(k[1], 9), k[2])
-    )
-    names = [f"{get_task(s).name.upper()}→{split_label(get_task(t), sp)}" for s, t, sp in pairs]
-    header, csv_header = ["Model"] + names, ["variant"] + names
+    tasks = sorted({k[0] for v in cross.values() for k in v} | {k[1] for v in cross.values() for k in v},
+                   key=lambda t: (order.get(t, 9), t))  # fmt: skip
+    main = {t: get_task(t).main_split for t in tasks}
+    names = [split_label(get_task(t), main[t]) for t in tasks]
+    header = ["Model", "Trained on"] + names
+    csv_header = ["variant", "trained_on"] + [f"{n} accuracy" for n in names]
     rows, csv_rows = [], []
     for variant in sorted(cross, key=variant_key):
-        vals = [cross[variant].get(p, float("nan")) for p in pairs]
-        rows.append([variant] + [_pct(v) for v in vals])
-        csv_rows.append([variant] + [round(100 * v, 4) if not math.isnan(v) else "" for v in vals])
+        sources = sorted({k[0] for k in cross[variant]}, key=lambda t: (order.get(t, 9), t))
+        for source in sources:
+            vals = [cross[variant].get((source, t, main[t]), float("nan")) for t in tasks]
+            cells = [f"**{_pct(v)}**" if t == source else _pct(v) for t, v in zip(tasks, vals)]
+            rows.append([variant_label(variant), split_label(get_task(source), main[source]), *cells])
+            csv_rows.append([variant, source, *[_csv(v) for v in vals]])
     return Table(
-        "Table 6: cross-domain accuracy (fine-tuned on → evaluated on; binary label mapping)",
+        "Table 6: cross-domain accuracy (rows: fine-tuned on; columns: evaluated on)",
         header,
         rows,
         csv_header,
         csv_rows,
+        "Diagonal (bold): the task's own labels (MNLI 3-way). Off the diagonal, the model's classes and the "
+        "target's labels are mapped to one binary question, entailment/duplicate/equivalent or not (ours).",
     )
 
 
-def plot_noise(noise: dict[tuple[str, str], dict[int, dict[float, float]]], path: Path) -> Path:
-    """One panel per task: score vs noise level, a line per variant, error bars over noise seeds."""
-    import matplotlib
+def build_report(
+    collected: Collected,
+    out_dir: Path,
+    stsb_metric: str = "pearson",
+    pretrain_runs: dict[str, Path] | None = None,
+    timing_batch_size: int | None = 16,
+    baseline: str = "standard",
+) -> dict[str, Table]:
+    """Write every table and figure that has data: ``table1_glue``, ``table2_squad``, ``table5_noise``
+    (+ ``_relative``, with their plots), ``table6_cross_domain``, ``figure2_pretrain_loss`` (from
+    ``pretrain_runs``: name -> run folder) and ``figure3_finetune_time``."""
+    from swbert.finetune import figures
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tasks = sorted({t for _, t in noise})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.5), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
-        for variant in sorted({v for v, t in noise if t == task}, key=variant_key):
-            seeds = noise[(variant, task)]
-            levels = sorted({lvl for c in seeds.values() for lvl in c})
-            vals = [[c[lvl] for c in seeds.values() if lvl in c] for lvl in levels]
-            ax.errorbar(
-                [100 * lvl for lvl in levels],
-                [100 * np.mean(v) for v in vals],
-                yerr=[100 * np.std(v) for v in vals],
-                label=variant,
-                marker="o",
-                capsize=3,
-            )
-        t = get_task(task)
-        ax.set(
-            title=split_label(t, t.main_split),
-            xlabel="noise (% of mean embedding norm)",
-            ylabel="dev score (%)",
-        )
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
-    return path
-
-
-def build_report(collected: Collected, out_dir: Path) -> dict[str, Table]:
-    """Write every table that has data (``table1_glue``, ``table2_squad``, ``table5_noise``, ``table6_cross_domain``)."""
     tables: dict[str, Table] = {}
     if collected.glue:
         tasks = {t.task for t in collected.glue}
         tables["table1_glue"] = glue_table(
             summarize(
                 collected.glue, {n: get_task(n).main_split for n in tasks}, dict.fromkeys(tasks, "score")
-            )
+            ),
+            stsb_metric,
         )
-    if collected.squad:
+    if any(t.task.startswith("squad") for t in collected.squad):
         tasks = {t.task for t in collected.squad}
         tables["table2_squad"] = squad_table(
             summarize(collected.squad, dict.fromkeys(tasks, "validation"), dict.fromkeys(tasks, "f1"))
         )
-    if collected.noise:
-        tables["table5_noise"] = noise_table(collected.noise)
-        plot_noise(collected.noise, out_dir / "table5_noise.png")
+    for scale, stem in NOISE_TABLES.items():
+        if any(k[2] == scale for k in collected.noise):
+            tables[stem] = noise_table(collected.noise, scale)
+            figures.plot_noise(collected.noise, scale, out_dir / f"{stem}.png")
     if collected.cross:
         tables["table6_cross_domain"] = cross_domain_table(collected.cross)
+    timings = [t for t in collected.timings if timing_batch_size is None or t.batch_size == timing_batch_size]
+    if timings:
+        tables["figure3_finetune_time"] = figures.timing_table(timings, baseline, timing_batch_size)
+        figures.plot_timing(timings, baseline, out_dir / "figure3_finetune_time.png")
+    elif collected.timings:
+        log.info("no trial at batch size %s: Figure 3 left out (--timing-batch-size)", timing_batch_size)
+    if pretrain_runs:
+        figures.pretraining_figure(pretrain_runs, out_dir)
     for stem, table in tables.items():
         table.write(out_dir, stem)
     return tables

@@ -1,7 +1,8 @@
-"""From trials (one fine-tuning run each) to the numbers the paper reports.
+"""From trials (one fine-tuning run each) to one number per variant and task.
 
-For each variant and task: the median over seeds of every metric, at the learning rate whose median
-selection score on the main dev split is best. The launchers print this at the end of a sweep and the
+For each variant and task: the median over seeds of every metric, at the learning-rate setting whose
+median selection score on the main dev split is best. This is our aggregation, not the paper's (it does
+not say how it combines seeds; docs/paper.md). The launchers print this at the end of a sweep and the
 report command computes it again from MLflow, with the same function.
 """
 
@@ -27,6 +28,13 @@ class Trial:
     """split -> metric -> value (GLUE: fractions; SQuAD: percent, as the official scripts)."""
     model_dir: str = ""
     """Where the fine-tuned model was saved ("" when it was not kept)."""
+    later_lrs: tuple[float, ...] = ()
+    """A stepped plan's later learning rates (each stage continuing from the best weights so far);
+    () for a run at one learning rate."""
+
+    @property
+    def lr_setting(self) -> tuple[float, ...]:
+        return (self.learning_rate, *self.later_lrs)
 
 
 @dataclass
@@ -39,8 +47,15 @@ class Summary:
     """split -> metric -> median over seeds."""
     median_trial: Trial
     """The trial whose selection score is nearest the median (the one kept for noise/cross-domain)."""
-    per_lr: dict[float, float] = field(default_factory=dict)
-    """Learning rate -> median selection score (to show the grid)."""
+    per_lr: dict[tuple[float, ...], float] = field(default_factory=dict)
+    """Learning-rate setting (one rate, or a stepped sequence) -> median selection score."""
+    later_lrs: tuple[float, ...] = ()
+    """The chosen setting's later rates when it is a stepped plan."""
+
+    @property
+    def lr_label(self) -> str:
+        """``2e-05``, or ``0.0001>2e-05>2e-06`` for a stepped plan."""
+        return ">".join(f"{lr:g}" for lr in (self.learning_rate, *self.later_lrs))
 
 
 def nest_metrics(flat: dict[str, float]) -> dict[str, dict[str, float]]:
@@ -68,14 +83,18 @@ def _nanmedian(values: list[float]) -> float:
 def summarize(
     trials: list[Trial], main_split: dict[str, str], select_metric: dict[str, str]
 ) -> list[Summary]:
-    """Median over seeds at the best learning rate, per (variant, task).
+    """Median over seeds at the best learning-rate setting, per (variant, task). This aggregation is
+    ours: the paper does not say how it combines seeds (docs/paper.md).
 
-    ``main_split[task]`` and ``select_metric[task]`` name the split and metric that pick the learning
-    rate (GLUE: the task score on the matched/only dev split; SQuAD: F1).
+    ``main_split[task]`` and ``select_metric[task]`` name the split and metric that pick the setting
+    (GLUE: the task score on the matched/only dev split; SQuAD: F1). A setting is one learning rate, or
+    a stepped plan's sequence of rates.
     """
-    groups: dict[tuple[str, str], dict[float, list[Trial]]] = defaultdict(lambda: defaultdict(list))
+    groups: dict[tuple[str, str], dict[tuple[float, ...], list[Trial]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
     for t in trials:
-        groups[(t.variant, t.task)][t.learning_rate].append(t)
+        groups[(t.variant, t.task)][t.lr_setting].append(t)
     out = []
     for (variant, task), by_lr in groups.items():
         split, metric = main_split[task], select_metric[task]
@@ -84,17 +103,23 @@ def summarize(
             return t.metrics.get(split, {}).get(metric, float("nan"))
 
         per_lr = {lr: _nanmedian([score(t) for t in ts]) for lr, ts in by_lr.items()}
-        best_lr = max(per_lr, key=lambda lr: (-math.inf if math.isnan(per_lr[lr]) else per_lr[lr], -lr))
-        chosen = sorted(by_lr[best_lr], key=lambda t: t.seed)
+        # ties: the smaller rates (as before for single rates)
+        best = max(
+            per_lr,
+            key=lambda k: (-math.inf if math.isnan(per_lr[k]) else per_lr[k], tuple(-x for x in k)),
+        )
+        chosen = sorted(by_lr[best], key=lambda t: t.seed)
         median: dict[str, dict[str, float]] = {}
         for sp in sorted({s for t in chosen for s in t.metrics}):
             names = sorted({m for t in chosen for m in t.metrics.get(sp, {})})
             median[sp] = {
                 m: _nanmedian([t.metrics.get(sp, {}).get(m, float("nan")) for t in chosen]) for m in names
             }
-        target = per_lr[best_lr]
+        target = per_lr[best]
         nearest = min(
             chosen, key=lambda t: (abs(score(t) - target) if not math.isnan(score(t)) else math.inf, t.seed)
         )
-        out.append(Summary(variant, task, best_lr, [t.seed for t in chosen], median, nearest, per_lr))
+        out.append(
+            Summary(variant, task, best[0], [t.seed for t in chosen], median, nearest, per_lr, best[1:])
+        )
     return sorted(out, key=lambda s: (s.variant, s.task))

@@ -1,12 +1,16 @@
-"""SQuAD v1.1 / v2.0 fine-tuning sweeps (the paper's Table 2).
+"""SQuAD v1.1 / v2.0 fine-tuning sweeps (the paper's Table 2), with its "single + TriviaQA" rows.
 
 Same loop and bookkeeping as GLUE (:mod:`swbert.finetune.glue`): every (checkpoint, version, learning
-rate, seed) is one MLflow child run; the reported number is the median over seeds at the best
-learning rate by dev F1. Scores are the official scripts' (percent).
+rate setting, seed) is one MLflow child run; the reported number is the median over seeds at the best
+setting by dev F1 (our aggregation). Scores are the official scripts' (percent). The defaults are the
+paper's appendix for SQuAD (docs/paper.md). With ``--triviaqa`` each checkpoint is first fine-tuned on
+TriviaQA (:mod:`swbert.finetune.triviaqa`) and the kept model is fine-tuned on SQuAD as a second row,
+``NAME+triviaqa``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,10 +39,12 @@ from swbert.finetune.squad_post import decode_spans
 from swbert.finetune.sweep import SweepConfig, TrialSpec, run_trial
 from swbert.finetune.tracking import Tracker
 from swbert.finetune.trainer import move, progress_bar
+from swbert.finetune.triviaqa import load_triviaqa_hub, read_triviaqa_json
 
 log = logging.getLogger(__name__)
 
 SPLIT = "validation"
+TRIVIAQA = "triviaqa"  # its task name in MLflow and the suffix of the variants fine-tuned on it first
 
 
 def task_name(version: str) -> str:
@@ -49,6 +55,9 @@ def task_name(version: str) -> str:
 class SquadSweep(SweepConfig):
     """Everything one ``finetune_squad.py`` invocation does (its flags; see `SweepConfig` for the rest)."""
 
+    epochs: int = 5  # the appendix's SQuAD epochs (per stage with --lr-plan stepped)
+    attention_dropout: float = 0.05  # the appendix's SQuAD attention dropout
+    hidden_dropout: float | None = 0.2  # the appendix's SQuAD "dropout", read as hidden_dropout_prob
     # SQuAD versions to run
     versions: list[Literal["1.1", "2.0"]] = field(
         default_factory=lambda: ["1.1", "2.0"], metadata={"aliases": ("version",)}
@@ -61,11 +70,29 @@ class SquadSweep(SweepConfig):
     n_best: int = 20  # start/end candidates per window in span decoding
     max_answer_length: int = 30  # longest answer span, in tokens
     null_threshold: float = 0.0  # v2.0: answer nothing when the no-answer score beats the best span by this
+    # also Table 2's "single + TriviaQA" rows: fine-tune each checkpoint on TriviaQA first (same flags),
+    # then on SQuAD from the kept TriviaQA model, as a row named NAME+triviaqa
+    triviaqa: bool = False
+    # TriviaQA train/dev: the official RC JSON (qa/wikipedia-train.json ...) or a SQuAD-format JSON;
+    # without them, the Hub's mandarjoshi/trivia_qa (--triviaqa-hub-config)
+    triviaqa_train_file: Path | None = None
+    triviaqa_dev_file: Path | None = None  # TriviaQA dev, the same forms: picks the TriviaQA model kept
+    triviaqa_evidence_dir: Path | None = None  # the release's evidence/ (default: beside its qa/)
+    triviaqa_hub_config: str = "rc.wikipedia"  # configuration of mandarjoshi/trivia_qa
+    triviaqa_context_words: int = 400  # each evidence document's first N words are a context (ours)
 
     def check(self) -> None:
         super().check()
         self.train_files()
         self.dev_files()
+        for flag, path in [
+            ("--triviaqa-train-file", self.triviaqa_train_file),
+            ("--triviaqa-dev-file", self.triviaqa_dev_file),
+        ]:
+            if path is not None and not path.is_file():
+                raise ValueError(f"{flag} {path}: not found")
+        if self.triviaqa_context_words <= 0:
+            raise ValueError(f"--triviaqa-context-words {self.triviaqa_context_words} must be positive")
 
     def train_files(self) -> dict[str, Path]:
         return _version_files("--train-file", self.train_file, self.versions)
@@ -138,11 +165,14 @@ def squad_trial(
     train_set: EncodedDataset,
     dev_ex: list[SquadExample],
     dev_feats: SquadEvalFeatures,
-    lr: float,
+    lrs: tuple[float, ...],
     seed: int,
     tracker: Tracker,
+    name: str | None = None,
 ) -> Trial:
-    """Fine-tune one (checkpoint, version, learning rate, seed) and log it as a child run."""
+    """Fine-tune one (checkpoint, version, learning-rate setting, seed) and log it as a child run.
+
+    ``name`` is the task's name in MLflow (default ``squad<version>``; TriviaQA's is ``triviaqa``)."""
     collate = pad_collate(tokenizer.pad_token_id)
     params = {
         "max_seq_length": sweep.max_seq_length,
@@ -159,7 +189,7 @@ def squad_trial(
         dropout["hidden_dropout_prob"] = sweep.hidden_dropout
     return run_trial(
         sweep,
-        TrialSpec(ckpt, task_name(version), lr, seed, "squad_trial", params),
+        TrialSpec(ckpt, name or task_name(version), lrs, seed, "squad_trial", params),
         tracker,
         build_model=lambda: SWBertForQuestionAnswering.from_pretrained(ckpt.path, **dropout),
         train_set=train_set,
@@ -170,40 +200,89 @@ def squad_trial(
     )
 
 
+def qa_trials(
+    sweep: SquadSweep,
+    ckpt: Checkpoint,
+    name: str,
+    version: str,
+    train_ex: list[SquadExample],
+    dev_ex: list[SquadExample],
+    tracker: Tracker,
+    bar,
+) -> tuple[list[Trial], Summary]:
+    """Every (learning-rate setting, seed) of one checkpoint on one span-extraction task, and its summary;
+    with ``--keep median`` only the median seed's model stays on disk."""
+    tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer)
+    token_types = uses_token_types(ckpt.config)
+    train_set = encode_squad_train(train_ex, tokenizer, sweep.max_seq_length, sweep.doc_stride, token_types)
+    dev_feats = encode_squad_eval(dev_ex, tokenizer, sweep.max_seq_length, sweep.doc_stride, token_types)
+    trials = []
+    for lrs in sweep.lr_settings():
+        for seed in sweep.seeds:
+            trials.append(
+                squad_trial(
+                    sweep, ckpt, version, tokenizer, train_set, dev_ex, dev_feats, lrs, seed, tracker, name
+                )
+            )
+            bar.update(1)
+    (summary,) = squad_summaries(trials)
+    log.info("%s %s: lr %s, median %s", ckpt.name, name, summary.lr_label, summary.median)
+    if sweep.keep == "median" and ParallelDims.from_env().is_main:
+        prune_models(trials, summary.median_trial)
+    return trials, summary
+
+
+def load_triviaqa(sweep: SquadSweep, split: Literal["train", "validation"]) -> list[SquadExample]:
+    path = sweep.triviaqa_train_file if split == "train" else sweep.triviaqa_dev_file
+    if path is not None:
+        return read_triviaqa_json(path, sweep.triviaqa_evidence_dir, sweep.triviaqa_context_words)
+    return load_triviaqa_hub(split, sweep.triviaqa_hub_config, sweep.triviaqa_context_words)
+
+
+def triviaqa_first(
+    sweep: SquadSweep, ckpt: Checkpoint, data: tuple[list, list], tracker: Tracker, bar
+) -> tuple[list[Trial], Checkpoint]:
+    """Fine-tune ``ckpt`` on TriviaQA with the sweep's flags; the median seed's model at the best setting
+    (kept whatever --keep says: SQuAD starts from it) becomes the checkpoint ``NAME+triviaqa``."""
+    stage = dataclasses.replace(sweep, keep="median")
+    trials, summary = qa_trials(stage, ckpt, TRIVIAQA, "1.1", data[0], data[1], tracker, bar)
+    return trials, Checkpoint(f"{ckpt.name}+{TRIVIAQA}", Path(summary.median_trial.model_dir))
+
+
 def run_squad(sweep: SquadSweep, tracker: Tracker) -> tuple[list[Trial], list[Summary]]:
-    """The whole sweep; returns every trial and the per-(variant, version) summaries."""
+    """The whole sweep; returns every trial and the per-(variant, version) summaries. With --triviaqa,
+    each checkpoint also yields a ``NAME+triviaqa`` variant (TriviaQA first, then SQuAD)."""
     sweep.check()
     checkpoints, train_files, dev_files = sweep.checkpoints(), sweep.train_files(), sweep.dev_files()
     trials: list[Trial] = []
-    runs = len(checkpoints) * len(sweep.versions) * len(sweep.learning_rates) * len(sweep.seeds)
+    per_ckpt = len(sweep.versions) * (2 if sweep.triviaqa else 1) + (1 if sweep.triviaqa else 0)
+    runs = len(checkpoints) * per_ckpt * len(sweep.lr_settings()) * len(sweep.seeds)
     bar = progress_bar(runs, "SQuAD sweep", unit="run")
+    squad = {
+        v: (
+            load_squad(v, "train", train_files.get(v))[: sweep.max_train_samples],
+            load_squad(v, "validation", dev_files.get(v))[: sweep.max_eval_samples],
+        )
+        for v in sweep.versions
+    }
+    trivia = None
+    if sweep.triviaqa:
+        trivia = (
+            load_triviaqa(sweep, "train")[: sweep.max_train_samples],
+            load_triviaqa(sweep, "validation")[: sweep.max_eval_samples],
+        )
     for ckpt in checkpoints:
-        tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer)
-        token_types = uses_token_types(ckpt.config)
-        for version in sweep.versions:
-            train_ex = load_squad(version, "train", train_files.get(version))[: sweep.max_train_samples]
-            dev_ex = load_squad(version, "validation", dev_files.get(version))[: sweep.max_eval_samples]
-            train_set = encode_squad_train(
-                train_ex, tokenizer, sweep.max_seq_length, sweep.doc_stride, token_types
-            )
-            dev_feats = encode_squad_eval(
-                dev_ex, tokenizer, sweep.max_seq_length, sweep.doc_stride, token_types
-            )
-            name = task_name(version)
-            version_trials = []
-            for lr in sweep.learning_rates:
-                for seed in sweep.seeds:
-                    version_trials.append(
-                        squad_trial(
-                            sweep, ckpt, version, tokenizer, train_set, dev_ex, dev_feats, lr, seed, tracker
-                        )
-                    )
-                    bar.update(1)
-            trials += version_trials
-            (summary,) = squad_summaries(version_trials)
-            log.info("%s %s: lr %g, median %s", ckpt.name, name, summary.learning_rate, summary.median)
-            if sweep.keep == "median" and ParallelDims.from_env().is_main:
-                prune_models(version_trials, summary.median_trial)
+        variants = [ckpt]
+        if trivia is not None:
+            first, adapted = triviaqa_first(sweep, ckpt, trivia, tracker, bar)
+            trials += first
+            variants.append(adapted)
+        for variant in variants:
+            for version, (train_ex, dev_ex) in squad.items():
+                version_trials, _ = qa_trials(
+                    sweep, variant, task_name(version), version, train_ex, dev_ex, tracker, bar
+                )
+                trials += version_trials
     bar.close()
     return trials, squad_summaries(trials)
 

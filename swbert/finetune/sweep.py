@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from torch import nn
 
 from swbert.dist import ParallelDims
 from swbert.finetune.checkpoint import Checkpoint, parse_checkpoints, save_finetuned
+from swbert.finetune.metrics import selection_value
 from swbert.finetune.results import Trial, nest_metrics
 from swbert.finetune.tracking import DEFAULT_EXPERIMENT, Tracker, tracking_uri
 from swbert.finetune.trainer import FinetuneConfig, fit, set_seed
@@ -35,15 +37,22 @@ class SweepConfig:
     checkpoint: list[str]
     output_dir: Path  # fine-tuned models, the resolved config and (by default) mlflow.db
     tokenizer: Path | None = None  # tokenizer folder, when not the checkpoint's own
-    learning_rates: list[float] = field(default_factory=lambda: [1e-4])  # grid; the best median over seeds
-    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])  # one run per seed; the median is reported
-    epochs: int = 3  # passes over the training set per run
+    # the paper's appendix: "initial" 1e-4, "subsequently" 2e-5 and 2e-6 (paraphrase); --lr-plan says how
+    learning_rates: list[float] = field(default_factory=lambda: [1e-4, 2e-5, 2e-6])
+    # stepped: each seed runs through --learning-rates in order, every stage continuing from the best dev
+    # weights so far (the appendix's "subsequently", read as a sequence); grid: one independent run per
+    # rate, and the rate with the best median over seeds is reported (our reading of it as alternatives)
+    lr_plan: Literal["stepped", "grid"] = "stepped"
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])  # one run per seed (how many: ours)
+    epochs: int = 3  # passes over the training set per run (per stage with --lr-plan stepped)
     batch_size: int = 32  # global batch size (split over GPUs)
     eval_batch_size: int = 128  # sequences per evaluation batch
-    weight_decay: float = 0.1  # AdamW weight decay (not on biases, norms and 1-D scales)
-    warmup_ratio: float = 0.1  # fraction of steps with linear warm-up
-    max_grad_norm: float = 1.0  # gradient clipping
-    patience: int = 0  # stop after N epochs without a better dev score (0: never)
+    weight_decay: float = 0.1  # AdamW weight decay, the appendix's (not on biases, norms, 1-D scales)
+    # fraction of a run's steps with linear warm-up, then linear decay (ours: the appendix gives no
+    # schedule); a stepped plan warms up in its first stage only: the later ones continue a tuned model
+    warmup_ratio: float = 0.1
+    max_grad_norm: float = 1.0  # gradient clipping (ours)
+    patience: int = 0  # stop after N epochs without a better dev score (0: never; per stage when stepped)
     max_steps: int | None = None  # cap on optimiser steps per run (smoke tests)
     attention_dropout: float = 0.1  # attention_probs_dropout_prob during fine-tuning
     hidden_dropout: float | None = None  # hidden_dropout_prob during fine-tuning (default: the checkpoint's)
@@ -55,9 +64,8 @@ class SweepConfig:
     # DeepSpeed JSON (a path or a ds_configs/ name, stages 0-2), used with a world size > 1
     deepspeed: str | None = None
     experiment: str = DEFAULT_EXPERIMENT  # MLflow experiment name
-    tracking_uri: str | None = (
-        None  # MLflow store (default: $MLFLOW_TRACKING_URI, else <output-dir>/mlflow.db)
-    )
+    # MLflow store (default: $MLFLOW_TRACKING_URI, else <output-dir>/mlflow.db)
+    tracking_uri: str | None = None
     run_name: str | None = None  # name of the parent MLflow run (default: launcher and time)
 
     def check(self) -> None:
@@ -71,15 +79,24 @@ class SweepConfig:
         """The `--checkpoint` folders, checked and named."""
         return parse_checkpoints(self.checkpoint)
 
-    def finetune_config(self, learning_rate: float | None = None, seed: int = 0) -> FinetuneConfig:
-        """The hyper-parameters of one run of this sweep."""
+    def lr_settings(self) -> list[tuple[float, ...]]:
+        """What each seed is run with: one setting per learning rate (grid), or the whole sequence of
+        rates as one setting, a stage each (stepped)."""
+        if self.lr_plan == "stepped":
+            return [tuple(self.learning_rates)]
+        return [(lr,) for lr in self.learning_rates]
+
+    def finetune_config(
+        self, learning_rate: float | None = None, seed: int = 0, stage: int = 0
+    ) -> FinetuneConfig:
+        """The hyper-parameters of one run (or one stage of a stepped run) of this sweep."""
         return FinetuneConfig(
             learning_rate=self.learning_rates[0] if learning_rate is None else learning_rate,
             weight_decay=self.weight_decay,
             epochs=self.epochs,
             batch_size=self.batch_size,
             eval_batch_size=self.eval_batch_size,
-            warmup_ratio=self.warmup_ratio,
+            warmup_ratio=self.warmup_ratio if stage == 0 else 0.0,
             max_grad_norm=self.max_grad_norm,
             seed=seed,
             patience=self.patience,
@@ -138,20 +155,95 @@ def open_tracker(sweep: SweepConfig) -> Tracker:
     return Tracker(uri, sweep.experiment, enabled=info.is_main)
 
 
+def lr_label(lrs: tuple[float, ...] | list[float]) -> str:
+    """``0.0001`` for one rate, ``0.0001>2e-05>2e-06`` for a stepped sequence (run names, tables)."""
+    return ">".join(f"{lr:g}" for lr in lrs)
+
+
 @dataclass(frozen=True)
 class TrialSpec:
-    """One (checkpoint, task, learning rate, seed) of a sweep, and how its MLflow run is labelled."""
+    """One (checkpoint, task, learning-rate setting, seed) of a sweep, and how its MLflow run is labelled."""
 
     ckpt: Checkpoint
     task: str
-    lr: float
+    lrs: tuple[float, ...]  # one rate, or a stepped plan's rates in the order its stages run
     seed: int
     kind: str  # the MLflow tag swbert.kind: glue_trial, squad_trial
     params: dict[str, Any]  # logged besides the hyper-parameters
 
     @property
+    def lr(self) -> float:
+        return self.lrs[0]
+
+    @property
     def name(self) -> str:
-        return f"{self.ckpt.name}/{self.task}/lr{self.lr:g}/seed{self.seed}"
+        return f"{self.ckpt.name}/{self.task}/lr{lr_label(self.lrs)}/seed{self.seed}"
+
+    @property
+    def folder(self) -> str:
+        """The fine-tuned model's folder under <output-dir>/<checkpoint>/<task>/."""
+        return f"lr{'-'.join(f'{lr:g}' for lr in self.lrs)}-seed{self.seed}"
+
+
+@dataclass
+class StagedResult:
+    """A trial's outcome over its stages (one stage unless the plan is stepped)."""
+
+    best_metrics: dict[str, float]
+    best_stage: int
+    best_epoch: int  # counted over every stage's epochs
+    train_seconds: float = 0.0
+    eval_seconds: float = 0.0
+    steps: int = 0
+    epochs_trained: float = 0.0
+
+
+def fit_stages(
+    sweep: SweepConfig,
+    spec: TrialSpec,
+    model: nn.Module,
+    train_set: Any,
+    collate: Callable,
+    evaluate: Callable[[nn.Module], dict[str, float]],
+    select: str,
+    log_metrics: Callable[[dict[str, float], int], None],
+) -> StagedResult:
+    """Fit ``model`` at each of ``spec.lrs`` in turn. Every stage starts from the best dev weights seen
+    so far (a stage that never beats the previous best hands those weights on); on return the model
+    holds the best weights of all stages. Logged steps continue across stages."""
+    out = StagedResult({}, -1, -1)
+    best_value, best_state, epochs_before = -math.inf, None, 0
+    for stage, lr in enumerate(spec.lrs):
+        cfg = sweep.finetune_config(lr, spec.seed, stage)
+        offset = out.steps
+        result = fit(
+            model,
+            train_set,
+            collate,
+            evaluate=evaluate,
+            select=select,
+            cfg=cfg,
+            log_metrics=lambda m, step, offset=offset: log_metrics(m, step + offset),
+            desc=spec.name.replace("/", " ") + (f" stage {stage + 1}/{len(spec.lrs)}" if stage else ""),
+        )
+        out.steps += result.steps
+        out.train_seconds += result.train_seconds
+        out.eval_seconds += result.eval_seconds
+        out.epochs_trained += result.epochs_trained
+        value = selection_value(result.best_metrics.get(select, float("nan")))
+        if best_state is None or value > best_value:
+            best_value, out.best_stage = value, stage
+            out.best_metrics = {k: v for k, v in result.best_metrics.items() if k != "epoch"}
+            out.best_epoch = epochs_before + result.best_epoch
+            if stage + 1 < len(spec.lrs):  # a later stage may do worse: keep these weights to go back to
+                best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            else:
+                best_state = None
+        elif best_state is not None:
+            model.load_state_dict(best_state)  # the next stage (or the caller) gets the best weights
+        epochs_before += len(result.history)
+        log.info("%s: stage %d at lr %g, best %s=%.4f", spec.name, stage, lr, select, best_value)
+    return out
 
 
 def run_trial(
@@ -165,35 +257,47 @@ def run_trial(
     select: str,
     tokenizer: Any,
 ) -> Trial:
-    """Fine-tune one trial as a child run: fit (best dev epoch kept), log the best metrics, save the
-    model (unless --keep none). `build_model` runs after seeding: the new head's init depends on it."""
+    """Fine-tune one trial as a child run: fit (best dev epoch kept; every stage of a stepped plan), log
+    the best metrics and the time spent training, save the model (unless --keep none). `build_model`
+    runs after seeding: the new head's init depends on it."""
     from swbert.finetune.tracking import CHECKPOINT, KIND, TASK, VARIANT
 
-    cfg = sweep.finetune_config(spec.lr, spec.seed)
     tags = {KIND: spec.kind, VARIANT: spec.ckpt.name, TASK: spec.task, CHECKPOINT: str(spec.ckpt.path)}
-    params = {**dataclasses.asdict(cfg), **spec.params}
+    params = {
+        **dataclasses.asdict(sweep.finetune_config(spec.lr, spec.seed)),
+        "lr_plan": sweep.lr_plan if len(spec.lrs) > 1 else "single",
+        "later_learning_rates": " ".join(f"{lr:g}" for lr in spec.lrs[1:]),
+        "attention_type": getattr(spec.ckpt.config, "attention_type", ""),
+        **spec.params,
+    }
     with tracker.run(spec.name, tags, params) as run_id:
         set_seed(spec.seed)
         model = build_model()
-        result = fit(
+        result = fit_stages(
+            sweep,
+            spec,
             model,
             train_set,
             collate,
-            evaluate=evaluate,
-            select=select,
-            cfg=cfg,
-            log_metrics=lambda m, step: tracker.log(run_id, m, step),
-            desc=spec.name.replace("/", " "),
+            evaluate,
+            select,
+            lambda m, step: tracker.log(run_id, m, step),
         )
-        best = {k: v for k, v in result.best_metrics.items() if k != "epoch"}
+        best = result.best_metrics
         summary = {
             "best_epoch": result.best_epoch,
-            "train_seconds": result.train_seconds,
+            "best_stage": result.best_stage,
+            "train_seconds": result.train_seconds,  # training steps only, evaluations excluded
+            "eval_seconds": result.eval_seconds,
+            "epochs_trained": result.epochs_trained,
+            "seconds_per_epoch": result.train_seconds / max(result.epochs_trained, 1e-9),
             "steps": result.steps,
         }
         tracker.log(run_id, {f"best/{k}": v for k, v in best.items()} | summary)
         model_dir = ""
         if sweep.keep != "none":
-            model_dir = str(sweep.output_dir / spec.ckpt.name / spec.task / f"lr{spec.lr:g}-seed{spec.seed}")
+            model_dir = str(sweep.output_dir / spec.ckpt.name / spec.task / spec.folder)
             save_finetuned(model, tokenizer, model_dir)
-    return Trial(spec.ckpt.name, spec.task, spec.lr, spec.seed, nest_metrics(best), model_dir)
+    return Trial(
+        spec.ckpt.name, spec.task, spec.lr, spec.seed, nest_metrics(best), model_dir, tuple(spec.lrs[1:])
+    )

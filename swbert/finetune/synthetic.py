@@ -133,3 +133,32 @@ def write_squad_fixture(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"version": f"v{version}", "data": articles}), encoding="utf-8")
     return path
+
+
+def write_triviaqa_fixture(root: str | Path, split: str = "train", n: int = 32, seed: int = 0) -> Path:
+    """TriviaQA's RC release layout under ``root``: ``qa/wikipedia-<split>.json`` naming evidence files in
+    ``evidence/wikipedia/``. "where is key ?" is answered by the marker after "key"; each question has one
+    document holding the answer (in a different case, as an alias) and one that does not, which the
+    conversion to SQuAD's form drops."""
+    rng = random.Random(seed)
+    root = Path(root)
+    evidence = root / "evidence" / "wikipedia"
+    evidence.mkdir(parents=True, exist_ok=True)
+    items = []
+    for i in range(n):
+        target = rng.choice(MARKERS)
+        words = [rng.choice(FILLER) for _ in range(30)]
+        pos = rng.randrange(len(words) - 1)
+        words[pos : pos + 2] = ["key", target.capitalize()]
+        pages = []
+        for j, text in enumerate([" ".join(words), " ".join(rng.choice(FILLER) for _ in range(30))]):
+            name = f"{split}_{i}_{j}.txt"
+            (evidence / name).write_text(text, encoding="utf-8")
+            pages.append({"DocSource": "TagMe", "Filename": name, "Title": name})
+        answer = {"Value": target, "Aliases": [target, target.upper()], "Type": "WikipediaEntity"}
+        items.append({"Question": "where is key ?", "QuestionId": f"tq{split}{i}", "Answer": answer,
+                      "EntityPages": pages, "SearchResults": []})  # fmt: skip
+    path = root / "qa" / f"wikipedia-{split}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"Data": items, "Domain": "Wikipedia", "Version": 1.0}), encoding="utf-8")
+    return path

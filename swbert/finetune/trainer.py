@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class FinetuneConfig:
-    """The hyper-parameters of one fine-tuning run (defaults: the paper's appendix where it gives them)."""
+    """The hyper-parameters of one fine-tuning run. The sweeps set every field (their flags say where each
+    default comes from); these defaults are GLUE's appendix values for the rate, decay and epochs, the
+    rest ours."""
 
     learning_rate: float = 1e-4
     weight_decay: float = 0.1
@@ -61,7 +63,17 @@ class FitResult:
     best_epoch: int
     history: list[dict[str, float]] = field(default_factory=list)
     steps: int = 0
+    steps_per_epoch: int = 0
+    """Optimiser steps in one full pass over the training set (on this rank's share of it)."""
     train_seconds: float = 0.0
+    """Wall time of the training steps only: the dev evaluations after each epoch are not in it, so
+    seconds per epoch compare fine-tuning cost across variants (the paper's Figure 3)."""
+    eval_seconds: float = 0.0
+
+    @property
+    def epochs_trained(self) -> float:
+        """Passes over the training set, fractional when --max-steps cut the last one."""
+        return self.steps / self.steps_per_epoch if self.steps_per_epoch else 0.0
 
 
 def barrier() -> None:
@@ -194,15 +206,15 @@ def fit(
         device.type, dtype=torch.bfloat16, enabled=engine is None and precision == "bf16"
     )
 
-    result = FitResult(best_metrics={}, best_epoch=-1)
+    result = FitResult(best_metrics={}, best_epoch=-1, steps_per_epoch=len(loader))
     best_value, best_state, stale, step = -math.inf, None, 0, 0
-    start = time.perf_counter()
     bar = progress_bar(total, desc, unit="step", leave=False)
     for epoch in range(cfg.epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)
         module.train()
         running, seen = 0.0, 0
+        started = time.perf_counter()
         for batch in loader:
             batch = move(batch, device)
             with autocast:
@@ -225,9 +237,14 @@ def fit(
                 running, seen = 0.0, 0
             if step >= total:
                 break
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the epoch's kernels belong to its training time
+        result.train_seconds += time.perf_counter() - started
+        started = time.perf_counter()
         module.eval()
         with torch.no_grad():
             metrics = evaluate(module)
+        result.eval_seconds += time.perf_counter() - started
         metrics["epoch"] = float(epoch)
         result.history.append(metrics)
         if log_metrics and info.is_main:
@@ -254,7 +271,9 @@ def fit(
             break
     bar.close()
     result.steps = step
-    result.train_seconds = time.perf_counter() - start
     if best_state is not None:
         module.load_state_dict(best_state)
+    if engine is not None:
+        # drop the engine's gradient hooks: a stepped learning-rate plan fits the same model again
+        engine.destroy()
     return result

@@ -1,0 +1,156 @@
+"""TriviaQA reading comprehension in SQuAD's form, for Table 2's "single + TriviaQA" rows.
+
+The paper fine-tunes on TriviaQA before SQuAD for those rows (as BERT did); how it prepared TriviaQA
+is not said in what we have of it, so the conversion here is ours, after BERT's description of its own
+TriviaQA step: each evidence document's first ``context_words`` words become a SQuAD context, kept only
+when an answer alias occurs in it; the earliest occurrence (case-insensitive, on word boundaries) is the
+training span, and every alias counts as a gold answer for EM/F1 (TriviaQA's own scoring also takes
+the maximum over aliases).
+
+Three sources give the same examples:
+
+* the official release's RC JSON (``qa/wikipedia-train.json``, ...: ``Data`` -> ``Question``,
+  ``QuestionId``, ``Answer.Aliases``/``Value``, ``EntityPages``/``SearchResults`` naming evidence files
+  under ``evidence/wikipedia/`` and ``evidence/web/``);
+* a file already in SQuAD's JSON format (top-level ``data``), read as SQuAD v1.1;
+* the Hub's ``mandarjoshi/trivia_qa`` (``rc.wikipedia`` and the other RC configs), whose rows carry
+  the evidence text inline (``entity_pages.wiki_context``, ``search_results.search_context``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from swbert.finetune.squad_data import SquadDataError, SquadExample, read_squad_json
+
+HUB_DATASET = "mandarjoshi/trivia_qa"
+DEFAULT_HUB_CONFIG = "rc.wikipedia"
+# evidence folder of each document list in the official release
+EVIDENCE_FOLDERS = {"EntityPages": "wikipedia", "SearchResults": "web"}
+
+
+def head_words(text: str, words: int) -> str:
+    """``text`` up to the end of its ``words``-th whitespace-separated word (all of it if shorter)."""
+    end = 0
+    for i, match in enumerate(re.finditer(r"\S+", text)):
+        if i == words:
+            break
+        end = match.end()
+    return text[:end]
+
+
+def find_answer(context: str, aliases: Iterable[str]) -> tuple[str, int] | None:
+    """The earliest occurrence of any alias in ``context`` (case-insensitive, not inside a word), as
+    (text as it appears in the context, character offset); the longest alias wins a tie."""
+    best: tuple[int, int, str] | None = None
+    for alias in {a.strip() for a in aliases if a and a.strip()}:
+        match = re.search(rf"(?<!\w){re.escape(alias)}(?!\w)", context, flags=re.IGNORECASE)
+        if match and (best is None or (match.start(), -len(alias)) < (best[0], -best[1])):
+            best = (match.start(), len(alias), match.group(0))
+    return None if best is None else (best[2], best[0])
+
+
+def to_examples(
+    qid: str, question: str, aliases: list[str], documents: Iterable[tuple[str, str]], context_words: int
+) -> list[SquadExample]:
+    """One SQuAD example per (question, document) whose head holds an answer; ``documents`` are
+    (name, text) pairs. The found span is the first answer (the training target); the aliases follow."""
+    out = []
+    for name, text in documents:
+        context = head_words(text, context_words)
+        found = find_answer(context, aliases)
+        if found is None:
+            continue
+        span, start = found
+        others = [a for a in dict.fromkeys(aliases) if a and a != span]
+        out.append(
+            SquadExample(f"{qid}--{name}", question, context, [span, *others], [start] + [-1] * len(others))
+        )
+    return out
+
+
+def read_triviaqa_json(
+    path: str | Path, evidence_dir: str | Path | None = None, context_words: int = 400
+) -> list[SquadExample]:
+    """Examples from an official TriviaQA RC file (or a file already in SQuAD's format).
+
+    ``evidence_dir`` holds ``wikipedia/`` and ``web/``; by default the release's layout is assumed:
+    ``<release>/qa/<file>.json`` next to ``<release>/evidence/``.
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise SquadDataError(f"{path}: not a readable TriviaQA JSON file ({e})") from e
+    if isinstance(data, dict) and "data" in data:
+        return read_squad_json(path)  # already converted
+    if not isinstance(data, dict) or "Data" not in data:
+        raise SquadDataError(
+            f"{path}: neither TriviaQA's RC format (a top-level 'Data' list) nor SQuAD's ('data')"
+        )
+    evidence = Path(evidence_dir) if evidence_dir else path.resolve().parent.parent / "evidence"
+    examples: list[SquadExample] = []
+    missing: list[str] = []
+    for item in data["Data"]:
+        answer = item.get("Answer")
+        if not answer:
+            raise SquadDataError(
+                f"{path}: question {item.get('QuestionId', '?')!r} has no Answer (the test set has none; "
+                "train on the train file and evaluate on the dev file)"
+            )
+        aliases = [answer.get("Value", ""), *answer.get("Aliases", [])]
+        documents = []
+        for key, folder in EVIDENCE_FOLDERS.items():
+            for doc in item.get(key, []):
+                file = evidence / folder / doc["Filename"]
+                if not file.is_file():
+                    missing.append(str(file))
+                    continue
+                documents.append((doc["Filename"], file.read_text(encoding="utf-8", errors="replace")))
+        examples += to_examples(item["QuestionId"], item["Question"], aliases, documents, context_words)
+    if missing and len(missing) == sum(len(i.get(k, [])) for i in data["Data"] for k in EVIDENCE_FOLDERS):
+        raise SquadDataError(
+            f"{path}: none of its evidence files is under {evidence} (e.g. {missing[0]}); pass "
+            "--triviaqa-evidence-dir, the release's evidence/ folder"
+        )
+    if not examples:
+        raise SquadDataError(
+            f"{path}: no question has an answer in the first {context_words} words of a document"
+        )
+    return examples
+
+
+def from_hub_rows(rows: Iterable[Mapping[str, Any]], context_words: int = 400) -> list[SquadExample]:
+    """Examples from rows of the Hub's ``mandarjoshi/trivia_qa`` (RC configs: evidence text inline)."""
+    out: list[SquadExample] = []
+    for row in rows:
+        answer = row["answer"]
+        aliases = [answer.get("value", ""), *answer.get("aliases", [])]
+        pages, results = row.get("entity_pages") or {}, row.get("search_results") or {}
+        documents = list(zip(pages.get("filename", []), pages.get("wiki_context", [])))
+        documents += list(zip(results.get("filename", []), results.get("search_context", [])))
+        out += to_examples(row["question_id"], row["question"], aliases, documents, context_words)
+    return out
+
+
+def load_triviaqa_hub(
+    split: str, config: str = DEFAULT_HUB_CONFIG, context_words: int = 400
+) -> list[SquadExample]:
+    """``mandarjoshi/trivia_qa`` (``split``: train or validation) from the Hub or the local cache."""
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(HUB_DATASET, config, split=split)
+    except Exception as e:
+        raise SquadDataError(
+            f"could not load {HUB_DATASET}:{config}:{split} ({e}); pass --triviaqa-train-file/"
+            "--triviaqa-dev-file (the official RC JSON) when offline"
+        ) from e
+    examples = from_hub_rows(ds, context_words)
+    if not examples:
+        raise SquadDataError(f"{HUB_DATASET}:{config}:{split}: no question has an answer in its evidence")
+    return examples
