@@ -218,9 +218,11 @@ def build_model(
 
 def build_engine(
     cfg: TrainConfig, model: SWBertForMaskedLM, plan: RunPlan, ds_config: dict[str, Any], mpu: Any, steps: int
-) -> tuple[Any, Any]:
+) -> tuple[Any, Any, Any]:
     """AdamW and the LR schedule from the config, wrapped by `deepspeed.initialize`; compiled in
-    place when asked (parameter names, checkpoints and exports stay those of the eager model)."""
+    place when asked (parameter names, checkpoints and exports stay those of the eager model).
+    Returns the engine, the scheduler and, where DeepSpeed itself checks no gradient (stage 0 in
+    fp32/bf16), the optimizer whose `overflow` the trainer sets to skip a step (else None)."""
     import deepspeed
 
     optimizer = build_optimizer(
@@ -233,6 +235,8 @@ def build_engine(
         on_gpu=plan.on_gpu,
         offload=offloads_optimizer(ds_config),
     )
+    # ZeRO 1-3 and fp16 check gradients for inf/NaN and skip; stage 0 in fp32/bf16 does not
+    guard = skip_when_flagged(optimizer) if plan.zero_stage == 0 and plan.precision != "fp16" else None
     floor = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
     scheduler = build_scheduler(optimizer, steps, cfg.warmup_steps, cfg.lr_schedule, floor)
     engine, _, _, scheduler = deepspeed.initialize(
@@ -246,7 +250,26 @@ def build_engine(
     bound_every_group()  # SWBERT_DIST_TIMEOUT_MIN for DeepSpeed's and megatron's groups too
     if cfg.compile:
         engine.compile()
-    return engine, scheduler
+    return engine, scheduler, guard
+
+
+def skip_when_flagged(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Give `optimizer` an `overflow` flag that turns its next `step` into a no-op.
+
+    Without ZeRO and fp16, DeepSpeed steps the client optimizer itself and reads the optimizer's
+    `overflow` afterwards: when set, it counts a skipped step, holds the LR schedule and zeroes the
+    gradients, exactly as its ZeRO optimizers do on an overflow. The trainer sets the flag from
+    its own check (a non-finite loss or gradient on any rank) before the step."""
+    step = optimizer.step
+    optimizer.overflow = False  # type: ignore[attr-defined]
+
+    def guarded_step(*args: Any, **kwargs: Any) -> Any:
+        if optimizer.overflow:  # type: ignore[attr-defined]
+            return None
+        return step(*args, **kwargs)
+
+    optimizer.step = guarded_step  # type: ignore[method-assign]
+    return optimizer
 
 
 def write_run_files(cfg: TrainConfig, folder: RunFolder, ds_config: dict[str, Any], is_main: bool) -> None:
