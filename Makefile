@@ -8,7 +8,7 @@ CONSTRAINTS ?= constraints-cpu.txt
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/swbert/torch_extensions/$(shell echo $(abspath $(VENV)) | cksum | cut -d' ' -f1)
 BIN := $(VENV)/bin
 
-.PHONY: setup pretrain test lint golden clean
+.PHONY: setup pretrain test test-faults lint golden clean
 
 $(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ pretrain: setup
 test: setup
 	$(BIN)/ruff check .
 	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n 2 --dist loadfile
+
+# The whole kill -9 / non-finite fault matrix (CI runs a sample of it inside `make test`).
+test-faults: setup
+	SWBERT_FULL_FAULT_MATRIX=1 DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n 2 --dist loadgroup tests/test_fault_matrix.py tests/test_nonfinite.py
 
 # Rewrite the golden loss curves (tests/assets/losses/) after a change of numerics on purpose;
 # the commit that does it says why (tests/golden.py).

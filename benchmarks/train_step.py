@@ -51,6 +51,7 @@ from swbert.cpu import CPU_KERNELS, keep_freed_memory, optimize_for_cpu
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.attention import attention_types
 from swbert.models.flops import masked_lm_flops
+from swbert.training.metrics import peak_tflops_of
 
 MODELS: tuple[str, ...] = ("hf", "standard", "shared", "symmetric", "pairwise")
 # Opt-in: a variant without the masked-positions-only last layer, e.g. "shared-full".
@@ -59,8 +60,6 @@ FULL_LAST_LAYER = "-full"
 PLAIN = "-plain"
 MODEL_FORMS = f"hf, or <variant>[{FULL_LAST_LAYER}][{PLAIN} | +kernel...] with a variant of {attention_types()} and kernels of {CPU_KERNELS}"
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# Dense bf16 peak of the accelerators MFU is quoted against (TFLOP/s); others need --peak-tflops.
-PEAK_TFLOPS: dict[str, float] = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 MASK_PROB = 0.15
 
 
@@ -296,8 +295,7 @@ def peak_tflops(args: argparse.Namespace) -> float | None:
         return args.peak_tflops
     if args.device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(args.device)
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    return peak_tflops_of(torch.cuda.get_device_name(args.device))  # the trainer's table
 
 
 def run_training(args: argparse.Namespace) -> tuple[dict[str, Result], int]:

@@ -28,8 +28,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     from swbert.training.checkpoint import CheckpointSaveError
     from swbert.training.dist import LostRanks
+    from swbert.training.loop import NonFiniteStop
     from swbert.training.runlock import RunFolderBusy
-    from swbert.training.trainer import NonFiniteStop, run
+    from swbert.training.trainer import run
 
     try:
         summary = run(config)

@@ -161,7 +161,7 @@ def resolve_cpu_kernels(setting: CPUKernels, on_gpu: bool, compile: bool) -> boo
     if setting == "on" and compile:
         raise ValueError(
             "cpu_kernels: on with compile: true: torch.compile generates its own kernels and the CPU "
-            "kernels are eager-mode code; use --cpu-kernels auto (or off) with --compile true"
+            "kernels are eager-mode code; use --cpu-kernels auto (or off) with --compile on"
         )
     return setting == "on" or (setting == "auto" and not on_gpu and not compile)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 import runpy
 import subprocess
 import sys
@@ -41,7 +42,7 @@ def test_training_never_imports_data_prep():
 
 
 def test_no_trainer_method_is_over_60_lines():
-    for name in ("trainer.py", "build.py"):
+    for name in ("trainer.py", "build.py", "loop.py"):
         tree = ast.parse((TRAINING / name).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -87,14 +88,18 @@ def test_build_steps_run_alone_before_any_process_group(data_dir, tmp_path, monk
 
 def test_fault_injection_is_an_environment_hook_not_a_config_key(monkeypatch):
     from swbert.training.config import TrainConfig
-    from swbert.training.faults import NONFINITE_STEPS, nonfinite_steps
+    from swbert.training.faults import NONFINITE_STEPS, nonfinite_faults
 
     assert not [f.name for f in dataclasses.fields(TrainConfig) if "fault" in f.name]
-    monkeypatch.setenv(NONFINITE_STEPS, "3, 7")
-    assert nonfinite_steps() == {3, 7}
+    monkeypatch.setenv(NONFINITE_STEPS, "3, 7:inf@1")
+    faults = nonfinite_faults()
+    assert math.isnan(faults.value_at(3, 0)) and math.isnan(faults.value_at(3, 1))
+    assert (
+        faults.value_at(7, 1) == math.inf and faults.value_at(7, 0) is None and faults.value_at(4, 0) is None
+    )
     monkeypatch.setenv(NONFINITE_STEPS, "seven")
-    with pytest.raises(ValueError, match="SWBERT_FAULT_NONFINITE_STEPS='seven'"):
-        nonfinite_steps()
+    with pytest.raises(ValueError, match="'seven' is not STEP"):
+        nonfinite_faults()
 
 
 # ---- the one command-line convention ---------------------------------------------------------------

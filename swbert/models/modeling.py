@@ -109,12 +109,14 @@ class Encoder(nn.Module):
         x: torch.Tensor,
         mask: torch.Tensor | None = None,
         output_hidden_states: bool = False,
-        output_rows: torch.Tensor | None = None,
+        output_rows: torch.Tensor | Rows | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """`output_rows` ((B, S) bool): the last layer computes only those positions (see `Block`)."""
+        """`output_rows`: the last layer computes only those positions (see `Block`), given as a
+        (B, S) bool mask or as (batch indices, positions); indices cost no device-to-host sync."""
         hidden_states = (x,) if output_hidden_states else None
-        # integer indices, found once: indexing with them needs no device-to-host sync
-        kept = output_rows.nonzero(as_tuple=True) if output_rows is not None else None
+        kept = output_rows
+        if isinstance(output_rows, torch.Tensor):  # a mask: its indices, found once (one host sync)
+            kept = output_rows.nonzero(as_tuple=True)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             rows = kept if i == last else None
@@ -215,13 +217,14 @@ class SWBertModel(SWBertPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         output_hidden_states: bool = False,
         return_dict: bool = True,
-        output_rows: torch.Tensor | None = None,
+        output_rows: torch.Tensor | Rows | None = None,
         **_: object,
     ) -> BaseModelOutputWithPooling:
-        """`output_rows`: a (B, S) bool mask; the last layer then computes only those positions and
-        `last_hidden_state` is (N, d), in row-major order of the True entries (what
-        `hidden[output_rows]` of the full output would be). Not with the pooler or
-        `output_hidden_states`, which need every position of the last layer."""
+        """`output_rows`: a (B, S) bool mask, or (batch indices, positions) index tensors; the last
+        layer then computes only those positions and `last_hidden_state` is (N, d), in row-major
+        order of the True entries or in the order of the indices (what `hidden[output_rows]` of the
+        full output would be). Not with the pooler or `output_hidden_states`, which need every
+        position of the last layer."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if output_rows is not None and (self.pooler is not None or output_hidden_states):
@@ -264,6 +267,11 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
     `output_hidden_states`) the last layer computes only those (`SWBertModel`'s `output_rows`): its
     output projection, LayerNorms and MLP run on 15% of the tokens, ~5% of BERT-base's training
     FLOPs. `last_layer_on_labels = False` computes every position and selects after.
+
+    Static shapes (pretraining): `mlm_positions` (B, P) and `mlm_labels` (B, P), a fixed number P of
+    predicted positions per sequence padded with IGNORE_INDEX labels, instead of `labels`. Every
+    shape then depends on (B, S, P) only, so the step compiles without graph breaks and needs no
+    device-to-host sync; `logits` are (B * P, vocab) in row order, the padding's included.
     """
 
     last_layer_on_labels = True  # parallelize() turns it off under sequence parallelism
@@ -293,8 +301,20 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
         output_hidden_states: bool = False,
         return_dict: bool = True,
         masked_logits_only: bool | None = None,
+        mlm_positions: torch.Tensor | None = None,
+        mlm_labels: torch.Tensor | None = None,
         **_: object,
     ) -> MaskedLMOutput:
+        if mlm_positions is not None:
+            return self._forward_positions(
+                input_ids,
+                attention_mask,
+                token_type_ids,
+                position_ids,
+                inputs_embeds,
+                mlm_positions,
+                mlm_labels,
+            )
         selected = None if labels is None else labels != IGNORE_INDEX  # (B, S)
         if selected is not None and not (self.training if masked_logits_only is None else masked_logits_only):
             # transformers' convention: logits at every position, the loss at the labelled ones
@@ -323,17 +343,55 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
         logits, loss = self.logits_and_loss(h, target)
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
 
+    def _forward_positions(
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        token_type_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+        mlm_positions: torch.Tensor,
+        mlm_labels: torch.Tensor | None,
+    ) -> MaskedLMOutput:
+        """The static-shape path: the last layer and the head on the (B * P) given positions."""
+        B, P = mlm_positions.shape
+        batch_index = torch.arange(B, device=mlm_positions.device).repeat_interleave(P)  # (B * P,)
+        rows = (batch_index, mlm_positions.reshape(-1))
+        prune = self.last_layer_on_labels
+        out = self.bert(
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            position_ids,
+            inputs_embeds,
+            output_rows=rows if prune else None,
+        )
+        h = out.last_hidden_state if prune else out.last_hidden_state[rows]  # (B * P, d)
+        target = None if mlm_labels is None else mlm_labels.reshape(-1)  # (B * P,), padding ignored
+        logits, loss = self.logits_and_loss(h, target, padded=True)
+        return MaskedLMOutput(loss=loss, logits=logits)
+
     def logits_and_loss(
-        self, h: torch.Tensor, target: torch.Tensor | None
+        self, h: torch.Tensor, target: torch.Tensor | None, padded: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The head on h, (B, S, d) without labels or (N, d) at the labelled positions, and the mean
-        cross entropy against their `target` (N,). Tensor parallelism overrides this."""
+        """The head on h, (B, S, d) without labels or (N, d) at the predicted positions, and the mean
+        cross entropy over their `target` (N,); with `padded`, over the rows whose target is not
+        IGNORE_INDEX (computed on the device: no host sync). Tensor parallelism overrides this."""
         logits = self.mlm_head(h)
         if target is None:
             return logits, None
+        if padded:
+            return logits, labelled_mean(F.cross_entropy(logits.float(), target, reduction="none"), target)
         if target.numel() == 0:
             return logits, logits.sum() * 0.0  # no labelled token in this batch: a zero that keeps the graph
         return logits, F.cross_entropy(logits.float(), target)
+
+
+def labelled_mean(losses: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean of per-row `losses` over the rows whose target is a label (the ignored rows hold 0);
+    with no labelled row it is a zero that keeps the graph."""
+    count = (target != IGNORE_INDEX).sum().clamp(min=1)
+    return losses.sum() / count
 
 
 def _classification_loss(config: SWBertConfig, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel import (
 from torch import nn
 
 from swbert.models import SWBertForMaskedLM
+from swbert.models.modeling import IGNORE_INDEX, labelled_mean
 from swbert.parallel.sequence import reduce_scatter_seq
 
 
@@ -210,7 +211,7 @@ class TensorParallelMaskedLM(SWBertForMaskedLM):
     """
 
     def logits_and_loss(
-        self, h: torch.Tensor, target: torch.Tensor | None
+        self, h: torch.Tensor, target: torch.Tensor | None, padded: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h is replicated over the group; the decoder's output is this rank's vocabulary shard."""
         local_logits = self.mlm_head(h)  # (..., V / tp)
@@ -219,7 +220,11 @@ class TensorParallelMaskedLM(SWBertForMaskedLM):
             return logits, None
         if target.numel() == 0:
             return logits, local_logits.sum() * 0.0  # keeps the graph, as at TP=1
-        return logits, vocab_parallel_cross_entropy(local_logits.float(), target).mean()
+        if not padded:
+            return logits, vocab_parallel_cross_entropy(local_logits.float(), target).mean()
+        labelled = target != IGNORE_INDEX  # megatron's loss has no ignore index: mask the padding out
+        losses = vocab_parallel_cross_entropy(local_logits.float(), target.clamp(min=0)) * labelled
+        return logits, labelled_mean(losses, target)
 
     def save_pretrained(self, *args: object, **kwargs: object) -> None:
         raise RuntimeError(

@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,7 @@ class RunPlan:
     on_gpu: bool
     precision: str
     cpu_kernels: bool
+    compile: bool  # torch.compile the model (through the engine)
     ds_config: dict[str, Any]
     batch: BatchShape
 
@@ -109,10 +111,27 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
     dims = ParallelDims.from_env(cfg.tensor_parallel)
     on_gpu = torch.cuda.is_available()
     precision = resolve_precision(cfg.precision, on_gpu)
-    cpu_kernels = resolve_cpu_kernels(cfg.cpu_kernels, on_gpu, cfg.compile)
+    compile_model = cfg.compile == "on" or (cfg.compile == "auto" and on_gpu)
+    cpu_kernels = resolve_cpu_kernels(cfg.cpu_kernels, on_gpu, compile_model)
+    if compile_model:
+        check_compiler(torch.device("cuda" if on_gpu else "cpu"))
     ds_config = pretraining_ds_config(cfg, dims.dp_size, precision)
     batch = BatchShape(*cfg.batch_layout(dims.dp_size))
-    return RunPlan(dims, on_gpu, precision, cpu_kernels, ds_config, batch)
+    return RunPlan(dims, on_gpu, precision, cpu_kernels, compile_model, ds_config, batch)
+
+
+def check_compiler(device: torch.device) -> None:
+    """Compile and run a one-line function, so a torch without a working compiler (no C/C++
+    toolchain for inductor, an unsupported GPU) fails here with one clear error instead of a stack
+    of inductor frames at the first step."""
+    try:
+        torch.compile(lambda x: x * 2 + 1)(torch.ones(4, device=device))
+    except Exception as err:  # noqa: BLE001 - any compiler failure is reported the same way
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ValueError(
+            f"--compile on, but torch.compile does not work on {device.type} here ({type(err).__name__}: "
+            f"{first[:300]}); install a C/C++ compiler (inductor needs one) or run with --compile off"
+        ) from None
 
 
 def build_data(cfg: TrainConfig) -> TrainingData:
@@ -218,9 +237,11 @@ def build_model(
 
 def build_engine(
     cfg: TrainConfig, model: SWBertForMaskedLM, plan: RunPlan, ds_config: dict[str, Any], mpu: Any, steps: int
-) -> tuple[Any, Any]:
+) -> tuple[Any, Any, Any]:
     """AdamW and the LR schedule from the config, wrapped by `deepspeed.initialize`; compiled in
-    place when asked (parameter names, checkpoints and exports stay those of the eager model)."""
+    place when asked (parameter names, checkpoints and exports stay those of the eager model).
+    Returns the engine, the scheduler and, where DeepSpeed itself checks no gradient (stage 0 in
+    fp32/bf16), the optimizer whose `overflow` the trainer sets to skip a step (else None)."""
     import deepspeed
 
     optimizer = build_optimizer(
@@ -233,6 +254,8 @@ def build_engine(
         on_gpu=plan.on_gpu,
         offload=offloads_optimizer(ds_config),
     )
+    # ZeRO 1-3 and fp16 check gradients for inf/NaN and skip; stage 0 in fp32/bf16 does not
+    guard = skip_when_flagged(optimizer) if plan.zero_stage == 0 and plan.precision != "fp16" else None
     floor = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
     scheduler = build_scheduler(optimizer, steps, cfg.warmup_steps, cfg.lr_schedule, floor)
     engine, _, _, scheduler = deepspeed.initialize(
@@ -244,9 +267,29 @@ def build_engine(
         dist_init_required=False,
     )
     bound_every_group()  # SWBERT_DIST_TIMEOUT_MIN for DeepSpeed's and megatron's groups too
-    if cfg.compile:
+    if plan.compile:
         engine.compile()
-    return engine, scheduler
+    return engine, scheduler, guard
+
+
+def skip_when_flagged(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Give `optimizer` an `overflow` flag that turns its next `step` into a no-op.
+
+    Without ZeRO and fp16, DeepSpeed steps the client optimizer itself and reads the optimizer's
+    `overflow` afterwards: when set, it counts a skipped step, holds the LR schedule and zeroes the
+    gradients, exactly as its ZeRO optimizers do on an overflow. The trainer sets the flag from
+    its own check (a non-finite loss or gradient on any rank) before the step."""
+    step = optimizer.step
+    optimizer.overflow = False  # type: ignore[attr-defined]
+
+    def guarded_step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if self.overflow:  # type: ignore[attr-defined]
+            return None
+        return step(*args, **kwargs)
+
+    # a bound method, as the LR scheduler's step-order check wraps `optimizer.step` expecting one
+    optimizer.step = types.MethodType(guarded_step, optimizer)  # type: ignore[method-assign]
+    return optimizer
 
 
 def write_run_files(cfg: TrainConfig, folder: RunFolder, ds_config: dict[str, Any], is_main: bool) -> None:

@@ -30,7 +30,6 @@ import random
 import re
 import resource
 import shutil
-import signal
 import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from swbert.fsutil import fsync_path
+from swbert.training.faults import kill_point, kill_requested
 
 log = logging.getLogger(__name__)
 LATEST = "latest"
@@ -55,12 +55,6 @@ TAG_RE = re.compile(r"^step_(\d{8})$")
 
 def tag_for(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def fault_kill(variable: str, step: int) -> None:
-    """Fault injection for tests and drills: rank 0 kills itself (-9) at `step` when `variable` names it."""
-    if dist.get_rank() == 0 and os.environ.get(variable) == str(step):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def rng_state() -> dict[str, Any]:
@@ -193,7 +187,7 @@ def save(
         torch.save(rng_state(), tag_dir / f"rng_rank{rank:05d}.pt")
     except Exception as err:
         failures.append(_failure(tag_dir / f"rng_rank{rank:05d}.pt", err))
-    with _writes_recorded(engine, failures):  # every rank runs DeepSpeed's save to its end
+    with _writes_recorded(engine, failures, step):  # every rank runs DeepSpeed's save to its end
         engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client_state, save_latest=False)
     if not failures:
         try:  # every rank flushes what its node wrote (on a shared file system too)
@@ -201,12 +195,12 @@ def save(
         except OSError as err:
             failures.append(_failure(tag_dir, err))
     _fail_together(ckpt_root, tag, failures)  # a barrier: every rank's shards are on stable storage now
-    fault_kill("SWBERT_FAULT_KILL_IN_SAVE", step)  # die with the shards written, no marker
+    kill_point("in_save", step, rank)  # die with the shards written, no marker
     if rank == 0:
         try:
             mark_complete(tag_dir, step, meta)
             _atomic_write(ckpt_root / LATEST, tag)
-            prune(ckpt_root, keep)
+            prune(ckpt_root, keep, step)
         except Exception as err:
             failures.append(_failure(tag_dir / COMPLETE, err))
     _fail_together(ckpt_root, tag, failures)
@@ -220,9 +214,10 @@ class _RecordedWrites:
     raised out of `save_checkpoint` midway would leave the others waiting in the next collective
     until the timeout. After a failure, this rank's remaining writes are skipped."""
 
-    def __init__(self, inner: Any, failures: list[str]) -> None:
+    def __init__(self, inner: Any, failures: list[str], step: int) -> None:
         self.inner = inner
         self.failures = failures
+        self.step = step
 
     def guard(self, path: str | Path, write: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.failures:
@@ -235,6 +230,7 @@ class _RecordedWrites:
 
     def save(self, state_dict: Any, path: str) -> None:
         self.guard(path, self.inner.save, state_dict, path)
+        kill_point("in_save_shards", self.step, dist.get_rank())  # a drill: one shard file written
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         self.guard(path, self.inner.makedirs, path, exist_ok=exist_ok)
@@ -244,10 +240,10 @@ class _RecordedWrites:
 
 
 @contextmanager
-def _writes_recorded(engine, failures: list[str]) -> Iterator[_RecordedWrites]:
+def _writes_recorded(engine, failures: list[str], step: int) -> Iterator[_RecordedWrites]:
     """Record the failures of DeepSpeed's writes during one save: its checkpoint engine (model and
     optimizer states) and rank 0's copy of its recovery scripts (zero_to_fp32.py)."""
-    recorder = _RecordedWrites(engine.checkpoint_engine, failures)
+    recorder = _RecordedWrites(engine.checkpoint_engine, failures, step)
     engine.checkpoint_engine = recorder
     copy_scripts = getattr(engine, "_copy_recovery_script", None)
     if copy_scripts is not None:
@@ -317,10 +313,13 @@ def mark_complete(tag_dir: Path, step: int, meta: dict[str, Any]) -> None:
     _atomic_write(tag_dir / COMPLETE, json.dumps({"step": step, "files": files}, indent=1))
 
 
-def prune(ckpt_root: Path, keep: int) -> None:
+def prune(ckpt_root: Path, keep: int, step: int = 0) -> None:
     """Delete complete checkpoints older than the newest `keep` complete ones; nothing else."""
     complete = [t for t in checkpoint_tags(ckpt_root) if is_complete(ckpt_root / t)]
     for old in complete[: -max(keep, 1)]:
+        if kill_requested("in_prune", step, dist.get_rank()):  # a drill: die with the folder half deleted
+            next(p for p in sorted((ckpt_root / old).glob("*")) if p.is_file()).unlink()
+            kill_point("in_prune", step, dist.get_rank())
         shutil.rmtree(ckpt_root / old, ignore_errors=True)
 
 

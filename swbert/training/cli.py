@@ -45,6 +45,9 @@ def closing_summary(summary: dict) -> str:
         )
         if "val_loss" in last:
             lines.append(f"  validation loss, perplexity: {last['val_loss']:.4f}, {last['val_ppl']:.2f}")
+    if summary.get("step_s"):
+        wait = summary["data_wait_s"] / summary["step_s"]
+        lines.append(f"  waiting for data:            {100 * wait:.2f}% of the training time")
     lines += [
         f"  model (Hugging Face folder): {summary['export_dir']}",
         f"  metrics:                     {out}/metrics.jsonl",

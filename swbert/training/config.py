@@ -88,13 +88,19 @@ class TrainConfig:
     system_metrics: bool = True  # MLflow's system metrics (CPU, memory, disk, network; GPUs when present)
     progress_bar: bool = True  # a tqdm bar on rank 0
     num_threads: int | None = None  # CPU: torch threads per rank (default: cores / local ranks)
-    compile: bool = False  # torch.compile the model through DeepSpeed (weights and checkpoints unchanged)
+    # torch.compile the model through DeepSpeed (weights and checkpoints unchanged);
+    # auto = on for CUDA runs, off on CPU (where eager with the CPU kernels is faster)
+    compile: Literal["auto", "on", "off"] = "auto"
     # CPU kernels from swbert.cpu (dropout, attention, decoder; same results, faster on a CPU):
     # auto = on for CPU runs in eager mode; off = exactly the model path a GPU runs; on = required
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
     # what a resume may change on purpose (comma-separated): data, seed, seq_len, mlm_probability,
     # global_batch_size, precision; a change of any other recorded setting is refused
     allow_resume_change: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.compile, bool):  # recipes written when it was a boolean
+            self.compile = "on" if self.compile else "off"
 
     def check(self) -> None:
         """Raise a ValueError naming the field when a value cannot work."""

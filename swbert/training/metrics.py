@@ -21,11 +21,14 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Dense bf16/fp16 tensor-core peaks (TFLOP/s) for MFU; matched against the device name.
+# Dense bf16/fp16 tensor-core peaks (TFLOP/s, without sparsity) for MFU, matched in this order
+# against the device name: the trainer and the benchmarks read this one table. A device not in it
+# gets TFLOP/s and no MFU.
 PEAK_TFLOPS = {
-    "H200": 989.4,
+    "H200": 989.0,
+    "H100 NVL": 835.0,
     "H100 PCIe": 756.0,
-    "H100": 989.4,
+    "H100": 989.0,  # SXM
     "A100": 312.0,
     "L40S": 362.1,
     "A10G": 125.0,
@@ -33,11 +36,15 @@ PEAK_TFLOPS = {
 }
 
 
+def peak_tflops_of(name: str) -> float | None:
+    """The table's peak for a device name (`torch.cuda.get_device_name()`), or None."""
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
 def device_peak_tflops() -> float | None:
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+    return peak_tflops_of(torch.cuda.get_device_name())
 
 
 def memory_gib() -> dict[str, float]:

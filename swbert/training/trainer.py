@@ -16,9 +16,7 @@ import math
 import os
 import shutil
 import signal
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,40 +30,12 @@ from swbert.training import build
 from swbert.training import checkpoint as ckpt
 from swbert.training.config import TrainConfig
 from swbert.training.dist import lost_ranks_named
-from swbert.training.faults import nonfinite_steps
-from swbert.training.metrics import device_peak_tflops, memory_gib
+from swbert.training.faults import kill_point, nonfinite_faults
+from swbert.training.loop import Counts, Loop, StepResult
+from swbert.training.metrics import device_peak_tflops
 from swbert.training.run_tokenizer import keep_in_run
 
 log = logging.getLogger("swbert.train")
-
-
-class NonFiniteStop(RuntimeError):
-    """Raised after `max_nonfinite_steps` skipped steps in a row."""
-
-
-@dataclass
-class Counts:
-    """Sums over predicted tokens: the loss, how many were predicted, how many correctly."""
-
-    loss_sum: float = 0.0
-    predicted: float = 0.0
-    correct: float = 0.0
-
-    def __iadd__(self, other: Counts) -> Counts:
-        self.loss_sum += other.loss_sum
-        self.predicted += other.predicted
-        self.correct += other.correct
-        return self
-
-
-@dataclass
-class Window:
-    """Running totals between two logged steps (this rank's; skipping is decided collectively)."""
-
-    counts: Counts = field(default_factory=Counts)
-    skipped: int = 0
-    steps: int = 0
-    started: float = field(default_factory=time.perf_counter)
 
 
 class Trainer:
@@ -73,7 +43,8 @@ class Trainer:
         self.config = config
         self.stop_signal: str | None = None
         self.folder: build.RunFolder | None = None
-        self.faults = nonfinite_steps()  # a test hook: NaN losses at these steps
+        self.faults = nonfinite_faults()  # a test hook: NaN/inf losses at these steps
+        self.data_wait = 0.0  # seconds the loop waited for batches, since the last read
 
     # ---- set-up -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -101,15 +72,11 @@ class Trainer:
             # converted to resume at another tensor/data-parallel size
             self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
         self.device = torch.device("cuda", self.dims.local_rank) if plan.on_gpu else torch.device("cpu")
-        if plan.zero_stage == 0 and self.precision != "fp16" and self.is_main:
-            log.warning(
-                "ZeRO stage 0: DeepSpeed does not check gradients for NaN/inf; non-finite steps are not skipped"
-            )
         model, applied = build.build_model(cfg, self.model_config, self.dims, plan.cpu_kernels)
-        self.engine, self.scheduler = build.build_engine(
+        self.engine, self.scheduler, self.guard = build.build_engine(
             cfg, model, plan, self.ds_config, mpu, self.total_steps
         )
-        self.step, self.samples_consumed = 0, 0
+        self.step, self.samples_consumed, self.skipped_total = 0, 0, 0
         self.tokens_per_step = cfg.global_batch_size * cfg.seq_len
         flops = masked_lm_flops(
             self.model_config, cfg.seq_len, cfg.mlm_probability, model.last_layer_on_labels
@@ -131,6 +98,7 @@ class Trainer:
         load_dir, tag = self.resume_from
         state = ckpt.load(self.engine, load_dir, tag)
         self.step, self.samples_consumed = state["step"], state["samples_consumed"]
+        self.skipped_total = state.get("skipped_total", 0)  # saved since checkpoint format 2
         status.info("resumed from %s at step %d", load_dir / tag, self.step)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -142,58 +110,103 @@ class Trainer:
         batch = self.data.batch(samples_before, self.micro_bs, d.dp_rank, d.dp_size, eval_split)
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def forward_and_count(self, batch: dict[str, torch.Tensor], poison: bool = False) -> tuple[Any, Counts]:
-        """The loss of one micro-batch (the head on the masked positions only, in training and in
-        validation) and its counts; `poison` makes the loss NaN (fault injection)."""
-        out = self.engine(
-            input_ids=batch["input_ids"],
-            attention_mask=batch.get("attention_mask"),
-            labels=batch["labels"],
-            masked_logits_only=True,
-        )
-        loss = out.loss * float("nan") if poison else out.loss
-        target = batch["labels"][batch["labels"] != IGNORE_INDEX]
-        n = target.numel()
-        correct = 0.0
-        if out.logits.shape[-1] == self.model_config.vocab_size:  # not a vocabulary shard (TP)
-            correct = float((out.logits.detach().argmax(-1) == target).sum())
-        return loss, Counts(float(loss.detach()) * n, n, correct)
+    def _next_batch(self) -> dict[str, torch.Tensor]:
+        """The next training micro-batch of this rank; the time spent waiting for it is counted."""
+        started = time.perf_counter()
+        batch = self._batch(self.samples_consumed)
+        self.samples_consumed += self.micro_bs * self.dims.dp_size
+        self.data_wait += time.perf_counter() - started
+        return batch
 
-    def train_step(self) -> tuple[Counts, bool]:
-        """One optimizer step (accum micro-batches): this rank's counts, and whether it was applied."""
-        counts = Counts()
+    def forward_and_count(
+        self, batch: dict[str, torch.Tensor], poison: float | None = None
+    ) -> tuple[torch.Tensor, Counts]:
+        """The loss of one micro-batch (the head on the predicted positions only, in training and in
+        validation) and its counts, all on the device; `poison` multiplies the loss (fault injection)."""
+        if "mlm_positions" in batch:  # static shapes: P predictions per sequence, padding ignored
+            inputs = {
+                k: batch[k]
+                for k in ("input_ids", "attention_mask", "mlm_positions", "mlm_labels")
+                if k in batch
+            }
+            target = batch["mlm_labels"].reshape(-1)
+        else:
+            inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels") if k in batch}
+            inputs["masked_logits_only"] = True
+            target = batch["labels"][batch["labels"] != IGNORE_INDEX]
+        out = self.engine(**inputs)
+        loss = out.loss if poison is None else out.loss * poison
+        labelled = target != IGNORE_INDEX
+        n = labelled.sum().double()
+        correct = torch.zeros((), dtype=torch.float64, device=n.device)
+        if out.logits.shape[-1] == self.model_config.vocab_size:  # not a vocabulary shard (TP)
+            correct = ((out.logits.detach().argmax(-1) == target) & labelled).sum().double()
+        return loss, Counts(loss.detach().double() * n, n, correct)
+
+    def train_step(self) -> StepResult:
+        """One optimizer step of `accum` micro-batches.
+
+        A non-finite loss on any rank turns that rank's gradients to NaN (the backward runs on
+        loss x NaN), so every ZeRO stage's own check skips the step on every rank; without ZeRO, the
+        trainer's guard does (`build.skip_when_flagged`). The flags are agreed in one all-reduce,
+        the step's only host sync."""
+        counts, bad = Counts.zeros(self.device), torch.zeros((), dtype=torch.bool, device=self.device)
+        poison = self.faults.value_at(self.step + 1, self.dims.rank)
         self.engine.train()
-        for _ in range(self.accum):
-            batch = self._batch(self.samples_consumed)
-            self.samples_consumed += self.micro_bs * self.dims.dp_size
-            loss, micro = self.forward_and_count(batch, poison=self.step + 1 in self.faults)
-            counts += micro
-            self.engine.backward(loss)
+        for micro in range(self.accum):
+            loss, micro_counts = self.forward_and_count(self._next_batch(), poison)
+            counts += micro_counts
+            finite = torch.isfinite(loss.detach())
+            bad |= ~finite
+            self.engine.backward(loss * torch.where(finite, 1.0, float("nan")))  # x1.0 is exact
+            kill_point("in_step", self.step + 1, self.dims.rank)  # a drill: die amid the step
+            if micro == self.accum - 1:  # the gradients are complete (and reduced, without ZeRO)
+                stop, nonfinite = self._agree(bad)
             self.engine.step()
         self.step += 1
-        return counts, self.engine.was_step_applied()
+        applied = self.engine.was_step_applied()
+        if nonfinite and applied:
+            raise RuntimeError(
+                f"step {self.step}: a non-finite loss or gradient was found but DeepSpeed applied the update; "
+                "this build of DeepSpeed skips no such step at this ZeRO stage: report it with the ds_config.json"
+            )
+        return StepResult(counts, applied, stop)
 
-    def _all_reduce(self, counts: Counts) -> Counts:
-        t = torch.tensor(
-            [counts.loss_sum, counts.predicted, counts.correct], dtype=torch.float64, device=self.device
-        )
+    def _agree(self, loss_bad: torch.Tensor) -> tuple[bool, bool]:
+        """Over every rank: is a stop signal pending, and is the step's loss or gradient non-finite?"""
+        grads_bad = torch.zeros((), device=self.device)
+        if self.guard is not None:  # without ZeRO the gradients are whole (and reduced) here
+            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+            grads_bad = (~torch.isfinite(torch.nn.utils.get_total_norm(grads))).float()
+        stop = torch.tensor(1.0 if self.stop_signal else 0.0, device=self.device)
+        flags = torch.stack([stop, loss_bad.float(), grads_bad.to(self.device)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop_any, loss_any, grads_any = (v > 0 for v in flags.tolist())
+        if self.guard is not None:
+            self.guard.overflow = loss_any or grads_any
+        return stop_any, loss_any or grads_any
+
+    def _all_reduce(self, counts: Counts) -> tuple[float, float, float]:
+        """Counts summed over the data-parallel ranks, read on the host (log intervals only)."""
+        t = torch.stack([counts.loss_sum, counts.predicted, counts.correct])
         dist.all_reduce(t, group=self.dims.dp_group)
-        return Counts(*t.tolist())
+        loss_sum, predicted, correct = t.tolist()
+        return loss_sum, predicted, correct
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         if not self.data.has_valid:
             return {}
         self.engine.eval()
-        counts = Counts()
+        counts = Counts.zeros(self.device)
         for i in range(self.config.eval_batches):
             counts += self.forward_and_count(self._batch(i * self.micro_bs * self.dims.dp_size, True))[1]
-        total = self._all_reduce(counts)
-        loss = total.loss_sum / max(total.predicted, 1)
+        loss_sum, predicted, correct = self._all_reduce(counts)
+        loss = loss_sum / max(predicted, 1)
         return {
             "val_loss": loss,
             "val_ppl": math.exp(min(loss, 50.0)),
-            "val_mlm_acc": total.correct / max(total.predicted, 1),
+            "val_mlm_acc": correct / max(predicted, 1),
         }
 
     # ---- checkpoints --------------------------------------------------------------------------
@@ -203,6 +216,7 @@ class Trainer:
             "samples_consumed": self.samples_consumed,
             "sampler": self.data.sampler_state(self.samples_consumed),
             "tokens_seen": self.step * self.tokens_per_step,
+            "skipped_total": self.skipped_total,
         }
         meta = {**self.meta, "step": self.step}
         return ckpt.save(
@@ -217,11 +231,6 @@ class Trainer:
         dist.broadcast_object_list(decision, src=0)
         return tag_dir if decision[0] else self.save()
 
-    def _should_stop(self) -> bool:
-        flag = torch.tensor([1.0 if self.stop_signal else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         try:
@@ -230,7 +239,7 @@ class Trainer:
             if self.folder is not None:  # a refused start leaves the folder free
                 build.release(self.folder)
             raise
-        loop = _Loop(self)
+        loop = Loop(self)
         status_, last_saved = "FAILED", None
         try:
             status_, last_saved = loop.run()
@@ -245,29 +254,6 @@ class Trainer:
             summary.update(self._finish(last_saved))
             build.release(self.folder)
         return summary
-
-    def record(self, window: Window, total: Counts, skipped_total: int) -> dict[str, Any]:
-        """The logged record of a window of steps (counts summed over the data-parallel ranks)."""
-        elapsed = time.perf_counter() - window.started
-        tokens_per_s = self.tokens_per_step * window.steps / max(elapsed, 1e-9)
-        tflops = tokens_per_s * self.train_flops_per_token / self.dims.world / 1e12
-        grad_norm = self.engine.get_global_grad_norm()
-        record = {
-            "loss": total.loss_sum / total.predicted if total.predicted else float("nan"),
-            "mlm_acc": total.correct / total.predicted if total.predicted else float("nan"),
-            "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            "skipped_steps": window.skipped,
-            "skipped_total": skipped_total,
-            "tokens_per_s": tokens_per_s,
-            "samples_per_s": tokens_per_s / self.config.seq_len,
-            "tflops_per_device": tflops,
-            "tokens_seen": self.step * self.tokens_per_step,
-            **memory_gib(),
-        }
-        if self.peak_tflops:
-            record["mfu"] = tflops / self.peak_tflops
-        return record
 
     # ---- the end ------------------------------------------------------------------------------
     def _export(self, tag_dir: Path) -> Path:
@@ -288,6 +274,7 @@ class Trainer:
             shutil.rmtree(leftover, ignore_errors=True)
         export(tag_dir, staging)
         (staging / stamp.name).write_text(json.dumps(source))
+        kill_point("in_export", self.step, self.dims.rank)  # a drill: the new folder written, not in place
         if final.exists():
             os.replace(final, old)
         os.replace(staging, final)
@@ -310,97 +297,6 @@ class Trainer:
                 out["mlflow_uri"] = self.metrics.mlflow.uri
         dist.barrier()
         return out
-
-
-class _Loop:
-    """The training loop of one `Trainer`: steps, skipped-step accounting, logging, saving and
-    stopping on a signal. Returns the run's status and its last complete checkpoint."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.t = trainer
-        self.window = Window()
-        self.skipped_in_a_row = self.skipped_total = 0
-        self.first_logged: dict[str, Any] | None = None  # for the closing summary: did the loss fall?
-        self.last_logged: dict[str, Any] | None = None
-        self.bar = None
-        if trainer.is_main and trainer.config.progress_bar:
-            from tqdm import tqdm
-
-            self.bar = tqdm(
-                total=trainer.total_steps,
-                initial=trainer.step,
-                desc=f"pretrain {trainer.run_name}",
-                unit="step",
-                dynamic_ncols=True,
-                file=sys.stdout,
-            )
-
-    def run(self) -> tuple[str, Path | None]:
-        t, cfg = self.t, self.t.config
-        last_saved, save_pending = None, False
-        while t.step < t.total_steps:
-            counts, applied = t.train_step()
-            self.account(counts, applied)
-            if self.bar is not None:
-                self.bar.update(1)
-            if t.step % cfg.log_interval == 0 or t.step == t.total_steps:
-                self.log_window()
-            if t.step % cfg.save_interval == 0 or save_pending:
-                # never checkpoint in the middle of a run of skipped steps: wait for a good one
-                save_pending = not applied
-                if applied:
-                    last_saved = t.save()
-            ckpt.fault_kill("SWBERT_FAULT_KILL_AFTER_STEP", t.step)
-            if t._should_stop():
-                last_saved = t._checkpoint_now(last_saved)
-                status.info("pre-empted: checkpoint saved at step %d", t.step)
-                return "KILLED", last_saved
-        return "FINISHED", t._checkpoint_now(last_saved)
-
-    def account(self, counts: Counts, applied: bool) -> None:
-        """Add a step to the window; a skipped step counts only as skipped."""
-        t, w = self.t, self.window
-        w.steps += 1
-        if applied:
-            w.counts += counts
-            self.skipped_in_a_row = 0
-            return
-        w.skipped += 1
-        self.skipped_total += 1
-        self.skipped_in_a_row += 1
-        if t.is_main:
-            log.warning(
-                "step %d skipped: non-finite loss or gradients (%d in a row)", t.step, self.skipped_in_a_row
-            )
-        if self.skipped_in_a_row >= t.config.max_nonfinite_steps:
-            raise NonFiniteStop(
-                f"stopping at step {t.step}: {self.skipped_in_a_row} steps in a row had a non-finite loss "
-                f"or gradients. The last good checkpoint is {ckpt.newest_complete(t.ckpt_root) or 'none'} "
-                f"in {t.ckpt_root}; lower --lr, check the data, or raise --max-nonfinite-steps"
-            )
-
-    def log_window(self) -> None:
-        t = self.t
-        record = t.record(self.window, t._all_reduce(self.window.counts), self.skipped_total)
-        if t.step % t.config.eval_interval == 0 or t.step == t.total_steps:
-            record.update(t.evaluate())
-        if t.metrics is not None:
-            t.metrics.log(t.step, record)
-        if math.isfinite(record["loss"]):
-            self.last_logged = {"step": t.step, **record}
-            self.first_logged = self.first_logged or self.last_logged
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        self.window = Window()
-
-    def summary(self) -> dict[str, Any]:
-        if self.first_logged is None:
-            return {}
-        return {"first_logged": self.first_logged, "last_logged": self.last_logged}
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def run(config: TrainConfig) -> dict[str, Any]:
