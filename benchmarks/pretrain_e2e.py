@@ -144,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     root = args.output_dir or Path(tempfile.mkdtemp(prefix="swbert-e2e-"))
     windows: dict[str, list[float]] = {v: [] for v in args.variants}
     losses: dict[str, float] = {}
+    waits: dict[str, list[tuple[float, float]]] = {v: [] for v in args.variants}  # (data wait, step) s
     for rnd in range(args.rounds):
         k = rnd % len(args.variants)
         for variant in args.variants[k:] + args.variants[:k]:
@@ -152,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             if len(records) < 2:
                 raise RuntimeError(f"{variant}: expected at least two logged windows, got {len(records)}")
             windows[variant] += [r["tokens_per_s"] for r in records[1:]]  # the first window is warm-up
+            waits[variant] += [(r.get("data_wait_s", 0.0), r.get("step_s", 0.0)) for r in records[1:]]
             losses[variant] = records[-1]["loss"]
             print(
                 f"round {rnd} {variant:<10} windows {[round(r['tokens_per_s'], 1) for r in records]} tokens/s "
@@ -163,9 +165,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"# {args.size}, seq {args.seq_len}, micro-batch {args.micro_batch} x {args.nproc} ranks, "
         f"{args.deepspeed_config}, {args.train_steps} steps/run, median of {args.rounds} rounds"
     )
-    print(f"{'variant':<10} {'tokens/s':>10} {'windows':>8} {'last loss':>10}")
+    # the share of the training time the step loop waited for batches (the loader's cost)
+    data_wait = {
+        v: sum(w for w, _ in waits[v]) / max(sum(s for _, s in waits[v]), 1e-9) for v in args.variants
+    }
+    print(f"{'variant':<10} {'tokens/s':>10} {'windows':>8} {'last loss':>10} {'data wait':>10}")
     for v in args.variants:
-        print(f"{v:<10} {tokens_per_s[v]:>10.1f} {len(windows[v]):>8} {losses[v]:>10.3f}")
+        print(
+            f"{v:<10} {tokens_per_s[v]:>10.1f} {len(windows[v]):>8} {losses[v]:>10.3f} {data_wait[v]:>10.2%}"
+        )
     ratios = {}
     if "standard" in tokens_per_s:
         for v in args.variants:
@@ -177,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "tokens_per_s": tokens_per_s,
         "windows": windows,
         "ratios": ratios,
+        "data_wait_fraction": data_wait,
     }
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2))
