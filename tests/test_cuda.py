@@ -29,7 +29,8 @@ def _model(attention_type: str) -> SWBertForMaskedLM:
 
 def _inputs() -> dict[str, torch.Tensor]:
     batch = static_batch()
-    return {k: batch[k].cuda() for k in ("input_ids", "mlm_positions", "mlm_labels")}
+    return {"input_ids": batch["input_ids"].cuda(), "mlm_positions": batch["mlm_positions"].cuda(),
+            "mlm_targets": batch["mlm_labels"].cuda()}  # fmt: skip
 
 
 @pytest.mark.parametrize("attention_type", attention_types())

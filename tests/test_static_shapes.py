@@ -60,7 +60,7 @@ def test_static_path_equals_the_label_mask_path(attention_type):
     expected = _grads(model)
     model.zero_grad()
     static = model(
-        input_ids=batch["input_ids"], mlm_positions=batch["mlm_positions"], mlm_labels=batch["mlm_labels"]
+        input_ids=batch["input_ids"], mlm_positions=batch["mlm_positions"], mlm_targets=batch["mlm_labels"]
     )
     static.loss.backward()
     assert static.logits.shape == (B * P, VOCAB)  # fixed by (B, P), whatever the data
@@ -79,7 +79,7 @@ def test_a_batch_with_no_prediction_gives_a_zero_loss_that_backpropagates():
     out = model(
         input_ids=batch["input_ids"],
         mlm_positions=batch["mlm_positions"],
-        mlm_labels=torch.full_like(batch["mlm_labels"], IGNORE_INDEX),
+        mlm_targets=torch.full_like(batch["mlm_labels"], IGNORE_INDEX),
     )
     out.loss.backward()
     assert out.loss.item() == 0.0 and all(
@@ -97,7 +97,11 @@ def test_training_step_compiles_without_graph_breaks(attention_type):
     )  # dropout on: it must trace too
     model = SWBertForMaskedLM(config).train()
     batch = static_batch()
-    inputs = {k: batch[k] for k in ("input_ids", "mlm_positions", "mlm_labels")}
+    inputs = {
+        "input_ids": batch["input_ids"],
+        "mlm_positions": batch["mlm_positions"],
+        "mlm_targets": batch["mlm_labels"],
+    }
     explanation = torch._dynamo.explain(lambda **kw: model(**kw).loss)(**inputs)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     torch._dynamo.reset()
@@ -129,7 +133,12 @@ def _tp_static(attention_type: str) -> None:
     model.load_state_dict(ref.state_dict())
     initialize(2)
     parallelize(model, 2)
-    batch = {k: v for k, v in static_batch().items() if k != "labels"}
+    full = static_batch()
+    batch = {
+        "input_ids": full["input_ids"],
+        "mlm_positions": full["mlm_positions"],
+        "mlm_targets": full["mlm_labels"],
+    }
     expected, got = ref(**batch), model(**batch)
     expected.loss.backward()
     got.loss.backward()
@@ -147,3 +156,11 @@ def test_static_path_at_tp2_equals_tp1():
     from tests.test_parallel_harness import run_ranks
 
     run_ranks(_tp_static, 2, "shared")
+
+
+def test_transformers_trainer_still_finds_only_labels():
+    """transformers' Trainer treats every forward argument with "label" in its name as a label:
+    the static path's targets must not be one, or Trainer.evaluate would find no labels."""
+    from transformers.utils import find_labels
+
+    assert find_labels(SWBertForMaskedLM) == ["labels"]

@@ -268,7 +268,7 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
     output projection, LayerNorms and MLP run on 15% of the tokens, ~5% of BERT-base's training
     FLOPs. `last_layer_on_labels = False` computes every position and selects after.
 
-    Static shapes (pretraining): `mlm_positions` (B, P) and `mlm_labels` (B, P), a fixed number P of
+    Static shapes (pretraining): `mlm_positions` (B, P) and `mlm_targets` (B, P), a fixed number P of
     predicted positions per sequence padded with IGNORE_INDEX labels, instead of `labels`. Every
     shape then depends on (B, S, P) only, so the step compiles without graph breaks and needs no
     device-to-host sync; `logits` are (B * P, vocab) in row order, the padding's included.
@@ -302,7 +302,7 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
         return_dict: bool = True,
         masked_logits_only: bool | None = None,
         mlm_positions: torch.Tensor | None = None,
-        mlm_labels: torch.Tensor | None = None,
+        mlm_targets: torch.Tensor | None = None,  # not "labels": transformers' Trainer takes those for labels
         **_: object,
     ) -> MaskedLMOutput:
         if mlm_positions is not None:
@@ -313,7 +313,7 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
                 position_ids,
                 inputs_embeds,
                 mlm_positions,
-                mlm_labels,
+                mlm_targets,
             )
         selected = None if labels is None else labels != IGNORE_INDEX  # (B, S)
         if selected is not None and not (self.training if masked_logits_only is None else masked_logits_only):
@@ -351,7 +351,7 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
         position_ids: torch.Tensor | None,
         inputs_embeds: torch.Tensor | None,
         mlm_positions: torch.Tensor,
-        mlm_labels: torch.Tensor | None,
+        mlm_targets: torch.Tensor | None,
     ) -> MaskedLMOutput:
         """The static-shape path: the last layer and the head on the (B * P) given positions."""
         B, P = mlm_positions.shape
@@ -367,7 +367,7 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
             output_rows=rows if prune else None,
         )
         h = out.last_hidden_state if prune else out.last_hidden_state[rows]  # (B * P, d)
-        target = None if mlm_labels is None else mlm_labels.reshape(-1)  # (B * P,), padding ignored
+        target = None if mlm_targets is None else mlm_targets.reshape(-1)  # (B * P,), padding ignored
         logits, loss = self.logits_and_loss(h, target, padded=True)
         return MaskedLMOutput(loss=loss, logits=logits)
 

@@ -317,9 +317,10 @@ def prune(ckpt_root: Path, keep: int, step: int = 0) -> None:
     """Delete complete checkpoints older than the newest `keep` complete ones; nothing else."""
     complete = [t for t in checkpoint_tags(ckpt_root) if is_complete(ckpt_root / t)]
     for old in complete[: -max(keep, 1)]:
-        if kill_requested("in_prune", step, dist.get_rank()):  # a drill: die with the folder half deleted
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if kill_requested("in_prune", step, rank):  # a drill: die with the folder half deleted
             next(p for p in sorted((ckpt_root / old).glob("*")) if p.is_file()).unlink()
-            kill_point("in_prune", step, dist.get_rank())
+            kill_point("in_prune", step, rank)
         shutil.rmtree(ckpt_root / old, ignore_errors=True)
 
 

@@ -124,11 +124,8 @@ class Trainer:
         """The loss of one micro-batch (the head on the predicted positions only, in training and in
         validation) and its counts, all on the device; `poison` multiplies the loss (fault injection)."""
         if "mlm_positions" in batch:  # static shapes: P predictions per sequence, padding ignored
-            inputs = {
-                k: batch[k]
-                for k in ("input_ids", "attention_mask", "mlm_positions", "mlm_labels")
-                if k in batch
-            }
+            inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "mlm_positions") if k in batch}
+            inputs["mlm_targets"] = batch["mlm_labels"]
             target = batch["mlm_labels"].reshape(-1)
         else:
             inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels") if k in batch}
