@@ -74,10 +74,7 @@ def pretraining_figure(runs: dict[str, Path], out_dir: Path) -> list[Path]:
     ax.set(xlabel="step", ylabel="masked-LM loss", title="Figure 2: pretraining loss")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    png = out_dir / f"{FIGURE2}.png"
-    fig.savefig(png, dpi=150)
-    plt.close(fig)
+    png = _save(fig, out_dir / f"{FIGURE2}.png")
     table = out_dir / f"{FIGURE2}.csv"
     with open(table, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
@@ -174,11 +171,7 @@ def plot_timing(timings: list[Timing], baseline: str, path: Path) -> Path:
     ax.set(ylabel="seconds per epoch", title=f"Figure 3: fine-tuning time per epoch (vs {baseline})")
     ax.grid(axis="y", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 # ---------------------------------------------------------------------------------------- Table 5
@@ -211,6 +204,12 @@ def plot_noise(
         ax.set(title=split_label(t, t.main_split), xlabel=xlabel, ylabel=f"dev {noise_metric(t)} (%)")
         ax.grid(alpha=0.3)
         ax.legend()
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    """Write a figure as a PNG (its folder made) and free it."""
+    plt = _pyplot()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150)
