@@ -21,8 +21,12 @@ from transformers.modeling_outputs import (
 
 from swbert.models.attention import Rows, SelfAttention, build_attention
 from swbert.models.config import SWBertConfig
+from swbert.models.hf_weights import register_hf_weight_conversions
 
 IGNORE_INDEX = -100
+
+# save_pretrained / from_pretrained keep the attention projections separate in the folder's files
+register_hf_weight_conversions()
 
 
 class Embeddings(nn.Module):

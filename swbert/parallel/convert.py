@@ -66,9 +66,10 @@ def merged_state_dict(tag_dir: str | Path, config: SWBertConfig) -> dict[str, to
     """
     tag_dir = Path(tag_dir)
     if (tag_dir / "zero").is_dir():  # universal: full fp32 tensors, one folder per parameter
-        with torch.device("meta"):
-            names = [n for n, _ in SWBertForMaskedLM(config).named_parameters()]
-        return {n: _load(tag_dir / "zero" / n / "fp32.pt")[ds_ckpt.PARAM] for n in names}
+        # the folders' names, not the model's: one saved before the fused attention projections holds
+        # the separate ones, which loading packs (SelfAttention.packed)
+        folders = sorted(p for p in (tag_dir / "zero").iterdir() if (p / "fp32.pt").is_file())
+        return {p.name: _load(p / "fp32.pt")[ds_ckpt.PARAM] for p in folders}
     shards = [_load(f)["module"] for f in model_state_files(tag_dir.parent, tag_dir.name)]
     if any(t.numel() == 0 for t in shards[0].values() if isinstance(t, torch.Tensor)):  # ZeRO-3 placeholders
         with tempfile.TemporaryDirectory() as tmp:

@@ -173,9 +173,10 @@ class VocabParallelDecoder(_NoExtraState, ColumnParallelLinear):
 def copy_input_to_tp_region(module: nn.Module, args: tuple) -> tuple:
     """Forward pre-hook on an attention module: identity forward, input-gradient all-reduce backward.
 
-    Q, K and V projections read the same input; megatron fuses them into one linear to all-reduce
-    the input gradient once. Our variants keep separate, paper-named projections, so each is built
-    with `reduce_input_grad=False` and this hook reduces their summed gradient once per layer.
+    The projections of a layer read the same input. The paper's variants fuse theirs into one linear
+    (`in_proj`), but a variant may keep several (a registered fifth one, shared's `proj` beside its
+    per-head diagonals): each is built with `reduce_input_grad=False` and this hook reduces their
+    summed input gradient once per layer, whatever their number.
     """
     x, *rest = args
     return (copy_to_tensor_model_parallel_region(x), *rest)

@@ -296,6 +296,8 @@ def check_compatible(
             f"checkpoint {tag_dir} is of a different model ({'; '.join(diffs)}); resume with the same "
             "--size/--attention-type/data, or start a new --output-dir"
         )
+    if "model_config" in meta:
+        check_parameter_names(tag_dir, meta["model_config"])
     if saved.get("tensor_parallel", 1) != meta.get("tensor_parallel", 1) and not is_universal(tag_dir):
         raise ValueError(
             f"checkpoint {tag_dir} was saved with --tensor-parallel {saved.get('tensor_parallel', 1)} but this run "
@@ -303,6 +305,41 @@ def check_compatible(
             f"{tag_dir.parent} NEW_DIR --tag {tag_dir.name}, then pass --resume NEW_DIR"
         )
     return _check_run_settings(tag_dir, saved.get("run"), meta.get("run"), allow)
+
+
+def _saved_parameter_names(tag_dir: Path) -> set[str] | None:
+    """Names of the tensors a DeepSpeed checkpoint holds (None if it holds no model file)."""
+    if is_universal(tag_dir):
+        return {p.name for p in (tag_dir / "zero").iterdir() if (p / "fp32.pt").is_file()}
+    files = sorted(tag_dir.glob("*mp_rank_00_model_states.pt"))
+    if not files:
+        return None
+    # memory-mapped: only the names are read, not the weights
+    module = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True).get("module")
+    return {k for k, v in module.items() if isinstance(v, torch.Tensor)} if isinstance(module, dict) else None
+
+
+def check_parameter_names(tag_dir: Path, model_config: dict[str, Any]) -> None:
+    """Refuse a checkpoint holding tensors the model has not, e.g. one saved before the attention
+    projections were fused (q_proj, k_proj, v_proj -> in_proj). Its weights would load (the model
+    packs the separate projections) but DeepSpeed's ZeRO optimizer state is flat buffers in the old
+    parameter order: Adam moments and fp32 master weights would land on the wrong entries, silently."""
+    from swbert.models import SWBertConfig, SWBertForMaskedLM
+
+    saved = _saved_parameter_names(tag_dir)
+    if saved is None:
+        return
+    with torch.device("meta"):
+        model = SWBertForMaskedLM(SWBertConfig.from_dict(model_config))
+    unknown = sorted(saved - set(model.state_dict()))
+    if unknown:
+        raise ValueError(
+            f"checkpoint {tag_dir} holds tensors this model has not ({', '.join(unknown[:3])}"
+            f"{', ...' if len(unknown) > 3 else ''}): saved by an older swbert, before the attention "
+            "projections were fused (q_proj, k_proj, v_proj became in_proj), or by another model. Its "
+            "optimizer state does not carry over; its weights do: export them with python -m "
+            f"swbert.training.export {tag_dir} --output DIR (the separate projections are packed on load)"
+        )
 
 
 def _check_run_settings(
