@@ -292,3 +292,14 @@ def test_a_checkpoint_from_before_the_fused_projections_is_refused_with_the_expo
     shared = SWBertConfig.from_size("tiny", attention_type="shared", vocab_size=96)
     torch.save({"module": SWBertForMaskedLM(shared).state_dict()}, tag_dir / "mp_rank_00_model_states.pt")
     ckpt.check_parameter_names(tag_dir, shared.to_dict())  # shared attention has nothing packed
+
+
+def test_a_checkpoint_of_another_shared_bias_is_refused_with_the_flag_to_resume_it(tmp_path):
+    """A field of the model config that the training config sets (and the model section of the record
+    does not hold) is compared too; a checkpoint that predates the field has its old value."""
+    tag_dir = fake_checkpoint(tmp_path, 4)
+    meta = {"model": {}, "model_config": {"shared_bias": False}}
+    with pytest.raises(
+        ValueError, match=r"shared_bias: checkpoint True vs this run False.*--shared-bias true"
+    ):
+        ckpt.check_compatible(tag_dir, meta)

@@ -37,9 +37,10 @@ def batch(B: int = 2, S: int = 10) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def test_shared_layer_equals_the_paper_formula_by_hand():
+@pytest.mark.parametrize("shared_bias", [True, False])
+def test_shared_layer_equals_the_paper_formula_by_hand(shared_bias):
     torch.manual_seed(0)
-    config = tiny(attention_type="shared", attention_probs_dropout_prob=0.0)
+    config = tiny(attention_type="shared", attention_probs_dropout_prob=0.0, shared_bias=shared_bias)
     attn = SharedAttention(config).eval()
     with torch.no_grad():
         for p in (attn.dq, attn.dk, attn.dv):
@@ -49,7 +50,8 @@ def test_shared_layer_equals_the_paper_formula_by_hand():
     mask[1, 5:] = False
     # the paper: S = X Ws + bs; Q = S diag(dq); K = S diag(dk); V = S diag(dv); per-head softmax attention
     Ws, bs = attn.proj.weight.T, attn.proj.bias
-    S = x @ Ws + bs
+    assert (bs is not None) == shared_bias  # bs is ours; the paper's Table 3 form has none
+    S = x @ Ws + (bs if shared_bias else 0)
     Q, K, V = S @ torch.diag(attn.dq), S @ torch.diag(attn.dk), S @ torch.diag(attn.dv)
     H, Dh = config.num_attention_heads, config.head_dim
     heads = []
@@ -62,6 +64,26 @@ def test_shared_layer_equals_the_paper_formula_by_hand():
     got = attn(x, mask[:, None, None, :])
     assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert attn.proj.weight.shape == (config.hidden_size, config.hidden_size)  # one d x d matrix
+    folded = SharedAttention(config).eval()
+    folded.load_state_dict(attn.state_dict())
+    folded.fold_for_inference()
+    assert_close(folded(x, mask[:, None, None, :]), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_without_bias_saves_and_loads_as_such(tmp_path):
+    torch.manual_seed(0)
+    model = SWBertForMaskedLM(tiny(attention_type="shared", shared_bias=False)).eval()
+    assert not any(n.endswith("attn.proj.bias") for n, _ in model.named_parameters())
+    perturb_(model)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForMaskedLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.shared_bias is False and loaded.bert.encoder.layers[0].attn.proj.bias is None
+    inputs = batch()
+    assert torch.equal(loaded(**inputs).logits, model(**inputs).logits)
+    # a config saved before the field existed has the bias, as those models do
+    assert SWBertConfig.from_dict({"attention_type": "shared"}).shared_bias is True
+    with pytest.raises(ValueError, match="shared_bias='no' must be true or false"):
+        tiny(shared_bias="no")
 
 
 def test_shared_scores_are_symmetric_in_the_tokens():

@@ -27,8 +27,8 @@ from swbert.parallel.layers import ColumnLinear, RowLinear, TensorParallelMasked
 from tests.test_parallel_harness import mlm_batch, reference_model, run_ranks, tiny_config
 
 
-def _check_variant(attention_type: str, sequence_parallel: bool) -> None:
-    config = tiny_config(attention_type)
+def _check_variant(attention_type: str, sequence_parallel: bool, **overrides: object) -> None:
+    config = tiny_config(attention_type, **overrides)
     ref = reference_model(config)
     model = SWBertForMaskedLM(config)
     model.load_state_dict(ref.state_dict())
@@ -41,6 +41,7 @@ def _check_variant(attention_type: str, sequence_parallel: bool) -> None:
     assert model.bert.embeddings.word_embeddings.weight.shape == (config.vocab_size // 2, config.hidden_size)
     if attention_type == "shared":
         assert isinstance(attn.proj, ColumnLinear) and attn.dq.shape == (config.hidden_size // 2,)
+        assert (attn.proj.bias is not None) == config.shared_bias
     if type(attn).packed:  # one fused projection, this rank's heads of each part
         parts = len(type(attn).packed["in_proj"])
         assert isinstance(attn.in_proj, ColumnLinear)
@@ -88,6 +89,7 @@ def _all_variants() -> None:
     for attention_type in ATTENTION_TYPES:
         for sequence_parallel in (False, True):
             _check_variant(attention_type, sequence_parallel)
+    _check_variant("shared", False, shared_bias=False)  # the paper's form, no bs
     # bad input inside a real group: a world of 2 cannot be split 3 ways
     with pytest.raises(
         ValueError, match=r"--tensor-parallel 3 does not divide the number of processes \(2\)"

@@ -6,6 +6,7 @@ tensor-parallel wrapper that shards the projections by heads needs no change her
 
     standard   Q = X Wq + bq,  K = X Wk + bk,  V = X Wv + bv
     shared     S = X Ws + bs;  Q = S * dq,  K = S * dk,  V = S * dv     (dq, dk, dv in R^d)
+               (bs is ours: the paper's Table 3 has no bias; `shared_bias=False` is its exact form)
     symmetric  Q = X Wq + bq,  K = Q,  V = X Wv + bv
     pairwise   Q = X Wq + bq,  V = X Wv + bv;  scores Q U Q^T with one Dh x Dh U per head
 
@@ -117,7 +118,7 @@ class SelfAttention(nn.Module):
 
     A variant subclasses this, implements `qkv`, declares the class facts below and registers
     with `@register_attention(name)`. What it must declare: `qkv_plan`. What it may override:
-    `packed`, `activation_units`, `bert_equivalent`, `init_parameters`, `extra_flops_per_token`,
+    `packed`, `activation_units`, `table_forms`, `bert_equivalent`, `init_parameters`, `extra_flops_per_token`,
     `closed_form_qkv_params`, `fold_for_inference`. Parameter and GEMM counts are derived.
     """
 
@@ -135,6 +136,9 @@ class SelfAttention(nn.Module):
     # et al., 2022; see swbert.scaling.memory): 34 for attention that keeps Q, K and V apart (6 of
     # the 34) as BERT's does. A variant that keeps fewer tensors says so.
     activation_units: ClassVar[int] = 34
+    # Other configurations of the variant that parameter tables list next to its default: a row
+    # label -> the SWBertConfig fields that make it (shared: without its bias bs, the paper's form).
+    table_forms: ClassVar[Mapping[str, Mapping[str, object]]] = {}
     # True when the variant is transformers' BERT attention, so the model converts to BertFor*
     # (swbert.convert) with the same numerics.
     bert_equivalent: ClassVar[bool] = False
@@ -336,6 +340,9 @@ class StandardAttention(SelfAttention):
 class SharedAttention(SelfAttention):
     """One projection S = X Ws + bs; Q, K, V are S scaled elementwise by dq, dk, dv.
 
+    The bias bs is our choice (config.shared_bias, default True, which checkpoints trained so far
+    have); the paper's Table 3 counts d^2 + 3d parameters, Ws and the diagonals, without it.
+
     The diagonal matrices of the paper are stored as vectors (initialised to ones, so training
     starts from Q = K = V = S). Since Q K^T = S diag(dq * dk) S^T, the pre-softmax scores are
     symmetric in the tokens.
@@ -345,16 +352,19 @@ class SharedAttention(SelfAttention):
     qkv_plan = {"proj": "column", "dq": "heads", "dk": "heads", "dv": "heads"}
     # `forward` keeps S and Q = S * (dq*dk) for backward: the keys and values are S itself
     activation_units = 32
+    table_forms = {"shared, no bs": {"shared_bias": False}}  # the paper's Table 3: d^2 + 3d per layer
 
     @classmethod
     def closed_form_qkv_params(cls, config: SWBertConfig) -> int:
         d = config.hidden_size
-        return d * d + d + 3 * d  # Ws, bs and the diagonals dq, dk, dv
+        bias = d if config.shared_bias else 0  # bs is ours; the paper's Table 3 has d^2 + 3d
+        return d * d + bias + 3 * d  # Ws, bs and the diagonals dq, dk, dv
 
     def __init__(self, config: SWBertConfig) -> None:
         super().__init__(config)
         d = config.hidden_size
-        self.proj = nn.Linear(d, d)
+        # bs: our addition (the paper counts none); config.shared_bias=False is the paper's exact form
+        self.proj = nn.Linear(d, d, bias=config.shared_bias)
         self.dq = nn.Parameter(torch.empty(d))
         self.dk = nn.Parameter(torch.empty(d))
         self.dv = nn.Parameter(torch.empty(d))

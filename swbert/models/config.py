@@ -58,6 +58,9 @@ class SWBertConfig(PretrainedConfig):
         classifier_dropout: float | None = None,  # dropout before classification heads (None: hidden)
         attention_type: AttentionType | str = "shared",  # a registered Q/K/V variant (attention.py)
         attention_kernel: AttentionKernel = "sdpa",  # inner kernel: fused SDPA or the eager reference
+        # shared attention's bias bs in S = X Ws + bs. Ours, not the paper's: its Table 3 counts Ws with
+        # no bias (d^2 + 3d per layer), which False gives exactly. True keeps older checkpoints' bias.
+        shared_bias: bool = True,
         **kwargs: Any,
     ) -> None:
         self.vocab_size = vocab_size
@@ -75,6 +78,7 @@ class SWBertConfig(PretrainedConfig):
         self.classifier_dropout = classifier_dropout
         self.attention_type = attention_type
         self.attention_kernel = attention_kernel
+        self.shared_bias = shared_bias
         kwargs.setdefault("tie_word_embeddings", True)
         super().__init__(pad_token_id=pad_token_id, **kwargs)
         self.check()
@@ -107,6 +111,8 @@ class SWBertConfig(PretrainedConfig):
                 f"{self.num_attention_heads}; num_attention_heads must divide it: one of "
                 f"{', '.join(map(str, divisors))}"
             )
+        if not isinstance(self.shared_bias, bool):
+            raise ValueError(f"shared_bias={self.shared_bias!r} must be true or false")
 
     @classmethod
     def from_size(cls, name: str, **overrides: Any) -> SWBertConfig:

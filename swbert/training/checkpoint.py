@@ -297,14 +297,36 @@ def check_compatible(
             "--size/--attention-type/data, or start a new --output-dir"
         )
     if "model_config" in meta:
-        check_parameter_names(tag_dir, meta["model_config"])
+        _check_model_fields(tag_dir, saved.get("model_config", {}), meta["model_config"])
     if saved.get("tensor_parallel", 1) != meta.get("tensor_parallel", 1) and not is_universal(tag_dir):
         raise ValueError(
             f"checkpoint {tag_dir} was saved with --tensor-parallel {saved.get('tensor_parallel', 1)} but this run "
             f"uses {meta.get('tensor_parallel', 1)}; convert it first: python -m swbert.parallel.convert universal "
             f"{tag_dir.parent} NEW_DIR --tag {tag_dir.name}, then pass --resume NEW_DIR"
         )
+    if "model_config" in meta:
+        check_parameter_names(tag_dir, meta["model_config"])
     return _check_run_settings(tag_dir, saved.get("run"), meta.get("run"), allow)
+
+
+# Model-config fields the training config sets that change the model's tensors, with the value a
+# checkpoint that does not record them was made with.
+MODEL_FIELDS = {"shared_bias": True}
+
+
+def _check_model_fields(tag_dir: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
+    diffs = {
+        k: (saved.get(k, default), now.get(k, default))
+        for k, default in MODEL_FIELDS.items()
+        if saved.get(k, default) != now.get(k, default)
+    }
+    if diffs:
+        flags = " ".join(f"--{k.replace('_', '-')} {str(a).lower()}" for k, (a, _) in diffs.items())
+        raise ValueError(
+            f"checkpoint {tag_dir} is of a different model ("
+            + "; ".join(f"{k}: checkpoint {a!r} vs this run {b!r}" for k, (a, b) in diffs.items())
+            + f"); resume it with {flags}, or start a new --output-dir"
+        )
 
 
 def _saved_parameter_names(tag_dir: Path) -> set[str] | None:

@@ -44,6 +44,7 @@ class TrainConfig:
     # model
     size: str = "mini"  # named size, see swbert.models.config.SIZES
     attention_type: str = "shared"  # standard | shared | symmetric | pairwise
+    shared_bias: bool = True  # shared attention's bias bs (ours; false: the paper's form, d^2 + 3d per layer)
     hidden_dropout: float = 0.1  # dropout on embeddings and residual branches
     attention_dropout: float = 0.1  # dropout on attention probabilities
     # data
