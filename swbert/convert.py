@@ -7,6 +7,7 @@ python -m swbert.convert to-hf SWBERT_FOLDER OUT_FOLDER   # SWBertFor* (standard
 from __future__ import annotations
 
 import argparse
+import copy
 import re
 import shutil
 from pathlib import Path
@@ -142,6 +143,8 @@ def to_hf_bert(model: nn.Module) -> nn.Module:
     target = next((theirs for theirs, ours in _PAIRS if type(model) is ours), None)
     if target is None:
         raise ValueError(f"no transformers equivalent for {type(model).__name__}")
+    if config.padded_vocab_size != config.vocab_size:  # BERT's tables have vocab_size rows
+        model = copy.deepcopy(model).trim_vocab_padding()
     fields = {name: getattr(config, name) for name in _SHARED_FIELDS}
     fields.update({name: getattr(config, name) for name in _LABEL_FIELDS if getattr(config, name, None)})
     hf_model = target(BertConfig(**fields))

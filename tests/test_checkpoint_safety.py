@@ -294,12 +294,21 @@ def test_a_checkpoint_from_before_the_fused_projections_is_refused_with_the_expo
     ckpt.check_parameter_names(tag_dir, shared.to_dict())  # shared attention has nothing packed
 
 
-def test_a_checkpoint_of_another_shared_bias_is_refused_with_the_flag_to_resume_it(tmp_path):
-    """A field of the model config that the training config sets (and the model section of the record
-    does not hold) is compared too; a checkpoint that predates the field has its old value."""
+@pytest.mark.parametrize(
+    ("now", "message"),
+    [
+        ({"shared_bias": False}, r"shared_bias: checkpoint True vs this run False.*--shared-bias true"),
+        (
+            {"pad_vocab_multiple": 128},
+            r"pad_vocab_multiple: checkpoint 1 vs this run 128.*--pad-vocab-multiple 1",
+        ),
+    ],
+)
+def test_a_checkpoint_of_another_model_form_is_refused_with_the_flag_to_resume_it(tmp_path, now, message):
+    """Fields of the model config that the training config sets (and the model section of the record
+    does not hold) are compared too; a checkpoint that predates a field has its old value (bs, no
+    padding), so a run started before pretraining padded its vocabulary resumes with
+    --pad-vocab-multiple 1 instead of failing on the table's shape."""
     tag_dir = fake_checkpoint(tmp_path, 4)
-    meta = {"model": {}, "model_config": {"shared_bias": False}}
-    with pytest.raises(
-        ValueError, match=r"shared_bias: checkpoint True vs this run False.*--shared-bias true"
-    ):
-        ckpt.check_compatible(tag_dir, meta)
+    with pytest.raises(ValueError, match=message):
+        ckpt.check_compatible(tag_dir, {"model": {}, "model_config": now})

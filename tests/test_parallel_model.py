@@ -38,7 +38,8 @@ def _check_variant(attention_type: str, sequence_parallel: bool, **overrides: ob
     assert isinstance(attn.out_proj, RowLinear)
     assert isinstance(model.bert.embeddings.word_embeddings, VocabEmbedding)
     assert model.mlm_head.decoder.weight is model.bert.embeddings.word_embeddings.weight  # still tied
-    assert model.bert.embeddings.word_embeddings.weight.shape == (config.vocab_size // 2, config.hidden_size)
+    rows = config.padded_vocab_size // 2
+    assert model.bert.embeddings.word_embeddings.weight.shape == (rows, config.hidden_size)
     if attention_type == "shared":
         assert isinstance(attn.proj, ColumnLinear) and attn.dq.shape == (config.hidden_size // 2,)
         assert (attn.proj.bias is not None) == config.shared_bias
@@ -51,7 +52,7 @@ def _check_variant(attention_type: str, sequence_parallel: bool, **overrides: ob
 
     # plain TP computes the last layer on the labelled rows only; the sequence-split region cannot
     assert model.last_layer_on_labels is not sequence_parallel and ref.last_layer_on_labels
-    batch = mlm_batch(seed=1)
+    batch = mlm_batch(seed=1, vocab=config.vocab_size)
     expected, got = ref(**batch), model(**batch)
     expected.loss.backward()
     got.loss.backward()
@@ -90,6 +91,10 @@ def _all_variants() -> None:
         for sequence_parallel in (False, True):
             _check_variant(attention_type, sequence_parallel)
     _check_variant("shared", False, shared_bias=False)  # the paper's form, no bs
+    # a padded vocabulary: 100 ids in 128 rows, the padding in rank 1's shard; then 60 ids, rank 1's
+    # shard all padding (its logits all -inf in the vocab-parallel loss)
+    _check_variant("standard", False, vocab_size=100, pad_vocab_multiple=128)
+    _check_variant("shared", True, vocab_size=60, pad_vocab_multiple=128)
     # bad input inside a real group: a world of 2 cannot be split 3 ways
     with pytest.raises(
         ValueError, match=r"--tensor-parallel 3 does not divide the number of processes \(2\)"
@@ -147,7 +152,11 @@ def test_state_dicts_from_before_the_fusion_shard_and_merge(variant):
     ("field", "value", "message"),
     [
         ("num_attention_heads", 4, r"num_attention_heads=4 is not divisible by --tensor-parallel 3"),
-        ("vocab_size", 130, r"vocab_size=130 is not divisible by --tensor-parallel 4.*vocab_size=132"),
+        (
+            "vocab_size",
+            130,
+            r"vocab_size=130 \(padded to 130 rows.*--tensor-parallel 4.*pad_vocab_multiple=128",
+        ),
         ("intermediate_size", 250, r"intermediate_size=250 is not divisible by --tensor-parallel 4"),
     ],
 )

@@ -97,6 +97,7 @@ def to_hf(
     tied = set(model._tied_weights_keys)
     if set(missing) - tied or unexpected:
         raise ValueError(f"checkpoint does not match the config: missing {missing}, unexpected {unexpected}")
+    model.trim_vocab_padding()  # the folder's tables match the tokenizer (vocab_size rows)
     model.save_pretrained(out_dir)
     from swbert.models.remote_code import add_remote_code
 

@@ -213,14 +213,26 @@ class TensorParallelMaskedLM(SWBertForMaskedLM):
     def logits_and_loss(
         self, h: torch.Tensor, target: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """h is replicated over the group; the decoder's output is this rank's vocabulary shard."""
-        local_logits = self.mlm_head(h)  # (..., V / tp)
+        """h is replicated over the group; the decoder's output is this rank's vocabulary shard.
+
+        With a padded vocabulary (config.pad_vocab_multiple) the padded ids' logits are -inf in the
+        loss, which is then the TP=1 model's over vocab_size ids, and the gathered logits end at
+        vocab_size as at TP=1."""
+        vocab = self.config.vocab_size
+        local_logits = self.mlm_head(h)  # (..., padded V / tp)
         logits = gather_from_tensor_model_parallel_region(local_logits)  # before the in-place loss
+        if logits.shape[-1] != vocab:
+            logits = logits[..., :vocab]
         if target is None:
             return logits, None
         if target.numel() == 0:
             return logits, local_logits.sum() * 0.0  # keeps the graph, as at TP=1
-        return logits, vocab_parallel_cross_entropy(local_logits.float(), target).mean()
+        local = local_logits.float()
+        start = self.bert.embeddings.word_embeddings.vocab_start_index  # this rank's first id
+        if start + local.shape[-1] > vocab:  # the padding lies in this rank's shard
+            padded = torch.arange(start, start + local.shape[-1], device=local.device) >= vocab
+            local = local.masked_fill(padded, float("-inf"))  # exp(-inf) = 0: out of the softmax
+        return logits, vocab_parallel_cross_entropy(local, target).mean()
 
     def save_pretrained(self, *args: object, **kwargs: object) -> None:
         raise RuntimeError(

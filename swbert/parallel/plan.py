@@ -15,6 +15,7 @@ biases, the MLM transform) is replicated.
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -87,10 +88,13 @@ def check_divisible(config: SWBertConfig, tp_size: int) -> None:
             f"intermediate_size={config.intermediate_size} is not divisible by {flag}; "
             "use a tensor-parallel size that divides it"
         )
-    if config.vocab_size % tp_size:
-        padded = -(-config.vocab_size // tp_size) * tp_size
+    rows = config.padded_vocab_size
+    if rows % tp_size:
+        multiple = math.lcm(128, tp_size)
         raise ValueError(
-            f"vocab_size={config.vocab_size} is not divisible by {flag}: the embedding and the MLM "
-            f"decoder are split by vocabulary rows. Pad the model's vocabulary (vocab_size={padded}, or "
-            f"a multiple of 128 x {tp_size} for faster GEMMs); ids beyond the tokenizer's are never used"
+            f"vocab_size={config.vocab_size} (padded to {rows} rows with pad_vocab_multiple="
+            f"{config.pad_vocab_multiple}) is not divisible by {flag}: the embedding and the MLM decoder "
+            f"are split by vocabulary rows. Pad the vocabulary to a multiple of {tp_size}: "
+            f"pad_vocab_multiple={multiple} (pretraining: --pad-vocab-multiple {multiple}); the padded "
+            "rows are never read nor predicted"
         )

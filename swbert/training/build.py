@@ -131,6 +131,7 @@ def build_model_config(cfg: TrainConfig, data: TrainingData) -> SWBertConfig:
         cfg.size,
         attention_type=cfg.attention_type,
         shared_bias=cfg.shared_bias,
+        pad_vocab_multiple=cfg.pad_vocab_multiple,
         vocab_size=data.vocab_size,
         max_position_embeddings=max(512, cfg.seq_len),
         hidden_dropout_prob=cfg.hidden_dropout,

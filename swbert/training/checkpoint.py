@@ -311,7 +311,7 @@ def check_compatible(
 
 # Model-config fields the training config sets that change the model's tensors, with the value a
 # checkpoint that does not record them was made with.
-MODEL_FIELDS = {"shared_bias": True}
+MODEL_FIELDS = {"shared_bias": True, "pad_vocab_multiple": 1}
 
 
 def _check_model_fields(tag_dir: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:

@@ -63,8 +63,11 @@ def load_model_from_checkpoint(tag_dir: Path) -> SWBertForMaskedLM:
 
 
 def export(tag_dir: Path, output: Path, tokenizer_dir: Path | None = None) -> Path:
-    """Write the HF folder for one checkpoint; the tokenizer is copied when known."""
-    model = load_model_from_checkpoint(tag_dir)
+    """Write the HF folder for one checkpoint; the tokenizer is copied when known.
+
+    A vocabulary padded for training (pad_vocab_multiple) is trimmed back to the tokenizer's size:
+    the folder loads as a model of vocab_size ids, in swbert and in plain transformers alike."""
+    model = load_model_from_checkpoint(tag_dir).trim_vocab_padding()
     output.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output)
     add_remote_code(output)
