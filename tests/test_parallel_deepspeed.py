@@ -147,12 +147,12 @@ def test_tp2_dp2_zero2_and_zero3_train_like_tp1_dp2():
     run_ranks(_tp2_dp2_like_tp1_dp2, 4, (2, 3), 4, deepspeed=True)
 
 
-def _checkpoints(tmp: str) -> None:
-    config = tiny_config("shared")
+def _checkpoints(tmp: str, attention_type: str, overrides: dict[str, object]) -> None:
+    config = tiny_config(attention_type, **overrides)
     saved_tp1, universal, saved_tp2 = f"{tmp}/tp1", f"{tmp}/universal", f"{tmp}/tp2"
 
     def batches(step: int) -> list[dict[str, torch.Tensor]]:
-        return [mlm_batch(2000 + 2 * step + r) for r in range(2)]
+        return [mlm_batch(2000 + 2 * step + r, vocab=config.vocab_size) for r in range(2)]
 
     # TP=1 x DP=2: train, save, and keep going to see what the continuation should give
     d = initialize(1)
@@ -199,7 +199,7 @@ def _checkpoints(tmp: str) -> None:
     # TP=2 checkpoint -> merged Hugging Face folder -> the logits of the TP run
     engine.save_checkpoint(saved_tp2, tag="s5", client_state=checkpoint_client_state(config))
     engine.eval()
-    probe = mlm_batch(3000)
+    probe = mlm_batch(3000, vocab=config.vocab_size)
     with torch.no_grad():
         tp_logits = engine.module(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
     full = gather_state_dict(engine.module)
@@ -231,5 +231,13 @@ def _checkpoints(tmp: str) -> None:
 
 
 @pytest.mark.slow
-def test_checkpoints_move_between_tp_sizes_and_to_hugging_face(tmp_path):
-    run_ranks(_checkpoints, 2, str(tmp_path), deepspeed=True)
+@pytest.mark.parametrize(
+    ("attention_type", "overrides"),
+    [
+        ("shared", {}),
+        # the fused, head-interleaved in_proj, and a vocabulary padded from 100 ids to 128 rows
+        ("standard", {"vocab_size": 100, "pad_vocab_multiple": 128}),
+    ],
+)
+def test_checkpoints_move_between_tp_sizes_and_to_hugging_face(tmp_path, attention_type, overrides):
+    run_ranks(_checkpoints, 2, str(tmp_path), attention_type, overrides, deepspeed=True)
