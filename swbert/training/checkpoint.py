@@ -345,7 +345,8 @@ def check_parameter_names(tag_dir: Path, model_config: dict[str, Any]) -> None:
     """Refuse a checkpoint holding tensors the model has not, e.g. one saved before the attention
     projections were fused (q_proj, k_proj, v_proj -> in_proj). Its weights would load (the model
     packs the separate projections) but DeepSpeed's ZeRO optimizer state is flat buffers in the old
-    parameter order: Adam moments and fp32 master weights would land on the wrong entries, silently."""
+    parameter order: Adam moments and fp32 master weights would land on the wrong entries, silently.
+    Converted to a universal checkpoint it resumes (the conversion packs the separate tensors)."""
     from swbert.models import SWBertConfig, SWBertForMaskedLM
 
     saved = _saved_parameter_names(tag_dir)
@@ -358,9 +359,11 @@ def check_parameter_names(tag_dir: Path, model_config: dict[str, Any]) -> None:
         raise ValueError(
             f"checkpoint {tag_dir} holds tensors this model has not ({', '.join(unknown[:3])}"
             f"{', ...' if len(unknown) > 3 else ''}): saved by an older swbert, before the attention "
-            "projections were fused (q_proj, k_proj, v_proj became in_proj), or by another model. Its "
-            "optimizer state does not carry over; its weights do: export them with python -m "
-            f"swbert.training.export {tag_dir} --output DIR (the separate projections are packed on load)"
+            "projections were fused (q_proj, k_proj, v_proj became in_proj), or by another model. "
+            "DeepSpeed would load its optimizer state in the old parameter order. Convert it first: "
+            f"python -m swbert.parallel.convert universal {tag_dir.parent} NEW_DIR --tag {tag_dir.name}, "
+            f"then pass --resume NEW_DIR (the optimizer state is repacked); or export its weights: "
+            f"python -m swbert.training.export {tag_dir} --output DIR"
         )
 
 
