@@ -8,6 +8,7 @@ a shared machine hits every model alike) and prints the median of each and the r
     python benchmarks/train_step.py --seq-len 512 --batch 4 --reps 10
     python benchmarks/train_step.py --smoke               # tiny shape, seconds (run by the tests)
     python benchmarks/train_step.py --models standard,standard-full,shared,shared-full   # last layer on/off
+    python benchmarks/train_step.py --models standard,standard-separate   # what the fused QKV GEMM is worth
 
 The reference is what a user would otherwise run: `transformers.BertForMaskedLM` with
 `attn_implementation="sdpa"`, labels set to -100 on the unmasked positions (15% masked), the same
@@ -20,7 +21,8 @@ every device; on a GPU the peak allocated memory of a step above what was reside
 printed as well. `--inference` adds eval-mode latency of `shared` before and after
 `optimize_for_inference()`. `<variant>-full` (`standard-full`, `shared-full`, ...; not in the
 default set) is that swbert variant with `last_layer_on_labels = False`: its last layer computes
-every position, not only the masked ones.
+every position, not only the masked ones. `standard-separate` is standard attention as it was before
+its projections were fused: three d x d GEMMs (q_proj, k_proj, v_proj) instead of one 3d x d.
 
 On a CPU every swbert model runs with the CPU kernels (`swbert.cpu.optimize_for_cpu`), as the
 trainer does by default there. `<model>-plain` runs it without them, exactly the model path a GPU
@@ -49,16 +51,21 @@ from torch import nn
 
 from swbert.cpu import CPU_KERNELS, keep_freed_memory, optimize_for_cpu
 from swbert.models import SWBertConfig, SWBertForMaskedLM
-from swbert.models.attention import attention_types
+from swbert.models.attention import SelfAttention, StandardAttention, attention_types, unpack_heads
 from swbert.models.flops import masked_lm_flops
 from swbert.training.metrics import peak_tflops_of
 
 MODELS: tuple[str, ...] = ("hf", "standard", "shared", "symmetric", "pairwise")
 # Opt-in: a variant without the masked-positions-only last layer, e.g. "shared-full".
 FULL_LAST_LAYER = "-full"
+# Opt-in: standard attention with its Q, K, V projections as three GEMMs, as before the fusion.
+SEPARATE = "-separate"
 # Suffixes for the CPU kernels: none of them (the GPU's path), or only the named ones.
 PLAIN = "-plain"
-MODEL_FORMS = f"hf, or <variant>[{FULL_LAST_LAYER}][{PLAIN} | +kernel...] with a variant of {attention_types()} and kernels of {CPU_KERNELS}"
+MODEL_FORMS = (
+    f"hf, or <variant>[{FULL_LAST_LAYER}][{PLAIN} | +kernel...] with a variant of {attention_types()} "
+    f"and kernels of {CPU_KERNELS}, or standard{SEPARATE}[...]"
+)
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MASK_PROB = 0.15
 
@@ -146,18 +153,53 @@ class ModelSpec:
     variant: str  # an attention type
     full_last_layer: bool = False
     cpu_kernels: tuple[str, ...] = CPU_KERNELS  # on a CPU; () is the plain path
+    separate_qkv: bool = False  # standard only: Q, K, V as three GEMMs (before the fusion)
 
 
 def parse_model(name: str) -> ModelSpec:
-    """`shared`, `shared-full`, `shared-plain`, `shared+dropout+decoder`, `shared-full-plain`, ..."""
+    """`shared`, `shared-full`, `shared-plain`, `shared+dropout+decoder`, `shared-full-plain`,
+    `standard-separate-full`, ..."""
     base, *kernels = name.split("+")
     plain = base.endswith(PLAIN)
     base = base.removesuffix(PLAIN)
     full = base.endswith(FULL_LAST_LAYER)
-    variant = base.removesuffix(FULL_LAST_LAYER)
-    if variant not in attention_types() or (plain and kernels) or not set(kernels) <= set(CPU_KERNELS):
+    base = base.removesuffix(FULL_LAST_LAYER)
+    separate = base.endswith(SEPARATE)
+    variant = base.removesuffix(SEPARATE)
+    if (
+        variant not in attention_types()
+        or (plain and kernels)
+        or not set(kernels) <= set(CPU_KERNELS)
+        or (separate and variant != StandardAttention.attention_type)
+    ):
         raise ValueError(f"unknown model {name!r}: use {MODEL_FORMS}")
-    return ModelSpec(variant, full, () if plain else tuple(kernels) or CPU_KERNELS)
+    return ModelSpec(variant, full, () if plain else tuple(kernels) or CPU_KERNELS, separate)
+
+
+class SeparateQKVAttention(SelfAttention):
+    """Standard attention before the fusion: Q, K and V from three d x d projections (not registered:
+    a benchmark baseline only)."""
+
+    def __init__(self, fused: StandardAttention, config: SWBertConfig) -> None:
+        super().__init__(config)
+        self.load_state_dict(
+            {"out_proj." + k: v for k, v in fused.out_proj.state_dict().items()}, strict=False
+        )
+        d = config.hidden_size
+        weights, biases = (unpack_heads(t.detach(), 3, self.head_dim) for t in fused.in_proj.parameters())
+        for name, w, b in zip(StandardAttention.packed["in_proj"], weights, biases):
+            linear = nn.Linear(d, d)
+            with torch.no_grad():
+                linear.weight.copy_(w)
+                linear.bias.copy_(b)
+            setattr(self, name, linear)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (
+            self.split_heads(self.q_proj(x)),
+            self.split_heads(self.k_proj(x)),
+            self.split_heads(self.v_proj(x)),
+        )
 
 
 def swbert_config(args: argparse.Namespace, attention_type: str = "standard") -> SWBertConfig:
@@ -195,6 +237,9 @@ def build_model(name: str, args: argparse.Namespace) -> nn.Module:
     spec = parse_model(name)
     model = SWBertForMaskedLM(swbert_config(args, spec.variant))
     model.last_layer_on_labels = not spec.full_last_layer
+    if spec.separate_qkv:
+        for layer in model.bert.encoder.layers:
+            layer.attn = SeparateQKVAttention(layer.attn, model.config)
     if args.device.type == "cpu" and not args.compile:  # as the trainer's cpu_kernels: auto
         optimize_for_cpu(model, spec.cpu_kernels)
     return model
@@ -407,6 +452,9 @@ def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
         suffix = name.removeprefix(variant)
         if variant != "standard" and f"standard{suffix}" in names:
             pairs.append((name, f"standard{suffix}"))
+        if SEPARATE in suffix and name.replace(SEPARATE, "") in names:
+            pairs.append((name.replace(SEPARATE, ""), name))
+            continue
         if FULL_LAST_LAYER in suffix and name.replace(FULL_LAST_LAYER, "") in names:
             pairs.append((name.replace(FULL_LAST_LAYER, ""), name))
         base = name.split("+")[0].removesuffix(PLAIN)

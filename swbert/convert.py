@@ -7,6 +7,7 @@ python -m swbert.convert to-hf SWBERT_FOLDER OUT_FOLDER   # SWBertFor* (standard
 from __future__ import annotations
 
 import argparse
+import copy
 import re
 import shutil
 from pathlib import Path
@@ -22,9 +23,10 @@ from swbert.models import (
     SWBertForSequenceClassification,
     SWBertModel,
 )
-from swbert.models.attention import StandardAttention, attention_class, attention_types
+from swbert.models.attention import StandardAttention, attention_class, attention_types, unpack_state_dict
 
-# (transformers name, swbert name) for every parameter, the attention's those of `StandardAttention`.
+# (transformers name, swbert name) for every parameter, the attention's those of `StandardAttention`
+# in their separate form (q_proj, k_proj, v_proj), which its load hook packs into `in_proj`.
 _RENAMES: list[tuple[str, str]] = [
     (r"embeddings\.LayerNorm\.", r"embeddings.norm."),
     (r"encoder\.layer\.(\d+)\.attention\.self\.query\.", r"encoder.layers.\1.attn.q_proj."),
@@ -141,12 +143,27 @@ def to_hf_bert(model: nn.Module) -> nn.Module:
     target = next((theirs for theirs, ours in _PAIRS if type(model) is ours), None)
     if target is None:
         raise ValueError(f"no transformers equivalent for {type(model).__name__}")
+    if config.padded_vocab_size != config.vocab_size:  # BERT's tables have vocab_size rows
+        model = copy.deepcopy(model).trim_vocab_padding()
     fields = {name: getattr(config, name) for name in _SHARED_FIELDS}
     fields.update({name: getattr(config, name) for name in _LABEL_FIELDS if getattr(config, name, None)})
     hf_model = target(BertConfig(**fields))
-    _load(hf_model, _rename(model.state_dict(), _INVERSE), type(model).__name__)
+    _load(hf_model, _rename(separate_projections(model), _INVERSE), type(model).__name__)
     hf_model.tie_weights()
     return hf_model
+
+
+def separate_projections(model: nn.Module) -> dict:
+    """The model's state dict with each fused attention projection as the separate ones it packs
+    (standard: `in_proj` -> q_proj, k_proj, v_proj, BERT's query, key and value)."""
+    config: SWBertConfig = model.config
+    packed = attention_class(config.attention_type).packed
+    state = dict(model.state_dict())
+    suffixes = tuple(f".{fused}.{kind}" for fused in packed for kind in ("weight", "bias"))
+    prefixes = {k[: k.rindex(".", 0, k.rindex("."))] + "." for k in state if k.endswith(suffixes)}
+    for prefix in prefixes:
+        unpack_state_dict(state, prefix, packed, config.head_dim)
+    return state
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:

@@ -304,3 +304,47 @@ def test_every_rank_resumes_what_rank_0_chose_or_all_fail_naming_the_blind_rank(
 
     (tmp_path / "step_00000012").mkdir()
     run_ranks(_agree_on_resume, 2, str(tmp_path))
+
+
+def test_a_checkpoint_from_before_the_fused_projections_is_refused_with_the_export_command(tmp_path):
+    """Its weights would load (the model packs q_proj, k_proj, v_proj), but ZeRO's flat optimizer
+    buffers are in the old parameter order: resuming would silently scramble Adam's state."""
+    import torch
+
+    from swbert.convert import separate_projections
+    from swbert.models import SWBertConfig, SWBertForMaskedLM
+
+    config = SWBertConfig.from_size("tiny", attention_type="standard", vocab_size=96)
+    model = SWBertForMaskedLM(config)
+    tag_dir = tmp_path / ckpt.tag_for(4)
+    tag_dir.mkdir()
+    torch.save({"module": model.state_dict()}, tag_dir / "mp_rank_00_model_states.pt")
+    ckpt.check_parameter_names(tag_dir, config.to_dict())  # today's layout: fine
+    torch.save({"module": separate_projections(model)}, tag_dir / "mp_rank_00_model_states.pt")
+    with pytest.raises(ValueError, match=r"attn\.k_proj\.bias.*before the attention projections were fused"):
+        ckpt.check_parameter_names(tag_dir, config.to_dict())
+    with pytest.raises(ValueError, match=f"swbert.training.export {tag_dir} --output DIR"):
+        ckpt.check_parameter_names(tag_dir, config.to_dict())
+    shared = SWBertConfig.from_size("tiny", attention_type="shared", vocab_size=96)
+    torch.save({"module": SWBertForMaskedLM(shared).state_dict()}, tag_dir / "mp_rank_00_model_states.pt")
+    ckpt.check_parameter_names(tag_dir, shared.to_dict())  # shared attention has nothing packed
+
+
+@pytest.mark.parametrize(
+    ("now", "message"),
+    [
+        ({"shared_bias": False}, r"shared_bias: checkpoint True vs this run False.*--shared-bias true"),
+        (
+            {"pad_vocab_multiple": 128},
+            r"pad_vocab_multiple: checkpoint 1 vs this run 128.*--pad-vocab-multiple 1",
+        ),
+    ],
+)
+def test_a_checkpoint_of_another_model_form_is_refused_with_the_flag_to_resume_it(tmp_path, now, message):
+    """Fields of the model config that the training config sets (and the model section of the record
+    does not hold) are compared too; a checkpoint that predates a field has its old value (bs, no
+    padding), so a run started before pretraining padded its vocabulary resumes with
+    --pad-vocab-multiple 1 instead of failing on the table's shape."""
+    tag_dir = fake_checkpoint(tmp_path, 4)
+    with pytest.raises(ValueError, match=message):
+        ckpt.check_compatible(tag_dir, {"model": {}, "model_config": now})

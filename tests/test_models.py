@@ -21,7 +21,8 @@ from swbert import (
     SWBertForSequenceClassification,
     SWBertModel,
 )
-from swbert.models.attention import SharedAttention, build_attention
+from swbert.convert import separate_projections
+from swbert.models.attention import SharedAttention, build_attention, pack_heads, unpack_heads
 
 
 def tiny(**overrides) -> SWBertConfig:
@@ -36,9 +37,10 @@ def batch(B: int = 2, S: int = 10) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def test_shared_layer_equals_the_paper_formula_by_hand():
+@pytest.mark.parametrize("shared_bias", [True, False])
+def test_shared_layer_equals_the_paper_formula_by_hand(shared_bias):
     torch.manual_seed(0)
-    config = tiny(attention_type="shared", attention_probs_dropout_prob=0.0)
+    config = tiny(attention_type="shared", attention_probs_dropout_prob=0.0, shared_bias=shared_bias)
     attn = SharedAttention(config).eval()
     with torch.no_grad():
         for p in (attn.dq, attn.dk, attn.dv):
@@ -49,7 +51,8 @@ def test_shared_layer_equals_the_paper_formula_by_hand():
     # the paper's form (plus our bias bs): S = X Ws + bs; Q = S diag(dq); K = S diag(dk); V = S diag(dv);
     # per-head softmax attention
     Ws, bs = attn.proj.weight.T, attn.proj.bias
-    S = x @ Ws + bs
+    assert (bs is not None) == shared_bias  # bs is ours; the paper's Table 3 form has none
+    S = x @ Ws + (bs if shared_bias else 0)
     Q, K, V = S @ torch.diag(attn.dq), S @ torch.diag(attn.dk), S @ torch.diag(attn.dv)
     H, Dh = config.num_attention_heads, config.head_dim
     heads = []
@@ -62,6 +65,26 @@ def test_shared_layer_equals_the_paper_formula_by_hand():
     got = attn(x, mask[:, None, None, :])
     assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert attn.proj.weight.shape == (config.hidden_size, config.hidden_size)  # one d x d matrix
+    folded = SharedAttention(config).eval()
+    folded.load_state_dict(attn.state_dict())
+    folded.fold_for_inference()
+    assert_close(folded(x, mask[:, None, None, :]), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_without_bias_saves_and_loads_as_such(tmp_path):
+    torch.manual_seed(0)
+    model = SWBertForMaskedLM(tiny(attention_type="shared", shared_bias=False)).eval()
+    assert not any(n.endswith("attn.proj.bias") for n, _ in model.named_parameters())
+    perturb_(model)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForMaskedLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.shared_bias is False and loaded.bert.encoder.layers[0].attn.proj.bias is None
+    inputs = batch()
+    assert torch.equal(loaded(**inputs).logits, model(**inputs).logits)
+    # a config saved before the field existed has the bias, as those models do
+    assert SWBertConfig.from_dict({"attention_type": "shared"}).shared_bias is True
+    with pytest.raises(ValueError, match="shared_bias='no' must be true or false"):
+        tiny(shared_bias="no")
 
 
 def test_shared_scores_are_symmetric_in_the_tokens():
@@ -136,8 +159,9 @@ def test_symmetric_and_pairwise_layers_equal_their_formulas_by_hand():
         attn = build_attention(config).eval()
         perturb_(attn)  # U away from the identity it starts at
         H, Dh = config.num_attention_heads, config.head_dim
-        Q = x @ attn.q_proj.weight.T + attn.q_proj.bias
-        V = x @ attn.v_proj.weight.T + attn.v_proj.bias
+        (Wq, Wv), (bq, bv) = (unpack_heads(t, 2, Dh) for t in (attn.in_proj.weight, attn.in_proj.bias))
+        Q = x @ Wq.T + bq
+        V = x @ Wv.T + bv
         heads = []
         for h in range(H):
             sl = slice(h * Dh, (h + 1) * Dh)
@@ -147,7 +171,122 @@ def test_symmetric_and_pairwise_layers_equal_their_formulas_by_hand():
             heads.append(scores.softmax(-1) @ V[..., sl])
         expected = torch.cat(heads, dim=-1) @ attn.out_proj.weight.T + attn.out_proj.bias
         assert_close(attn(x, mask[:, None, None, :]), expected, rtol=1e-5, atol=1e-5)
-        assert not hasattr(attn, "k_proj")
+        assert not hasattr(attn, "k_proj") and attn.in_proj.weight.shape == (2 * 64, 64)  # Wq, Wv: no Wk
+
+
+def test_packed_rows_are_ordered_by_heads():
+    """(H, parts, Dh) rows: contiguous chunks are whole heads of every part, so splitting the fused
+    matrix by rows over k ranks gives each rank the same heads of Wq, Wk and Wv."""
+    H, Dh, d = 4, 3, 5
+    parts = [torch.randn(H * Dh, d) for _ in range(3)]
+    fused = pack_heads(parts, Dh)
+    assert fused.shape == (3 * H * Dh, d)
+    assert torch.equal(fused[:Dh], parts[0][:Dh]) and torch.equal(fused[Dh : 2 * Dh], parts[1][:Dh])
+    assert torch.equal(fused[3 * Dh : 4 * Dh], parts[0][Dh : 2 * Dh])  # head 1 of Wq after head 0's Wv
+    for k in (1, 2, 4):
+        for rank, chunk in enumerate(fused.chunk(k)):
+            assert torch.equal(chunk, pack_heads([p.chunk(k)[rank] for p in parts], Dh))
+    assert all(torch.equal(a, b) for a, b in zip(unpack_heads(fused, 3, Dh), parts))
+    biases = [torch.randn(H * Dh) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(unpack_heads(pack_heads(biases, Dh), 2, Dh), biases))
+
+
+def _separate_qkv(attn, x):
+    """Q, K, V as the variants computed them before the fusion: one nn.Linear per projection."""
+    out = {name: attn.split_heads(linear(x)) for name, linear in attn.separate.items()}  # (B, H, S, Dh)
+    q, v = out["q_proj"], out["v_proj"]
+    k = out.get("k_proj", q)  # symmetric: K = Q
+    if hasattr(attn, "pair"):
+        k = q @ attn.pair.transpose(-1, -2)  # pairwise: K = Q U^T
+    return q, k, v
+
+
+def _with_separate_projections(model: SWBertForMaskedLM) -> SWBertForMaskedLM:
+    """The model with every fused projection replaced by separate nn.Linear copies of its parts."""
+    for layer in model.bert.encoder.layers:
+        attn = layer.attn
+        names = type(attn).packed["in_proj"]
+        weights = unpack_heads(attn.in_proj.weight.detach(), len(names), attn.head_dim)
+        biases = unpack_heads(attn.in_proj.bias.detach(), len(names), attn.head_dim)
+        attn.separate = torch.nn.ModuleDict()
+        for name, w, b in zip(names, weights, biases):
+            linear = torch.nn.Linear(w.shape[1], w.shape[0])
+            with torch.no_grad():
+                linear.weight.copy_(w)
+                linear.bias.copy_(b)
+            attn.separate[name] = linear
+        del attn.in_proj
+        attn.qkv = lambda x, attn=attn: _separate_qkv(attn, x)
+    return model
+
+
+@pytest.mark.parametrize("variant", ["standard", "symmetric", "pairwise"])
+def test_fused_projection_equals_separate_projections(variant):
+    """One (parts*d x d) GEMM gives the outputs and gradients of the separate projections."""
+    torch.manual_seed(0)
+    config = tiny(attention_type=variant, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    fused = SWBertForMaskedLM(config).train()
+    perturb_(fused)  # biases and U away from their initial values
+    separate = _with_separate_projections(SWBertForMaskedLM(config).train())
+    separate.load_state_dict(fused.state_dict(), strict=False)
+    with torch.no_grad():
+        for layer, ref in zip(fused.bert.encoder.layers, separate.bert.encoder.layers):
+            names = type(layer.attn).packed["in_proj"]
+            for kind in ("weight", "bias"):
+                parts = unpack_heads(getattr(layer.attn.in_proj, kind), len(names), config.head_dim)
+                for name, t in zip(names, parts):
+                    getattr(ref.attn.separate[name], kind).copy_(t)
+    inputs = batch()  # with padding
+    labels = inputs["input_ids"].clone()
+    labels[inputs["attention_mask"] == 0] = -100
+    got, expected = fused(**inputs, labels=labels), separate(**inputs, labels=labels)
+    got.loss.backward()
+    expected.loss.backward()
+    assert_close(got.loss, expected.loss)
+    assert_close(got.logits, expected.logits)
+    ref_grads = dict(separate.named_parameters())
+    for name, p in fused.named_parameters():
+        if ".in_proj." in name:
+            prefix, kind = name.rsplit(".in_proj.", 1)
+            names = type(fused.bert.encoder.layers[0].attn).packed["in_proj"]
+            parts = [ref_grads[f"{prefix}.separate.{n}.{kind}"].grad for n in names]
+            assert_close(p.grad, pack_heads(parts, config.head_dim), msg=name)
+        else:
+            assert_close(p.grad, ref_grads[name].grad, msg=name)
+
+
+@pytest.mark.parametrize("variant", ["standard", "symmetric", "pairwise"])
+def test_state_dicts_with_separate_projections_load(variant, tmp_path):
+    """Checkpoints saved before the fusion (q_proj, k_proj, v_proj) load with their meaning; Hugging
+    Face folders keep that separate form on disk, so old and new folders are one format."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = SWBertForMaskedLM(tiny(attention_type=variant)).eval()
+    perturb_(model)
+    old = separate_projections(model)  # what the model's state dict was before the fusion
+    assert "bert.encoder.layers.1.attn.q_proj.weight" in old and not any(".in_proj." in k for k in old)
+    loaded = SWBertForMaskedLM(tiny(attention_type=variant)).eval()
+    missing, unexpected = loaded.load_state_dict(old, strict=False)
+    assert (missing, unexpected) == ([], [])
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    inputs = batch()
+    assert torch.equal(loaded(**inputs).logits, model(**inputs).logits)
+    # a partial set is not packed: load_state_dict names what is missing
+    partial = {k: v for k, v in old.items() if ".v_proj." not in k}
+    missing, unexpected = SWBertForMaskedLM(tiny(attention_type=variant)).load_state_dict(
+        partial, strict=False
+    )
+    assert "bert.encoder.layers.0.attn.in_proj.weight" in missing
+    assert "bert.encoder.layers.0.attn.q_proj.weight" in unexpected
+    # the folder's tensors are the separate ones, equal to the old state dict's
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    assert not any(".in_proj." in k for k in saved)
+    assert all(torch.equal(saved[k], old[k]) for k in saved)
+    assert torch.equal(
+        SWBertForMaskedLM.from_pretrained(tmp_path).eval()(**inputs).logits, model(**inputs).logits
+    )
 
 
 @pytest.mark.parametrize("variant", ATTENTION_TYPES)

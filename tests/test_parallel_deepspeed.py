@@ -8,6 +8,8 @@ DeepSpeed's gradient averaging computes.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import deepspeed
 import pytest
 import torch
@@ -15,6 +17,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from swbert.models import SWBertForMaskedLM
+from swbert.models.attention import SelfAttention, StandardAttention, unpack_heads
 from swbert.parallel import (
     check_checkpoint,
     checkpoint_client_state,
@@ -147,12 +150,12 @@ def test_tp2_dp2_zero2_and_zero3_train_like_tp1_dp2():
     run_ranks(_tp2_dp2_like_tp1_dp2, 4, (2, 3), 4, deepspeed=True)
 
 
-def _checkpoints(tmp: str) -> None:
-    config = tiny_config("shared")
+def _checkpoints(tmp: str, attention_type: str, overrides: dict[str, object]) -> None:
+    config = tiny_config(attention_type, **overrides)
     saved_tp1, universal, saved_tp2 = f"{tmp}/tp1", f"{tmp}/universal", f"{tmp}/tp2"
 
     def batches(step: int) -> list[dict[str, torch.Tensor]]:
-        return [mlm_batch(2000 + 2 * step + r) for r in range(2)]
+        return [mlm_batch(2000 + 2 * step + r, vocab=config.vocab_size) for r in range(2)]
 
     # TP=1 x DP=2: train, save, and keep going to see what the continuation should give
     d = initialize(1)
@@ -199,7 +202,7 @@ def _checkpoints(tmp: str) -> None:
     # TP=2 checkpoint -> merged Hugging Face folder -> the logits of the TP run
     engine.save_checkpoint(saved_tp2, tag="s5", client_state=checkpoint_client_state(config))
     engine.eval()
-    probe = mlm_batch(3000)
+    probe = mlm_batch(3000, vocab=config.vocab_size)
     with torch.no_grad():
         tp_logits = engine.module(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
     full = gather_state_dict(engine.module)
@@ -231,5 +234,84 @@ def _checkpoints(tmp: str) -> None:
 
 
 @pytest.mark.slow
-def test_checkpoints_move_between_tp_sizes_and_to_hugging_face(tmp_path):
-    run_ranks(_checkpoints, 2, str(tmp_path), deepspeed=True)
+@pytest.mark.parametrize(
+    ("attention_type", "overrides"),
+    [
+        ("shared", {}),
+        # the fused, head-interleaved in_proj, and a vocabulary padded from 100 ids to 128 rows
+        ("standard", {"vocab_size": 100, "pad_vocab_multiple": 128}),
+    ],
+)
+def test_checkpoints_move_between_tp_sizes_and_to_hugging_face(tmp_path, attention_type, overrides):
+    run_ranks(_checkpoints, 2, str(tmp_path), attention_type, overrides, deepspeed=True)
+
+
+class _SeparateQKV(SelfAttention):
+    """Standard attention as it was before the fused projection: q_proj, k_proj, v_proj, three GEMMs."""
+
+    def __init__(self, fused: StandardAttention, config) -> None:
+        super().__init__(config)
+        self.out_proj.load_state_dict(fused.out_proj.state_dict())
+        parts = [
+            unpack_heads(t.detach(), 3, self.head_dim) for t in (fused.in_proj.weight, fused.in_proj.bias)
+        ]
+        for name, w, b in zip(StandardAttention.packed["in_proj"], *parts):
+            linear = torch.nn.Linear(w.shape[1], w.shape[0])
+            linear.load_state_dict({"weight": w, "bias": b})
+            setattr(self, name, linear)
+
+    def qkv(self, x):
+        return tuple(self.split_heads(getattr(self, n)(x)) for n in ("q_proj", "k_proj", "v_proj"))
+
+
+def _resume_from_before_the_fusion(tmp: str) -> None:
+    from swbert.training.checkpoint import check_parameter_names
+
+    config = tiny_config("standard")
+    old_dir, universal = f"{tmp}/old", f"{tmp}/universal"
+
+    def batches(step: int) -> list[dict[str, torch.Tensor]]:
+        return [mlm_batch(4000 + 2 * step + r) for r in range(2)]
+
+    # a ZeRO-2 run of the model as it was (parameters q_proj, k_proj, v_proj), saved at step 3
+    d = initialize(1)
+    old = SWBertForMaskedLM(config)
+    old.load_state_dict(reference_model(config).state_dict())
+    for layer in old.bert.encoder.layers:
+        layer.attn = _SeparateQKV(layer.attn, config)
+    engine = _engine(old, stage=2)
+    expected: list[float] = []
+    for step in range(5):
+        if step == 3:
+            engine.save_checkpoint(old_dir, tag="s3")  # no client state: the layout comes from the config
+        loss = engine(**batches(step)[d.dp_rank]).loss
+        engine.backward(loss)
+        engine.step()
+        if step >= 3:
+            expected.append(loss.item())
+    del engine
+    tag_dir = Path(old_dir) / "s3"
+    with pytest.raises(ValueError, match=r"before the attention projections were fused.*convert universal"):
+        check_parameter_names(tag_dir, config.to_dict())  # its ZeRO buffers are in the old order
+    if dist.get_rank() == 0:
+        to_universal(old_dir, universal, config=config)
+    dist.barrier()
+    check_parameter_names(Path(universal) / "s3", config.to_dict())  # repacked: resumable
+
+    # today's model (fused in_proj) resumes it: weights, Adam moments and step carry over
+    engine = _engine(
+        _tp_model(reference_model(config, seed=7), 1), stage=2, checkpoint={"load_universal": True}
+    )
+    engine.load_checkpoint(universal)
+    losses = []
+    for step in (3, 4):
+        loss = engine(**batches(step)[d.dp_rank]).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert_close(losses, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_from_before_the_fused_projections_resumes_through_a_universal_one(tmp_path):
+    run_ranks(_resume_from_before_the_fusion, 2, str(tmp_path), deepspeed=True)

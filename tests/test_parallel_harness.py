@@ -24,15 +24,14 @@ VOCAB = 128
 
 def tiny_config(attention_type: str = "shared", **overrides: object) -> SWBertConfig:
     """The tiny model without dropout, so TP=1 and TP=k runs are comparable step by step."""
-    return SWBertConfig.from_size(
-        "tiny",
+    fields = dict(
         vocab_size=VOCAB,
         max_position_embeddings=64,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
         attention_type=attention_type,
-        **overrides,
     )
+    return SWBertConfig.from_size("tiny", **{**fields, **overrides})
 
 
 def reference_model(config: SWBertConfig, seed: int = 0) -> SWBertForMaskedLM:
@@ -45,10 +44,10 @@ def reference_model(config: SWBertConfig, seed: int = 0) -> SWBertForMaskedLM:
     return model
 
 
-def mlm_batch(seed: int, batch: int = 4, seq: int = 16) -> dict[str, torch.Tensor]:
+def mlm_batch(seed: int, batch: int = 4, seq: int = 16, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
     """Token ids with padding and ~25% labelled positions."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, VOCAB, (batch, seq), generator=g)
+    ids = torch.randint(5, vocab, (batch, seq), generator=g)
     mask = torch.ones_like(ids)
     mask[-1, seq // 2 :] = 0
     ids[mask == 0] = 0

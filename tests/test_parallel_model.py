@@ -10,7 +10,9 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from swbert import ATTENTION_TYPES
+from swbert.convert import separate_projections
 from swbert.models import SWBertForMaskedLM
+from swbert.models.attention import pack_state_dict
 from swbert.parallel import (
     check_divisible,
     destroy,
@@ -25,8 +27,8 @@ from swbert.parallel.layers import ColumnLinear, RowLinear, TensorParallelMasked
 from tests.test_parallel_harness import mlm_batch, reference_model, run_ranks, tiny_config
 
 
-def _check_variant(attention_type: str, sequence_parallel: bool) -> None:
-    config = tiny_config(attention_type)
+def _check_variant(attention_type: str, sequence_parallel: bool, **overrides: object) -> None:
+    config = tiny_config(attention_type, **overrides)
     ref = reference_model(config)
     model = SWBertForMaskedLM(config)
     model.load_state_dict(ref.state_dict())
@@ -36,15 +38,21 @@ def _check_variant(attention_type: str, sequence_parallel: bool) -> None:
     assert isinstance(attn.out_proj, RowLinear)
     assert isinstance(model.bert.embeddings.word_embeddings, VocabEmbedding)
     assert model.mlm_head.decoder.weight is model.bert.embeddings.word_embeddings.weight  # still tied
-    assert model.bert.embeddings.word_embeddings.weight.shape == (config.vocab_size // 2, config.hidden_size)
+    rows = config.padded_vocab_size // 2
+    assert model.bert.embeddings.word_embeddings.weight.shape == (rows, config.hidden_size)
     if attention_type == "shared":
         assert isinstance(attn.proj, ColumnLinear) and attn.dq.shape == (config.hidden_size // 2,)
+        assert (attn.proj.bias is not None) == config.shared_bias
+    if type(attn).packed:  # one fused projection, this rank's heads of each part
+        parts = len(type(attn).packed["in_proj"])
+        assert isinstance(attn.in_proj, ColumnLinear)
+        assert attn.in_proj.weight.shape == (parts * config.hidden_size // 2, config.hidden_size)
     if attention_type == "pairwise":
         assert attn.pair.shape == (config.num_attention_heads // 2, config.head_dim, config.head_dim)
 
     # plain TP computes the last layer on the labelled rows only; the sequence-split region cannot
     assert model.last_layer_on_labels is not sequence_parallel and ref.last_layer_on_labels
-    batch = mlm_batch(seed=1)
+    batch = mlm_batch(seed=1, vocab=config.vocab_size)
     expected, got = ref(**batch), model(**batch)
     expected.loss.backward()
     got.loss.backward()
@@ -72,6 +80,9 @@ def _check_variant(attention_type: str, sequence_parallel: bool) -> None:
     local = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     assert mine.keys() == local.keys()
     assert all(torch.equal(mine[k], local[k]) for k in mine)
+    # this rank's shards of a state dict saved before the fusion (separate q/k/v) load with their meaning
+    model.load_state_dict(shard_state_dict(separate_projections(ref), d.tp_rank, 2, config))
+    assert all(torch.equal(v, local[k]) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor))
     destroy()
 
 
@@ -79,6 +90,11 @@ def _all_variants() -> None:
     for attention_type in ATTENTION_TYPES:
         for sequence_parallel in (False, True):
             _check_variant(attention_type, sequence_parallel)
+    _check_variant("shared", False, shared_bias=False)  # the paper's form, no bs
+    # a padded vocabulary: 100 ids in 128 rows, the padding in rank 1's shard; then 60 ids, rank 1's
+    # shard all padding (its logits all -inf in the vocab-parallel loss)
+    _check_variant("standard", False, vocab_size=100, pad_vocab_multiple=128)
+    _check_variant("shared", True, vocab_size=60, pad_vocab_multiple=128)
     # bad input inside a real group: a world of 2 cannot be split 3 ways
     with pytest.raises(
         ValueError, match=r"--tensor-parallel 3 does not divide the number of processes \(2\)"
@@ -113,11 +129,34 @@ def test_shard_and_merge_round_trip_without_processes():
     assert all(torch.equal(merged[k], full[k]) for k in full)
 
 
+@pytest.mark.parametrize("variant", ["standard", "symmetric"])
+def test_state_dicts_from_before_the_fusion_shard_and_merge(variant):
+    """Separate q/k/v shards (a TP checkpoint saved before the fusion) merge by heads like the fused
+    matrix, and packing a rank's separate shards gives that rank's rows of the fused one."""
+    config = tiny_config(variant)
+    model = reference_model(config)
+    old = separate_projections(model)
+    shards = [shard_state_dict(old, r, 2, config) for r in range(2)]
+    assert shards[1]["bert.encoder.layers.0.attn.q_proj.weight"].shape == (32, 64)
+    merged = merge_state_dicts(shards, config)
+    assert merged.keys() == old.keys() and all(torch.equal(merged[k], old[k]) for k in old)
+    packed = type(model.bert.encoder.layers[0].attn).packed
+    for rank, shard in enumerate(shards):
+        for layer in range(config.num_hidden_layers):
+            pack_state_dict(shard, f"bert.encoder.layers.{layer}.attn.", packed, config.head_dim)
+        expected = shard_state_dict(model.state_dict(), rank, 2, config)
+        assert shard.keys() == expected.keys() and all(torch.equal(shard[k], expected[k]) for k in shard)
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
         ("num_attention_heads", 4, r"num_attention_heads=4 is not divisible by --tensor-parallel 3"),
-        ("vocab_size", 130, r"vocab_size=130 is not divisible by --tensor-parallel 4.*vocab_size=132"),
+        (
+            "vocab_size",
+            130,
+            r"vocab_size=130 \(padded to 130 rows.*--tensor-parallel 4.*pad_vocab_multiple=128",
+        ),
         ("intermediate_size", 250, r"intermediate_size=250 is not divisible by --tensor-parallel 4"),
     ],
 )

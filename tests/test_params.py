@@ -3,6 +3,7 @@
 import pytest
 
 from swbert import ATTENTION_TYPES, SWBertConfig
+from swbert.models.attention import attention_class
 from swbert.models.flops import layer_forward_flops, masked_lm_flops, masked_lm_params, qkv_params
 from swbert.params import PAPER_BASE_TOTALS, count_attention_block, count_instantiated, table
 
@@ -89,3 +90,36 @@ def test_flops_match_the_hand_formula():
     assert masked_lm_flops(std, s, 0.15).mlm_head == pytest.approx(0.15 * head_all)
     assert head_all == 2 * d * d + 2 * d * 30522
     assert masked_lm_flops(std, s).training == 3 * masked_lm_flops(std, s).forward
+
+
+def test_shared_without_bias_is_the_papers_table_3_form():
+    """bs is ours: shared_bias=False gives Ws and the diagonals only, d^2 + 3d per layer."""
+    d, L = 768, 12
+    with_bias = SWBertConfig.from_size("base", attention_type="shared")
+    without = SWBertConfig.from_size("base", attention_type="shared", shared_bias=False)
+    assert with_bias.shared_bias and count_attention_block(with_bias) == d * d + 4 * d == 592_896
+    assert count_attention_block(without) == qkv_params(without) == d * d + 3 * d == 592_128
+    assert attention_class("shared").closed_form_qkv_params(without) == 592_128
+    assert count_instantiated(without) == masked_lm_params(without) == 95_367_738 - L * d == 95_358_522
+    rows = {line.split("  ")[0].strip(): line for line in table("base").splitlines()}
+    assert rows["shared, no bs"].split()[3:6] == ["592,128", "592,128", "95,358,522"]
+    paper = [
+        line.split()[-3:] for line in table("base").splitlines() if line.startswith(" ") and "no bs" in line
+    ]
+    assert paper == [["95,337,218", "95,358,522", "21,304"]]  # against the paper's printed total too
+    # the other variants have no bs: the field changes nothing for them
+    for variant in ("standard", "symmetric", "pairwise"):
+        config = SWBertConfig.from_size("base", attention_type=variant, shared_bias=False)
+        assert count_instantiated(config) == EXPECTED_BASE[variant]
+
+
+def test_the_training_config_sets_shared_bias():
+    from types import SimpleNamespace
+
+    from swbert.training.build import build_model_config
+    from swbert.training.config import TrainConfig, build_config
+
+    assert TrainConfig().shared_bias is True  # checkpoints trained so far have bs
+    cfg = build_config("tiny_cpu", ["--shared-bias", "false"])
+    config = build_model_config(cfg, SimpleNamespace(vocab_size=96))
+    assert config.shared_bias is False and count_attention_block(config) == 64 * 64 + 3 * 64

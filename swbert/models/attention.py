@@ -6,8 +6,17 @@ tensor-parallel wrapper that shards the projections by heads needs no change her
 
     standard   Q = X Wq + bq,  K = X Wk + bk,  V = X Wv + bv
     shared     S = X Ws + bs;  Q = S * dq,  K = S * dk,  V = S * dv     (dq, dk, dv in R^d)
+               (bs is ours: the paper's Table 3 has no bias; `shared_bias=False` is its exact form)
     symmetric  Q = X Wq + bq,  K = Q,  V = X Wv + bv
     pairwise   Q = X Wq + bq,  V = X Wv + bv;  scores Q U Q^T with one Dh x Dh U per head
+
+Projections that read the same input are one GEMM: standard's Wq, Wk, Wv are one (3d x d) matrix,
+symmetric's and pairwise's Wq, Wv one (2d x d) matrix (`in_proj`), as Megatron and NVIDIA's BERT do.
+Its rows are head-interleaved, (H, parts, Dh): head h's rows of Wq, then of Wk, then of Wv, then
+head h+1's. So a split by contiguous rows is a split by heads (tensor parallelism needs nothing
+new), and the separate matrices are a reshape away (`pack_heads` / `unpack_heads`). State dicts
+with the separate projections (q_proj, k_proj, v_proj: saved before the fusion, or converted from
+BERT) load unchanged: a load hook packs them (`SelfAttention.packed`).
 
 One path for every device: PyTorch's own ops, the fused `scaled_dot_product_attention` kernel.
 Device-specific kernels are swapped in from outside (`swbert.cpu`), never chosen here.
@@ -22,7 +31,7 @@ meta device (`meta_attention`), never written a second time.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar, get_args
 
@@ -41,6 +50,19 @@ Rows = tuple[torch.Tensor, torch.Tensor]
 #   row     an nn.Linear by input features, its output all-reduced (the bias added once, after)
 #   heads   a per-head parameter, by its first dimension (head-major, like the features)
 Split = Literal["column", "row", "heads"]
+
+
+def pack_heads(parts: Sequence[torch.Tensor], head_dim: int) -> torch.Tensor:
+    """Separate projections' weights (or biases), each (H*Dh, ...), as one head-interleaved tensor
+    (H*n*Dh, ...) with rows ordered (H, n, Dh): head h of part 0, of part 1, ..., then head h+1."""
+    stacked = torch.stack([p.reshape(-1, head_dim, *p.shape[1:]) for p in parts], dim=1)  # (H, n, Dh, ...)
+    return stacked.reshape(-1, *parts[0].shape[1:])
+
+
+def unpack_heads(packed: torch.Tensor, n: int, head_dim: int) -> list[torch.Tensor]:
+    """The inverse of `pack_heads`: n tensors (H*Dh, ...), each contiguous."""
+    per_head = packed.reshape(-1, n, head_dim, *packed.shape[1:])  # (H, n, Dh, ...)
+    return [t.reshape(-1, *packed.shape[1:]).contiguous() for t in per_head.unbind(dim=1)]
 
 
 class SDPAKernel(nn.Module):
@@ -96,7 +118,7 @@ class SelfAttention(nn.Module):
 
     A variant subclasses this, implements `qkv`, declares the class facts below and registers
     with `@register_attention(name)`. What it must declare: `qkv_plan`. What it may override:
-    `activation_units`, `bert_equivalent`, `init_parameters`, `extra_flops_per_token`,
+    `packed`, `activation_units`, `table_forms`, `bert_equivalent`, `init_parameters`, `extra_flops_per_token`,
     `closed_form_qkv_params`, `fold_for_inference`. Parameter and GEMM counts are derived.
     """
 
@@ -105,10 +127,18 @@ class SelfAttention(nn.Module):
     # name. Every parameter must be placed: one left whole would get a gradient from this rank's
     # heads only. `tp_plan()` adds the common output projection.
     qkv_plan: ClassVar[Mapping[str, Split]] = {}
+    # Fused projections: attribute -> the separate projections (attribute names) it packs, in row
+    # order, head-interleaved (`pack_heads`). A state dict holding the separate ones loads: a
+    # load_state_dict pre-hook packs them, so checkpoints saved before the fusion keep their meaning.
+    # Hugging Face folders store the separate form (swbert.models.hf_weights).
+    packed: ClassVar[Mapping[str, tuple[str, ...]]] = {}
     # Activation bytes per token per layer kept for backward, in units of d at 16 bits (Korthikanti
     # et al., 2022; see swbert.scaling.memory): 34 for attention that keeps Q, K and V apart (6 of
     # the 34) as BERT's does. A variant that keeps fewer tensors says so.
     activation_units: ClassVar[int] = 34
+    # Other configurations of the variant that parameter tables list next to its default: a row
+    # label -> the SWBertConfig fields that make it (shared: without its bias bs, the paper's form).
+    table_forms: ClassVar[Mapping[str, Mapping[str, object]]] = {}
     # True when the variant is transformers' BERT attention, so the model converts to BertFor*
     # (swbert.convert) with the same numerics.
     bert_equivalent: ClassVar[bool] = False
@@ -118,6 +148,8 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.kernel = KERNELS[config.attention_kernel](config.attention_probs_dropout_prob)
         self.out_proj = OutProjection(config.hidden_size, config.hidden_size)
+        if self.packed:
+            self.register_load_state_dict_pre_hook(_pack_separate_projections)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values, each (B, H, S, Dh)."""
@@ -162,6 +194,12 @@ class SelfAttention(nn.Module):
         B, S, _ = t.shape
         return t.view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, H, S, Dh)
 
+    def split_packed_heads(self, t: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+        """The output of a head-interleaved projection of n parts, (B, S, H*n*Dh), as n tensors
+        (B, H, S, Dh): views, no copy (the kernel reads strided inputs)."""
+        B, S, _ = t.shape
+        return t.view(B, S, -1, n, self.head_dim).transpose(1, 2).unbind(dim=3)  # n x (B, H, S, Dh)
+
     def merge_heads(self, y: torch.Tensor, rows: Rows | None) -> torch.Tensor:
         """(B, H, S, Dh) -> (B, S, H*Dh), or (N, H*Dh) at the `rows` positions."""
         y = y.transpose(1, 2)  # (B, S, H, Dh)
@@ -177,6 +215,36 @@ class SelfAttention(nn.Module):
         q, k, v = self.qkv(x)
         y = self.kernel(q, k, v, mask)  # (B, H, S, Dh)
         return self.out_proj(self.merge_heads(y, rows))
+
+
+def pack_state_dict(
+    state: dict[str, torch.Tensor], prefix: str, packed: Mapping[str, Sequence[str]], head_dim: int
+) -> None:
+    """In place: where `state` holds every separate projection a fused one packs (under `prefix`),
+    replace them by the fused entry. Partial sets are left alone (load_state_dict names them)."""
+    for fused, parts in packed.items():
+        for kind in ("weight", "bias"):
+            keys = [f"{prefix}{part}.{kind}" for part in parts]
+            if all(k in state for k in keys):
+                state[f"{prefix}{fused}.{kind}"] = pack_heads([state.pop(k) for k in keys], head_dim)
+
+
+def unpack_state_dict(
+    state: dict[str, torch.Tensor], prefix: str, packed: Mapping[str, Sequence[str]], head_dim: int
+) -> None:
+    """In place: the inverse of `pack_state_dict` (the fused entries become the separate ones)."""
+    for fused, parts in packed.items():
+        for kind in ("weight", "bias"):
+            key = f"{prefix}{fused}.{kind}"
+            if key in state:
+                for part, t in zip(parts, unpack_heads(state.pop(key), len(parts), head_dim)):
+                    state[f"{prefix}{part}.{kind}"] = t
+
+
+def _pack_separate_projections(module: SelfAttention, state: dict, prefix: str, *_: object) -> None:
+    # Under tensor parallelism each separate projection holds this rank's heads: packing those gives
+    # this rank's rows of the fused matrix, since the fused rows are ordered by heads.
+    pack_state_dict(state, prefix, module.packed, module.head_dim)
 
 
 _REGISTRY: dict[str, type[SelfAttention]] = {}
@@ -246,9 +314,11 @@ def meta_attention(config: SWBertConfig) -> SelfAttention:
 
 @register_attention("standard")
 class StandardAttention(SelfAttention):
-    """Separate Wq, Wk, Wv with biases: BERT's attention."""
+    """Wq, Wk, Wv with biases: BERT's attention, computed as one (3d x d) GEMM (`in_proj`, head-
+    interleaved: see the module docstring)."""
 
-    qkv_plan = {"q_proj": "column", "k_proj": "column", "v_proj": "column"}
+    qkv_plan = {"in_proj": "column"}  # by heads: each rank's rows hold whole heads' Wq, Wk, Wv
+    packed = {"in_proj": ("q_proj", "k_proj", "v_proj")}  # BERT's query, key, value
     bert_equivalent = True
 
     @classmethod
@@ -259,21 +329,19 @@ class StandardAttention(SelfAttention):
     def __init__(self, config: SWBertConfig) -> None:
         super().__init__(config)
         d = config.hidden_size
-        self.q_proj = nn.Linear(d, d)
-        self.k_proj = nn.Linear(d, d)
-        self.v_proj = nn.Linear(d, d)
+        self.in_proj = nn.Linear(d, 3 * d)  # [Wq; Wk; Wv] head-interleaved, (H, 3, Dh) rows
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (
-            self.split_heads(self.q_proj(x)),
-            self.split_heads(self.k_proj(x)),
-            self.split_heads(self.v_proj(x)),
-        )
+        q, k, v = self.split_packed_heads(self.in_proj(x), 3)  # (B, S, 3d) -> 3 x (B, H, S, Dh)
+        return q, k, v
 
 
 @register_attention("shared")
 class SharedAttention(SelfAttention):
     """One projection S = X Ws + bs; Q, K, V are S scaled elementwise by dq, dk, dv.
+
+    The bias bs is our choice (config.shared_bias, default True, which checkpoints trained so far
+    have); the paper's Table 3 counts d^2 + 3d parameters, Ws and the diagonals, without it.
 
     The diagonal matrices of the paper are stored as vectors (initialised to ones, so training
     starts from Q = K = V = S). Since Q K^T = S diag(dq * dk) S^T, the pre-softmax scores are
@@ -284,16 +352,19 @@ class SharedAttention(SelfAttention):
     qkv_plan = {"proj": "column", "dq": "heads", "dk": "heads", "dv": "heads"}
     # `forward` keeps S and Q = S * (dq*dk) for backward: the keys and values are S itself
     activation_units = 32
+    table_forms = {"shared, no bs": {"shared_bias": False}}  # the paper's Table 3: d^2 + 3d per layer
 
     @classmethod
     def closed_form_qkv_params(cls, config: SWBertConfig) -> int:
         d = config.hidden_size
-        return d * d + d + 3 * d  # Ws, bs and the diagonals dq, dk, dv
+        bias = d if config.shared_bias else 0  # bs is ours; the paper's Table 3 has d^2 + 3d
+        return d * d + bias + 3 * d  # Ws, bs and the diagonals dq, dk, dv
 
     def __init__(self, config: SWBertConfig) -> None:
         super().__init__(config)
         d = config.hidden_size
-        self.proj = nn.Linear(d, d)
+        # bs: our addition (the paper counts none); config.shared_bias=False is the paper's exact form
+        self.proj = nn.Linear(d, d, bias=config.shared_bias)
         self.dq = nn.Parameter(torch.empty(d))
         self.dk = nn.Parameter(torch.empty(d))
         self.dv = nn.Parameter(torch.empty(d))
@@ -363,9 +434,10 @@ class SharedAttention(SelfAttention):
 
 @register_attention("symmetric")
 class SymmetricAttention(SelfAttention):
-    """Keys are the queries (no Wk): scores Q Q^T are symmetric."""
+    """Keys are the queries (no Wk): scores Q Q^T are symmetric. Wq, Wv are one (2d x d) GEMM."""
 
-    qkv_plan = {"q_proj": "column", "v_proj": "column"}
+    qkv_plan = {"in_proj": "column"}
+    packed = {"in_proj": ("q_proj", "v_proj")}
     activation_units = 32  # no separate keys to keep
 
     @classmethod
@@ -376,22 +448,23 @@ class SymmetricAttention(SelfAttention):
     def __init__(self, config: SWBertConfig) -> None:
         super().__init__(config)
         d = config.hidden_size
-        self.q_proj = nn.Linear(d, d)
-        self.v_proj = nn.Linear(d, d)
+        self.in_proj = nn.Linear(d, 2 * d)  # [Wq; Wv] head-interleaved, (H, 2, Dh) rows
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q = self.split_heads(self.q_proj(x))
-        return q, q, self.split_heads(self.v_proj(x))
+        q, v = self.split_packed_heads(self.in_proj(x), 2)  # 2 x (B, H, S, Dh)
+        return q, q, v
 
 
 @register_attention("pairwise")
 class PairwiseAttention(SelfAttention):
     """Scores Q U Q^T with a learned Dh x Dh matrix U per head (no bias), i.e. K = Q U^T.
 
-    U starts as the identity, so training starts from symmetric attention.
+    U starts as the identity, so training starts from symmetric attention. Wq, Wv are one (2d x d)
+    GEMM, as in symmetric.
     """
 
-    qkv_plan = {"q_proj": "column", "v_proj": "column", "pair": "heads"}
+    qkv_plan = {"in_proj": "column", "pair": "heads"}
+    packed = {"in_proj": ("q_proj", "v_proj")}
     # keeps Q, K = Q U^T and V, as standard keeps Q, K and V: the default 34 units
 
     @classmethod
@@ -402,8 +475,7 @@ class PairwiseAttention(SelfAttention):
     def __init__(self, config: SWBertConfig) -> None:
         super().__init__(config)
         d, h, dh = config.hidden_size, config.num_attention_heads, config.head_dim
-        self.q_proj = nn.Linear(d, d)
-        self.v_proj = nn.Linear(d, d)
+        self.in_proj = nn.Linear(d, 2 * d)  # [Wq; Wv] head-interleaved, (H, 2, Dh) rows
         self.pair = nn.Parameter(torch.empty(h, dh, dh))  # (H, Dh, Dh)
         self.init_parameters()
 
@@ -418,6 +490,6 @@ class PairwiseAttention(SelfAttention):
         return 2 * self.pair.numel()
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q = self.split_heads(self.q_proj(x))  # (B, H, S, Dh)
+        q, v = self.split_packed_heads(self.in_proj(x), 2)  # 2 x (B, H, S, Dh)
         k = q @ self.pair.transpose(-1, -2)  # (B, H, S, Dh): q_i . k_j = q_i U q_j^T
-        return q, k, self.split_heads(self.v_proj(x))
+        return q, k, v

@@ -42,7 +42,7 @@ class SWBertConfig(PretrainedConfig):
 
     def __init__(
         self,
-        vocab_size: int = 30522,  # rows of the word embedding (and of the tied MLM decoder)
+        vocab_size: int = 30522,  # the tokenizer's vocabulary: the ids a model reads and predicts
         hidden_size: int = 768,  # d: width of the residual stream
         num_hidden_layers: int = 12,  # encoder blocks
         num_attention_heads: int = 12,  # heads; head_dim = hidden_size / heads
@@ -58,6 +58,14 @@ class SWBertConfig(PretrainedConfig):
         classifier_dropout: float | None = None,  # dropout before classification heads (None: hidden)
         attention_type: AttentionType | str = "shared",  # a registered Q/K/V variant (attention.py)
         attention_kernel: AttentionKernel = "sdpa",  # inner kernel: fused SDPA or the eager reference
+        # shared attention's bias bs in S = X Ws + bs. Ours, not the paper's: its Table 3 counts Ws with
+        # no bias (d^2 + 3d per layer), which False gives exactly. True keeps older checkpoints' bias.
+        shared_bias: bool = True,
+        # word embedding and MLM decoder rows: vocab_size rounded up to a multiple of this (1: none).
+        # Pretraining pads to 128 (TrainConfig; our choice, the usual GPU one, Megatron's default):
+        # GEMM-friendly decoder shapes, divisible by tensor-parallel sizes. Rows from vocab_size on
+        # are never inputs and never predicted (logits end at vocab_size); exports drop them.
+        pad_vocab_multiple: int = 1,
         **kwargs: Any,
     ) -> None:
         self.vocab_size = vocab_size
@@ -75,6 +83,8 @@ class SWBertConfig(PretrainedConfig):
         self.classifier_dropout = classifier_dropout
         self.attention_type = attention_type
         self.attention_kernel = attention_kernel
+        self.shared_bias = shared_bias
+        self.pad_vocab_multiple = pad_vocab_multiple
         kwargs.setdefault("tie_word_embeddings", True)
         super().__init__(pad_token_id=pad_token_id, **kwargs)
         self.check()
@@ -82,6 +92,13 @@ class SWBertConfig(PretrainedConfig):
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the word embedding and the tied MLM decoder: vocab_size rounded up to a multiple of
+        `pad_vocab_multiple`. Rows from vocab_size on are padding: never read, never predicted."""
+        m = self.pad_vocab_multiple
+        return -(-self.vocab_size // m) * m
 
     def check(self) -> None:
         """Raise a ValueError naming the field and the allowed values when the config is invalid."""
@@ -96,6 +113,7 @@ class SWBertConfig(PretrainedConfig):
             "num_hidden_layers",
             "num_attention_heads",
             "intermediate_size",
+            "pad_vocab_multiple",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -107,6 +125,8 @@ class SWBertConfig(PretrainedConfig):
                 f"{self.num_attention_heads}; num_attention_heads must divide it: one of "
                 f"{', '.join(map(str, divisors))}"
             )
+        if not isinstance(self.shared_bias, bool):
+            raise ValueError(f"shared_bias={self.shared_bias!r} must be true or false")
 
     @classmethod
     def from_size(cls, name: str, **overrides: Any) -> SWBertConfig:

@@ -36,14 +36,15 @@ def layer_params(config: SWBertConfig) -> int:
 
 def embedding_params(config: SWBertConfig) -> int:
     d = config.hidden_size
-    tables = config.vocab_size + config.max_position_embeddings + config.type_vocab_size
+    # the word table's padded rows (config.pad_vocab_multiple) are parameters too, though never trained
+    tables = config.padded_vocab_size + config.max_position_embeddings + config.type_vocab_size
     return tables * d + 2 * d
 
 
 def mlm_head_params(config: SWBertConfig) -> int:
     """Transform (dense + LayerNorm) and the decoder bias; the decoder weight is the tied embedding."""
     d = config.hidden_size
-    return d * d + d + 2 * d + config.vocab_size
+    return d * d + d + 2 * d + config.padded_vocab_size
 
 
 def masked_lm_params(config: SWBertConfig) -> int:
@@ -93,7 +94,8 @@ def masked_lm_flops(
     attention products still cover every token (every position is a key and a value).
     """
     d, f = config.hidden_size, config.intermediate_size
-    head_per_predicted = 2 * d * d + 2 * d * config.vocab_size
+    # the decoder GEMM runs over the padded rows too (config.pad_vocab_multiple): work done, as MFU counts
+    head_per_predicted = 2 * d * d + 2 * d * config.padded_vocab_size
     layer = layer_forward_flops(config, seq_len)
     last = layer
     if last_layer_on_predicted:

@@ -21,8 +21,39 @@ from transformers.modeling_outputs import (
 
 from swbert.models.attention import Rows, SelfAttention, build_attention
 from swbert.models.config import SWBertConfig
+from swbert.models.hf_weights import register_hf_weight_conversions
 
 IGNORE_INDEX = -100
+
+# save_pretrained / from_pretrained keep the attention projections separate in the folder's files
+register_hf_weight_conversions()
+
+
+# An attribute of the word embedding and the MLM decoder when their tables are padded
+# (config.pad_vocab_multiple): the number of real rows; the rows after them are padding.
+VOCAB_ROWS = "vocab_rows"
+
+
+def _pad_vocab(module: nn.Embedding | nn.Linear, config: SWBertConfig) -> nn.Module:
+    """`module`, built with vocab_size rows, with zero rows appended up to config.padded_vocab_size.
+
+    Built at the tokenizer's size first, so construction draws from the random stream exactly what an
+    unpadded table would (with `_normal_rows_`: the same seed gives the same weights, padded or not)."""
+    rows = config.padded_vocab_size
+    if rows == config.vocab_size:
+        return module
+    with torch.no_grad():
+        for name in ("weight", "bias"):
+            t = getattr(module, name, None)
+            if t is not None:
+                pad = t.new_zeros(rows - t.shape[0], *t.shape[1:])
+                setattr(module, name, nn.Parameter(torch.cat([t, pad]), requires_grad=t.requires_grad))
+    if isinstance(module, nn.Embedding):
+        module.num_embeddings = rows
+    else:
+        module.out_features = rows
+    setattr(module, VOCAB_ROWS, config.vocab_size)
+    return module
 
 
 class Embeddings(nn.Module):
@@ -31,7 +62,9 @@ class Embeddings(nn.Module):
     def __init__(self, config: SWBertConfig) -> None:
         super().__init__()
         d = config.hidden_size
-        self.word_embeddings = nn.Embedding(config.vocab_size, d, padding_idx=config.pad_token_id)
+        # config.padded_vocab_size rows: the ones past vocab_size are never looked up
+        word = nn.Embedding(config.vocab_size, d, padding_idx=config.pad_token_id)
+        self.word_embeddings = _pad_vocab(word, config)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, d)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, d)
         self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
@@ -174,15 +207,42 @@ class SWBertPreTrainedModel(PreTrainedModel):
                 module.fold_for_inference()
         return self.eval()
 
+    def trim_vocab_padding(self) -> SWBertPreTrainedModel:
+        """Drop the padded rows of the word embedding and the tied MLM decoder (config.pad_vocab_multiple),
+        in place; returns self. The model computes the same function (padded ids are never inputs, their
+        logits are cut): exports do this, so a folder's tables match the tokenizer's vocabulary."""
+        config = self.config
+        rows = config.vocab_size
+        embedding = self.get_input_embeddings()
+        if embedding.num_embeddings != rows:
+            w = embedding.weight
+            trimmed = nn.Embedding(rows, w.shape[1], embedding.padding_idx, device=w.device, dtype=w.dtype)
+            with torch.no_grad():
+                trimmed.weight.copy_(w[:rows])
+            self.set_input_embeddings(trimmed)
+        decoder = self.get_output_embeddings()
+        if decoder is not None and decoder.out_features != rows:
+            has_bias = decoder.bias is not None
+            new = nn.Linear(
+                decoder.in_features, rows, has_bias, device=decoder.weight.device, dtype=decoder.weight.dtype
+            )
+            if has_bias:
+                with torch.no_grad():
+                    new.bias.copy_(decoder.bias[:rows])
+            self.set_output_embeddings(new)
+            self.tie_weights()  # the decoder's weight is the (trimmed) word embedding again
+        config.pad_vocab_multiple = 1
+        return self
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
         if isinstance(module, nn.Linear):
-            module.weight.normal_(0.0, std)
+            _normal_rows_(module.weight, getattr(module, VOCAB_ROWS, None), std)
             if module.bias is not None:
                 module.bias.zero_()
         elif isinstance(module, nn.Embedding):
-            module.weight.normal_(0.0, std)
+            _normal_rows_(module.weight, getattr(module, VOCAB_ROWS, None), std)
             if module.padding_idx is not None:
                 module.weight[module.padding_idx].zero_()
         elif isinstance(module, nn.LayerNorm):
@@ -190,6 +250,18 @@ class SWBertPreTrainedModel(PreTrainedModel):
             module.bias.zero_()
         elif isinstance(module, SelfAttention):
             module.init_parameters()  # each variant knows its own (dq, dk, dv at ones; U the identity)
+
+
+def _normal_rows_(weight: torch.Tensor, rows: int | None, std: float) -> None:
+    """N(0, std) in the first `rows` rows (all when None), zeros in the padded ones after them.
+
+    Drawing the real rows only keeps the random stream an unpadded table would use, so a model with a
+    padded vocabulary starts from the same weights as one without (same seed)."""
+    if rows is None:
+        weight.normal_(0.0, std)
+        return
+    weight[:rows].normal_(0.0, std)  # (rows, d): a contiguous view, drawn as an unpadded table would be
+    weight[rows:].zero_()
 
 
 class SWBertModel(SWBertPreTrainedModel):
@@ -247,10 +319,11 @@ class MLMHead(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.act = ACT2FN[config.hidden_act]
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+        # padded like the word embedding it is tied to; SWBertForMaskedLM cuts the logits at vocab_size
+        self.decoder = _pad_vocab(nn.Linear(config.hidden_size, config.vocab_size), config)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.norm(self.act(self.dense(h))))
+        return self.decoder(self.norm(self.act(self.dense(h))))  # (..., padded_vocab_size)
 
 
 class SWBertForMaskedLM(SWBertPreTrainedModel):
@@ -376,8 +449,13 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head on h, (B, S, d) without labels or (N, d) at the predicted positions, and the mean
         cross entropy over their `target` (N,); with `padded`, over the rows whose target is not
-        IGNORE_INDEX (computed on the device: no host sync). Tensor parallelism overrides this."""
-        logits = self.mlm_head(h)
+        IGNORE_INDEX (computed on the device: no host sync). Tensor parallelism overrides this.
+
+        Logits end at vocab_size: the padded rows of the decoder (config.pad_vocab_multiple) are
+        never predicted, and the loss is the one of the same model without them."""
+        logits = self.mlm_head(h)  # (..., padded_vocab_size)
+        if logits.shape[-1] != self.config.vocab_size:
+            logits = logits[..., : self.config.vocab_size]
         if target is None:
             return logits, None
         if padded:

@@ -3,6 +3,7 @@
 python -m swbert.parallel.convert universal CKPT_DIR OUT_DIR [--tag T] [--config config.json]
     Any TP / DP size and ZeRO stage -> a universal checkpoint, with optimizer state, that resumes at
     any tensor- and data-parallel size (DeepSpeed config: "checkpoint": {"load_universal": true}).
+    A checkpoint saved before the attention projections were fused comes out in today's layout.
 python -m swbert.parallel.convert hf CKPT_DIR OUT_DIR [--tag T] [--config config.json]
     A TP=k checkpoint (any ZeRO stage, or a universal one) -> a merged Hugging Face folder.
 python -m swbert.parallel.convert reshard CKPT_DIR OUT_DIR --tensor-parallel K [--tag T]
@@ -25,6 +26,7 @@ import torch
 from deepspeed.checkpoint import constants as ds_ckpt
 
 from swbert.models import SWBertConfig, SWBertForMaskedLM
+from swbert.models.attention import attention_class, pack_heads
 from swbert.parallel.checkpoint import (
     CONFIG_KEY,
     merge_state_dicts,
@@ -66,9 +68,10 @@ def merged_state_dict(tag_dir: str | Path, config: SWBertConfig) -> dict[str, to
     """
     tag_dir = Path(tag_dir)
     if (tag_dir / "zero").is_dir():  # universal: full fp32 tensors, one folder per parameter
-        with torch.device("meta"):
-            names = [n for n, _ in SWBertForMaskedLM(config).named_parameters()]
-        return {n: _load(tag_dir / "zero" / n / "fp32.pt")[ds_ckpt.PARAM] for n in names}
+        # the folders' names, not the model's: one saved before the fused attention projections holds
+        # the separate ones, which loading packs (SelfAttention.packed)
+        folders = sorted(p for p in (tag_dir / "zero").iterdir() if (p / "fp32.pt").is_file())
+        return {p.name: _load(p / "fp32.pt")[ds_ckpt.PARAM] for p in folders}
     shards = [_load(f)["module"] for f in model_state_files(tag_dir.parent, tag_dir.name)]
     if any(t.numel() == 0 for t in shards[0].values() if isinstance(t, torch.Tensor)):  # ZeRO-3 placeholders
         with tempfile.TemporaryDirectory() as tmp:
@@ -96,6 +99,7 @@ def to_hf(
     tied = set(model._tied_weights_keys)
     if set(missing) - tied or unexpected:
         raise ValueError(f"checkpoint does not match the config: missing {missing}, unexpected {unexpected}")
+    model.trim_vocab_padding()  # the folder's tables match the tokenizer (vocab_size rows)
     model.save_pretrained(out_dir)
     from swbert.models.remote_code import add_remote_code
 
@@ -131,7 +135,39 @@ def to_universal(
         ds_to_universal.main(args)  # also writes OUT_DIR/latest_universal
     for meta in (Path(ckpt_dir) / tag).glob("*.json"):  # the trainer's metadata travels along
         shutil.copy2(meta, Path(out_dir) / tag / meta.name)
+    pack_universal(Path(out_dir) / tag, _config(first, config, Path(ckpt_dir) / tag))
     return Path(out_dir)
+
+
+def pack_universal(tag_dir: Path, config: SWBertConfig) -> list[str]:
+    """Fuse the per-parameter folders of separate attention projections (a checkpoint saved before
+    they became one matrix: q_proj, k_proj, v_proj) into the fused one's (`in_proj`), so the
+    universal checkpoint resumes today's model with its optimizer state. Returns the fused names.
+
+    Every file packs alike: the fp32 weights and Adam's moments are elementwise, so the moments of a
+    fused entry are those of the separate entry it came from (`pack_heads`); the step is shared."""
+    attn = attention_class(config.attention_type)
+    zero = tag_dir / "zero"
+    done = []
+    for fused, parts in attn.packed.items():
+        for first in sorted(zero.glob(f"*.attn.{parts[0]}.*")):
+            prefix, kind = first.name.rsplit(f".{parts[0]}.", 1)
+            folders = [zero / f"{prefix}.{part}.{kind}" for part in parts]
+            if not all(f.is_dir() for f in folders):
+                continue
+            target = zero / f"{prefix}.{fused}.{kind}"
+            target.mkdir()
+            for file in sorted(p.name for p in first.iterdir()):
+                states = [_load(f / file) for f in folders]
+                packed = states[0]
+                if isinstance(packed, dict) and isinstance(packed.get(ds_ckpt.PARAM), torch.Tensor):
+                    tensors = [st[ds_ckpt.PARAM] for st in states]
+                    packed = {**packed, ds_ckpt.PARAM: pack_heads(tensors, config.head_dim)}
+                torch.save(packed, target / file)
+            for f in folders:
+                shutil.rmtree(f)
+            done.append(target.name)
+    return done
 
 
 def _with_layout(tag_dir: Path, staging: Path, config: SWBertConfig) -> Path:

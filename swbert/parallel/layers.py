@@ -174,9 +174,10 @@ class VocabParallelDecoder(_NoExtraState, ColumnParallelLinear):
 def copy_input_to_tp_region(module: nn.Module, args: tuple) -> tuple:
     """Forward pre-hook on an attention module: identity forward, input-gradient all-reduce backward.
 
-    Q, K and V projections read the same input; megatron fuses them into one linear to all-reduce
-    the input gradient once. Our variants keep separate, paper-named projections, so each is built
-    with `reduce_input_grad=False` and this hook reduces their summed gradient once per layer.
+    The projections of a layer read the same input. The paper's variants fuse theirs into one linear
+    (`in_proj`), but a variant may keep several (a registered fifth one, shared's `proj` beside its
+    per-head diagonals): each is built with `reduce_input_grad=False` and this hook reduces their
+    summed input gradient once per layer, whatever their number.
     """
     x, *rest = args
     return (copy_to_tensor_model_parallel_region(x), *rest)
@@ -213,17 +214,29 @@ class TensorParallelMaskedLM(SWBertForMaskedLM):
     def logits_and_loss(
         self, h: torch.Tensor, target: torch.Tensor | None, padded: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """h is replicated over the group; the decoder's output is this rank's vocabulary shard."""
-        local_logits = self.mlm_head(h)  # (..., V / tp)
+        """h is replicated over the group; the decoder's output is this rank's vocabulary shard.
+
+        With a padded vocabulary (config.pad_vocab_multiple) the padded ids' logits are -inf in the
+        loss, which is then the TP=1 model's over vocab_size ids, and the gathered logits end at
+        vocab_size as at TP=1."""
+        vocab = self.config.vocab_size
+        local_logits = self.mlm_head(h)  # (..., padded V / tp)
         logits = gather_from_tensor_model_parallel_region(local_logits)  # before the in-place loss
+        if logits.shape[-1] != vocab:
+            logits = logits[..., :vocab]
         if target is None:
             return logits, None
         if target.numel() == 0:
             return logits, local_logits.sum() * 0.0  # keeps the graph, as at TP=1
+        local = local_logits.float()
+        start = self.bert.embeddings.word_embeddings.vocab_start_index  # this rank's first id
+        if start + local.shape[-1] > vocab:  # the vocabulary padding lies in this rank's shard
+            beyond = torch.arange(start, start + local.shape[-1], device=local.device) >= vocab
+            local = local.masked_fill(beyond, float("-inf"))  # exp(-inf) = 0: out of the softmax
         if not padded:
-            return logits, vocab_parallel_cross_entropy(local_logits.float(), target).mean()
+            return logits, vocab_parallel_cross_entropy(local, target).mean()
         labelled = target != IGNORE_INDEX  # megatron's loss has no ignore index: mask the padding out
-        losses = vocab_parallel_cross_entropy(local_logits.float(), target.clamp(min=0)) * labelled
+        losses = vocab_parallel_cross_entropy(local, target.clamp(min=0)) * labelled
         return logits, labelled_mean(losses, target)
 
     def save_pretrained(self, *args: object, **kwargs: object) -> None:

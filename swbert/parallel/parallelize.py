@@ -60,7 +60,7 @@ def parallelize(model: SWBertForMaskedLM, tp_size: int, sequence_parallel: bool 
     step("broadcast TP rank 0's weights over the tensor-parallel group")
     _broadcast(model, d.tp_group)
 
-    step("word embeddings -> VocabParallelEmbedding (%d rows per rank)", config.vocab_size // tp_size)
+    step("word embeddings -> VocabParallelEmbedding (%d rows per rank)", config.padded_vocab_size // tp_size)
     embeddings = model.bert.embeddings
     old = embeddings.word_embeddings
     mcfg = megatron_config(tp_size, old.weight.dtype)

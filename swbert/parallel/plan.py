@@ -15,6 +15,7 @@ biases, the MLM transform) is replicated.
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -51,7 +52,13 @@ def partition_dim(name: str, config: SWBertConfig) -> int | None:
     if m is None:
         return None
     block, module, kind = m.groups()
-    table = attention_class(config.attention_type).tp_plan() if block == "attn" else MLP_PLAN
+    if block == "attn":
+        cls = attention_class(config.attention_type)
+        table = cls.tp_plan()
+        # a state dict saved before the fusion names the separate projections: split like the fused one
+        table.update({part: table[fused] for fused, parts in cls.packed.items() for part in parts})
+    else:
+        table = MLP_PLAN
     split = table.get(module)
     if split == "column" or split == "heads":
         return 0
@@ -81,10 +88,13 @@ def check_divisible(config: SWBertConfig, tp_size: int) -> None:
             f"intermediate_size={config.intermediate_size} is not divisible by {flag}; "
             "use a tensor-parallel size that divides it"
         )
-    if config.vocab_size % tp_size:
-        padded = -(-config.vocab_size // tp_size) * tp_size
+    rows = config.padded_vocab_size
+    if rows % tp_size:
+        multiple = math.lcm(128, tp_size)
         raise ValueError(
-            f"vocab_size={config.vocab_size} is not divisible by {flag}: the embedding and the MLM "
-            f"decoder are split by vocabulary rows. Pad the model's vocabulary (vocab_size={padded}, or "
-            f"a multiple of 128 x {tp_size} for faster GEMMs); ids beyond the tokenizer's are never used"
+            f"vocab_size={config.vocab_size} (padded to {rows} rows with pad_vocab_multiple="
+            f"{config.pad_vocab_multiple}) is not divisible by {flag}: the embedding and the MLM decoder "
+            f"are split by vocabulary rows. Pad the vocabulary to a multiple of {tp_size}: "
+            f"pad_vocab_multiple={multiple} (pretraining: --pad-vocab-multiple {multiple}); the padded "
+            "rows are never read nor predicted"
         )

@@ -80,7 +80,7 @@ def model_tensors(config: SWBertConfig) -> list[ParamTensor]:
 
 def rank_tensor_sizes(config: SWBertConfig, tp: int = 1) -> list[int]:
     """Sizes of the parameter tensors one tensor-parallel rank holds."""
-    for name in ("num_attention_heads", "intermediate_size", "vocab_size"):
+    for name in ("num_attention_heads", "intermediate_size", "padded_vocab_size"):
         if getattr(config, name) % tp:
             raise ValueError(f"tensor parallel size {tp} does not divide {name}={getattr(config, name)}")
     return [t.numel // tp if t.tp_sharded else t.numel for t in model_tensors(config)]
@@ -261,7 +261,7 @@ def activation_bytes(
     embeddings = s * b * d * 2 * scale
     predicted = predicted_fraction * s * b
     # MLM head on the predicted positions: transform activations and fp32 logits for the loss.
-    head = predicted * (d * 8 * scale + config.vocab_size * (2 * scale + 4))
+    head = predicted * (d * 8 * scale + config.padded_vocab_size * (2 * scale + 4))
     return config.num_hidden_layers * per_layer + embeddings + head
 
 

@@ -149,6 +149,8 @@ def build_model_config(cfg: TrainConfig, data: TrainingData) -> SWBertConfig:
     return SWBertConfig.from_size(
         cfg.size,
         attention_type=cfg.attention_type,
+        shared_bias=cfg.shared_bias,
+        pad_vocab_multiple=cfg.pad_vocab_multiple,
         vocab_size=data.vocab_size,
         max_position_embeddings=max(512, cfg.seq_len),
         hidden_dropout_prob=cfg.hidden_dropout,

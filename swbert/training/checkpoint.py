@@ -415,13 +415,75 @@ def check_compatible(
             f"checkpoint {tag_dir} is of a different model ({'; '.join(diffs)}); resume with the same "
             "--size/--attention-type/data, or start a new --output-dir"
         )
+    if "model_config" in meta:
+        _check_model_fields(tag_dir, saved.get("model_config", {}), meta["model_config"])
     if saved.get("tensor_parallel", 1) != meta.get("tensor_parallel", 1) and not is_universal(tag_dir):
         raise ValueError(
             f"checkpoint {tag_dir} was saved with --tensor-parallel {saved.get('tensor_parallel', 1)} but this run "
             f"uses {meta.get('tensor_parallel', 1)}; convert it first: python -m swbert.parallel.convert universal "
             f"{tag_dir.parent} NEW_DIR --tag {tag_dir.name}, then pass --resume NEW_DIR"
         )
+    if "model_config" in meta:
+        check_parameter_names(tag_dir, meta["model_config"])
     return _check_run_settings(tag_dir, saved.get("run"), meta.get("run"), allow)
+
+
+# Model-config fields the training config sets that change the model's tensors, with the value a
+# checkpoint that does not record them was made with.
+MODEL_FIELDS = {"shared_bias": True, "pad_vocab_multiple": 1}
+
+
+def _check_model_fields(tag_dir: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
+    diffs = {
+        k: (saved.get(k, default), now.get(k, default))
+        for k, default in MODEL_FIELDS.items()
+        if saved.get(k, default) != now.get(k, default)
+    }
+    if diffs:
+        flags = " ".join(f"--{k.replace('_', '-')} {str(a).lower()}" for k, (a, _) in diffs.items())
+        raise ValueError(
+            f"checkpoint {tag_dir} is of a different model ("
+            + "; ".join(f"{k}: checkpoint {a!r} vs this run {b!r}" for k, (a, b) in diffs.items())
+            + f"); resume it with {flags}, or start a new --output-dir"
+        )
+
+
+def _saved_parameter_names(tag_dir: Path) -> set[str] | None:
+    """Names of the tensors a DeepSpeed checkpoint holds (None if it holds no model file)."""
+    if is_universal(tag_dir):
+        return {p.name for p in (tag_dir / "zero").iterdir() if (p / "fp32.pt").is_file()}
+    files = sorted(tag_dir.glob("*mp_rank_00_model_states.pt"))
+    if not files:
+        return None
+    # memory-mapped: only the names are read, not the weights
+    module = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True).get("module")
+    return {k for k, v in module.items() if isinstance(v, torch.Tensor)} if isinstance(module, dict) else None
+
+
+def check_parameter_names(tag_dir: Path, model_config: dict[str, Any]) -> None:
+    """Refuse a checkpoint holding tensors the model has not, e.g. one saved before the attention
+    projections were fused (q_proj, k_proj, v_proj -> in_proj). Its weights would load (the model
+    packs the separate projections) but DeepSpeed's ZeRO optimizer state is flat buffers in the old
+    parameter order: Adam moments and fp32 master weights would land on the wrong entries, silently.
+    Converted to a universal checkpoint it resumes (the conversion packs the separate tensors)."""
+    from swbert.models import SWBertConfig, SWBertForMaskedLM
+
+    saved = _saved_parameter_names(tag_dir)
+    if saved is None:
+        return
+    with torch.device("meta"):
+        model = SWBertForMaskedLM(SWBertConfig.from_dict(model_config))
+    unknown = sorted(saved - set(model.state_dict()))
+    if unknown:
+        raise ValueError(
+            f"checkpoint {tag_dir} holds tensors this model has not ({', '.join(unknown[:3])}"
+            f"{', ...' if len(unknown) > 3 else ''}): saved by an older swbert, before the attention "
+            "projections were fused (q_proj, k_proj, v_proj became in_proj), or by another model. "
+            "DeepSpeed would load its optimizer state in the old parameter order. Convert it first: "
+            f"python -m swbert.parallel.convert universal {tag_dir.parent} NEW_DIR --tag {tag_dir.name}, "
+            f"then pass --resume NEW_DIR (the optimizer state is repacked); or export its weights: "
+            f"python -m swbert.training.export {tag_dir} --output DIR"
+        )
 
 
 def _check_run_settings(

@@ -44,6 +44,10 @@ class TrainConfig:
     # model
     size: str = "mini"  # named size, see swbert.models.config.SIZES
     attention_type: str = "shared"  # standard | shared | symmetric | pairwise
+    shared_bias: bool = True  # shared attention's bias bs (ours; false: the paper's form, d^2 + 3d per layer)
+    # embedding/decoder rows padded to a multiple of this (our choice, the usual GPU one; 1: none);
+    # padded ids are never read nor predicted, and the export trims them
+    pad_vocab_multiple: int = 128
     hidden_dropout: float = 0.1  # dropout on embeddings and residual branches
     attention_dropout: float = 0.1  # dropout on attention probabilities
     # data
@@ -118,6 +122,7 @@ class TrainConfig:
             "save_interval",
             "keep_checkpoints",
             "tensor_parallel",
+            "pad_vocab_multiple",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")

@@ -64,8 +64,11 @@ def load_model_from_checkpoint(tag_dir: Path) -> SWBertForMaskedLM:
 
 def export(tag_dir: Path, output: Path, tokenizer_dir: Path | None = None) -> Path:
     """Write the HF folder for one checkpoint, with its tokenizer's files (only those): from
-    `tokenizer_dir`, else from the run folder's `tokenizer/` (see swbert.training.run_tokenizer)."""
-    model = load_model_from_checkpoint(tag_dir)
+    `tokenizer_dir`, else from the run folder's `tokenizer/` (see swbert.training.run_tokenizer).
+
+    A vocabulary padded for training (pad_vocab_multiple) is trimmed back to the tokenizer's size:
+    the folder loads as a model of vocab_size ids, in swbert and in plain transformers alike."""
+    model = load_model_from_checkpoint(tag_dir).trim_vocab_padding()
     meta = json.loads((tag_dir / "swbert_meta.json").read_text())
     if tokenizer_dir is not None and not tokenizer_dir.is_dir():
         raise FileNotFoundError(f"--tokenizer {tokenizer_dir} is not a folder")

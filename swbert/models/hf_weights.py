@@ -1,0 +1,116 @@
+"""Hugging Face folders keep the attention projections separate: q_proj, k_proj, v_proj.
+
+In memory (and in DeepSpeed checkpoints) a variant's projections that read the same input are one
+head-interleaved matrix (`SelfAttention.packed`, e.g. standard's `in_proj` = Wq, Wk, Wv). A
+`model.safetensors` written by `save_pretrained` stores them as the separate matrices instead, the
+form folders had before the fusion: so folders saved by any swbert version load in any other, and
+their tensors are BERT's query/key/value under swbert's names.
+
+transformers 5 loads and saves through its weight-conversion mapping (not through
+`load_state_dict` hooks), so the packing is registered there for the `swbert` model type: on load
+the separate tensors are packed, on save the fused one is unpacked. This module is part of the
+model code copied into exported folders (`swbert.models.remote_code`), so a folder loaded with
+`trust_remote_code` registers the same conversion.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import ConversionOps, WeightConverter
+
+from swbert.models.attention import ATTENTION_CLASSES, attention_class, pack_heads, unpack_heads
+from swbert.models.config import SWBertConfig
+
+BLOCK = "attn"  # the attention module's attribute in an encoder block (swbert.models.modeling.Block)
+
+
+def _first(tensors: Any) -> torch.Tensor:
+    return tensors[0] if isinstance(tensors, list) else tensors
+
+
+class PackHeads(ConversionOps):
+    """Load: the separate projections present (in `parts` order) -> the fused, head-interleaved one.
+
+    `parts` lists every separate name any variant packs into `fused`, in the order of the source
+    patterns; which of them a model has is its attention class's say (symmetric: q_proj, v_proj).
+    """
+
+    def __init__(self, fused: str, parts: tuple[str, ...]) -> None:
+        self.fused = fused
+        self.parts = parts
+
+    @torch.no_grad()
+    def convert(
+        self,
+        input_dict: dict[str, Any],
+        source_patterns: list[str],
+        target_patterns: list[str],
+        **kwargs: Any,
+    ) -> dict[str, torch.Tensor]:
+        config = kwargs["config"]
+        expected = attention_class(config.attention_type).packed.get(self.fused, ())
+        found = [part for part, pattern in zip(self.parts, source_patterns) if pattern in input_dict]
+        if found != list(expected):
+            raise ValueError(
+                f"attention_type={config.attention_type!r} packs {list(expected)} into {self.fused}, "
+                f"the checkpoint holds {found}: it is not this variant's"
+            )
+        tensors = [_first(input_dict.pop(p)) for p in source_patterns if p in input_dict]
+        return {target_patterns[0]: pack_heads(tensors, config.head_dim)}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return UnpackHeads(self.fused, self.parts)
+
+
+class UnpackHeads(ConversionOps):
+    """Save: the fused projection -> the separate ones its attention class packs into it."""
+
+    def __init__(self, fused: str, parts: tuple[str, ...]) -> None:
+        self.fused = fused
+        self.parts = parts
+
+    @torch.no_grad()
+    def convert(
+        self,
+        input_dict: dict[str, Any],
+        source_patterns: list[str],
+        target_patterns: list[str],
+        **kwargs: Any,
+    ) -> dict[str, torch.Tensor]:
+        config = kwargs["config"]
+        names = attention_class(config.attention_type).packed[self.fused]
+        fused = _first(next(iter(input_dict.values())))
+        pieces = unpack_heads(fused, len(names), config.head_dim)
+        return {target_patterns[self.parts.index(name)]: t for name, t in zip(names, pieces)}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return PackHeads(self.fused, self.parts)
+
+
+def weight_conversions() -> list[WeightConverter]:
+    """One converter per fused projection name and weight/bias, over the registered variants."""
+    parts: dict[str, list[str]] = {}
+    for cls in ATTENTION_CLASSES.values():
+        for fused, separate in cls.packed.items():
+            known = parts.setdefault(fused, [])
+            known += [p for p in separate if p not in known]
+    return [
+        WeightConverter(
+            source_patterns=[f"{BLOCK}.{p}.{kind}" for p in separate],
+            target_patterns=f"{BLOCK}.{fused}.{kind}",
+            operations=[PackHeads(fused, tuple(separate))],
+        )
+        for fused, separate in parts.items()
+        for kind in ("weight", "bias")
+    ]
+
+
+def register_hf_weight_conversions() -> None:
+    """Register the packing for the `swbert` model type with transformers (again after registering a
+    variant that packs other names)."""
+    register_checkpoint_conversion_mapping(SWBertConfig.model_type, weight_conversions(), overwrite=True)
