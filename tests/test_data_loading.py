@@ -26,6 +26,8 @@ from swbert.data import (
     open_corpus,
 )
 
+SEQ = 64
+
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -61,6 +63,26 @@ def test_packed_sequences_are_the_document_stream_cut_in_pieces(data_dir: Path) 
         packed[len(packed)]
     with pytest.raises(ValueError, match="shorter seq_len"):
         PackedSequences(corpus, corpus.num_tokens + len(corpus) + 5)
+
+
+def _stream(data_dir: Path, split: str) -> list[int]:
+    corpus = open_corpus(data_dir, split)
+    stream: list[int] = []
+    for doc in range(len(corpus)):
+        stream += corpus.document(doc).tolist() + [SEP_ID]
+    return stream[:-1]
+
+
+def test_get_batch_reads_any_samples_at_once(data_dir: Path) -> None:
+    packed, stream = PackedSequences(open_corpus(data_dir), SEQ), _stream(data_dir, "train")
+    n = len(packed)
+    indices = [n - 1, 0, 5, 5, n // 2]
+    batch = packed.get_batch(indices)
+    assert batch.shape == (5, SEQ) and batch.dtype == np.int64
+    for row, i in zip(batch.tolist(), indices, strict=True):
+        assert row == [CLS_ID] + stream[i * (SEQ - 2) : (i + 1) * (SEQ - 2)] + [SEP_ID]
+    with pytest.raises(IndexError, match=rf"sample {n} out of range \[0, {n}\)"):
+        packed.get_batch([3, n])
 
 
 def _batches(sampler: GlobalSampler, count: int) -> list[list[int]]:
