@@ -1,9 +1,10 @@
-"""Training-side data: packing, the rank-independent sampler, masking by position."""
+"""Training-side data: packing, the rank-independent sampler, masking by position, the batch loader."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 import pickle
 from pathlib import Path
 from pydoc_data.topics import topics
@@ -25,8 +26,9 @@ from swbert.data import (
     PackedSequences,
     open_corpus,
 )
+from swbert.data.loader import PackedBatch
 from swbert.training.config import TrainConfig
-from swbert.training.data import TrainingData
+from swbert.training.data import TrainingData, resolve_num_workers
 from tests.masking_reference import stream_batch
 
 SEQ, SEED = 64, 11
@@ -265,3 +267,67 @@ def test_batch_layout_and_prediction_count_errors(training_data: TrainingData) -
     TrainConfig(max_predictions_per_seq=20).check()
     with pytest.raises(ValueError, match=r"max_predictions_per_seq=12 .*Set max_predictions_per_seq to 19"):
         TrainConfig(seq_len=128, max_predictions_per_seq=12).check()
+
+
+# ---- TrainingData.loader: the same batches from DataLoader workers ----------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2])
+def test_loader_yields_the_consecutive_batches_from_any_start(
+    training_data: TrainingData, workers: int
+) -> None:
+    n = len(training_data.train)
+    start = 8 * (n // 8) - 16  # a resume two micro-steps before the end of epoch 0
+    loader = training_data.loader(start, 4, 1, 2, num_workers=workers, prefetch_factor=2)
+    try:
+        for j in range(7):  # micro-step 2 straddles the boundary
+            assert loader.next_sample == start + j * 8
+            want = training_data.batch(start + j * 8, 4, 1, 2)
+            got = next(loader)
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), (workers, j)
+            assert all(got[k].dtype == torch.int64 for k in got)
+    finally:
+        loader.close()
+    valid = training_data.loader(0, 4, 0, 1, num_workers=workers, eval_split=True)
+    first = next(valid)
+    valid.close()
+    assert all(torch.equal(first[k], training_data.batch(0, 4, 0, 1, eval_split=True)[k]) for k in first)
+
+
+@pytest.mark.slow  # a spawned worker imports torch and swbert: seconds
+def test_loader_workers_start_by_spawn_too(training_data: TrainingData) -> None:
+    """A spawned worker gets the data pickled (no mapped shard, no permutation) and maps the shards
+    itself; what it builds is what the calling thread builds."""
+    loader = training_data.loader(24, 4, 0, 1, num_workers=1, multiprocessing_context="spawn")
+    try:
+        for j in range(2):
+            want = training_data.batch(24 + 4 * j, 4, 0, 1)
+            assert all(torch.equal(v, want[k]) for k, v in next(loader).items())
+    finally:
+        loader.close()
+
+
+def test_worker_count_errors(training_data: TrainingData, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="swbert.data.loader"):
+        assert resolve_num_workers(5, cpus=2) == 2
+    assert "num_workers=5 is more than the 2 CPUs available: using 2" in caplog.text
+    assert resolve_num_workers(2, cpus=2) == 2 and resolve_num_workers(0) == 0
+    with pytest.raises(ValueError, match="num_workers=-1"):
+        resolve_num_workers(-1)
+    with pytest.raises(ValueError, match="micro_bs must be positive"):
+        training_data.loader(0, 0, 0, 1, num_workers=0)
+    TrainConfig(num_workers=0).check()
+    with pytest.raises(ValueError, match="num_workers=-1"):
+        TrainConfig(num_workers=-1).check()
+
+
+def test_a_packed_batch_comes_back_equal_pinned_or_not(training_data: TrainingData, monkeypatch) -> None:
+    """The worker-to-main trip (int32 array through the pipe) and the pin-memory thread's path,
+    with pinning itself, which needs a GPU, replaced by a copy."""
+    batch = training_data.batch(8, 4, 0, 1)
+    packed = PackedBatch.pack(batch)
+    assert packed.flat.dtype == np.int32
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self.clone())
+    for back in (pickle.loads(pickle.dumps(packed)).unpack(), packed.pin_memory().unpack()):
+        assert back.keys() == batch.keys()
+        assert all(back[k].dtype == torch.int64 and torch.equal(back[k], batch[k]) for k in batch)

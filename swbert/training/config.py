@@ -63,6 +63,7 @@ class TrainConfig:
     # sequence predicts round(mlm_probability x its maskable tokens) of them, the rest is padding.
     # None: round(seq_len x mlm_probability), as NVIDIA's BERT
     max_predictions_per_seq: int | None = None
+    num_workers: int = 2  # loader worker processes per rank; 0 builds batches on the training thread
     # batch: global = micro x data-parallel ranks x accumulation; give any two of the three
     global_batch_size: int = 32  # sequences per optimizer step, over all ranks
     micro_batch_size: int = 16  # sequences per forward pass on one data-parallel rank
@@ -138,6 +139,10 @@ class TrainConfig:
         if not 0 < self.mlm_probability < 1:
             raise ValueError(f"mlm_probability={self.mlm_probability} must be in (0, 1)")
         resolve_max_predictions(self.seq_len, self.mlm_probability, self.max_predictions_per_seq)
+        if self.num_workers < 0:
+            raise ValueError(
+                f"num_workers={self.num_workers} must be 0 (batches on the training thread) or more"
+            )
 
     def batch_layout(self, dp_size: int) -> tuple[int, int, int]:
         """(global, micro, accumulation) for `dp_size` data-parallel ranks; errors say what to change."""

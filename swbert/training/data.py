@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 
 from swbert.data import MaskingCollator, PackedSequences, open_corpus
+from swbert.data.loader import BatchLoader, batch_loader, resolve_num_workers
 from swbert.data.stream import VALID_STREAM_OFFSET, MaskedStream, check_layout
 
-__all__ = ["TrainingData", "prepare_data"]
+__all__ = ["TrainingData", "prepare_data", "resolve_num_workers"]
 
 
 def prepare_data(data_dir: str | Path | None) -> Path:
@@ -38,7 +39,8 @@ def prepare_data(data_dir: str | Path | None) -> Path:
 class TrainingData:
     """Train and validation sequences of one data folder, served by global stream position.
 
-    `batch()` builds one micro-batch, a dict of CPU tensors (see
+    `batch()` builds one micro-batch on the calling thread; `loader()` streams consecutive ones
+    from DataLoader workers. Both return the same dicts of CPU tensors (see
     `swbert.data.MaskingCollator`): `input_ids`, `labels` (B, S), `mlm_positions`, `mlm_labels`
     (B, P) with P = `max_predictions_per_seq`, and `attention_mask` only when a batch holds padding
     (packed sequences never do).
@@ -93,6 +95,34 @@ class TrainingData:
         """This rank's micro-batch of the global batch that starts at stream position `samples_before`."""
         check_layout(samples_before, micro_bs, dp_rank, dp_size)
         return self._stream(eval_split).batch(samples_before + dp_rank * micro_bs, micro_bs)
+
+    def loader(
+        self,
+        start_sample: int,
+        micro_bs: int,
+        dp_rank: int,
+        dp_size: int,
+        num_workers: int,
+        pin_memory: bool = False,
+        prefetch_factor: int = 4,
+        eval_split: bool = False,
+        multiprocessing_context: str | None = None,
+    ) -> BatchLoader:
+        """This rank's micro-batches for consecutive micro-steps from stream position `start_sample`:
+        micro-batch j is `batch(start_sample + j * micro_bs * dp_size, micro_bs, dp_rank, dp_size)`,
+        built by `num_workers` DataLoader processes (0: on the calling thread) and prefetched;
+        `pin_memory` on CUDA. See `swbert.data.loader.batch_loader`."""
+        return batch_loader(
+            self._stream(eval_split),
+            start_sample,
+            micro_bs,
+            dp_rank,
+            dp_size,
+            num_workers,
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor,
+            multiprocessing_context=multiprocessing_context,
+        )
 
     def sampler_state(self, samples_consumed: int) -> dict:
         epoch, consumed = divmod(samples_consumed, len(self.train))
