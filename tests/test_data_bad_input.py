@@ -21,6 +21,7 @@ from data_prep.preprocess import preprocess
 from data_prep.sources import Chunk, InputError, ReadOptions, Source
 from data_prep.train_tokenizer import train_tokenizer
 from swbert.data import open_corpus
+from swbert.data._megatron import indexed_dataset
 
 TEXTS = [topics[name] for name in sorted(topics)[:12]]
 
@@ -128,7 +129,7 @@ def test_an_enormous_line_is_one_document_tokenized_in_pieces(tok: Path, tmp_pat
     assert sp.decode(docs[2]).replace(" ", "") == "x" * 9000
     corpus = open_corpus(out)
     pieces = len(line.encode()) // 4096 + 9000 // 4096  # the two long lines, a sequence per piece
-    assert len(corpus._open()[0].sequence_lengths) >= 2 + pieces
+    assert len(indexed_dataset().IndexedDataset(corpus.prefixes[0]).sequence_lengths) >= 2 + pieces
 
     json_path = tmp_path / "huge.jsonl"
     json_path.write_text("\n".join(json.dumps({"text": t}) for t in ["before", line, "after"]) + "\n")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import data_prep, pretrain_e2e, train_step
+from benchmarks import data_loader, data_prep, pretrain_e2e, train_step
 
 
 def test_train_step_benchmark_smoke(tmp_path, capsys):
@@ -61,3 +61,14 @@ def test_data_prep_benchmark_smoke(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"ratio {out['worker_ratio']:.2f}x (target >= 1.8x)" in printed
     assert f"ratio {out['rss_ratio']:.2f}x (target < 1.5x)" in printed
+
+
+def test_data_loader_benchmark_smoke(tmp_path, capsys):
+    """Both paths timed for a moment on a small corpus (the figures mean little), the H100 rates from
+    the FLOP counts: BERT-base trains ~518 (standard) and ~433 (shared) MFLOP a token."""
+    out = data_loader.main(["--smoke", "--root", str(tmp_path), "--json", str(tmp_path / "r.json")])
+    assert out["samples_per_s_one_worker"] > 0 and out["samples_per_s_in_thread"] > 0
+    h100 = out["h100_samples_per_s_at_50pct_mfu"]
+    assert 7300 < h100["standard"] < 7600 and 8800 < h100["shared"] < 9000 and h100.keys() >= {"symmetric"}
+    assert json.loads((tmp_path / "r.json").read_text())["h100_samples_per_s_at_50pct_mfu"] == h100
+    assert "one worker / H100 standard" in capsys.readouterr().out

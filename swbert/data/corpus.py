@@ -24,7 +24,9 @@ class Corpus:
 
     Only the per-document index (length, shard, offset: 20 bytes a document) lives in memory;
     token ids are read from the memory-mapped `.bin` files on demand. Pickles cheaply for
-    DataLoader workers: the shard files are reopened in each process.
+    DataLoader workers: the shard files are reopened in each process. megatron-core parses the
+    `.idx` files once, here; reading maps each `.bin` (a flat array of token ids) with numpy
+    alone, so a spawned loader worker need not import megatron-core.
     """
 
     def __init__(self, data_dir: Path, split: Split, manifest: dict[str, Any]) -> None:
@@ -41,9 +43,13 @@ class Corpus:
             for shard in manifest["shards"]
             if shard[split]["documents"] > 0
         ]
-        self._datasets: list[Any] | None = None
+        self._tokens: list[np.ndarray | None] = [None] * len(self.prefixes)  # mapped on first read
+        self._shard_dtypes: list[np.dtype] = []
+        self._shard_sizes: list[int] = []  # tokens in each shard's .bin
         lengths, shard_ids, offsets = [], [], []
-        for i, dataset in enumerate(self._open()):
+        module = indexed_dataset()
+        for i, prefix in enumerate(self.prefixes):
+            dataset = module.IndexedDataset(prefix)
             seq_lengths = dataset.sequence_lengths.astype(np.int64)
             doc_index = dataset.document_indices
             # A long document is stored as several sequences; they are contiguous in `.bin`,
@@ -52,20 +58,28 @@ class Corpus:
             lengths.append(ends[doc_index[1:]] - ends[doc_index[:-1]])
             offsets.append(ends[doc_index[:-1]])
             shard_ids.append(np.full(len(doc_index) - 1, i, dtype=np.int32))
+            self._shard_dtypes.append(np.dtype(dataset.index.dtype))
+            self._shard_sizes.append(int(ends[-1]))
         self.doc_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
         self._doc_shard = np.concatenate(shard_ids) if shard_ids else np.zeros(0, np.int32)
         self._doc_offset = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)
         self.num_tokens = int(self.doc_lengths.sum())
 
-    def _open(self) -> list[Any]:
-        if self._datasets is None:
-            module = indexed_dataset()
-            self._datasets = [module.IndexedDataset(prefix) for prefix in self.prefixes]
-        return self._datasets
+    def tokens(self, shard: int) -> np.ndarray:
+        """Every token id of shard `shard` (its index in `prefixes`): a read-only memory-mapped array."""
+        array = self._tokens[shard]
+        if array is None:
+            # A `.bin` is the shard's token ids back to back; a shard listed here is not empty.
+            shape = (self._shard_sizes[shard],)
+            array = np.memmap(
+                f"{self.prefixes[shard]}.bin", dtype=self._shard_dtypes[shard], mode="r", shape=shape
+            )
+            self._tokens[shard] = array
+        return array
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_datasets"] = None
+        state["_tokens"] = [None] * len(self.prefixes)  # each process maps the files itself
         return state
 
     def __len__(self) -> int:
@@ -79,18 +93,35 @@ class Corpus:
         """Token ids `[start, start + length)` of document `doc` (a read-only view of the mmap)."""
         if length is None:
             length = int(self.doc_lengths[doc]) - start
-        shard = int(self._doc_shard[doc])
-        dataset = self._open()[shard]
-        itemsize = np.dtype(dataset.index.dtype).itemsize
-        offset = (int(self._doc_offset[doc]) + start) * itemsize
-        tokens = dataset.bin_reader.read(dtype=dataset.index.dtype, count=length, offset=offset)
-        if length and int(tokens.max()) >= self.vocab_size:  # a flipped bit, a shard from elsewhere
-            raise ValueError(
-                f"{self.prefixes[shard]}.bin holds token id {int(tokens.max())} at document {doc}, outside the "
-                f"vocabulary of {self.vocab_size}: the shard is corrupt. Check the folder with: "
-                f"python -m data_prep.verify {self.data_dir}"
-            )
+        offset = int(self._doc_offset[doc]) + start
+        tokens = self.tokens(int(self._doc_shard[doc]))[offset : offset + length]
+        self._check_ids(tokens, np.full(len(tokens), doc))
         return tokens
+
+    def gather(self, docs: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """The token id at offset `starts[i]` of document `docs[i]`, for every i at once: (N,) int64.
+
+        One fancy-indexing read per shard touched, no Python loop over tokens.
+        """
+        where = self._doc_offset[docs] + starts  # (N,) offsets in each document's shard
+        shards = self._doc_shard[docs]
+        out = np.empty(len(docs), dtype=np.int64)
+        for shard in np.unique(shards).tolist():  # usually one or two per batch
+            sel = shards == shard
+            out[sel] = self.tokens(shard)[where[sel]]
+        self._check_ids(out, docs)
+        return out
+
+    def _check_ids(self, tokens: np.ndarray, docs: np.ndarray) -> None:
+        """A ValueError naming the shard when `tokens` (read from documents `docs`) hold an id outside the vocabulary."""
+        if len(tokens) and int(tokens.max()) >= self.vocab_size:  # a flipped bit, a shard from elsewhere
+            bad = int(np.argmax(tokens))
+            doc = int(docs[bad])
+            raise ValueError(
+                f"{self.prefixes[int(self._doc_shard[doc])]}.bin holds token id {int(tokens[bad])} at document "
+                f"{doc}, outside the vocabulary of {self.vocab_size}: the shard is corrupt. Check the folder "
+                f"with: python -m data_prep.verify {self.data_dir}"
+            )
 
     def document(self, doc: int) -> np.ndarray:
         """All token ids of document `doc`."""

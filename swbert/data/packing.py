@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -18,7 +20,8 @@ class PackedSequences(torch.utils.data.Dataset):
     dropped, so no sample needs padding (and the collator's attention mask is all ones).
 
     Construction is one cumulative sum over the document lengths (O(documents), no Python loop
-    over tokens); reading a sample touches only the documents it overlaps.
+    over tokens); reading a batch (`get_batch`) touches only the documents its samples overlap,
+    with no Python loop over samples or tokens.
     """
 
     def __init__(self, corpus: Corpus, seq_len: int) -> None:
@@ -43,24 +46,29 @@ class PackedSequences(torch.utils.data.Dataset):
         return self._num_samples
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        if not 0 <= index < self._num_samples:
-            raise IndexError(f"sample {index} out of range [0, {self._num_samples})")
-        begin = index * self._content
-        end = begin + self._content
-        out = np.empty(self.seq_len, dtype=np.int64)
-        out[0] = CLS_ID
-        out[-1] = SEP_ID
-        doc = int(np.searchsorted(self._doc_starts, begin, side="right")) - 1
-        pos = begin
-        while pos < end:
-            doc_start = int(self._doc_starts[doc])
-            doc_len = int(self.corpus.doc_lengths[doc])
-            if pos < doc_start + doc_len:  # inside the document's tokens
-                take = min(end, doc_start + doc_len) - pos
-                out[1 + pos - begin : 1 + pos - begin + take] = self.corpus.read(doc, pos - doc_start, take)
-                pos += take
-            else:  # on the separator after the document
-                out[1 + pos - begin] = SEP_ID
-                pos += 1
-                doc += 1
-        return torch.from_numpy(out)
+        """Sample `index`: a (seq_len,) LongTensor."""
+        return torch.from_numpy(self.get_batch([index])[0])
+
+    def get_batch(self, indices: np.ndarray | Sequence[int]) -> np.ndarray:
+        """Samples `indices`, stacked: a (B, seq_len) int64 array.
+
+        Vectorised over every token of the batch: each stream position finds its document with
+        one `searchsorted`, and the corpus reads all of them with one gather per shard.
+        """
+        index = np.asarray(indices, dtype=np.int64).reshape(-1)  # (B,)
+        if len(index) and (index.min() < 0 or index.max() >= self._num_samples):
+            bad = int(index[(index < 0) | (index >= self._num_samples)][0])
+            raise IndexError(f"sample {bad} out of range [0, {self._num_samples})")
+        stream = index[:, None] * self._content + np.arange(self._content)  # (B, k) stream positions
+        # Row by row the positions increase, which keeps numpy's binary search short.
+        doc = np.searchsorted(self._doc_starts, stream, side="right") - 1  # (B, k)
+        offset = stream - self._doc_starts[doc]  # (B, k) position within the document
+        separator = offset == self.corpus.doc_lengths[doc]  # one past a document's end: its [SEP]
+        out = np.empty((len(index), self.seq_len), dtype=np.int64)
+        out[:, 0] = CLS_ID
+        out[:, -1] = SEP_ID
+        body = out[:, 1:-1]  # (B, k), a view
+        body[separator] = SEP_ID
+        text = ~separator
+        body[text] = self.corpus.gather(doc[text], offset[text])
+        return out

@@ -54,6 +54,11 @@ class GlobalSampler:
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.dp_size
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_perm"], state["_perm_epoch"] = None, None  # recomputed where needed, not pickled
+        return state
+
     def permutation(self, epoch: int) -> np.ndarray:
         """The order of all samples in `epoch` (cached for the current epoch only)."""
         if self._perm_epoch != epoch:
@@ -67,22 +72,27 @@ class GlobalSampler:
         assert self._perm is not None
         return self._perm
 
-    def _take(self, epoch: int, start: int, count: int) -> list[int]:
-        """`count` stream entries from position `start` of `epoch`, continuing into later epochs."""
-        out: list[int] = []
-        while count > 0:
-            if start >= self.num_samples:
-                epoch, start = epoch + start // self.num_samples, start % self.num_samples
-            chunk = self.permutation(epoch)[start : start + count]
-            out.extend(chunk.tolist())
-            start += len(chunk)
-            count -= len(chunk)
+    def take(self, position: int, count: int) -> np.ndarray:
+        """The sample indices at global stream positions `[position, position + count)`: (count,) int64.
+
+        Position `p` is entry `p % num_samples` of epoch `p // num_samples`'s permutation, so a
+        range may run across epoch boundaries.
+        """
+        if position < 0 or count < 0:
+            raise ValueError(f"stream position ({position}) and count ({count}) must be non-negative")
+        out = np.empty(count, dtype=np.int64)
+        done = 0
+        while done < count:
+            epoch, start = divmod(position + done, self.num_samples)
+            chunk = self.permutation(epoch)[start : start + count - done]
+            out[done : done + len(chunk)] = chunk
+            done += len(chunk)
         return out
 
     def __iter__(self) -> Iterator[list[int]]:
         while True:
-            offset = self.consumed + self.dp_rank * self.micro_batch_size
-            batch = self._take(self.epoch, offset, self.micro_batch_size)
+            position = self.epoch * self.num_samples + self.consumed + self.dp_rank * self.micro_batch_size
+            batch = self.take(position, self.micro_batch_size).tolist()
             self._advance(self.global_batch_size)
             yield batch
 

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 
 from swbert import cli
+from swbert.data.masking import resolve_max_predictions
 from swbert.models.attention import attention_class
 from swbert.models.config import SIZES
 
@@ -34,7 +35,15 @@ def ds_config_dirs() -> list[Path]:
 
 
 # Settings a checkpoint records that `--allow-resume-change` may override (see checkpoint.py).
-RESUME_CHANGEABLE = ("data", "seed", "seq_len", "mlm_probability", "global_batch_size", "precision")
+RESUME_CHANGEABLE = (
+    "data",
+    "seed",
+    "seq_len",
+    "mlm_probability",
+    "max_predictions_per_seq",
+    "global_batch_size",
+    "precision",
+)
 
 
 @dataclass
@@ -54,6 +63,11 @@ class TrainConfig:
     data_dir: str | None = None  # shards from data_prep.preprocess; None: the embedded default corpus
     seq_len: int = 128  # tokens per packed sequence, [CLS] and [SEP] included
     mlm_probability: float = 0.15  # fraction of tokens to predict (80% [MASK], 10% random, 10% kept)
+    # predicted positions per sequence, a static shape (the model gathers this many rows); each
+    # sequence predicts round(mlm_probability x its maskable tokens) of them, the rest is padding.
+    # None: round(seq_len x mlm_probability), as NVIDIA's BERT
+    max_predictions_per_seq: int | None = None
+    num_workers: int = 2  # loader worker processes per rank; 0 builds batches on the training thread
     # batch: global = micro x data-parallel ranks x accumulation; give any two of the three
     global_batch_size: int = 32  # sequences per optimizer step, over all ranks
     micro_batch_size: int = 16  # sequences per forward pass on one data-parallel rank
@@ -99,7 +113,7 @@ class TrainConfig:
     # auto = on for CPU runs in eager mode; off = exactly the model path a GPU runs; on = required
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
     # what a resume may change on purpose (comma-separated): data, seed, seq_len, mlm_probability,
-    # global_batch_size, precision; a change of any other recorded setting is refused
+    # max_predictions_per_seq, global_batch_size, precision; a change of any other recorded setting is refused
     allow_resume_change: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -135,6 +149,11 @@ class TrainConfig:
                 raise ValueError(f"allow_resume_change: {key!r} is not a setting a resume may change; {hint}")
         if not 0 < self.mlm_probability < 1:
             raise ValueError(f"mlm_probability={self.mlm_probability} must be in (0, 1)")
+        resolve_max_predictions(self.seq_len, self.mlm_probability, self.max_predictions_per_seq)
+        if self.num_workers < 0:
+            raise ValueError(
+                f"num_workers={self.num_workers} must be 0 (batches on the training thread) or more"
+            )
 
     def batch_layout(self, dp_size: int) -> tuple[int, int, int]:
         """(global, micro, accumulation) for `dp_size` data-parallel ranks; errors say what to change."""

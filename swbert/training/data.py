@@ -1,9 +1,9 @@
 """The trainer's view of the data: packed sequences, the global sample stream, masks by position.
 
 Every sample has a position in one global stream (see `swbert.data.GlobalSampler`), and its
-mask is drawn from a generator keyed by (seed, position). So what a step sees depends only on
-how many samples came before it: not on the number of ranks, and not on whether the run was
-interrupted and resumed.
+mask is a hash of (seed, position, token position) (see `swbert.data.masking`). So what a step
+sees depends only on how many samples came before it: not on the number of ranks or loader
+workers, and not on whether the run was interrupted and resumed.
 """
 
 from __future__ import annotations
@@ -12,7 +12,11 @@ from pathlib import Path
 
 import torch
 
-from swbert.data import GlobalSampler, MaskingCollator, PackedSequences, open_corpus
+from swbert.data import MaskingCollator, PackedSequences, open_corpus
+from swbert.data.loader import BatchLoader, batch_loader, resolve_num_workers
+from swbert.data.stream import VALID_STREAM_OFFSET, MaskedStream, check_layout
+
+__all__ = ["TrainingData", "prepare_data", "resolve_num_workers"]
 
 
 def prepare_data(data_dir: str | Path | None) -> Path:
@@ -33,9 +37,23 @@ def prepare_data(data_dir: str | Path | None) -> Path:
 
 
 class TrainingData:
-    """Train and validation sequences of one data folder, served by global stream position."""
+    """Train and validation sequences of one data folder, served by global stream position.
 
-    def __init__(self, data_dir: Path, seq_len: int, mlm_probability: float, seed: int) -> None:
+    `batch()` builds one micro-batch on the calling thread; `loader()` streams consecutive ones
+    from DataLoader workers. Both return the same dicts of CPU tensors (see
+    `swbert.data.MaskingCollator`): `input_ids`, `labels` (B, S), `mlm_positions`, `mlm_labels`
+    (B, P) with P = `max_predictions_per_seq`, and `attention_mask` only when a batch holds padding
+    (packed sequences never do).
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        seq_len: int,
+        mlm_probability: float,
+        seed: int,
+        max_predictions_per_seq: int | None = None,
+    ) -> None:
         self.data_dir = Path(data_dir)
         corpus = open_corpus(data_dir, "train")
         self.train = PackedSequences(corpus, seq_len)
@@ -49,44 +67,62 @@ class TrainingData:
             except ValueError as err:
                 if "less than one sequence" not in str(err):
                     raise
-        self.collator = MaskingCollator(self.vocab_size, mlm_probability=mlm_probability)
+        self.collator = MaskingCollator(
+            self.vocab_size, mlm_probability=mlm_probability, max_predictions_per_seq=max_predictions_per_seq
+        )
+        self.max_predictions_per_seq = self.collator.max_predictions(seq_len)  # P, resolved and checked
         self.seed = seed
-        self._samplers: dict[tuple, GlobalSampler] = {}
+        self._streams = {
+            False: MaskedStream(self.train, self.collator, seed, shuffle=True, stream_seed=seed),
+        }
+        if self.valid is not None:  # in order, and masked by another stream than training's
+            self._streams[True] = MaskedStream(
+                self.valid, self.collator, seed, shuffle=False, stream_seed=seed + VALID_STREAM_OFFSET
+            )
 
     @property
     def has_valid(self) -> bool:
         return self.valid is not None
 
-    def _sampler(self, eval_split: bool, micro_bs: int, dp_rank: int, dp_size: int) -> GlobalSampler:
-        key = (eval_split, micro_bs, dp_rank, dp_size)
-        if key not in self._samplers:
-            data = self.valid if eval_split else self.train
-            self._samplers[key] = GlobalSampler(
-                len(data),
-                seed=self.seed,
-                micro_batch_size=micro_bs,
-                dp_rank=dp_rank,
-                dp_size=dp_size,
-                shuffle=not eval_split,
-            )
-        return self._samplers[key]
+    def _stream(self, eval_split: bool) -> MaskedStream:
+        if eval_split and self.valid is None:
+            raise ValueError(f"{self.data_dir} has no validation split large enough for one sequence")
+        return self._streams[eval_split]
 
     def batch(
         self, samples_before: int, micro_bs: int, dp_rank: int, dp_size: int, eval_split: bool = False
     ) -> dict[str, torch.Tensor]:
         """This rank's micro-batch of the global batch that starts at stream position `samples_before`."""
-        data = self.valid if eval_split else self.train
-        sampler = self._sampler(eval_split, micro_bs, dp_rank, dp_size)
-        epoch, consumed = divmod(samples_before, len(data))
-        sampler.load_state_dict({"epoch": epoch, "consumed": consumed})
-        indices = next(iter(sampler))
-        first = samples_before + dp_rank * micro_bs
-        stream_seed = self.seed + (1_000_003 if eval_split else 0)
-        parts = []
-        for j, index in enumerate(indices):
-            g = torch.Generator().manual_seed(stream_seed * 2**32 + first + j)
-            parts.append(self.collator(data[index][None], generator=g))
-        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+        check_layout(samples_before, micro_bs, dp_rank, dp_size)
+        return self._stream(eval_split).batch(samples_before + dp_rank * micro_bs, micro_bs)
+
+    def loader(
+        self,
+        start_sample: int,
+        micro_bs: int,
+        dp_rank: int,
+        dp_size: int,
+        num_workers: int,
+        pin_memory: bool = False,
+        prefetch_factor: int = 4,
+        eval_split: bool = False,
+        multiprocessing_context: str | None = None,
+    ) -> BatchLoader:
+        """This rank's micro-batches for consecutive micro-steps from stream position `start_sample`:
+        micro-batch j is `batch(start_sample + j * micro_bs * dp_size, micro_bs, dp_rank, dp_size)`,
+        built by `num_workers` DataLoader processes (0: on the calling thread) and prefetched;
+        `pin_memory` on CUDA. See `swbert.data.loader.batch_loader`."""
+        return batch_loader(
+            self._stream(eval_split),
+            start_sample,
+            micro_bs,
+            dp_rank,
+            dp_size,
+            num_workers,
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor,
+            multiprocessing_context=multiprocessing_context,
+        )
 
     def sampler_state(self, samples_consumed: int) -> dict:
         epoch, consumed = divmod(samples_consumed, len(self.train))

@@ -1,0 +1,189 @@
+"""A rank's masked micro-batches, built in DataLoader worker processes.
+
+Any micro-batch is a function of its stream position (`swbert.data.stream.MaskedStream`), so
+`batch_loader` runs `torch.utils.data.DataLoader` workers in which worker `w` of `W` builds
+micro-batches `w, w + W, w + 2W, ...`; the DataLoader hands them out round-robin, which is
+their order, so the stream is the same for any number of workers (0: on the calling thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from swbert.data.stream import MaskedStream, check_layout
+
+log = logging.getLogger(__name__)
+
+
+class MicroBatches(torch.utils.data.IterableDataset):
+    """One rank's micro-batches from global stream position `start_sample` on, without end.
+
+    Micro-batch `j` is this rank's slice of the global micro-batch that starts at
+    `start_sample + j * micro_bs * dp_size`. In a DataLoader worker `w` of `W`, it yields
+    `j = w, w + W, ...` only; the DataLoader's round-robin over workers restores the order.
+    """
+
+    def __init__(
+        self, stream: MaskedStream, start_sample: int, micro_bs: int, dp_rank: int, dp_size: int
+    ) -> None:
+        check_layout(start_sample, micro_bs, dp_rank, dp_size)
+        self.stream = stream
+        self.start_sample = start_sample
+        self.micro_bs = micro_bs
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+
+    def position(self, j: int) -> int:
+        """Stream position of this rank's first sample in micro-batch `j`."""
+        return self.start_sample + j * self.micro_bs * self.dp_size + self.dp_rank * self.micro_bs
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor] | PackedBatch]:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        j = worker
+        while True:
+            batch = self.stream.batch(self.position(j), self.micro_bs)
+            yield batch if info is None else PackedBatch.pack(batch)
+            j += workers
+
+
+class PackedBatch:
+    """A batch as one flat int32 array and its layout, for the trip from a worker to the main process.
+
+    A torch tensor leaves a worker through its own shared-memory segment, and the main process
+    connects to the worker's socket to fetch each descriptor: for four small tensors that costs
+    more than building the batch. A numpy array is pickled through the worker's pipe instead, in
+    int32 (every value is a token id, a position or -100), half the bytes to copy. The
+    DataLoader's pin-memory thread calls `pin_memory()`, so the widening to int64 and the pinning
+    happen off the training thread; `unpack()` gives int64 views of one tensor.
+    """
+
+    def __init__(
+        self, flat: np.ndarray | torch.Tensor, layout: tuple[tuple[str, tuple[int, ...]], ...]
+    ) -> None:
+        self.flat = flat  # (N,)
+        self.layout = layout
+
+    @classmethod
+    def pack(cls, batch: dict[str, torch.Tensor]) -> PackedBatch:
+        layout = tuple((key, tuple(value.shape)) for key, value in batch.items())
+        flat = np.concatenate([value.numpy().reshape(-1) for value in batch.values()])
+        if len(flat) and (flat.max() > np.iinfo(np.int32).max or flat.min() < np.iinfo(np.int32).min):
+            raise ValueError("a batch value does not fit in int32")  # a vocabulary of 2**31 ids: never
+        return cls(flat.astype(np.int32), layout)
+
+    def pin_memory(self) -> PackedBatch:
+        """Called by the DataLoader's pin-memory thread (`pin_memory=True`): int64, in page-locked memory."""
+        return PackedBatch(torch.from_numpy(self._int64()).pin_memory(), self.layout)
+
+    def unpack(self) -> dict[str, torch.Tensor]:
+        # numpy slicing and from_numpy: a few microseconds where torch's split and views cost 20.
+        flat = self._int64() if isinstance(self.flat, np.ndarray) else self.flat  # pinned: already int64
+        out, begin = {}, 0
+        for key, shape in self.layout:
+            end = begin + math.prod(shape)
+            part = flat[begin:end].reshape(shape)
+            out[key] = torch.from_numpy(part) if isinstance(part, np.ndarray) else part
+            begin = end
+        return out
+
+    def _int64(self) -> np.ndarray:
+        return np.asarray(self.flat).astype(np.int64)  # (N,), a copy
+
+
+def _as_is(batch: PackedBatch | dict[str, torch.Tensor]) -> PackedBatch | dict[str, torch.Tensor]:
+    """The DataLoader's collate step: the dataset yields finished batches."""
+    return batch
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def resolve_num_workers(num_workers: int, cpus: int | None = None) -> int:
+    """Loader workers to start: `num_workers`, or the CPU count (`cpus`, default this process's) with a
+    warning when it asks for more, since workers beyond the cores only take turns with each other."""
+    if num_workers < 0:
+        raise ValueError(f"num_workers={num_workers} must be 0 (batches on the training thread) or more")
+    cpus = usable_cpus() if cpus is None else cpus
+    if num_workers > cpus:
+        log.warning("num_workers=%d is more than the %d CPUs available: using %d", num_workers, cpus, cpus)
+        return cpus
+    return num_workers
+
+
+class BatchLoader:
+    """Iterator over a rank's micro-batches; `next_sample` is the stream position of the global
+    micro-batch the next one belongs to (what a checkpoint taken now would resume from)."""
+
+    def __init__(
+        self, loader: torch.utils.data.DataLoader, start_sample: int, samples_per_micro_step: int
+    ) -> None:
+        self.loader = loader
+        self.next_sample = start_sample
+        self._step = samples_per_micro_step
+        self._iterator: Iterator[dict[str, torch.Tensor] | PackedBatch] | None = iter(loader)
+
+    def __iter__(self) -> BatchLoader:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self._iterator is None:
+            raise StopIteration
+        batch = next(self._iterator)
+        self.next_sample += self._step
+        return batch if isinstance(batch, dict) else batch.unpack()
+
+    def close(self) -> None:
+        """Stop the workers now (they also stop when this object is garbage collected)."""
+        shutdown = getattr(self._iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self._iterator = None
+
+
+def batch_loader(
+    stream: MaskedStream,
+    start_sample: int,
+    micro_bs: int,
+    dp_rank: int,
+    dp_size: int,
+    num_workers: int,
+    *,
+    pin_memory: bool = False,
+    prefetch_factor: int = 4,
+    multiprocessing_context: str | None = None,
+) -> BatchLoader:
+    """A rank's micro-batches from `start_sample` on, built by `num_workers` DataLoader processes.
+
+    `num_workers` above the CPU count is lowered to it (with a warning); 0 builds them on the
+    calling thread. Each worker keeps `prefetch_factor` micro-batches ready. Workers touch no
+    CUDA (batches are CPU tensors; `pin_memory` pins them in the main process), so they may be
+    forked from a process that uses a GPU; `multiprocessing_context` ("fork", "spawn",
+    "forkserver"; None: torch's default) picks how they start.
+    """
+    workers = resolve_num_workers(num_workers)
+    dataset = MicroBatches(stream, start_sample, micro_bs, dp_rank, dp_size)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=None,  # the dataset yields whole micro-batches
+        collate_fn=_as_is,  # (the default would turn a PackedBatch's array into a tensor in the worker)
+        num_workers=workers,
+        pin_memory=pin_memory,
+        # The stream has no end, so the DataLoader is iterated once; persistent workers also keep
+        # a second `iter()` from starting new processes.
+        persistent_workers=workers > 0,
+        prefetch_factor=prefetch_factor if workers > 0 else None,
+        multiprocessing_context=multiprocessing_context if workers > 0 else None,
+    )
+    return BatchLoader(loader, start_sample, micro_bs * dp_size)

@@ -1,0 +1,64 @@
+"""What sits at any position of a split's global sample stream: masked samples, by position.
+
+`MaskedStream.batch(p, n)` gives the masked samples at stream positions `[p, p + n)`: the
+sampler gives their indices, `PackedSequences.get_batch` reads them, and
+`MaskingCollator.mask` masks each by a key hashed from (stream seed, its stream position).
+Everything is a function of the position, so any process can build any micro-batch: a rank its
+slice, a loader worker every W-th micro-batch, a resumed run the next one, all bit for bit alike.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from swbert.data.masking import MaskingCollator, sample_keys
+from swbert.data.packing import PackedSequences
+from swbert.data.sampler import GlobalSampler
+
+VALID_STREAM_OFFSET = 1_000_003  # validation masks come from the stream seed + this, apart from training's
+
+
+class MaskedStream:
+    """One split's global sample stream (`GlobalSampler` order), each sample masked by its position.
+
+    Holds no token ids: the packed sequences read the memory-mapped shards, and a pickled copy
+    (a spawned worker's) maps them again and recomputes the epoch permutation it needs.
+    """
+
+    def __init__(
+        self,
+        sequences: PackedSequences,
+        collator: MaskingCollator,
+        seed: int,
+        *,
+        shuffle: bool,
+        stream_seed: int,
+    ) -> None:
+        self.sequences = sequences
+        self.collator = collator
+        self.stream_seed = stream_seed
+        self.sampler = GlobalSampler(
+            len(sequences), seed=seed, micro_batch_size=1, dp_rank=0, dp_size=1, shuffle=shuffle
+        )
+        self.max_predictions = collator.max_predictions(sequences.seq_len)  # checked here, before any batch
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def batch(self, position: int, count: int) -> dict[str, torch.Tensor]:
+        """The `count` masked samples at stream positions `[position, position + count)` (see MaskingCollator)."""
+        indices = self.sampler.take(position, count)  # (B,)
+        input_ids = self.sequences.get_batch(indices)  # (B, S)
+        keys = sample_keys(self.stream_seed, np.arange(position, position + count, dtype=np.int64))  # (B,)
+        return self.collator.mask(input_ids, keys)
+
+
+def check_layout(start_sample: int, micro_bs: int, dp_rank: int, dp_size: int) -> None:
+    """A ValueError for a stream position or batch layout that cannot be."""
+    if start_sample < 0:
+        raise ValueError(f"the stream position must be non-negative, not {start_sample}")
+    if micro_bs <= 0:
+        raise ValueError(f"micro_bs must be positive, not {micro_bs}")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), not {dp_rank}")
