@@ -11,6 +11,8 @@ Run with --help for every option. Without --data-dir, the embedded default corpu
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 
@@ -44,5 +46,21 @@ def main(argv: list[str] | None = None) -> None:
         print(closing_summary(summary), flush=True)
 
 
+def hard_exit(code: int) -> None:
+    """Leave without the interpreter's teardown, once everything is written and closed.
+
+    After a finished run, the C++ destructors of gloo's and DeepSpeed's shared-memory communicators
+    can race with Python's finalisation and abort a rank ("terminate called without an active
+    exception"), turning a successful job into a failed one for its launcher."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as done:
+        hard_exit(done.code if isinstance(done.code, int) else 1)
+    hard_exit(0)

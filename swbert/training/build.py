@@ -32,13 +32,14 @@ import torch
 import torch.distributed as dist
 
 from swbert.cpu import keep_freed_memory, optimize_for_cpu, resolve_cpu_kernels, set_cpu_threads
+from swbert.data.loader import usable_cpus
 from swbert.dist import ParallelDims
 from swbert.logs import status
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.flops import masked_lm_params
 from swbert.training import checkpoint as ckpt
 from swbert.training.config import TrainConfig, dump_config
-from swbert.training.data import TrainingData, prepare_data
+from swbert.training.data import TrainingData, prepare_data, resolve_num_workers
 from swbert.training.dist import bound_every_group, init_distributed, map_launcher_env
 from swbert.training.ds_config import (
     BatchShape,
@@ -136,7 +137,18 @@ def check_compiler(device: torch.device) -> None:
 
 def build_data(cfg: TrainConfig) -> TrainingData:
     """The run's shards, found and checked (the entry point builds the default corpus beforehand)."""
-    return TrainingData(prepare_data(cfg.data_dir), cfg.seq_len, cfg.mlm_probability, cfg.seed)
+    return TrainingData(
+        prepare_data(cfg.data_dir), cfg.seq_len, cfg.mlm_probability, cfg.seed, cfg.max_predictions_per_seq
+    )
+
+
+def build_batches(cfg: TrainConfig, data: TrainingData, dims: ParallelDims, start: int, on_gpu: bool) -> Any:
+    """This rank's training micro-batches from stream position `start`, built by `num_workers`
+    DataLoader processes (forked here: after the process group, before any CUDA work of theirs)
+    and pinned for asynchronous copies on a GPU."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    workers = resolve_num_workers(cfg.num_workers, max(1, usable_cpus() // local_ranks))
+    return data.loader(start, cfg.micro_batch_size, dims.dp_rank, dims.dp_size, workers, pin_memory=on_gpu)
 
 
 def total_steps(cfg: TrainConfig) -> int:
@@ -183,6 +195,7 @@ def run_record(
             "precision": plan.precision,
             "zero_stage": plan.zero_stage,
             "data_parallel": plan.dims.dp_size,
+            "max_predictions_per_seq": data.max_predictions_per_seq,
         },
     }
 

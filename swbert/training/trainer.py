@@ -45,6 +45,7 @@ class Trainer:
         self.folder: build.RunFolder | None = None
         self.faults = nonfinite_faults()  # a test hook: NaN/inf losses at these steps
         self.data_wait = 0.0  # seconds the loop waited for batches, since the last read
+        self.batches: Any = None  # the training loader (swbert.data.loader.BatchLoader)
 
     # ---- set-up -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -78,9 +79,9 @@ class Trainer:
         )
         self.step, self.samples_consumed, self.skipped_total = 0, 0, 0
         self.tokens_per_step = cfg.global_batch_size * cfg.seq_len
-        flops = masked_lm_flops(
-            self.model_config, cfg.seq_len, cfg.mlm_probability, model.last_layer_on_labels
-        )
+        # the head and the last layer run on P positions per sequence (padding included)
+        predicted = self.data.max_predictions_per_seq / cfg.seq_len
+        flops = masked_lm_flops(self.model_config, cfg.seq_len, predicted, model.last_layer_on_labels)
         self.train_flops_per_token = flops.training
         self.peak_tflops = device_peak_tflops() if self.precision in ("bf16", "fp16") else None
 
@@ -111,26 +112,32 @@ class Trainer:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def _next_batch(self) -> dict[str, torch.Tensor]:
-        """The next training micro-batch of this rank; the time spent waiting for it is counted."""
+        """The next training micro-batch of this rank, from the loader's workers; the time the step
+        loop waits for it is counted (`data_wait_s`)."""
+        if self.batches is None:  # started lazily: after a resume has set the stream position
+            self.batches = build.build_batches(
+                self.config, self.data, self.dims, self.samples_consumed, self.plan.on_gpu
+            )
         started = time.perf_counter()
-        batch = self._batch(self.samples_consumed)
-        self.samples_consumed += self.micro_bs * self.dims.dp_size
+        batch = next(self.batches)
         self.data_wait += time.perf_counter() - started
-        return batch
+        self.samples_consumed += self.micro_bs * self.dims.dp_size
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def close_batches(self) -> None:
+        """Stop the loader's workers."""
+        if self.batches is not None:
+            self.batches.close()
+            self.batches = None
 
     def forward_and_count(
         self, batch: dict[str, torch.Tensor], poison: float | None = None
     ) -> tuple[torch.Tensor, Counts]:
         """The loss of one micro-batch (the head on the predicted positions only, in training and in
         validation) and its counts, all on the device; `poison` multiplies the loss (fault injection)."""
-        if "mlm_positions" in batch:  # static shapes: P predictions per sequence, padding ignored
-            inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "mlm_positions") if k in batch}
-            inputs["mlm_targets"] = batch["mlm_labels"]
-            target = batch["mlm_labels"].reshape(-1)
-        else:
-            inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels") if k in batch}
-            inputs["masked_logits_only"] = True
-            target = batch["labels"][batch["labels"] != IGNORE_INDEX]
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "mlm_positions") if k in batch}
+        inputs["mlm_targets"] = batch["mlm_labels"]  # static shapes: P predictions per sequence
+        target = batch["mlm_labels"].reshape(-1)  # (B * P,), IGNORE_INDEX in the padding
         out = self.engine(**inputs)
         loss = out.loss if poison is None else out.loss * poison
         labelled = target != IGNORE_INDEX
@@ -242,6 +249,7 @@ class Trainer:
             status_, last_saved = loop.run()
         finally:
             loop.close()
+            self.close_batches()
             if status_ != "FINISHED":
                 build.release(self.folder)
                 if self.metrics is not None:

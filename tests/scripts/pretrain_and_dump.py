@@ -1,5 +1,6 @@
 """Run pretraining in-process, then dump the engine's logits on a fixed batch (for export parity)."""
 
+import os
 import sys
 
 import torch
@@ -24,3 +25,5 @@ if torch.distributed.get_rank() == 0:
     torch.save({"input_ids": input_ids, "logits": logits}, dump_path)
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # as launchers/pretrain.py: no teardown race of the communicators' threads
