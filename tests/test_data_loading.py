@@ -331,3 +331,16 @@ def test_a_packed_batch_comes_back_equal_pinned_or_not(training_data: TrainingDa
     for back in (pickle.loads(pickle.dumps(packed)).unpack(), packed.pin_memory().unpack()):
         assert back.keys() == batch.keys()
         assert all(back[k].dtype == torch.int64 and torch.equal(back[k], batch[k]) for k in batch)
+
+
+def test_starting_a_loader_leaves_the_global_rng_alone(training_data: TrainingData) -> None:
+    """Dropout draws from the global RNG, which a resume restores; a loader started at the resumed
+    step must not draw from it, or every later mask would differ from the uninterrupted run's."""
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    loader = training_data.loader(0, 4, 0, 1, num_workers=1)
+    try:
+        next(loader)
+    finally:
+        loader.close()
+    assert torch.equal(torch.get_rng_state(), before)

@@ -185,5 +185,9 @@ def batch_loader(
         persistent_workers=workers > 0,
         prefetch_factor=prefetch_factor if workers > 0 else None,
         multiprocessing_context=multiprocessing_context if workers > 0 else None,
+        # its own generator: starting the iterator draws the workers' base seed, and drawing it from
+        # the global RNG would shift the dropout masks of every later step (a resumed run starts its
+        # loader at another step than the uninterrupted one). Masks do not use it: they are hashed.
+        generator=torch.Generator().manual_seed(0),
     )
     return BatchLoader(loader, start_sample, micro_bs * dp_size)
