@@ -246,20 +246,28 @@ def build_model(name: str, args: argparse.Namespace) -> nn.Module:
 
 
 def make_batch(
-    vocab: int, batch: int, seq_len: int, seed: int, device: torch.device
+    vocab: int, batch: int, seq_len: int, seed: int, device: torch.device, hf: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Random tokens with exactly round(15%) masked positions; labels are -100 elsewhere.
+    """Random tokens with exactly round(15% x seq_len) masked positions per sequence.
 
+    swbert's models get them as the trainer gives them, static shapes (`mlm_positions`,
+    `mlm_targets`: the path that compiles whole); the reference as (B, S) `labels`, -100 elsewhere.
     No padding (pretraining packs documents into full sequences), so no attention mask is passed.
     """
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, vocab, (batch, seq_len), generator=g)
-    n_masked = max(1, round(MASK_PROB * batch * seq_len))
-    where = torch.randperm(batch * seq_len, generator=g)[:n_masked]
-    labels = torch.full_like(ids, -100)
-    labels.view(-1)[where] = ids.view(-1)[where]
-    ids.view(-1)[where] = min(103, vocab - 1)  # [MASK] in BERT's vocabulary
-    return {"input_ids": ids.to(device), "labels": labels.to(device)}
+    k = max(1, round(MASK_PROB * seq_len))
+    positions = torch.rand(batch, seq_len, generator=g).argsort(dim=1)[:, :k].sort(dim=1).values  # (B, k)
+    targets = ids.gather(1, positions)
+    ids.scatter_(1, positions, min(103, vocab - 1))  # [MASK] in BERT's vocabulary
+    if hf:
+        labels = torch.full_like(ids, -100).scatter_(1, positions, targets)
+        return {"input_ids": ids.to(device), "labels": labels.to(device)}
+    return {
+        "input_ids": ids.to(device),
+        "mlm_positions": positions.to(device),
+        "mlm_targets": targets.to(device),
+    }
 
 
 def training_flops_per_token(name: str, args: argparse.Namespace) -> float:
@@ -268,7 +276,8 @@ def training_flops_per_token(name: str, args: argparse.Namespace) -> float:
         return masked_lm_flops(swbert_config(args), args.seq_len, 1.0, last_layer_on_predicted=False).training
     spec = parse_model(name)
     config = swbert_config(args, spec.variant)
-    return masked_lm_flops(config, args.seq_len, MASK_PROB, not spec.full_last_layer).training
+    predicted = max(1, round(MASK_PROB * args.seq_len)) / args.seq_len  # what make_batch masks
+    return masked_lm_flops(config, args.seq_len, predicted, not spec.full_last_layer).training
 
 
 def synchronize(device: torch.device) -> None:
@@ -351,7 +360,9 @@ def run_training(args: argparse.Namespace) -> tuple[dict[str, Result], int]:
     for name in args.models:
         torch.manual_seed(args.seed)
         model = build_model(name, args).to(device=args.device, dtype=dtype).train()
-        batch = make_batch(model.config.vocab_size, args.batch, args.seq_len, args.seed, args.device)
+        batch = make_batch(
+            model.config.vocab_size, args.batch, args.seq_len, args.seed, args.device, name == "hf"
+        )
         results[name] = Result(
             name=name,
             clock=args.clock,

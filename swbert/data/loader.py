@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 from collections.abc import Iterator
 
 import numpy as np
@@ -122,6 +123,15 @@ def resolve_num_workers(num_workers: int, cpus: int | None = None) -> int:
     return num_workers
 
 
+def _leave_stop_signals_to_the_trainer(_worker_id: int) -> None:
+    """A worker ignores SIGTERM, SIGINT and SIGUSR1: launchers (torchrun, SLURM) signal a rank's
+    whole process group, and a worker that died of it would fail the rank while the trainer saves
+    its pre-emption checkpoint. The trainer stops its workers when it is done; a worker whose
+    trainer is gone exits on its own (DataLoader's parent watchdog)."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class BatchLoader:
     """Iterator over a rank's micro-batches; `next_sample` is the stream position of the global
     micro-batch the next one belongs to (what a checkpoint taken now would resume from)."""
@@ -189,5 +199,6 @@ def batch_loader(
         # the global RNG would shift the dropout masks of every later step (a resumed run starts its
         # loader at another step than the uninterrupted one). Masks do not use it: they are hashed.
         generator=torch.Generator().manual_seed(0),
+        worker_init_fn=_leave_stop_signals_to_the_trainer if workers > 0 else None,
     )
     return BatchLoader(loader, start_sample, micro_bs * dp_size)
