@@ -176,13 +176,15 @@ def batch_loader(
 ) -> BatchLoader:
     """A rank's micro-batches from `start_sample` on, built by `num_workers` DataLoader processes.
 
-    `num_workers` above the CPU count is lowered to it (with a warning); 0 builds them on the
-    calling thread. Each worker keeps `prefetch_factor` micro-batches ready. Workers touch no
+    `num_workers` as given (the caller's `resolve_num_workers` fits it to the CPUs it may use);
+    0 builds them on the calling thread. Each worker keeps `prefetch_factor` micro-batches ready. Workers touch no
     CUDA (batches are CPU tensors; `pin_memory` pins them in the main process), so they may be
     forked from a process that uses a GPU; `multiprocessing_context` ("fork", "spawn",
     "forkserver"; None: torch's default) picks how they start.
     """
-    workers = resolve_num_workers(num_workers)
+    if num_workers < 0:
+        raise ValueError(f"num_workers={num_workers} must be 0 (batches on the training thread) or more")
+    workers = num_workers
     dataset = MicroBatches(stream, start_sample, micro_bs, dp_rank, dp_size)
     loader = torch.utils.data.DataLoader(
         dataset,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import resource
@@ -455,8 +456,10 @@ def _saved_parameter_names(tag_dir: Path) -> set[str] | None:
     files = sorted(tag_dir.glob("*mp_rank_00_model_states.pt"))
     if not files:
         return None
-    # memory-mapped: only the names are read, not the weights
-    module = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True).get("module")
+    try:  # memory-mapped: only the names are read, not the weights; no pickled code runs
+        module = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True).get("module")
+    except pickle.UnpicklingError:  # a file this check cannot read safely: DeepSpeed's load decides
+        return None
     return {k for k, v in module.items() if isinstance(v, torch.Tensor)} if isinstance(module, dict) else None
 
 

@@ -14,22 +14,17 @@ USAGE = "\n".join(
         "usage: deepspeed [--num_gpus N] launchers/pretrain.py [--config RECIPE] [--key value ...]",
         "       torchrun --nproc_per_node N launchers/pretrain.py [--config RECIPE] [--key value ...]",
         "       swbert-pretrain [--config RECIPE] [--key value ...]   (one process, or under srun)",
+        "The resolved config is printed and saved as <output_dir>/resolved_config.yaml.",
     ]
 )
 
 
 def _help() -> str:
-    return (
-        cli.help_text(TrainConfig, USAGE, DEFAULT_RECIPE, RECIPES_DIR)
-        + "\n\nThe resolved config is printed and saved as <output_dir>/resolved_config.yaml."
-    )
+    return cli.help_text(TrainConfig, USAGE, DEFAULT_RECIPE, RECIPES_DIR)
 
 
 def parse_args(argv: Sequence[str]) -> TrainConfig:
     """`[--config RECIPE] [--key value ...]` -> the checked `TrainConfig` (`--help` prints and exits)."""
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(_help())
-        raise SystemExit(0)
     return cli.parse_cli(TrainConfig, argv, USAGE, DEFAULT_RECIPE, RECIPES_DIR)
 
 

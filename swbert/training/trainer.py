@@ -108,8 +108,15 @@ class Trainer:
     # ---- one step -----------------------------------------------------------------------------
     def _batch(self, samples_before: int, eval_split: bool = False) -> dict[str, torch.Tensor]:
         d = self.dims
-        batch = self.data.batch(samples_before, self.micro_bs, d.dp_rank, d.dp_size, eval_split)
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        return self._to_device(
+            self.data.batch(samples_before, self.micro_bs, d.dp_rank, d.dp_size, eval_split)
+        )
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors the step reads, copied to the device (asynchronously from pinned memory); the
+        (B, S) `labels` stay behind: the static path reads `mlm_labels`."""
+        keys = ("input_ids", "attention_mask", "mlm_positions", "mlm_labels")
+        return {k: batch[k].to(self.device, non_blocking=True) for k in keys if k in batch}
 
     def _next_batch(self) -> dict[str, torch.Tensor]:
         """The next training micro-batch of this rank, from the loader's workers; the time the step
@@ -122,7 +129,7 @@ class Trainer:
         batch = next(self.batches)
         self.data_wait += time.perf_counter() - started
         self.samples_consumed += self.micro_bs * self.dims.dp_size
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        return self._to_device(batch)
 
     def close_batches(self) -> None:
         """Stop the loader's workers."""
@@ -135,7 +142,7 @@ class Trainer:
     ) -> tuple[torch.Tensor, Counts]:
         """The loss of one micro-batch (the head on the predicted positions only, in training and in
         validation) and its counts, all on the device; `poison` multiplies the loss (fault injection)."""
-        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "mlm_positions") if k in batch}
+        inputs = {k: v for k, v in batch.items() if k != "mlm_labels"}
         inputs["mlm_targets"] = batch["mlm_labels"]  # static shapes: P predictions per sequence
         target = batch["mlm_labels"].reshape(-1)  # (B * P,), IGNORE_INDEX in the padding
         out = self.engine(**inputs)
