@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import pickle
+import signal
 from pathlib import Path
 from pydoc_data.topics import topics
 
@@ -303,6 +305,26 @@ def test_loader_workers_start_by_spawn_too(training_data: TrainingData) -> None:
         for j in range(2):
             want = training_data.batch(24 + 4 * j, 4, 0, 1)
             assert all(torch.equal(v, want[k]) for k, v in next(loader).items())
+    finally:
+        loader.close()
+
+
+def test_a_stop_signal_at_a_workers_start_does_not_kill_it(training_data: TrainingData) -> None:
+    """torchrun and SLURM signal a rank's whole process group; a SIGTERM that reaches a worker the
+    moment it is forked (before any init code of its own runs) is ignored, the worker builds its
+    batches, and the starting thread's signal mask is left as it was."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    loader = training_data.loader(8, 4, 0, 1, num_workers=2)
+    try:
+        workers = loader._iterator._workers
+        for worker in workers:
+            os.kill(worker.pid, signal.SIGTERM)
+            os.kill(worker.pid, signal.SIGUSR1)
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask
+        for j in range(4):
+            want = training_data.batch(8 + 4 * j, 4, 0, 1)
+            assert all(torch.equal(v, want[k]) for k, v in next(loader).items()), j
+        assert all(w.is_alive() for w in workers)
     finally:
         loader.close()
 

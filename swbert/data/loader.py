@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import signal
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -123,13 +124,37 @@ def resolve_num_workers(num_workers: int, cpus: int | None = None) -> int:
     return num_workers
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
 def _leave_stop_signals_to_the_trainer(_worker_id: int) -> None:
     """A worker ignores SIGTERM, SIGINT and SIGUSR1: launchers (torchrun, SLURM) signal a rank's
     whole process group, and a worker that died of it would fail the rank while the trainer saves
     its pre-emption checkpoint. The trainer stops its workers when it is done; a worker whose
-    trainer is gone exits on its own (DataLoader's parent watchdog)."""
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+    trainer is gone exits on its own (DataLoader's parent watchdog).
+
+    The worker starts with these signals blocked (`_start_shielded`): one that arrived between the
+    fork and here is pending, and ignoring it discards it, before the signals are unblocked."""
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def _start_shielded(loader: torch.utils.data.DataLoader) -> Iterator:
+    """`iter(loader)`, with the stop signals blocked while it forks the workers.
+
+    A new worker first installs torch's own SIGTERM handler (which dies of a SIGTERM not sent by
+    its parent) and only later runs `worker_init_fn`; a launcher's SIGTERM to the process group
+    in that window killed the worker and with it the rank. The blocked mask is inherited by the
+    workers (and the pin-memory thread); the trainer's mask is restored at once, so a signal that
+    came meanwhile reaches the trainer's handler as soon as this returns."""
+    if loader.num_workers == 0 or threading.current_thread() is not threading.main_thread():
+        return iter(loader)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class BatchLoader:
@@ -142,7 +167,7 @@ class BatchLoader:
         self.loader = loader
         self.next_sample = start_sample
         self._step = samples_per_micro_step
-        self._iterator: Iterator[dict[str, torch.Tensor] | PackedBatch] | None = iter(loader)
+        self._iterator: Iterator[dict[str, torch.Tensor] | PackedBatch] | None = _start_shielded(loader)
 
     def __iter__(self) -> BatchLoader:
         return self
