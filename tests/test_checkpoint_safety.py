@@ -172,7 +172,9 @@ def test_rng_files_load_without_running_pickled_code(tmp_path):
 def test_sigterm_under_torchrun_saves_and_the_run_resumes(data_dir, tmp_path):
     """SLURM's time limit and torchrun's own shutdown send SIGTERM; torchrun forwards it to the
     workers and kills them 30 s later. The workers finish their step, checkpoint and exit within
-    that grace period, and --resume auto continues from the checkpoint."""
+    that grace period, and --resume auto continues from the checkpoint. The signal goes as soon as
+    metrics.jsonl exists, which rank 0 creates during set-up: the other rank may still be building
+    its model, and a signal there is a pre-emption too, not a death by the default action."""
     out = tmp_path / "run"
     args = [
         "--config", "tiny_cpu", "--data-dir", str(data_dir), "--output-dir", str(out), "--mlflow", "false",

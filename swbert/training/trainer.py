@@ -50,6 +50,11 @@ class Trainer:
     # ---- set-up -------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.config
+        # first: a SLURM time limit or torchrun shutdown during set-up (a long resume load, the
+        # process group's rendezvous) is a pre-emption too, not a death by the default action;
+        # the first step sees the flag on every rank and checkpoints
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
         self.folder = folder = build.open_run_folder(cfg)
         self.output_dir, self.run_name, self.ckpt_root = folder.output_dir, folder.run_name, folder.ckpt_root
         plan = self.plan = build.plan_run(cfg)
@@ -89,8 +94,6 @@ class Trainer:
         self.metrics = build.build_tracking(cfg, folder, self.dims, plan, self.model_config, applied)
         if self.metrics is not None and self.resume_changes:  # deliberate changes, kept with the run
             self.metrics.tag(f"resume_change.{self.resume_from[1]}", "; ".join(self.resume_changes))
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
         self._maybe_resume()  # last: it restores the RNG streams, so nothing after it may draw from them
 
     def _maybe_resume(self) -> None:
