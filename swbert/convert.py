@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import copy
 import re
-import shutil
 from pathlib import Path
 
 import transformers
@@ -24,6 +23,7 @@ from swbert.models import (
     SWBertModel,
 )
 from swbert.models.attention import StandardAttention, attention_class, attention_types, unpack_state_dict
+from swbert.training.run_tokenizer import copy_tokenizer
 
 # (transformers name, swbert name) for every parameter, the attention's those of `StandardAttention`
 # in their separate form (q_proj, k_proj, v_proj), which its load hook packs into `in_proj`.
@@ -166,13 +166,6 @@ def separate_projections(model: nn.Module) -> dict:
     return state
 
 
-def _copy_tokenizer(src: Path, dst: Path) -> None:
-    for item in src.iterdir():
-        if item.name not in ("config.json", "model.safetensors", "pytorch_model.bin") and item.is_file():
-            if "token" in item.name or item.suffix in (".model", ".txt"):
-                shutil.copy2(item, dst / item.name)
-
-
 def _check_tokenizer(folder: Path, vocab_size: int) -> None:
     """A tokenizer in the folder must fit the model's embedding (a model's table may be padded)."""
     if not any(
@@ -223,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         from swbert.models.remote_code import add_remote_code
 
         add_remote_code(args.output)
-    _copy_tokenizer(args.input, args.output)
+    copy_tokenizer(args.input, args.output)  # tokenizer files only (the export's allow-list)
     print(f"wrote {type(converted).__name__} to {args.output}")
 
 

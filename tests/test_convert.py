@@ -121,6 +121,24 @@ def test_cli_converts_folders_both_ways(tmp_path):
     )
 
 
+def test_cli_copies_the_tokenizer_files_and_nothing_else(tmp_path):
+    """The converted folder gets the tokenizer (it loads and encodes the same) and none of the other
+    files beside it: a training record with corpus paths, notes."""
+    hf = transformers.BertForMaskedLM(transformers.BertConfig(**HF_SMALL))
+    hf.save_pretrained(tmp_path / "hf")
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    (tmp_path / "vocab.txt").write_text("\n".join(specials + [f"w{i}" for i in range(90)]) + "\n")
+    transformers.BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "swbert_tokenizer.json").write_text('{"inputs": ["/data/corpus"]}')
+    (tmp_path / "hf" / "notes_on_tokens.txt").write_text("private")
+    main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "sw")])
+    names = {p.name for p in (tmp_path / "sw").iterdir()}
+    assert {"tokenizer.json", "tokenizer_config.json"} <= names
+    assert not names & {"swbert_tokenizer.json", "notes_on_tokens.txt"}, names
+    before = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")("w3 w7 w11")["input_ids"]
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "sw")("w3 w7 w11")["input_ids"] == before
+
+
 def test_cli_refuses_a_foreign_tokenizer_and_an_unconvertible_variant(tmp_path, capsys):
     hf = transformers.BertForMaskedLM(transformers.BertConfig(**HF_SMALL))
     hf.save_pretrained(tmp_path / "hf")
