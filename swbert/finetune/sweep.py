@@ -25,6 +25,7 @@ from swbert.finetune.metrics import selection_value
 from swbert.finetune.results import Trial, nest_metrics
 from swbert.finetune.tracking import DEFAULT_EXPERIMENT, Tracker, tracking_uri
 from swbert.finetune.trainer import FinetuneConfig, fit, set_seed
+from swbert.models.plugins import load_plugins
 
 log = logging.getLogger("swbert.finetune")
 
@@ -67,8 +68,12 @@ class SweepConfig:
     # MLflow store (default: $MLFLOW_TRACKING_URI, else <output-dir>/mlflow.db)
     tracking_uri: str | None = None
     run_name: str | None = None  # name of the parent MLflow run (default: launcher and time)
+    # modules imported first that register attention variants the checkpoints use (ours; see
+    # swbert.models.plugins): dotted module names or .py files
+    plugins: list[str] = field(default_factory=list)
 
     def check(self) -> None:
+        load_plugins(self.plugins)
         for name in ("epochs", "batch_size", "eval_batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swbert.models.plugins import ENTRY_POINT_GROUP, load_installed
+
 if TYPE_CHECKING:  # a type only: config.py imports this module to validate `attention_type`
     from swbert.models.config import SWBertConfig
 
@@ -251,6 +253,18 @@ _REGISTRY: dict[str, type[SelfAttention]] = {}
 # name -> class, in registration order; a read-only view (register with `register_attention`)
 ATTENTION_CLASSES: Mapping[str, type[SelfAttention]] = MappingProxyType(_REGISTRY)
 A = TypeVar("A", bound=type[SelfAttention])
+_ON_CHANGE: list[Callable[[], None]] = []
+
+
+def on_registry_change(callback: Callable[[], None]) -> None:
+    """Call `callback` after every later registration or removal (what is derived from the whole
+    registry, e.g. the Hugging Face weight conversions, stays in step with it)."""
+    _ON_CHANGE.append(callback)
+
+
+def _changed() -> None:
+    for callback in _ON_CHANGE:
+        callback()
 
 
 def register_attention(name: str) -> Callable[[A], A]:
@@ -270,20 +284,37 @@ def register_attention(name: str) -> Callable[[A], A]:
                 f"attention_type {name!r} is already registered to {_REGISTRY[name].__qualname__}; "
                 f"unregister_attention({name!r}) first or choose another name"
             )
+        _check_forward_reads_qkv(cls)
         bad = {attr: split for attr, split in cls.tp_plan().items() if split not in get_args(Split)}
         if bad:
             raise ValueError(f"{cls.__qualname__}.qkv_plan: {bad} are not among {get_args(Split)}")
         cls.attention_type = name
-        _REGISTRY[name] = cls
+        if name not in _REGISTRY:
+            _REGISTRY[name] = cls
+            _changed()
         return cls
 
     return register
+
+
+def _check_forward_reads_qkv(cls: type[SelfAttention]) -> None:
+    """A class that redefines `qkv` below a class with its own `forward` (SharedAttention's computes
+    the same attention without calling `qkv`) would train without its change: refused."""
+    owner = {name: next(k for k in cls.__mro__ if name in vars(k)) for name in ("forward", "qkv")}
+    if owner["forward"] is not SelfAttention and owner["qkv"] is not owner["forward"]:
+        if issubclass(owner["qkv"], owner["forward"]):
+            raise TypeError(
+                f"{cls.__qualname__} redefines qkv but inherits {owner['forward'].__qualname__}.forward, "
+                "which does not call qkv: the change would be ignored. Add `forward = "
+                "SelfAttention.forward` to the class (the reference attention on qkv) or write its own forward"
+            )
 
 
 def unregister_attention(name: str) -> None:
     """Remove a registered variant (for tests and plugins that registered one for a while)."""
     attention_class(name)  # the same error as an unknown name elsewhere
     del _REGISTRY[name]
+    _changed()
 
 
 def attention_types() -> tuple[str, ...]:
@@ -292,11 +323,16 @@ def attention_types() -> tuple[str, ...]:
 
 
 def attention_class(name: str) -> type[SelfAttention]:
-    """The class registered as `name`; a ValueError listing the registered names otherwise."""
+    """The class registered as `name` (after importing the installed plugins, when it is not yet);
+    a ValueError listing the registered names otherwise."""
+    if name not in _REGISTRY:
+        load_installed()
     if name not in _REGISTRY:
         raise ValueError(
             f"attention_type={name!r} is not one of {', '.join(_REGISTRY)} (the registered attention "
-            "variants; a new one registers with @swbert.models.attention.register_attention)"
+            "variants; a new one registers with @swbert.models.attention.register_attention, in a module "
+            "the launchers import with --plugins MODULE_OR_FILE or from an installed package's "
+            f"{ENTRY_POINT_GROUP!r} entry point)"
         )
     return _REGISTRY[name]
 

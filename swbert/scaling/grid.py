@@ -17,6 +17,7 @@ from typing import Any
 from swbert.models.attention import attention_types
 from swbert.models.config import SIZES, SWBertConfig
 from swbert.models.flops import masked_lm_flops, masked_lm_params
+from swbert.models.plugins import load_installed
 from swbert.scaling.memory import (
     GIB,
     Layout,
@@ -130,6 +131,7 @@ def build_grid(
     for size in sizes:
         if size not in SIZES:
             raise ValueError(f"unknown size {size!r} (--sizes); known: {', '.join(SIZES)}")
+    load_installed()  # variants of installed packages (swbert.models.plugins)
     for attention in attentions:
         if attention not in attention_types():
             raise ValueError(

@@ -19,6 +19,7 @@ from swbert import cli
 from swbert.data.masking import resolve_max_predictions
 from swbert.models.attention import attention_class
 from swbert.models.config import SIZES
+from swbert.models.plugins import load_plugins
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -52,7 +53,10 @@ class TrainConfig:
 
     # model
     size: str = "mini"  # named size, see swbert.models.config.SIZES
-    attention_type: str = "shared"  # standard | shared | symmetric | pairwise
+    attention_type: str = "shared"  # standard | shared | symmetric | pairwise, or a plugin's variant
+    # modules imported first, in every rank, that register attention variants (ours; see
+    # swbert.models.plugins): dotted module names or .py files
+    plugins: list[str] = field(default_factory=list)
     shared_bias: bool = True  # shared attention's bias bs (ours; false: the paper's form, d^2 + 3d per layer)
     # embedding/decoder rows padded to a multiple of this (our choice, the usual GPU one; 1: none);
     # padded ids are never read nor predicted, and the export trims them
@@ -124,6 +128,7 @@ class TrainConfig:
         """Raise a ValueError naming the field when a value cannot work."""
         if self.size not in SIZES:
             raise ValueError(f"size={self.size!r} is not one of {', '.join(SIZES)}")
+        load_plugins(self.plugins)
         attention_class(self.attention_type)  # a ValueError listing the registered variants
         cli.check_choices(self)
         for name in (
