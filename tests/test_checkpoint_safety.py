@@ -169,9 +169,10 @@ def test_rng_files_load_without_running_pickled_code(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_under_torchrun_saves_and_the_run_resumes(data_dir, tmp_path):
-    """SLURM's time limit and torchrun's own shutdown send SIGTERM; torchrun forwards it to the
-    workers and kills them 30 s later. The workers finish their step, checkpoint and exit within
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_under_torchrun_saves_and_the_run_resumes(sig, data_dir, tmp_path):
+    """SLURM's time limit and torchrun's own shutdown send SIGTERM, Ctrl-C sends SIGINT; torchrun
+    forwards either to the workers and kills them 30 s later. The workers finish their step, checkpoint and exit within
     that grace period, and --resume auto continues from the checkpoint. The signal goes as soon as
     metrics.jsonl exists, which rank 0 creates during set-up: the other rank may still be building
     its model, and a signal there is a pre-emption too, not a death by the default action."""
@@ -184,17 +185,38 @@ def test_sigterm_under_torchrun_saves_and_the_run_resumes(data_dir, tmp_path):
     first = start(2, [*args, "--train-steps", "100000"], log=log)
     try:
         wait_for(lambda: (out / "metrics.jsonl").is_file(), timeout=240, proc=first)
-        os.kill(first.pid, signal.SIGTERM)
+        os.kill(first.pid, sig)
         first.wait(timeout=60)
     finally:
         kill_group(first)
     text = log.read_text()
     assert "pre-empted: checkpoint saved at step " in text, text[-3000:]
+    assert ("Ctrl-C: checkpointing at the end of this step" in text) == (sig == signal.SIGINT)
     saved = int(text.split("pre-empted: checkpoint saved at step ")[1].split()[0])
     assert ckpt.newest_complete(out / "checkpoints") == ckpt.tag_for(saved)
     resumed = launch(2, [*args, "--resume", "auto", "--train-steps", str(saved + 2)])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {saved}" in resumed.stdout and max(read_metrics(out)) == saved + 2
+
+
+def test_a_second_ctrl_c_stops_at_once(capfd):
+    """The first Ctrl-C asks for the checkpoint at the end of the step and says so; a second one
+    interrupts at once. A SIGTERM after a Ctrl-C is the same stop, not a second Ctrl-C."""
+    from swbert.training.config import TrainConfig
+    from swbert.training.trainer import Trainer
+
+    trainer = Trainer(TrainConfig())
+    trainer._on_signal(signal.SIGINT, None)
+    assert trainer.stop_signal == "SIGINT"
+    assert "Ctrl-C again stops at once" in capfd.readouterr().err
+    trainer._on_signal(signal.SIGTERM, None)
+    assert trainer.stop_signal == "SIGINT"
+    with pytest.raises(KeyboardInterrupt):
+        trainer._on_signal(signal.SIGINT, None)
+    other = Trainer(TrainConfig())
+    other._on_signal(signal.SIGTERM, None)
+    other._on_signal(signal.SIGINT, None)  # the first Ctrl-C: still a checkpoint
+    assert other.stop_signal == "SIGTERM"
 
 
 @pytest.mark.slow

@@ -53,7 +53,7 @@ class Trainer:
         # first: a SLURM time limit or torchrun shutdown during set-up (a long resume load, the
         # process group's rendezvous) is a pre-emption too, not a death by the default action;
         # the first step sees the flag on every rank and checkpoints
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         self.folder = folder = build.open_run_folder(cfg)
         self.output_dir, self.run_name, self.ckpt_root = folder.output_dir, folder.run_name, folder.ckpt_root
@@ -106,7 +106,18 @@ class Trainer:
         status.info("resumed from %s at step %d", load_dir / tag, self.step)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
-        self.stop_signal = signal.Signals(signum).name
+        """Checkpoint at the end of this step and stop (every rank agrees on it at the step's end).
+        Ctrl-C too (torchrun forwards it once to each rank); a second Ctrl-C stops at once."""
+        if signum == signal.SIGINT:
+            if self.stop_signal == "SIGINT":
+                raise KeyboardInterrupt
+            # os.write: a handler may run while the main thread holds a logging lock
+            os.write(
+                2,
+                b"Ctrl-C: checkpointing at the end of this step, then stopping "
+                b"(Ctrl-C again stops at once, without that checkpoint)\n",
+            )
+        self.stop_signal = self.stop_signal or signal.Signals(signum).name
 
     # ---- one step -----------------------------------------------------------------------------
     def _batch(self, samples_before: int, eval_split: bool = False) -> dict[str, torch.Tensor]:
