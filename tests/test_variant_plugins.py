@@ -155,3 +155,23 @@ def test_plugin_errors_are_clear(tmp_path, forget_plugins):
         plugin_loader.import_plugin(str(plugin)) is first
     )  # imported once; a second import would re-register
     assert attention_class("test_plugin_again").__name__ == "DoubleGainAttention"
+
+
+def test_a_scaling_grid_of_a_plugin_variant_passes_the_plugin_on(tmp_path, forget_plugins):
+    """The study imports the plugin to size its points, and every SLURM array task gets --plugins."""
+    import shlex
+
+    from swbert.scaling.study import StudyConfig, emit_slurm
+
+    name = "test_plugin_scaled"
+    plugin = tmp_path / "scaled.py"
+    plugin.write_text(PLUGIN.format(name=name))
+    cfg = StudyConfig(
+        output_dir=tmp_path / "study", sizes=["tiny"], attentions=["shared", name], layouts=["z1"],
+        plugins=[str(plugin)],
+    )  # fmt: skip
+    cfg.check()
+    sweep, command = emit_slurm(cfg, nodes=1, gpus_per_node=8)
+    assert f"--attention-type {name}" in sweep.read_text()
+    words = shlex.split(command)
+    assert words[words.index("--plugins") + 1] == str(plugin)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,13 +214,17 @@ def run_point(
     data_dir: str | None = None,
     timeout_s: float = 1800,
     extra_env: dict[str, str] | None = None,
+    plugins: Sequence[str] = (),
 ) -> Measurement:
-    """Run `steps` optimizer steps of `point` with `hardware.ranks` processes and measure them."""
+    """Run `steps` optimizer steps of `point` with `hardware.ranks` processes and measure them
+    (`plugins`: the modules that register its attention variant, imported by every rank)."""
     output_dir.mkdir(parents=True, exist_ok=True)
     dp = hardware.ranks // point.layout.tp
     args = pretrain_args(point, ds_config, output_dir, steps, dp)
     if data_dir:
         args += ["--data-dir", data_dir]
+    if plugins:
+        args += ["--plugins", *plugins]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc-per-node", str(hardware.ranks), str(launcher_path("pretrain")), *args,

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from swbert.models.plugins import load_plugins
 from swbert.scaling.grid import BERT_VOCAB, GridPoint, build_grid, estimate, write_ds_config
 from swbert.scaling.measure import Hardware, Measurement, parse_metrics, run_point
 from swbert.scaling.memory import Layout
@@ -59,6 +60,12 @@ class StudyConfig:
     nodes: int = 1  # with --emit-slurm: nodes per grid point
     gpus_per_node: int = 8  # with --emit-slurm; 0: CPU nodes with one process each
     collect: Path | None = None  # tabulate a job array's results from this folder (written by --emit-slurm)
+    # modules that register attention variants to compare (ours; see swbert.models.plugins): dotted
+    # module names or .py files, imported here and passed on to every measured run
+    plugins: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        load_plugins(self.plugins)
 
 
 def tracking_uri(output_dir: Path) -> str:
@@ -185,7 +192,9 @@ def evaluate_point(
         return row
     point_dir = cfg.output_dir / "points" / point.name
     ds_config = write_ds_config(point.layout, cfg.output_dir / "ds_configs", _nvme(cfg))
-    m = run_point(point, ds_config, point_dir, hardware, cfg.steps, data_dir, cfg.point_timeout_s)
+    m = run_point(
+        point, ds_config, point_dir, hardware, cfg.steps, data_dir, cfg.point_timeout_s, plugins=cfg.plugins
+    )
     if not cfg.keep_checkpoints:
         _remove_tree(point_dir / "checkpoints")
     if point.layout.device == "nvme":
@@ -266,6 +275,8 @@ def emit_slurm(
     ]  # fmt: skip
     if cfg.data_dir:
         common += ["--data-dir", cfg.data_dir]
+    if cfg.plugins:
+        common += ["--plugins", *cfg.plugins]
     # gpus_per_node = 0: CPU nodes, one process each, no GPU request.
     gres = [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
     command = shlex.join(
@@ -282,6 +293,7 @@ def collect(output_dir: Path) -> list[dict[str, Any]]:
     spec = json.loads((output_dir / "grid.json").read_text())
     study = spec["study"]
     cfg = StudyConfig(**{**study, "output_dir": output_dir})
+    cfg.check()  # the plugins the grid was written with
     world = spec["nodes"] * max(spec["gpus_per_node"], 1)
     grid = {
         p.name: p
