@@ -141,15 +141,45 @@ def read_recipe(path: str | Path, recipes_dir: Path | None = None) -> dict[str, 
     return data
 
 
+def positional_fields(cls: type) -> list[str]:
+    """The fields given by position (`metadata={"positional": True}`), in order: a tool's inputs and
+    outputs (`convert from-hf IN OUT`); each may be given as `--key value` too."""
+    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("positional")]
+
+
+def _display(cls: type, name: str) -> str:
+    return name.upper() if name in positional_fields(cls) else _flag(name)
+
+
+_BOOL_WORDS = ("true", "false", "1", "0", "yes", "no")
+
+
 def split_overrides(cls: type, argv: Sequence[str]) -> dict[str, Any]:
-    """`--key value` pairs (a list field takes every value up to the next `--key`) -> {field: raw}."""
+    """`--key value` pairs (a list field takes every value up to the next `--key`) and positional
+    values -> {field: raw}. With positional fields, any other field takes one value (a boolean one
+    only `true`/`false`, so that `--overwrite OUT` reads OUT as a position)."""
     hints, names = get_type_hints(cls), _aliases(cls)
+    positional = positional_fields(cls)
     out: dict[str, Any] = {}
     i = 0
     while i < len(argv):
         token = argv[i]
         if not token.startswith("--"):
-            raise ValueError(f"unexpected argument {token!r}: overrides are --key value pairs")
+            free = [p for p in positional if p not in out]
+            if not free:
+                expected = "overrides are --key value pairs"
+                if positional:
+                    expected = "the positions are " + " ".join(p.upper() for p in positional)
+                raise ValueError(f"unexpected argument {token!r}: {expected}")
+            name = free[0]
+            if get_origin(_base(hints[name])) is list:
+                j = i
+                while j < len(argv) and not argv[j].startswith("--"):
+                    j += 1
+                out[name], i = list(argv[i:j]), j
+            else:
+                out[name], i = token, i + 1
+            continue
         key, eq, inline = token[2:].partition("=")
         name = names.get(key.replace("-", "_"))
         negated = names.get(key.replace("-", "_").removeprefix("no_")) if key.startswith("no") else None
@@ -161,10 +191,13 @@ def split_overrides(cls: type, argv: Sequence[str]) -> dict[str, Any]:
             raise unknown_key(cls, key, "the command line")
         values: list[str] = [inline] if eq else []
         i += 1
+        is_list = get_origin(_base(hints[name])) is list
         while not eq and i < len(argv) and not argv[i].startswith("--"):
+            if positional and not is_list and (values or _base(hints[name]) is bool):
+                if values or argv[i].lower() not in _BOOL_WORDS:
+                    break  # the rest are positions
             values.append(argv[i])
             i += 1
-        is_list = get_origin(_base(hints[name])) is list
         if not values:
             if _base(hints[name]) is not bool:
                 raise ValueError(f"{_flag(key)} needs a value")
@@ -195,7 +228,7 @@ def build_config(
     for f in dataclasses.fields(cls):
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if required and f.name not in values:
-            raise ValueError(f"{_flag(f.name)} is required")
+            raise ValueError(f"{_display(cls, f.name)} is required")
     config = cls(**values)
     check_choices(config)
     if hasattr(config, "check"):
@@ -330,7 +363,9 @@ def help_text(
         else:
             default = "required"
         aliases = "".join(f" (or {_flag(a)})" for a in f.metadata.get("aliases", ()))
-        lines.append(f"  {_flag(f.name):<26} {_type_name(f.type)}, {default}{aliases}")
+        if f.metadata.get("positional"):
+            aliases += f" (by position, or {_flag(f.name)})"
+        lines.append(f"  {_display(cls, f.name):<26} {_type_name(f.type)}, {default}{aliases}")
         if f.name in described:
             lines.append(f"  {'':<26} {described[f.name]}")
     return "\n".join(lines)

@@ -155,6 +155,34 @@ def test_cli_bad_input_names_the_flag(argv, message):
         cli.build_config(_Child, None, argv)
 
 
+@dataclass
+class _Tool:
+    direction: Literal["there", "back"] = field(metadata={"positional": True})  # which way
+    inputs: list[Path] = field(metadata={"positional": True})  # files to read
+    tag: str | None = None
+    overwrite: bool = False
+
+
+def test_cli_positions_for_tools():
+    """A tool's inputs by position (argparse's `tool there IN... --tag T`): a list position takes
+    every value up to the next --key; beside positions, a key takes one value and a boolean key
+    only a true/false word."""
+    got = cli.build_config(_Tool, None, ["there", "a", "b", "--tag", "t", "--overwrite"])
+    assert (got.direction, got.inputs, got.tag, got.overwrite) == ("there", [Path("a"), Path("b")], "t", True)
+    got = cli.build_config(_Tool, None, ["--tag", "t", "back", "--overwrite", "x", "y"])
+    assert (got.direction, got.inputs, got.tag, got.overwrite) == ("back", [Path("x"), Path("y")], "t", True)
+    got = cli.build_config(_Tool, None, ["--overwrite", "false", "--inputs", "z", "--direction", "back"])
+    assert (got.direction, got.inputs, got.overwrite) == ("back", [Path("z")], False)
+    with pytest.raises(ValueError, match="INPUTS is required"):
+        cli.build_config(_Tool, None, ["there"])
+    with pytest.raises(ValueError, match="direction='up' is not one of there, back"):
+        cli.build_config(_Tool, None, ["up", "a"])
+    with pytest.raises(ValueError, match="did you mean 'tag'"):
+        cli.build_config(_Tool, None, ["there", "a", "--tga", "t"])
+    text = cli.help_text(_Tool, "usage: tool DIRECTION INPUTS... [--tag T]")
+    assert "  DIRECTION" in text and "(by position, or --direction)" in text and "files to read" in text
+
+
 def test_cli_help_lists_every_field_with_its_comment_and_inherited_ones():
     text = cli.help_text(_Child, "usage: x")
     assert "--names                    list[str], required" in text
