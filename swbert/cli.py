@@ -253,15 +253,21 @@ def parse_cli(
     usage: str,
     default_recipe: str | None = None,
     recipes_dir: Path | None = None,
+    recipes: bool = True,
 ) -> T:
-    """`[--config RECIPE] [--key value ...]` -> a checked `cls`; `--help` prints the help and exits."""
+    """`[--config RECIPE] [--key value ...]` -> a checked `cls`; `--help` prints the help and exits.
+    `recipes=False`: a tool without recipe files, whose own field may be called `config`."""
     recipe, rest = default_recipe, []
     i = 0
     while i < len(argv):
         arg = argv[i]
         if arg in ("-h", "--help"):
-            print(help_text(cls, usage, default_recipe, recipes_dir))
+            print(help_text(cls, usage, default_recipe, recipes_dir, recipes))
             sys.exit(0)
+        if not recipes:
+            rest.append(arg)
+            i += 1
+            continue
         if arg.startswith(LAUNCHER_ARGS):
             i += 1 if "=" in arg else 2
             continue
@@ -339,11 +345,17 @@ def _type_name(tp: Any) -> str:
 
 
 def help_text(
-    cls: type, usage: str, default_recipe: str | None = None, recipes_dir: Path | None = None
+    cls: type,
+    usage: str,
+    default_recipe: str | None = None,
+    recipes_dir: Path | None = None,
+    recipes: bool = True,
 ) -> str:
     """Usage, the recipes, then every field: `--key  type, default` and its description."""
     lines = [usage, ""]
-    if recipes_dir is not None:
+    if not recipes:
+        pass
+    elif recipes_dir is not None:
         shipped = ", ".join(sorted(p.stem for p in recipes_dir.glob("*.yaml")))
         lines += [
             f"--config RECIPE   a YAML/TOML recipe, or a shipped one: {shipped} (default: {default_recipe})",

@@ -6,15 +6,18 @@ python -m swbert.convert to-hf SWBERT_FOLDER OUT_FOLDER   # SWBertFor* (standard
 
 from __future__ import annotations
 
-import argparse
 import copy
 import re
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import transformers
 from torch import nn
 from transformers import BertConfig
 
+from swbert import cli
 from swbert.models import (
     SWBertConfig,
     SWBertForMaskedLM,
@@ -196,20 +199,26 @@ def _convert(direction: str, folder: Path) -> nn.Module:
     return to_hf_bert(classes[arch].from_pretrained(folder))
 
 
+@dataclass
+class ConvertConfig:
+    """The flags of `python -m swbert.convert`."""
+
+    direction: Literal["from-hf", "to-hf"] = field(metadata={"positional": True})  # conversion direction
+    input: Path = field(metadata={"positional": True})  # folder holding config.json and the weights
+    output: Path = field(metadata={"positional": True})  # folder to write (created)
+
+    def check(self) -> None:
+        if not (self.input / "config.json").is_file():
+            raise ValueError(f"{self.input} holds no config.json: pass a Hugging Face model folder")
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("direction", choices=["from-hf", "to-hf"], help="conversion direction")
-    parser.add_argument("input", type=Path, help="folder holding config.json and the weights")
-    parser.add_argument("output", type=Path, help="folder to write (created)")
-    args = parser.parse_args(argv)
-    if not (args.input / "config.json").is_file():
-        parser.error(f"{args.input} holds no config.json: pass a Hugging Face model folder")
+    args = cli.parse_or_exit(ConvertConfig, argv, __doc__, recipes=False)
     try:
         converted = _convert(args.direction, args.input)
     except ValueError as e:  # a model that cannot be converted: say why, without a traceback
-        parser.error(f"{args.input}: {e}")
+        print(f"error: {args.input}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     args.output.mkdir(parents=True, exist_ok=True)
     converted.save_pretrained(args.output)
     if args.direction == "from-hf":  # loadable without swbert too, with trust_remote_code

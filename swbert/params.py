@@ -9,10 +9,11 @@ the variant's documented closed form (`closed_form_qkv_params`), "-" for one tha
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 
 import torch
 
+from swbert import cli
 from swbert.models import SIZES, SWBertConfig, SWBertForMaskedLM, build_attention
 from swbert.models.attention import attention_class, attention_types
 from swbert.models.flops import masked_lm_flops, masked_lm_params, qkv_params
@@ -107,14 +108,21 @@ def table(size: str, seq_len: int = 128, **overrides: object) -> str:
     return "\n".join(rows)
 
 
+@dataclass
+class ParamsConfig:
+    """The flags of `python -m swbert.params`."""
+
+    size: str = "base"  # named model size (swbert.models.config.SIZES)
+    seq_len: int = 128  # sequence length for the FLOP column
+    vocab_size: int | None = None  # override the vocabulary size
+
+    def check(self) -> None:
+        if self.size not in SIZES:
+            raise ValueError(f"size={self.size!r} is not one of {', '.join(SIZES)}")
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--size", default="base", choices=list(SIZES), help="named model size")
-    parser.add_argument("--seq-len", type=int, default=128, help="sequence length for the FLOP column")
-    parser.add_argument("--vocab-size", type=int, default=None, help="override the vocabulary size")
-    args = parser.parse_args(argv)
+    args = cli.parse_or_exit(ParamsConfig, argv, __doc__, recipes=False)
     overrides = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}
     print(table(args.size, args.seq_len, **overrides))
 

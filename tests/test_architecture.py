@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import math
 import runpy
 import subprocess
@@ -210,3 +211,25 @@ def test_every_launcher_speaks_the_convention(launcher, required, capsys):
     with pytest.raises(SystemExit) as exit_:
         main([*required, "--experimnet", "x"])
     assert exit_.value.code == 2 and "did you mean 'experiment'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "tool, typo, meant",
+    [
+        ("swbert.params", ["--sise", "tiny"], "size"),
+        ("swbert.training.budget", ["shards", "--epoch", "2"], "epochs"),
+        ("swbert.training.export", ["ckpt", "--outptu", "o"], "output"),
+        ("swbert.convert", ["from-hf", "a", "b", "--outptu", "o"], "output"),
+        ("swbert.parallel.convert", ["hf", "a", "b", "--tga", "t"], "tag"),
+        ("swbert.scaling.memory_check", ["--zeor", "1"], "zero"),
+    ],
+)
+def test_every_tool_speaks_the_convention(tool, typo, meant, capsys):
+    """The offline tools too: --help from the field comments, a typo refused with the closest key."""
+    main = importlib.import_module(tool).main
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0 and "Every key can be given as --key value" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(typo)
+    assert exit_.value.code == 2 and f"did you mean {meant!r}" in capsys.readouterr().err

@@ -16,15 +16,18 @@ The model config comes from the checkpoint (`checkpoint_client_state`) or `--con
 
 from __future__ import annotations
 
-import argparse
+import argparse  # DeepSpeed's universal-checkpoint converter takes its arguments as a Namespace
 import json
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from deepspeed.checkpoint import constants as ds_ckpt
 
+from swbert import cli
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.attention import attention_class, pack_heads
 from swbert.parallel.checkpoint import (
@@ -209,31 +212,34 @@ def reshard(
     return Path(out_dir)
 
 
+@dataclass
+class CheckpointConvertConfig:
+    """The flags of `python -m swbert.parallel.convert`."""
+
+    # universal: resumable at any TP/DP size, with optimizer state; hf: a merged Hugging Face folder;
+    # reshard: weights-only DeepSpeed files for another TP size
+    command: Literal["universal", "hf", "reshard"] = field(metadata={"positional": True})
+    ckpt_dir: str = field(metadata={"positional": True})  # folder given to engine.save_checkpoint
+    out_dir: str = field(metadata={"positional": True})  # folder to write
+    tag: str | None = None  # checkpoint tag (default: the one in CKPT_DIR/latest)
+    config: str | None = None  # config.json, if the checkpoint lacks it
+    tensor_parallel: int | None = None  # reshard (required there): the tensor-parallel size to write
+
+    def check(self) -> None:
+        if (self.command == "reshard") != (self.tensor_parallel is not None):
+            raise ValueError("--tensor-parallel K goes with reshard, and only with it")
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m swbert.parallel.convert", description=__doc__.split("\n")[0]
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_ in (
-        ("universal", "resumable at any TP/DP size, with optimizer state"),
-        ("hf", "merged Hugging Face folder"),
-        ("reshard", "weights-only DeepSpeed files for another TP size"),
-    ):
-        p = sub.add_parser(name, help=help_)
-        p.add_argument("ckpt_dir", help="folder given to engine.save_checkpoint")
-        p.add_argument("out_dir")
-        p.add_argument("--tag", default=None, help="checkpoint tag (default: the one in CKPT_DIR/latest)")
-        p.add_argument("--config", default=None, help="config.json, if the checkpoint lacks it")
-        if name == "reshard":
-            p.add_argument("--tensor-parallel", type=int, required=True, dest="tp_size")
-    args = parser.parse_args(argv)
+    args = cli.parse_or_exit(CheckpointConvertConfig, argv, __doc__, recipes=False)
     config = SWBertConfig.from_json_file(args.config) if args.config else None
     if args.command == "universal":
         out = to_universal(args.ckpt_dir, args.out_dir, args.tag, config)
     elif args.command == "hf":
         out = to_hf(args.ckpt_dir, args.out_dir, args.tag, config)
     else:
-        out = reshard(args.ckpt_dir, args.out_dir, args.tp_size, args.tag, config)
+        assert args.tensor_parallel is not None  # check()
+        out = reshard(args.ckpt_dir, args.out_dir, args.tensor_parallel, args.tag, config)
     print(f"wrote {out}")
 
 

@@ -15,14 +15,15 @@ every rank, the parameters it holds next to `params_per_rank`.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import sys
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
+from swbert import cli
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.scaling.memory import Layout, model_state_bytes, params_per_rank
 
@@ -145,19 +146,22 @@ def tensor_parallel_params(config: SWBertConfig, tp: int) -> dict[str, Any]:
     return {"tp": tp, "rank": dist.get_rank(), "held": held, "closed_form": params_per_rank(config, tp)}
 
 
+@dataclass
+class MemoryCheckConfig:
+    """The flags of `python -m swbert.scaling.memory_check`."""
+
+    size: str = "small"  # named model size
+    attention_type: list[str] = field(default_factory=lambda: ["shared"])  # variants to check
+    vocab_size: int | None = None  # override the vocabulary size
+    zero: list[int] = field(default_factory=lambda: [0, 1, 2, 3])  # ZeRO stages to check
+    precision: list[Literal["fp32", "bf16"]] = field(default_factory=lambda: ["fp32", "bf16"])
+    bucket: int = 1_000_000  # reduce/allgather bucket (elements)
+    persistence: int = 100_000  # ZeRO-3 persistence threshold
+    tensor_parallel: int = 0  # count TP shards instead (the tensor-parallel size; 0: the ZeRO check)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--size", default="small")
-    parser.add_argument("--attention-type", nargs="+", default=["shared"])
-    parser.add_argument("--vocab-size", type=int, default=None)
-    parser.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3])
-    parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    parser.add_argument("--bucket", type=int, default=1_000_000, help="reduce/allgather bucket (elements)")
-    parser.add_argument("--persistence", type=int, default=100_000, help="ZeRO-3 persistence threshold")
-    parser.add_argument("--tensor-parallel", type=int, default=0, help="count TP shards instead")
-    args = parser.parse_args(argv)
+    args = cli.parse_or_exit(MemoryCheckConfig, argv, __doc__, recipes=False)
 
     import deepspeed
     import torch.distributed as dist

@@ -11,11 +11,12 @@ sequence (``[CLS]`` and ``[SEP]`` added), the last partial one dropped (`swbert.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from swbert import cli
 
 
 @dataclass(frozen=True)
@@ -46,18 +47,18 @@ def epochs_budget(data_dir: str | Path, epochs: float, seq_len: int, global_batc
     return Budget(sequences, epochs, seq_len, global_batch_size)
 
 
+@dataclass
+class BudgetConfig:
+    """The flags of `python -m swbert.training.budget`."""
+
+    data_dir: Path = field(metadata={"positional": True})  # shards written by data_prep.preprocess
+    epochs: float = 20.0  # passes over the corpus (the paper: 20)
+    seq_len: int = 512  # tokens per sequence (the paper: 512)
+    global_batch_size: int = 528  # sequences per step (the paper: 4 x 132)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m swbert.training.budget",
-        description="Print the train_tokens that make EPOCHS passes over a preprocessed corpus.",
-    )
-    parser.add_argument("data_dir", type=Path, help="shards written by data_prep.preprocess")
-    parser.add_argument("--epochs", type=float, default=20.0, help="passes over the corpus (the paper: 20)")
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (the paper: 512)")
-    parser.add_argument(
-        "--global-batch-size", type=int, default=528, help="sequences per step (the paper: 4 x 132)"
-    )
-    args = parser.parse_args(argv)
+    args = cli.parse_or_exit(BudgetConfig, argv, __doc__, recipes=False)
     try:
         budget = epochs_budget(args.data_dir, args.epochs, args.seq_len, args.global_batch_size)
     except (ValueError, FileNotFoundError) as err:

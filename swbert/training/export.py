@@ -11,12 +11,14 @@ transformers' own `BertForMaskedLM` (`swbert-convert to-hf DIR OUT`).
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from swbert import cli
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.attention import attention_class
 from swbert.models.remote_code import add_remote_code
@@ -130,27 +132,36 @@ def model_card(config: SWBertConfig) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "checkpoints", type=Path, help="a checkpoints/ folder (uses 'latest') or one step_* folder"
-    )
-    parser.add_argument("--tag", default=None, help="which step_* folder (default: the one 'latest' names)")
-    parser.add_argument("--output", type=Path, required=True, help="Hugging Face folder to write")
-    parser.add_argument(
-        "--tokenizer", type=Path, default=None, help="tokenizer folder (default: the run folder's tokenizer/)"
-    )
-    args = parser.parse_args(argv)
+@dataclass
+class ExportConfig:
+    """The flags of `python -m swbert.training.export`."""
+
+    # a checkpoints/ folder (uses 'latest') or one step_* folder
+    checkpoints: Path = field(metadata={"positional": True})
+    output: Path  # Hugging Face folder to write
+    tag: str | None = None  # which step_* folder (default: the one 'latest' names)
+    tokenizer: Path | None = None  # tokenizer folder (default: the run folder's tokenizer/)
+
+
+def _tag_dir(args: ExportConfig) -> Path:
     tag_dir = args.checkpoints
     if args.tag or not (tag_dir / "swbert_meta.json").is_file():  # a checkpoints/ folder
         tag = args.tag or read_latest(tag_dir) or newest_complete(tag_dir)
         if tag is None:
-            parser.error(f"{tag_dir} holds no complete checkpoint; pass a step_* folder or --tag")
+            raise ValueError(f"{tag_dir} holds no complete checkpoint; pass a step_* folder or --tag")
         tag_dir = tag_dir / tag
     if not tag_dir.is_dir():
-        parser.error(f"{tag_dir} is not a checkpoint folder")
+        raise ValueError(f"{tag_dir} is not a checkpoint folder")
+    return tag_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = cli.parse_or_exit(ExportConfig, argv, __doc__, recipes=False)
+    try:
+        tag_dir = _tag_dir(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     out = export(tag_dir, args.output, args.tokenizer)
     print(f"exported {tag_dir} -> {out}")
     if attention_class(json.loads((out / "config.json").read_text())["attention_type"]).bert_equivalent:
