@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import tracemalloc
@@ -20,6 +21,7 @@ from data_prep.documents import DocumentReader
 from data_prep.preprocess import preprocess
 from data_prep.sources import Chunk, InputError, ReadOptions, Source
 from data_prep.train_tokenizer import train_tokenizer
+from swbert.cli import field_descriptions
 from swbert.data import open_corpus
 from swbert.data._megatron import indexed_dataset
 
@@ -213,6 +215,8 @@ def test_cli_prints_one_line_errors_and_documents_every_flag(tmp_path: Path, cap
     assert exit_info.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err and "spm.model" in err
-    for parser in (preprocess_cli.build_parser(), verify_cli.build_parser()):
-        for action in parser._actions:
-            assert action.help, action.option_strings
+    described = field_descriptions(preprocess_cli.PreprocessConfig)
+    for f in dataclasses.fields(preprocess_cli.PreprocessConfig):
+        assert f.name in described, f.name
+    for action in verify_cli.build_parser()._actions:
+        assert action.help, action.option_strings
