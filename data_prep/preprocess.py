@@ -10,7 +10,6 @@ inputs, the tokenizer and the settings recorded in the manifest, never on `--wor
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -27,6 +26,7 @@ from data_prep.outdir import PLAN_NAME, OutputLock, check_existing, finished_rec
 from data_prep.shard_writer import ShardJob
 from data_prep.sources import InputError, ReadOptions, Source, plan_chunks, resolve_inputs
 from data_prep.workers import run_jobs
+from swbert.cli import parse_or_exit
 from swbert.data.manifest import (
     FORMAT,
     MANIFEST_NAME,
@@ -39,6 +39,33 @@ from swbert.data.tokenizer import SPM_MODEL_NAME, TOKENIZER_INFO_NAME, tokenizer
 
 log = logging.getLogger("data_prep.preprocess")
 DEFAULT_SHARD_BYTES = 16 << 20
+DEFAULT_WORKERS = max(1, (os.cpu_count() or 2) - 1)
+USAGE = (
+    "usage: python -m data_prep.preprocess --input PATH [PATH ...] --tokenizer DIR --output DIR "
+    "[--workers N] [--key value ...]\n\n" + (__doc__ or "").split("\n\n")[0]
+)
+
+
+@dataclass(kw_only=True)
+class PreprocessConfig(cli.InputOptions):
+    """The command line of `python -m data_prep.preprocess` (`swbert.cli`)."""
+
+    tokenizer: str  # tokenizer folder written by python -m data_prep.train_tokenizer
+    output: str  # folder for the shards and manifest.json; re-running the same command resumes
+    workers: int = DEFAULT_WORKERS  # worker processes, each tokenizing its own shards (default: CPUs - 1)
+    # raw input bytes per shard, e.g. 16M; part of the manifest, since it decides where shards are cut
+    shard_size: str = cli.size_text(DEFAULT_SHARD_BYTES)
+    # fraction of documents held out for validation, chosen by a hash of their text
+    valid_fraction: float = 0.01
+    overwrite: bool = False  # delete shards in --output that another tokenizer, input or setting made
+    no_progress: bool = False  # no progress bar (the summary is still printed)
+
+    def check(self) -> None:
+        super().check()
+        self.shard_bytes()
+
+    def shard_bytes(self) -> int:
+        return cli.byte_size(self.shard_size, "--shard-size")
 
 
 @dataclass
@@ -254,66 +281,16 @@ def _log_summary(result: PreprocessResult) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m data_prep.preprocess",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    cli.add_input_arguments(parser)
-    parser.add_argument(
-        "--tokenizer",
-        required=True,
-        metavar="DIR",
-        help="tokenizer folder written by python -m data_prep.train_tokenizer",
-    )
-    parser.add_argument(
-        "--output",
-        required=True,
-        metavar="DIR",
-        help="folder for the shards and manifest.json; re-running the same command resumes",
-    )
-    parser.add_argument(
-        "--workers",
-        type=int,
-        default=max(1, (os.cpu_count() or 2) - 1),
-        help="worker processes, each tokenizing its own shards (default: CPUs - 1 = %(default)s)",
-    )
-    parser.add_argument(
-        "--shard-size",
-        type=cli.byte_size,
-        default=DEFAULT_SHARD_BYTES,
-        help="raw input bytes per shard, e.g. 16M; part of the manifest, since it decides "
-        "where shards are cut (default: 16M)",
-    )
-    parser.add_argument(
-        "--valid-fraction",
-        type=float,
-        default=0.01,
-        help="fraction of documents held out for validation, chosen by a hash of their "
-        "text (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="delete shards in --output that another tokenizer, input or setting made",
-    )
-    parser.add_argument(
-        "--no-progress", action="store_true", help="no progress bar (the summary is still printed)"
-    )
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_or_exit(PreprocessConfig, argv, USAGE)
     preprocess(
         args.input,
         args.tokenizer,
         args.output,
         workers=args.workers,
-        shard_bytes=args.shard_size,
+        shard_bytes=args.shard_bytes(),
         valid_fraction=args.valid_fraction,
-        options=cli.read_options(args),
+        options=args.read_options(),
         hf_config=args.hf_config,
         hf_split=args.hf_split,
         overwrite=args.overwrite,

@@ -9,7 +9,6 @@ and writes DIR/spm.model plus the Hugging Face files `AutoTokenizer.from_pretrai
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import logging
@@ -19,6 +18,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +26,7 @@ from data_prep import cli
 from data_prep.documents import DocumentReader, split_text
 from data_prep.hf_tokenizer import build_fast_tokenizer, save_hf_folder
 from data_prep.sources import InputError, ReadOptions, Source, plan_chunks, resolve_inputs
+from swbert.cli import parse_or_exit
 from swbert.data.tokenizer import (
     PAD_ID,
     SPECIAL_TOKENS,
@@ -45,6 +46,32 @@ OUTPUT_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
 )
+USAGE = (
+    "usage: python -m data_prep.train_tokenizer --input PATH [PATH ...] --output DIR --vocab-size N "
+    "[--key value ...]\n\n" + (__doc__ or "").split("\n\n")[0]
+)
+
+
+@dataclass(kw_only=True)
+class TokenizerConfig(cli.InputOptions):
+    """The command line of `python -m data_prep.train_tokenizer` (`swbert.cli`)."""
+
+    output: str  # tokenizer folder to write
+    # pieces in the vocabulary, the 5 specials (and 256 byte pieces, with byte fallback) included
+    vocab_size: int
+    # SentencePiece algorithm; the HF tokenizer matches BPE id for id, unigram up to ties between
+    # equal-score segmentations
+    model_type: Literal["bpe", "unigram"] = "bpe"
+    max_sentences: int = 1_000_000  # lines sampled uniformly from the inputs to train on
+    character_coverage: float = 0.9995  # share of characters covered by pieces; the rest fall back to bytes
+    # encode characters outside the vocabulary as UTF-8 byte pieces instead of [UNK]; auto: yes from
+    # --vocab-size 1000
+    byte_fallback: Literal["auto", "yes", "no"] = "auto"
+    seed: int = 0  # seed of the sampling
+    # SentencePiece training threads; a unigram model depends on it, so fix it for reproducibility
+    # (default: CPUs, at most 16)
+    threads: int | None = None
+    overwrite: bool = False  # replace an existing tokenizer in --output
 
 
 def iter_sentences(sources: list[Source], options: ReadOptions, stats: Counter) -> Iterator[str]:
@@ -211,61 +238,8 @@ def _install(tmp: Path, output_dir: Path) -> None:
     tmp.rmdir()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m data_prep.train_tokenizer",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    cli.add_input_arguments(parser)
-    parser.add_argument("--output", required=True, metavar="DIR", help="tokenizer folder to write")
-    parser.add_argument(
-        "--vocab-size",
-        type=int,
-        required=True,
-        metavar="N",
-        help="pieces in the vocabulary, the 5 specials (and 256 byte pieces, with byte fallback) included",
-    )
-    parser.add_argument(
-        "--model-type",
-        choices=["bpe", "unigram"],
-        default="bpe",
-        help="SentencePiece algorithm; the HF tokenizer matches BPE id for id, unigram up to "
-        "ties between equal-score segmentations (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-sentences",
-        type=int,
-        default=1_000_000,
-        help="lines sampled uniformly from the inputs to train on (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--character-coverage",
-        type=float,
-        default=0.9995,
-        help="share of characters covered by pieces; the rest fall back to bytes (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--byte-fallback",
-        choices=["auto", "yes", "no"],
-        default="auto",
-        help="encode characters outside the vocabulary as UTF-8 byte pieces instead of [UNK]; "
-        f"auto: yes from --vocab-size {BYTE_FALLBACK_MIN_VOCAB} (default: %(default)s)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: %(default)s)")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="SentencePiece training threads; a unigram model depends on it, so fix it for "
-        "reproducibility (default: CPUs, at most 16)",
-    )
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer in --output")
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_or_exit(TokenizerConfig, argv, USAGE)
     train_tokenizer(
         args.input,
         args.output,
@@ -276,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         byte_fallback={"auto": None, "yes": True, "no": False}[args.byte_fallback],
         seed=args.seed,
         threads=args.threads,
-        options=cli.read_options(args),
+        options=args.read_options(),
         hf_config=args.hf_config,
         hf_split=args.hf_split,
         overwrite=args.overwrite,

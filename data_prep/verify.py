@@ -1,6 +1,6 @@
 """Check every shard of a preprocessed folder against its manifest.
 
-    python -m data_prep.verify DIR
+    python -m data_prep.verify DATA_DIR
 
 Checks sizes, sha256, that each `.idx` parses with megatron-core's reader and agrees with its
 `.bin` and the manifest (documents, tokens, offsets), that token ids fit the vocabulary, and the
@@ -9,20 +9,29 @@ tokenizer copy. Prints one line per bad file and exits 1 if there is any, 0 othe
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from data_prep import cli
+from swbert.cli import parse_or_exit
 from swbert.data._megatron import indexed_dataset
 from swbert.data.manifest import SPLITS, TOKENIZER_SUBDIR, read_manifest, shard_prefix
 from swbert.data.tokenizer import SPM_MODEL_NAME, tokenizer_hash
 
 log = logging.getLogger("data_prep.verify")
+USAGE = "usage: python -m data_prep.verify DATA_DIR\n\n" + (__doc__ or "").split("\n\n")[0]
+
+
+@dataclass
+class VerifyConfig:
+    """The command line of `python -m data_prep.verify` (`swbert.cli`)."""
+
+    data_dir: str = field(metadata={"positional": True})  # folder written by python -m data_prep.preprocess
 
 
 def _scan_bin(path: Path, dtype: np.dtype) -> tuple[str, int]:
@@ -128,18 +137,8 @@ def verify_dir(data_dir: str | Path) -> tuple[list[str], dict[str, int]]:
     return problems, checked
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m data_prep.verify",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("data_dir", metavar="DIR", help="folder written by python -m data_prep.preprocess")
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_or_exit(VerifyConfig, argv, USAGE)
     problems, checked = verify_dir(args.data_dir)
     for problem in problems:
         print(f"BAD {problem}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import tracemalloc
@@ -15,11 +16,13 @@ import pytest
 import sentencepiece as spm
 
 from data_prep import preprocess as preprocess_cli
+from data_prep import train_tokenizer as tokenizer_cli
 from data_prep import verify as verify_cli
 from data_prep.documents import DocumentReader
 from data_prep.preprocess import preprocess
 from data_prep.sources import Chunk, InputError, ReadOptions, Source
 from data_prep.train_tokenizer import train_tokenizer
+from swbert.cli import field_descriptions, parse_cli
 from swbert.data import open_corpus
 from swbert.data._megatron import indexed_dataset
 
@@ -213,6 +216,48 @@ def test_cli_prints_one_line_errors_and_documents_every_flag(tmp_path: Path, cap
     assert exit_info.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err and "spm.model" in err
-    for parser in (preprocess_cli.build_parser(), verify_cli.build_parser()):
-        for action in parser._actions:
-            assert action.help, action.option_strings
+    for config in (preprocess_cli.PreprocessConfig, verify_cli.VerifyConfig):
+        described = field_descriptions(config)
+        for f in dataclasses.fields(config):
+            assert f.name in described, (config.__name__, f.name)
+
+
+@pytest.mark.parametrize(
+    "tool, argv, meant",
+    [
+        (tokenizer_cli, ["--input", "c.txt", "--output", "tok", "--vocab-sise", "100"], "vocab_size"),
+        (
+            preprocess_cli,
+            ["--input", "c.txt", "--tokenizer", "t", "--output", "o", "--worker", "2"],
+            "workers",
+        ),
+        (verify_cli, ["--data-dri", "shards"], "data_dir"),
+    ],
+)
+def test_every_tool_refuses_a_misspelt_flag_and_shows_its_help(tool, argv, meant, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        tool.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and f"did you mean {meant!r}" in err, err
+    with pytest.raises(SystemExit) as exit_info:
+        tool.main(["--help"])
+    assert exit_info.value.code == 0
+    assert f"usage: python -m {tool.__name__}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--shard-size", "12Q", "--shard-size '12Q': not a size such as 65536, 512K, 16M or 1G"),
+        ("--max-line-bytes", "0", "--max-line-bytes '0': must be at least one byte"),
+    ],
+)
+def test_byte_sizes_are_checked_before_any_work(flag, value, message, tmp_path: Path, capsys) -> None:
+    argv = ["--input", "gone.txt", "--tokenizer", "tok", "--output", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as exit_info:
+        preprocess_cli.main([*argv, flag, value])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.strip() == f"error: {message}"
+    assert not (tmp_path / "o").exists()
+    config = parse_cli(preprocess_cli.PreprocessConfig, [*argv, "--shard-size", "512K"], "usage")
+    assert config.shard_bytes() == 512 << 10 and config.read_options().max_line_bytes == 64 << 20

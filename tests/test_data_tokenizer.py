@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -11,7 +12,8 @@ import pytest
 import sentencepiece as spm
 
 from data_prep.sources import InputError
-from data_prep.train_tokenizer import build_parser, train_tokenizer
+from data_prep.train_tokenizer import BYTE_FALLBACK_MIN_VOCAB, TokenizerConfig, train_tokenizer
+from swbert.cli import field_descriptions
 from swbert.data import SPECIAL_TOKENS, load_tokenizer, tokenizer_hash
 
 
@@ -106,5 +108,7 @@ def test_sampling_is_bounded_and_deterministic(corpus: Path, tmp_path: Path) -> 
 
 
 def test_help_documents_every_flag() -> None:
-    for action in build_parser()._actions:
-        assert action.help, action.option_strings
+    described = field_descriptions(TokenizerConfig)
+    for f in dataclasses.fields(TokenizerConfig):
+        assert f.name in described, f.name
+    assert f"--vocab-size {BYTE_FALLBACK_MIN_VOCAB}" in described["byte_fallback"]
