@@ -10,7 +10,7 @@ import logging
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from data_prep.sources import ReadOptions
@@ -45,8 +45,9 @@ class InputOptions:
     # files (.txt, .jsonl, .parquet), folders (searched recursively, in sorted order), or a Hugging
     # Face dataset name (e.g. wikimedia/wikipedia with --hf-config 20231101.en; prefix with hf: to
     # force, also for a local folder in a Hub dataset's layout); Parquet datasets are streamed from
-    # the Hub, others loaded when online or from the local cache
-    input: list[str]
+    # the Hub, others loaded when online or from the local cache; several values, never split at
+    # commas (a file name may hold one)
+    input: list[str] = field(metadata={"commas": False})
     # how .txt files delimit documents: blank lines between documents (BERT's format), one document
     # per line, or auto: blank if a file's first MiB holds a blank line, else line
     txt_documents: Literal["auto", "blank", "line"] = ReadOptions.txt_documents

@@ -85,14 +85,18 @@ def _base(tp: Any) -> Any:
     return tp
 
 
-def parse_value(name: str, raw: Any, tp: Any) -> Any:
-    """A command-line string (or a recipe value) as the field's type; lists take a list of strings."""
+def parse_value(name: str, raw: Any, tp: Any, split: bool = True) -> Any:
+    """A command-line string (or a recipe value) as the field's type; lists take a list of strings,
+    and (unless `split` is false: a field of file names, `metadata={"commas": False}`) a
+    comma-separated or JSON list too."""
     optional = get_origin(tp) in (Union, types.UnionType) and type(None) in get_args(tp)
     if isinstance(raw, str) and optional and raw.lower() in ("none", "null"):
         return None
     base = _base(tp)
     if get_origin(base) is list:
         item = get_args(base)[0]
+        if not split:
+            return [parse_value(name, x, item) for x in (raw if isinstance(raw, list) else [raw])]
         if isinstance(raw, list) and raw and isinstance(raw[0], str) and raw[0].startswith("["):
             raw = " ".join(raw)  # a JSON list the shell split at its spaces
         if isinstance(raw, str) and raw.startswith("["):
@@ -224,7 +228,8 @@ def build_config(
                 raise unknown_key(cls, key, f"recipe {recipe}")
             raw[name] = value
     raw.update(split_overrides(cls, overrides))
-    values = {name: parse_value(name, value, hints[name]) for name, value in raw.items()}
+    commas = {f.name: f.metadata.get("commas", True) for f in dataclasses.fields(cls)}
+    values = {name: parse_value(name, value, hints[name], commas[name]) for name, value in raw.items()}
     for f in dataclasses.fields(cls):
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if required and f.name not in values:

@@ -174,6 +174,11 @@ def test_cli_positions_for_tools():
     assert (got.direction, got.inputs, got.tag, got.overwrite) == ("back", [Path("x"), Path("y")], "t", True)
     got = cli.build_config(_Tool, None, ["--overwrite", "false", "--inputs", "z", "--direction", "back"])
     assert (got.direction, got.inputs, got.overwrite) == ("back", [Path("z")], False)
+    assert cli.build_config(_Tool, None, ["there", "a,b.txt"]).inputs == [Path("a"), Path("b.txt")]
+    verbatim = dataclasses.make_dataclass(
+        "_Files", [("files", list[str], field(metadata={"positional": True, "commas": False}))]
+    )
+    assert cli.build_config(verbatim, None, ["a,b.txt", "[c]"]).files == ["a,b.txt", "[c]"]
     with pytest.raises(ValueError, match="INPUTS is required"):
         cli.build_config(_Tool, None, ["there"])
     with pytest.raises(ValueError, match="direction='up' is not one of there, back"):
