@@ -76,6 +76,38 @@ def test_a_lost_rank_without_a_launcher_is_named_by_the_others(fault, victim, da
         assert "SWBERT_DIST_TIMEOUT_MIN=0.25" in text
 
 
+@pytest.mark.slow
+def test_a_hung_neighbour_ends_the_job_before_the_collective_timeout(data_dir, tmp_path):
+    """Under NCCL a collective with a dead peer waits the whole collective timeout and is then
+    aborted without a word; the heartbeat watch does not wait for it. Here the collective timeout is
+    30 minutes and SWBERT_LOST_RANK_MIN 0.2 (12 s): rank 0 names the stopped rank 1 and exits
+    with status 3 long before, from its watch thread (its main thread is blocked in the collective)."""
+    out = tmp_path / "run"
+    args = [
+        "--config", "tiny_cpu", "--data-dir", str(data_dir), "--output-dir", str(out), "--mlflow", "false",
+        "--save-interval", "1000", "--export", "false", "--log-interval", "1", "--train-steps", "100000",
+    ]  # fmt: skip
+    port = free_port()
+    logs = [tmp_path / f"rank{r}.log" for r in (0, 1)]
+    env = {"SWBERT_DIST_TIMEOUT_MIN": "30", "SWBERT_LOST_RANK_MIN": "0.2"}
+    ranks = [start_rank(r, 2, port, args, logs[r], **env) for r in (0, 1)]
+    try:
+        wait_for(lambda: logged_steps(out) >= 3, timeout=240, proc=ranks[0])
+        os.kill(ranks[1].pid, signal.SIGSTOP)
+        started = time.monotonic()
+        ranks[0].wait(timeout=120)
+        took = time.monotonic() - started
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait(timeout=30)
+    text = logs[0].read_text()
+    assert ranks[0].returncode == 3, text[-3000:]
+    named = f"error: lost rank 1 (on {socket.gethostname()} pid {ranks[1].pid}): its heartbeat stood still for 12 s"
+    assert named in text and "SWBERT_LOST_RANK_MIN=0.2" in text and "--resume auto" in text, text[-3000:]
+    assert 12 <= took < 60, took
+
+
 def start_deepspeed(args: list[str], log: Path) -> subprocess.Popen:
     """`deepspeed --num_gpus 2 launchers/pretrain.py ARGS` (2 CPU ranks here) in its own process group."""
     cmd = [
@@ -147,3 +179,12 @@ def test_signals_under_the_deepspeed_launcher_checkpoint_and_the_run_resumes(dat
     again = saved_step(text)
     assert again > saved and ckpt.newest_complete(root) == ckpt.tag_for(again)
     assert sorted(read_metrics(out)) == list(range(1, again + 1))
+
+
+def test_the_lost_rank_minutes_are_checked(monkeypatch):
+    from swbert.training.dist import watch_for_lost_ranks
+
+    for bad in ("soon", "-1"):
+        monkeypatch.setenv("SWBERT_LOST_RANK_MIN", bad)
+        with pytest.raises(ValueError, match=f"SWBERT_LOST_RANK_MIN='{bad}' is not a number of minutes"):
+            watch_for_lost_ranks()

@@ -40,7 +40,12 @@ from swbert.models.flops import masked_lm_params
 from swbert.training import checkpoint as ckpt
 from swbert.training.config import TrainConfig, dump_config
 from swbert.training.data import TrainingData, prepare_data, resolve_num_workers
-from swbert.training.dist import bound_every_group, init_distributed, map_launcher_env
+from swbert.training.dist import (
+    bound_every_group,
+    init_distributed,
+    map_launcher_env,
+    watch_for_lost_ranks,
+)
 from swbert.training.ds_config import (
     BatchShape,
     offloads_optimizer,
@@ -219,6 +224,7 @@ def build_layout(cfg: TrainConfig, plan: RunPlan) -> tuple[ParallelDims, Any]:
     """Start the process group (NCCL on GPU, gloo on CPU) and the tensor-parallel groups; returns
     this process's `ParallelDims` and the DeepSpeed `mpu` (None without tensor parallelism)."""
     rank, local_rank, world = init_distributed()
+    watch_for_lost_ranks()  # a dead neighbour ends the job in minutes, not a collective timeout
     set_cpu_threads(cfg.num_threads)
     if not plan.on_gpu:
         keep_freed_memory()  # no page faults for the tensors every step frees and allocates again

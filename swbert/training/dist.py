@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -180,6 +181,7 @@ class Heartbeat:
         self.me = f"{socket.gethostname()} pid {os.getpid()}"
         self.store.set(self._key(rank), f"0 {self.me}")
         self._reader = self.store.clone()  # the beating thread keeps its own connection
+        self._stopped = threading.Event()
         threading.Thread(target=self._beat, name="swbert-heartbeat", daemon=True).start()
 
     @staticmethod
@@ -188,8 +190,7 @@ class Heartbeat:
 
     def _beat(self) -> None:
         count = 0
-        while True:
-            time.sleep(self.interval)
+        while not self._stopped.wait(self.interval):
             count += 1
             try:
                 self.store.set(self._key(self.rank), f"{count} {self.me}")
@@ -232,8 +233,77 @@ class Heartbeat:
             "went down, or it hangs)"
         )
 
+    def watch(self, after_s: float) -> None:
+        """End this process (exit status 3) once a neighbour's heartbeat (ranks r - 1 and r + 1, so
+        every rank is watched twice and the store reads stay constant per rank at any size) stood
+        still for `after_s` seconds, naming it: under NCCL a collective with a dead peer waits for the
+        whole collective timeout and is then aborted by NCCL's watchdog without a word, and the
+        main thread, blocked in it, cannot act. Store errors prove nothing here and are ignored."""
+        neighbours = sorted({(self.rank - 1) % self.world, (self.rank + 1) % self.world} - {self.rank})
+        reader = self.store.clone()
+        threading.Thread(
+            target=self._watch, args=(reader, neighbours, after_s), name="swbert-lost-rank-watch", daemon=True
+        ).start()
 
+    def _watch(self, reader: Any, neighbours: list[int], after_s: float) -> None:
+        seen: dict[int, tuple[str, float]] = {}  # rank -> (its value, when it was first read)
+        while not self._stopped.wait(self.interval):
+            try:
+                values = [reader.get(self._key(r)).decode() for r in neighbours]
+            except Exception:
+                continue
+            now, stale = time.monotonic(), []
+            for r, value in zip(neighbours, values):
+                if value.startswith(DONE):  # left its loop on purpose
+                    continue
+                if seen.get(r, ("",))[0] != value:
+                    seen[r] = (value, now)
+                elif now - seen[r][1] >= after_s:
+                    stale.append(f"rank {r} (on {value.split(' ', 1)[1]})")
+            if stale and not self._stopped.is_set():
+                message = (
+                    f"error: lost {', '.join(stale)}: its heartbeat stood still for {after_s:.0f} s (the "
+                    f"process died, its node went down, or it hangs). Rank {self.rank} stops the job "
+                    f"({LOST_RANK_VAR}={after_s / 60:g}) instead of waiting in a collective "
+                    "for SWBERT_DIST_TIMEOUT_MIN. Restart the job with --resume auto to continue from "
+                    "the newest complete checkpoint\n"
+                )
+                os.write(2, message.encode())
+                os._exit(3)
+
+    def stop(self) -> None:
+        """This rank leaves on purpose: its watch and beat end, and its neighbours see it done."""
+        self._stopped.set()
+        try:
+            self.store.set(self._key(self.rank), f"{DONE} {self.me}")
+        except Exception:
+            pass  # the store is gone: nobody is left to watch
+
+
+DONE = "done"
+LOST_RANK_VAR = "SWBERT_LOST_RANK_MIN"
+DEFAULT_LOST_RANK_MIN = 5.0
 _heartbeat: Heartbeat | None = None
+
+
+def watch_for_lost_ranks() -> None:
+    """Pretraining's ranks stop the job when a neighbour's heartbeat stands still for
+    SWBERT_LOST_RANK_MIN minutes (default 5; 0: never; ours), on any backend; `stop_watching` ends
+    it once the loop is over, before ranks leave at their own pace."""
+    raw = os.environ.get(LOST_RANK_VAR, "")
+    try:
+        minutes = float(raw) if raw else DEFAULT_LOST_RANK_MIN
+    except ValueError:
+        minutes = -1.0
+    if not minutes >= 0:
+        raise ValueError(f"{LOST_RANK_VAR}={raw!r} is not a number of minutes >= 0 (e.g. 5; 0: never)")
+    if _heartbeat is not None and minutes > 0:
+        _heartbeat.watch(minutes * 60)
+
+
+def stop_watching() -> None:
+    if _heartbeat is not None:
+        _heartbeat.stop()
 
 
 def is_collective_failure(err: BaseException) -> bool:

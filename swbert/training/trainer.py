@@ -29,7 +29,7 @@ from swbert.models.modeling import IGNORE_INDEX
 from swbert.training import build
 from swbert.training import checkpoint as ckpt
 from swbert.training.config import TrainConfig
-from swbert.training.dist import lost_ranks_named
+from swbert.training.dist import lost_ranks_named, stop_watching
 from swbert.training.faults import kill_point, nonfinite_faults
 from swbert.training.loop import Counts, Loop, StepResult
 from swbert.training.metrics import device_peak_tflops
@@ -269,6 +269,7 @@ class Trainer:
         try:
             status_, last_saved = loop.run()
         finally:
+            stop_watching()  # from here on, ranks may leave at their own pace
             loop.close()
             self.close_batches()
             if status_ != "FINISHED":
