@@ -145,7 +145,9 @@ def tiny(data_dir: Path, out: Path, *extra: str) -> list[str]:
 def test_two_node_pretraining_preempted_requeued_and_resumed(cluster, data_dir, tmp_path):
     """2 nodes x 1 process through sbatch; SIGUSR1 mid-run -> checkpoint -> requeue -> finish."""
     out, logs = tmp_path / "run", tmp_path / "logs"
-    steps = 20
+    # a tiny step takes about 0.15 s on an idle machine: enough steps that the signal, sent once 3
+    # are logged, always lands before the last one (with 20 the run could finish first)
+    steps = 80
     job = cluster.sbatch(
         "--nodes=2",
         f"--output={tmp_path}/slurm-%j.out",
