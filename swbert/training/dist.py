@@ -181,7 +181,7 @@ class Heartbeat:
         self.me = f"{socket.gethostname()} pid {os.getpid()}"
         self.store.set(self._key(rank), f"0 {self.me}")
         self._reader = self.store.clone()  # the beating thread keeps its own connection
-        self._stopped = threading.Event()
+        self._watch_stopped = threading.Event()
         threading.Thread(target=self._beat, name="swbert-heartbeat", daemon=True).start()
 
     @staticmethod
@@ -190,7 +190,8 @@ class Heartbeat:
 
     def _beat(self) -> None:
         count = 0
-        while not self._stopped.wait(self.interval):
+        while True:  # for as long as the process lives: a rank's silence is the one sign of its loss
+            time.sleep(self.interval)
             count += 1
             try:
                 self.store.set(self._key(self.rank), f"{count} {self.me}")
@@ -247,20 +248,18 @@ class Heartbeat:
 
     def _watch(self, reader: Any, neighbours: list[int], after_s: float) -> None:
         seen: dict[int, tuple[str, float]] = {}  # rank -> (its value, when it was first read)
-        while not self._stopped.wait(self.interval):
+        while not self._watch_stopped.wait(self.interval):
             try:
                 values = [reader.get(self._key(r)).decode() for r in neighbours]
             except Exception:
                 continue
             now, stale = time.monotonic(), []
             for r, value in zip(neighbours, values):
-                if value.startswith(DONE):  # left its loop on purpose
-                    continue
                 if seen.get(r, ("",))[0] != value:
                     seen[r] = (value, now)
                 elif now - seen[r][1] >= after_s:
                     stale.append(f"rank {r} (on {value.split(' ', 1)[1]})")
-            if stale and not self._stopped.is_set():
+            if stale and not self._watch_stopped.is_set():
                 message = (
                     f"error: lost {', '.join(stale)}: its heartbeat stood still for {after_s:.0f} s (the "
                     f"process died, its node went down, or it hangs). Rank {self.rank} stops the job "
@@ -271,16 +270,12 @@ class Heartbeat:
                 os.write(2, message.encode())
                 os._exit(3)
 
-    def stop(self) -> None:
-        """This rank leaves on purpose: its watch and beat end, and its neighbours see it done."""
-        self._stopped.set()
-        try:
-            self.store.set(self._key(self.rank), f"{DONE} {self.me}")
-        except Exception:
-            pass  # the store is gone: nobody is left to watch
+    def stop_watch(self) -> None:
+        """End the watch (the beat goes on while the process lives, so a rank that dies after this,
+        e.g. during the final export, is still named by `lost`)."""
+        self._watch_stopped.set()
 
 
-DONE = "done"
 LOST_RANK_VAR = "SWBERT_LOST_RANK_MIN"
 DEFAULT_LOST_RANK_MIN = 5.0
 _heartbeat: Heartbeat | None = None
@@ -302,8 +297,10 @@ def watch_for_lost_ranks() -> None:
 
 
 def stop_watching() -> None:
+    """End the watch once the training loop is over: from there on ranks may part at their own
+    pace (rank 0 exports while the others wait), and none is taken for lost."""
     if _heartbeat is not None:
-        _heartbeat.stop()
+        _heartbeat.stop_watch()
 
 
 def is_collective_failure(err: BaseException) -> bool:
