@@ -358,15 +358,13 @@ def help_text(
 ) -> str:
     """Usage, the recipes, then every field: `--key  type, default` and its description."""
     lines = [usage, ""]
-    if not recipes:
-        pass
-    elif recipes_dir is not None:
+    if recipes and recipes_dir is not None:
         shipped = ", ".join(sorted(p.stem for p in recipes_dir.glob("*.yaml")))
         lines += [
             f"--config RECIPE   a YAML/TOML recipe, or a shipped one: {shipped} (default: {default_recipe})",
             "",
         ]
-    else:
+    elif recipes:
         lines += ["--config FILE     a YAML/TOML file of keys (the command line overrides it)", ""]
     lines.append("Every key can be given as --key value (dashes or underscores):")
     described = field_descriptions(cls)

@@ -58,8 +58,9 @@ def forget_plugins(monkeypatch):
     yield
     for name in set(attention_types()) - before:
         unregister_attention(name)
-    for name in set(sys.modules) - modules:
-        del sys.modules[name]
+    for name in set(sys.modules) - modules:  # the plugins' modules only, never a library's
+        if name.startswith(("swbert_plugin_", "swbert_test_")):
+            del sys.modules[name]
 
 
 @pytest.mark.slow

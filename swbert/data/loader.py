@@ -12,7 +12,6 @@ import logging
 import math
 import os
 import signal
-import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -148,7 +147,7 @@ def _start_shielded(loader: torch.utils.data.DataLoader) -> Iterator:
     in that window killed the worker and with it the rank. The blocked mask is inherited by the
     workers (and the pin-memory thread); the trainer's mask is restored at once, so a signal that
     came meanwhile reaches the trainer's handler as soon as this returns."""
-    if loader.num_workers == 0 or threading.current_thread() is not threading.main_thread():
+    if loader.num_workers == 0:
         return iter(loader)
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
