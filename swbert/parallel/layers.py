@@ -9,6 +9,7 @@ the TP=1 one only in shapes (see `swbert.parallel.plan`).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import ModelParallelConfig
 from megatron.core.tensor_parallel import (
@@ -78,7 +79,9 @@ class ColumnLinear(_NoExtraState, ColumnParallelLinear):
 
     Its backward all-reduces the input gradient over the tensor-parallel group, unless
     `reduce_input_grad=False`: then the caller reduces once for several linears reading the same
-    input (`copy_input_to_tp_region`).
+    input (`copy_input_to_tp_region`). The reduce is megatron's `copy_to` region (a blocking
+    all-reduce in the backward) rather than megatron's in-GEMM async all-reduce: `async_op=True` is
+    a graph break under torch.compile, which schedules the collective against the GEMMs itself.
     """
 
     def __init__(
@@ -95,10 +98,13 @@ class ColumnLinear(_NoExtraState, ColumnParallelLinear):
             config=config,
             init_method=_no_init,
             bias=bias,
-            disable_grad_reduce=not reduce_input_grad,
+            disable_grad_reduce=True,
         )
+        self.reduce_input_grad = reduce_input_grad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if self.reduce_input_grad:
+            x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
         return super().forward(x)[0]
 
 
@@ -127,12 +133,17 @@ class RowLinear(_NoExtraState, RowParallelLinear):
 
     def forward(self, x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
         # input_scale: this rank's slice of a per-input-feature scale (shared attention's dv, split
-        # by heads like the input); applied to the input, megatron's forward reads self.weight itself
+        # by heads like the input). The product and the reduce are written here rather than by
+        # megatron's forward, which passes no group to its linear (a warning, and a graph break
+        # under torch.compile); megatron's row linear reduces no input gradient, so the
+        # computation is the same.
         if input_scale is not None:
             x = x * input_scale
-        if not self.reduce_scatter_output:
-            return super().forward(x)[0]
-        y = reduce_scatter_seq(F.linear(x, self.weight), self.tp_group)  # (B, S/tp, d)
+        y = F.linear(x, self.weight)  # this rank's partial sum
+        if self.reduce_scatter_output:
+            y = reduce_scatter_seq(y, self.tp_group)  # (B, S/tp, d)
+        else:
+            y = reduce_from_tensor_model_parallel_region(y, group=self.tp_group)
         return y if self.bias is None else y + self.bias
 
 
@@ -164,15 +175,19 @@ class VocabParallelDecoder(_NoExtraState, ColumnParallelLinear):
             init_method=_no_init,
             bias=bias,
             skip_weight_param_allocation=True,
+            disable_grad_reduce=True,  # reduced by the copy_to region in forward, as ColumnLinear
         )
         self.weight = embedding.weight  # the same Parameter, as `tie_word_embeddings` does at TP=1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
         return super().forward(x)[0]
 
 
-def copy_input_to_tp_region(module: nn.Module, args: tuple) -> tuple:
-    """Forward pre-hook on an attention module: identity forward, input-gradient all-reduce backward.
+def copy_input_to_tp_region(module: nn.Module, args: tuple, group: dist.ProcessGroup | None = None) -> tuple:
+    """Forward pre-hook on an attention module: identity forward, input-gradient all-reduce backward
+    over `group` (given explicitly: megatron's fallback to its global group warns, and under
+    torch.compile the warning is a graph break).
 
     The projections of a layer read the same input. The paper's variants fuse theirs into one linear
     (`in_proj`), but a variant may keep several (a registered fifth one, shared's `proj` beside its
@@ -180,7 +195,7 @@ def copy_input_to_tp_region(module: nn.Module, args: tuple) -> tuple:
     summed input gradient once per layer, whatever their number.
     """
     x, *rest = args
-    return (copy_to_tensor_model_parallel_region(x), *rest)
+    return (copy_to_tensor_model_parallel_region(x, group=group), *rest)
 
 
 class ForkedRNG(nn.Module):
@@ -188,15 +203,19 @@ class ForkedRNG(nn.Module):
 
     The default generator is identical across a tensor-parallel group (see `manual_seed`); where
     ranks hold different data (their own heads, or their own tokens under sequence parallelism)
-    the dropout masks must be independent draws.
+    the dropout masks must be independent draws. A module that draws nothing (dropout 0) runs
+    without the fork: swapping generator states is a graph break under torch.compile, which
+    then compiles each block whole.
     """
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
+        rate = getattr(module, "p", getattr(module, "dropout", None))  # nn.Dropout's p, a kernel's rate
+        self.draws = not isinstance(rate, (int, float)) or rate > 0
 
     def forward(self, *args: torch.Tensor | None) -> torch.Tensor:
-        if not self.training:
+        if not self.training or not self.draws:
             return self.module(*args)
         with get_cuda_rng_tracker().fork():
             return self.module(*args)
@@ -221,7 +240,10 @@ class TensorParallelMaskedLM(SWBertForMaskedLM):
         vocab_size as at TP=1."""
         vocab = self.config.vocab_size
         local_logits = self.mlm_head(h)  # (..., padded V / tp)
-        logits = gather_from_tensor_model_parallel_region(local_logits)  # before the in-place loss
+        group = self.mlm_head.decoder.tp_group
+        logits = gather_from_tensor_model_parallel_region(
+            local_logits, group=group
+        )  # before the in-place loss
         if logits.shape[-1] != vocab:
             logits = logits[..., :vocab]
         if target is None:

@@ -7,6 +7,8 @@ parallel model computes the same function as the model it was made from.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -81,7 +83,7 @@ def parallelize(model: SWBertForMaskedLM, tp_size: int, sequence_parallel: bool 
     step("attention: one input-gradient all-reduce for all projections; kernel forks the per-rank RNG")
     for layer in layers:
         if not sp:  # with sequence parallelism the region entry is the all-gather of step 7
-            layer.attn.register_forward_pre_hook(copy_input_to_tp_region)
+            layer.attn.register_forward_pre_hook(functools.partial(copy_input_to_tp_region, group=d.tp_group))
         layer.attn.kernel = ForkedRNG(layer.attn.kernel)  # independent dropout per head
 
     step("MLM decoder -> vocab-parallel, tied to the word-embedding shard; loss -> vocab-parallel CE")
