@@ -8,8 +8,8 @@
     record = run_record(...)               # what exact resume depends on
     resume = choose_resume(...)            # refused here, before any process group, if incompatible
     dims, mpu = build_layout(cfg, plan)    # process group, tensor-parallel groups
-    model = build_model(...)               # seeded weights, tensor parallelism, CPU kernels
-    engine, scheduler = build_engine(...)  # optimizer, schedule, deepspeed.initialize, compile
+    model = build_model(...)               # seeded weights, then wrappers: TP, checkpointing, compile
+    engine, scheduler = build_engine(...)  # optimizer, schedule, deepspeed.initialize
     metrics = build_tracking(...)          # metrics.jsonl and MLflow (rank 0)
 
 Everything that can be wrong with a request is checked before the process group starts, so a bad
@@ -56,6 +56,7 @@ from swbert.training.ds_config import (
 from swbert.training.metrics import MetricsLogger
 from swbert.training.optim import build_optimizer, build_scheduler
 from swbert.training.runlock import RunLock
+from swbert.training.wrappers import wrap_model
 
 log = logging.getLogger("swbert.train")
 
@@ -104,7 +105,7 @@ class RunPlan:
     on_gpu: bool
     precision: str
     cpu_kernels: bool
-    compile: bool  # torch.compile the model (through the engine)
+    compile: bool  # torch.compile the model per unit (swbert.training.wrappers)
     ds_config: dict[str, Any]
     batch: BatchShape
 
@@ -120,18 +121,26 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
     compile_model = cfg.compile == "on" or (cfg.compile == "auto" and on_gpu)
     cpu_kernels = resolve_cpu_kernels(cfg.cpu_kernels, on_gpu, compile_model)
     if compile_model:
-        check_compiler(torch.device("cuda" if on_gpu else "cpu"))
+        check_compiler(torch.device("cuda" if on_gpu else "cpu"), cfg.compile_backend)
     ds_config = pretraining_ds_config(cfg, dims.dp_size, precision)
     batch = BatchShape(*cfg.batch_layout(dims.dp_size))
     return RunPlan(dims, on_gpu, precision, cpu_kernels, compile_model, ds_config, batch)
 
 
-def check_compiler(device: torch.device) -> None:
+def check_compiler(device: torch.device, backend: str = "inductor") -> None:
     """Compile and run a one-line function, so a torch without a working compiler (no C/C++
-    toolchain for inductor, an unsupported GPU) fails here with one clear error instead of a stack
-    of inductor frames at the first step."""
+    toolchain for inductor, an unsupported GPU) or a backend name torch does not know fails here,
+    before any process group, with one clear error instead of a stack of inductor frames at the
+    first step."""
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ValueError(
+            f"compile_backend={backend!r} is not a torch.compile backend here; choose from {', '.join(known)}"
+        )
     try:
-        torch.compile(lambda x: x * 2 + 1)(torch.ones(4, device=device))
+        torch.compile(lambda x: x * 2 + 1, backend=backend)(torch.ones(4, device=device))
     except Exception as err:  # noqa: BLE001 - any compiler failure is reported the same way
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise ValueError(
@@ -236,18 +245,24 @@ def build_layout(cfg: TrainConfig, plan: RunPlan) -> tuple[ParallelDims, Any]:
 
 
 def build_model(
-    cfg: TrainConfig, model_config: SWBertConfig, dims: ParallelDims, cpu_kernels: bool
+    cfg: TrainConfig, model_config: SWBertConfig, dims: ParallelDims, plan: RunPlan
 ) -> tuple[SWBertForMaskedLM, list[str]]:
-    """The model every rank builds from the same seed, split by tensor parallelism, then (CPU only)
-    with swbert.cpu's kernels swapped in; returns it and the kernels applied."""
+    """The model every rank builds from the same seed, with the run's wrappers applied in their one
+    order (`swbert.training.wrappers`: tensor parallelism, checkpointing, compile, ZeRO-3 units)
+    and (CPU eager runs only) swbert.cpu's kernels swapped in; returns it and the kernels applied."""
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = SWBertForMaskedLM(model_config)
-    if dims.is_tp_enabled:
-        from swbert import parallel
-
-        model = parallel.parallelize(model, dims.tp_size)
-    # after tensor parallelism (it swaps only PyTorch's own modules), before the engine wraps it
-    applied = optimize_for_cpu(model) if cpu_kernels else []
+    model = wrap_model(
+        SWBertForMaskedLM(model_config),
+        tp_size=dims.tp_size,
+        sequence_parallel=cfg.sequence_parallel,
+        activation_checkpointing=cfg.activation_checkpointing,
+        compile=plan.compile,
+        compile_backend=cfg.compile_backend,
+        zero_stage=plan.zero_stage,
+        log_steps=dims.is_main,
+    )
+    # a class swap of kernel submodules (never with compile): the wrappers above are unaffected
+    applied = optimize_for_cpu(model) if plan.cpu_kernels else []
     if dims.is_main:
         if applied:
             log.info("model path: CPU kernels from swbert.cpu (%s)", ", ".join(applied))
@@ -259,9 +274,9 @@ def build_model(
 def build_engine(
     cfg: TrainConfig, model: SWBertForMaskedLM, plan: RunPlan, ds_config: dict[str, Any], mpu: Any, steps: int
 ) -> tuple[Any, Any, Any]:
-    """AdamW and the LR schedule from the config, wrapped by `deepspeed.initialize`; compiled in
-    place when asked (parameter names, checkpoints and exports stay those of the eager model).
-    Returns the engine, the scheduler and, where DeepSpeed itself checks no gradient (stage 0 in
+    """AdamW and the LR schedule from the config, wrapped by `deepspeed.initialize` (the model comes
+    compiled from `build_model` when asked: never through the engine, whose whole-model graph would
+    hold every gradient hook until the backward ends). Returns the engine, the scheduler and, where DeepSpeed itself checks no gradient (stage 0 in
     fp32/bf16), the optimizer whose `overflow` the trainer sets to skip a step (else None)."""
     import deepspeed
 
@@ -288,8 +303,6 @@ def build_engine(
         dist_init_required=False,
     )
     bound_every_group()  # SWBERT_DIST_TIMEOUT_MIN for DeepSpeed's and megatron's groups too
-    if plan.compile:
-        engine.compile()
     return engine, scheduler, guard
 
 

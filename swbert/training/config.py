@@ -94,6 +94,12 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     deepspeed_config: str = "ds_configs/zero2.json"  # ZeRO stage and offload; batch/LR are filled here
     tensor_parallel: int = 1  # megatron-core tensor-parallel size (divides the world size)
+    # split the activations outside the tensor-parallel regions along the sequence (Megatron's
+    # sequence parallelism: less activation memory, same results); needs tensor_parallel > 1
+    sequence_parallel: bool = False
+    # recompute activations in the backward, per encoder block: none; full (the whole block);
+    # selective (all but the matrix products and the attention kernel, torchtitan's op policy)
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
     # bookkeeping
     output_dir: str | None = None  # default: runs/<run_name>; one run per folder (--resume auto continues it)
     run_name: str | None = None  # MLflow run name; default: <size>-<attention_type>
@@ -110,9 +116,11 @@ class TrainConfig:
     system_metrics: bool = True  # MLflow's system metrics (CPU, memory, disk, network; GPUs when present)
     progress_bar: bool = True  # a tqdm bar on rank 0
     num_threads: int | None = None  # CPU: torch threads per rank (default: cores / local ranks)
-    # torch.compile the model through DeepSpeed (weights and checkpoints unchanged);
-    # auto = on for CUDA runs, off on CPU (where eager with the CPU kernels is faster)
+    # torch.compile per unit (embeddings, each block, MLM head), so ZeRO's gradient reduce overlaps
+    # the backward (weights and checkpoints unchanged); auto = on for CUDA runs, off on CPU (where
+    # eager with the CPU kernels is faster)
     compile: Literal["auto", "on", "off"] = "auto"
+    compile_backend: str = "inductor"  # torch.compile's backend (a name torch._dynamo.list_backends() gives)
     # CPU kernels from swbert.cpu (dropout, attention, decoder; same results, faster on a CPU):
     # auto = on for CPU runs in eager mode; off = exactly the model path a GPU runs; on = required
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
@@ -155,6 +163,17 @@ class TrainConfig:
         if not 0 < self.mlm_probability < 1:
             raise ValueError(f"mlm_probability={self.mlm_probability} must be in (0, 1)")
         resolve_max_predictions(self.seq_len, self.mlm_probability, self.max_predictions_per_seq)
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ValueError(
+                "sequence_parallel: true needs tensor_parallel > 1 (it splits the activations between "
+                "the tensor-parallel regions); set --tensor-parallel or drop --sequence-parallel"
+            )
+        if self.activation_checkpointing == "selective" and self.tensor_parallel > 1:
+            raise ValueError(
+                "activation_checkpointing: selective cannot run with tensor_parallel > 1 (megatron's "
+                "all-reduce works in place on the matrix products selective checkpointing keeps, so the "
+                "recompute would sum them twice); use --activation-checkpointing full"
+            )
         if self.num_workers < 0:
             raise ValueError(
                 f"num_workers={self.num_workers} must be 0 (batches on the training thread) or more"

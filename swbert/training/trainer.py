@@ -78,7 +78,7 @@ class Trainer:
             # converted to resume at another tensor/data-parallel size
             self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
         self.device = torch.device("cuda", self.dims.local_rank) if plan.on_gpu else torch.device("cpu")
-        model, applied = build.build_model(cfg, self.model_config, self.dims, plan.cpu_kernels)
+        model, applied = build.build_model(cfg, self.model_config, self.dims, plan)
         self.engine, self.scheduler, self.guard = build.build_engine(
             cfg, model, plan, self.ds_config, mpu, self.total_steps
         )

@@ -1,0 +1,183 @@
+"""The GPU's engine defaults on CPU: compile per unit, activation checkpointing, tensor parallelism
+under compile, and ZeRO's gradient reduce overlapping the backward.
+
+Compiled and eager runs agree to float32 rounding (inductor fuses and reorders reductions): losses
+and gradients within rtol 1e-4 / atol 1e-5 here, and within 1e-3 relative over a whole training
+run in tests/test_pretrain_compiled.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from torch.testing import assert_close
+
+from swbert.models import SWBertForMaskedLM
+from swbert.training.wrappers import wrap_model
+from tests.test_parallel_harness import reference_model, run_ranks, tiny_config
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def static_batch(seed: int, batch: int = 4, seq: int = 32, predictions: int = 5, vocab: int = 128) -> dict:
+    """The trainer's static-shape batch: a fixed number of predicted positions per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab, (batch, seq), generator=g)
+    positions = torch.stack([torch.randperm(seq - 2, generator=g)[:predictions] + 1 for _ in range(batch)])
+    targets = torch.randint(5, vocab, positions.shape, generator=g)
+    targets[-1, -1] = -100  # a padded prediction, as the loader writes them
+    return {"input_ids": ids, "mlm_positions": positions, "mlm_targets": targets}
+
+
+def loss_and_grads(model: SWBertForMaskedLM, batch: dict, seed: int = 0) -> tuple[torch.Tensor, dict]:
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # the same dropout draws for every model compared
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def saved_tensor_count(model: SWBertForMaskedLM, batch: dict) -> int:
+    """Tensors the autograd graph of one forward keeps for the backward."""
+    count = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal count
+        count += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**batch).loss.backward()
+    return count
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("attention_type", ["shared", "standard"])
+def test_activation_checkpointing_equals_the_plain_model_with_dropout(mode, attention_type):
+    """Dropout on, so a recompute that drew other masks would give other gradients."""
+    config = tiny_config(attention_type, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    plain = reference_model(config)
+    wrapped = wrap_model(copy.deepcopy(plain), activation_checkpointing=mode, log_steps=False)
+    batch = static_batch(0)
+    loss, grads = loss_and_grads(plain, batch)
+    loss_ac, grads_ac = loss_and_grads(wrapped, batch)
+    assert_close(loss_ac, loss, rtol=0, atol=0)
+    assert grads_ac.keys() == grads.keys()
+    for name in grads:
+        assert_close(
+            grads_ac[name], grads[name], rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}"
+        )
+    # it recomputes: the saved activations are fewer (a checkpointed forward saves its inputs only)
+    saved = {label: saved_tensor_count(model, batch) for label, model in (("plain", plain), ("ac", wrapped))}
+    assert saved["ac"] < saved["plain"], saved
+
+
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_compiled_per_block_equals_eager(mode):
+    config = tiny_config("shared")
+    eager = reference_model(config)
+    compiled = wrap_model(copy.deepcopy(eager), compile=True, activation_checkpointing=mode, log_steps=False)
+    # the names, the state dict and the blocks are the eager model's: checkpoints do not change
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    torch._dynamo.utils.counters.clear()
+    for seed in range(2):
+        batch = static_batch(seed)
+        loss, grads = loss_and_grads(eager, batch)
+        loss_c, grads_c = loss_and_grads(compiled, batch)
+        assert_close(loss_c, loss, **TOL)
+        for name in grads:
+            assert_close(grads_c[name], grads[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+
+
+def _tp_compiled_rank(sequence_parallel: bool) -> None:
+    from swbert import parallel
+
+    parallel.initialize(2, seed=0)
+    config = tiny_config("shared")
+    eager = wrap_model(
+        reference_model(config), tp_size=2, sequence_parallel=sequence_parallel, log_steps=False
+    )
+    compiled = wrap_model(
+        reference_model(config), tp_size=2, sequence_parallel=sequence_parallel, compile=True, log_steps=False
+    )
+    torch._dynamo.utils.counters.clear()
+    for seed in range(2):
+        batch = static_batch(seed)
+        loss, grads = loss_and_grads(eager, batch)
+        loss_c, grads_c = loss_and_grads(compiled, batch)
+        assert_close(loss_c, loss, **TOL)
+        for name in grads:
+            assert_close(grads_c[name], grads[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
+    breaks = dict(torch._dynamo.utils.counters["graph_break"])
+    assert not breaks, f"graph breaks under tensor parallelism: {breaks}"
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_tensor_parallel_compiles_without_a_graph_break(sequence_parallel):
+    """The TP group is passed explicitly and a dropout-free kernel is not forked: no graph break."""
+    run_ranks(_tp_compiled_rank, 2, sequence_parallel)
+
+
+def _tp_checkpointed_rank(mode: str) -> None:
+    from swbert import parallel
+
+    parallel.initialize(2, seed=0)
+    config = tiny_config("shared", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    plain = wrap_model(reference_model(config), tp_size=2, log_steps=False)
+    checkpointed = wrap_model(
+        reference_model(config), tp_size=2, activation_checkpointing=mode, log_steps=False
+    )
+    batch = static_batch(0)
+    tracker = get_cuda_rng_tracker()
+    start = {k: v.clone() for k, v in tracker.get_states().items()}
+    loss, grads = loss_and_grads(plain, batch)
+    tracker.set_states({k: v.clone() for k, v in start.items()})  # the same per-rank draws for both
+    loss_ac, grads_ac = loss_and_grads(checkpointed, batch)
+    assert_close(loss_ac, loss, rtol=0, atol=0)
+    for name in grads:
+        assert_close(
+            grads_ac[name], grads[name], rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+def test_activation_checkpointing_under_tensor_parallelism_replays_the_forked_dropout():
+    """Attention dropout under TP draws from megatron's per-rank stream: the recompute must too.
+    (Selective checkpointing is refused under TP: see test_config_refuses_what_cannot_work.)"""
+    run_ranks(_tp_checkpointed_rank, 2, "full")
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["--sequence-parallel", "true"], "sequence_parallel"),
+        (["--tensor-parallel", "2", "--activation-checkpointing", "selective"], "activation_checkpointing"),
+        (["--activation-checkpointing", "some"], "activation_checkpointing"),
+    ],
+)
+def test_config_refuses_what_cannot_work(overrides, key):
+    from swbert.training.config import build_config
+
+    with pytest.raises(ValueError, match=key):
+        build_config("tiny_cpu", overrides)
+
+
+def test_a_missing_compile_backend_is_named_before_anything_starts():
+    from swbert.training.build import check_compiler
+
+    with pytest.raises(ValueError, match="compile_backend='no_such_backend'"):
+        check_compiler(torch.device("cpu"), "no_such_backend")
+
+
+def test_the_first_gradient_reduce_starts_early_in_the_backward():
+    """Compiled per block, ZeRO-2's first gradient reduce fires while most of the backward is still
+    to run (block i's reduce overlaps the backward of the blocks before it). Compiled as one graph
+    it fires after 80%+ of it (benchmarks/compile_overlap.py measures all three modes)."""
+    from benchmarks import compile_overlap
+
+    result = compile_overlap.measure("per_block", layers=3, hidden=128, seq=64, batch=4, reps=2)
+    assert result["first_reduce_fraction"] < 0.5, result
