@@ -18,7 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from swbert.cpu import set_cpu_threads
+from swbert.data import loader
 from swbert.scaling.report import read_csv
 from tests.launch_utils import REPO, job_env, read_metrics
 
@@ -341,3 +344,33 @@ def test_finetune_job_on_one_node(cluster, tmp_path):
     assert (
         "first argument must be glue or squad (got 'mnli')" in (tmp_path / f"slurm-{bogus}.out").read_text()
     )
+
+
+def test_rank_cpus_share_what_the_process_may_run_on(monkeypatch):
+    """Threads and loader workers of a rank: its process's CPUs, at most SLURM_CPUS_PER_TASK,
+    divided between the ranks one launcher started (torchrun, the deepspeed launcher)."""
+    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(loader, "usable_cpus", lambda: 8)
+    assert loader.rank_cpus() == 8  # a task of its own, bound to 8 CPUs (srun mode)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's four ranks on the node task's CPUs
+    assert loader.rank_cpus() == 2 and loader.resolve_num_workers(6) == 2
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # the deepspeed launcher's name for it
+    assert loader.rank_cpus() == 4
+    monkeypatch.delenv("LOCAL_SIZE")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")  # a step that does not bind: what it asked for
+    assert loader.rank_cpus() == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert loader.rank_cpus() == 1  # never none
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "")  # empty or not a count: ignored
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert loader.rank_cpus() == 4
+    threads = torch.get_num_threads()
+    try:
+        set_cpu_threads(None)
+        assert torch.get_num_threads() == (threads if torch.cuda.is_available() else 4)
+        set_cpu_threads(3)
+        assert torch.get_num_threads() == (threads if torch.cuda.is_available() else 3)
+    finally:
+        torch.set_num_threads(threads)
