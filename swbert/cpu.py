@@ -33,6 +33,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from swbert.data.loader import rank_cpus
 from swbert.models.attention import SDPAKernel
 
 CPU_KERNELS: tuple[str, ...] = ("attention",)
@@ -168,12 +169,11 @@ def resolve_cpu_kernels(setting: CPUKernels, on_gpu: bool, compile: bool) -> boo
 
 # ---- process settings ---------------------------------------------------------------------------
 def set_cpu_threads(requested: int | None) -> None:
-    """Ranks sharing a CPU machine split its cores instead of oversubscribing them."""
+    """Ranks sharing a CPU machine split its cores instead of oversubscribing them: `requested`
+    threads, or this rank's share of the CPUs its process may run on (`rank_cpus`)."""
     if torch.cuda.is_available():
         return
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(requested or max(1, cores // max(1, local)))
+    torch.set_num_threads(requested or rank_cpus())
 
 
 # glibc's mallopt parameters (malloc.h)

@@ -6,6 +6,7 @@ from a private state folder; the fixture stops them by pid at the end, also when
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -18,7 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from swbert.cpu import set_cpu_threads
+from swbert.data import loader
 from swbert.scaling.report import read_csv
 from tests.launch_utils import REPO, job_env, read_metrics
 
@@ -110,6 +114,10 @@ class Cluster:
         out = self.run("sacct", "-c", "-n", "-P", "-j", str(job), "-o", "jobid,state,exitcode").stdout
         return [tuple(line.split("|")[1:3]) for line in out.splitlines() if line.strip()]  # type: ignore[misc]
 
+    def node_cpus(self) -> int:
+        """CPUs a node declares (every node declares the host's)."""
+        return int(self.run("sinfo", "-h", "-n", "n1", "-o", "%c").stdout.strip())
+
     def logs(self) -> str:
         parts = []
         for path in sorted((self.state / "log").glob("*.log")):
@@ -150,6 +158,7 @@ def test_two_node_pretraining_preempted_requeued_and_resumed(cluster, data_dir, 
     steps = 80
     job = cluster.sbatch(
         "--nodes=2",
+        "--exclusive",  # whole nodes, as a pretraining job asks for
         f"--output={tmp_path}/slurm-%j.out",
         PRETRAIN_SBATCH,
         *tiny(data_dir, out, "--train-steps", str(steps), "--log-interval", "1", "--save-interval", "1000"),
@@ -176,6 +185,9 @@ def test_two_node_pretraining_preempted_requeued_and_resumed(cluster, data_dir, 
     assert "SIGUSR1: asking the training processes to checkpoint" in text, text
     assert "requeueing job" in text and "restart 1:" in text and "finished" in text, text
     assert "PENDING" in seen or "REQUEUED" in seen, seen
+    # The step on both nodes asked for all their CPUs, for the one rank each runs.
+    cpus = cluster.node_cpus()
+    assert f"cpus: node={cpus} per_task={cpus} per_process={cpus}" in (job_logs / "job.txt").read_text()
     # Two runs of the job: requeued, then completed with exit code 0.
     runs = cluster.accounting(job)
     assert runs[-1] == ("COMPLETED", "0:0"), runs
@@ -291,6 +303,7 @@ def test_scaling_grid_runs_as_a_job_array(cluster, data_dir, tmp_path):
     # One task per process here (SWBERT_LAUNCHER=srun): the trainer maps SLURM's rank variables.
     job = cluster.sbatch(
         f"--output={tmp_path}/slurm-%A_%a.out",
+        "--exclusive",  # a node each, with its CPUs (tasks are bound to what they are given)
         *command[1:],
         env={"SWBERT_LAUNCHER": "srun", "SWBERT_LOG_ROOT": str(tmp_path / "logs")},
     )
@@ -321,6 +334,7 @@ def test_finetune_job_on_one_node(cluster, tmp_path):
     out = tmp_path / "glue-out"
     job = cluster.sbatch(
         "--nodes=1",
+        "--exclusive",  # the node's CPUs, not one (tasks are bound to what they are given)
         f"--output={tmp_path}/slurm-%j.out",
         "launchers/slurm/finetune.sbatch",
         "glue",
@@ -341,3 +355,102 @@ def test_finetune_job_on_one_node(cluster, tmp_path):
     assert (
         "first argument must be glue or squad (got 'mnli')" in (tmp_path / f"slurm-{bogus}.out").read_text()
     )
+
+
+# Run as the job's entry point on every rank: what its process may run on, and what swbert sizes
+# from that (the trainer's calls), one JSON file per rank.
+CPU_PROBE = """
+import json, os, sys
+from pathlib import Path
+
+import torch
+
+from swbert.cpu import set_cpu_threads
+from swbert.data.loader import resolve_num_workers
+from swbert.training.dist import map_launcher_env
+
+map_launcher_env()  # srun mode: RANK from SLURM_PROCID, as the trainer does
+set_cpu_threads(None)
+record = {
+    "node": os.environ.get("SLURMD_NODENAME"),
+    "affinity": sorted(os.sched_getaffinity(0)),
+    "threads": torch.get_num_threads(),
+    "workers": resolve_num_workers(64),
+    "omp": os.environ.get("OMP_NUM_THREADS"),
+}
+out = Path(os.environ["SWBERT_PROBE_OUT"])
+out.mkdir(parents=True, exist_ok=True)
+(out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(record))
+"""
+
+
+def test_every_rank_gets_the_cpus_its_step_asked_for(cluster, tmp_path):
+    """The cluster binds tasks to cores (task/affinity), and since Slurm 22.05 a step that does not
+    ask for CPUs gets one per task: without --cpus-per-task on the step every rank below would see
+    one core. On whole nodes, the per-node launcher's task holds all the node's CPUs and its two
+    ranks split them; a task of srun mode holds the node's CPUs alone. Threads, loader workers and
+    OMP_NUM_THREADS follow. (The two jobs run at once, one per node; the pre-emption test checks the
+    step of a two-node job.)"""
+    node_cpus = cluster.node_cpus()
+    if node_cpus < 2:
+        pytest.skip(f"the nodes have {node_cpus} CPU: nothing to split")
+    probe = tmp_path / "cpu_probe.py"
+    probe.write_text(CPU_PROBE)
+    modes = {  # name: (environment, ranks, CPUs each rank should use)
+        "torchrun": ({"GPUS_PER_NODE": "2"}, 2, node_cpus // 2),
+        "srun": ({"SWBERT_LAUNCHER": "srun"}, 1, node_cpus),
+    }
+    jobs = {}
+    for name, (env, _, _) in modes.items():
+        jobs[name] = cluster.sbatch(
+            "--nodes=1",
+            "--exclusive",
+            f"--output={tmp_path}/slurm-%j.out",
+            PRETRAIN_SBATCH,
+            # OMP_NUM_THREADS empty: the script sets it, as on a cluster
+            env={"SWBERT_ENTRY": str(probe), "SWBERT_PROBE_OUT": str(tmp_path / name), "OMP_NUM_THREADS": "",
+                 "SWBERT_LOG_ROOT": str(tmp_path / "logs"), **env},
+        )  # fmt: skip
+    for name, job in jobs.items():
+        cluster.wait(job, timeout=120)
+        text = (tmp_path / f"slurm-{job}.out").read_text()
+        assert cluster.accounting(job)[-1] == ("COMPLETED", "0:0"), f"{name}:\n{text}\n{cluster.logs()}"
+        _, ranks, share = modes[name]
+        records = [json.loads(p.read_text()) for p in sorted((tmp_path / name).glob("rank*.json"))]
+        assert len(records) == ranks, (name, records, text)
+        for record in records:
+            assert len(record["affinity"]) == node_cpus, (name, record)
+            assert record["threads"] == share and record["workers"] == share, (name, record)
+            assert record["omp"] == str(share), (name, record)
+        job_txt = (tmp_path / "logs" / f"swbert-pretrain-{job}" / "job.txt").read_text()
+        assert f"cpus: node={node_cpus} per_task={node_cpus} per_process={share}" in job_txt, job_txt
+
+
+def test_rank_cpus_share_what_the_process_may_run_on(monkeypatch):
+    """Threads and loader workers of a rank: its process's CPUs, at most SLURM_CPUS_PER_TASK,
+    divided between the ranks one launcher started (torchrun, the deepspeed launcher)."""
+    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(loader, "usable_cpus", lambda: 8)
+    assert loader.rank_cpus() == 8  # a task of its own, bound to 8 CPUs (srun mode)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's four ranks on the node task's CPUs
+    assert loader.rank_cpus() == 2 and loader.resolve_num_workers(6) == 2
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # the deepspeed launcher's name for it
+    assert loader.rank_cpus() == 4
+    monkeypatch.delenv("LOCAL_SIZE")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")  # a step that does not bind: what it asked for
+    assert loader.rank_cpus() == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert loader.rank_cpus() == 1  # never none
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "")  # empty or not a count: ignored
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert loader.rank_cpus() == 4
+    threads = torch.get_num_threads()
+    try:
+        set_cpu_threads(None)
+        assert torch.get_num_threads() == (threads if torch.cuda.is_available() else 4)
+        set_cpu_threads(3)
+        assert torch.get_num_threads() == (threads if torch.cuda.is_available() else 3)
+    finally:
+        torch.set_num_threads(threads)

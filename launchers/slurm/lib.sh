@@ -3,10 +3,10 @@
 #
 # It checks the allocation against the request, picks the master address from the allocation,
 # exports the distributed and NCCL settings, starts one launcher per node (or one task per GPU)
-# with `srun`, and handles pre-emption: on SIGUSR1 (sent by SLURM before the time limit with
-# `#SBATCH --signal=B:USR1@...`, or by `scancel --signal=USR1 --batch JOBID`) the training
-# processes checkpoint and exit, and the job requeues itself; the next run continues with
-# `--resume auto`. Restarts SLURM makes after a failure (a node lost, with --requeue) are bounded by
+# with `srun`, asking for the allocation's CPUs, and handles pre-emption: on SIGUSR1 (sent by
+# SLURM before the time limit with `#SBATCH --signal=B:USR1@...`, or by
+# `scancel --signal=USR1 --batch JOBID`) the training processes checkpoint and exit, and the job
+# requeues itself; the next run continues with `--resume auto`. Restarts SLURM makes after a failure (a node lost, with --requeue) are bounded by
 # SWBERT_MAX_RESTARTS. See launchers/slurm/README.md for the settings.
 
 swbert_die() {
@@ -37,6 +37,18 @@ swbert_node_addr() {
     local addr
     addr=$(scontrol show node "$1" 2>/dev/null | tr ' ' '\n' | sed -n 's/^NodeAddr=//p' | head -n1)
     echo "${addr:-$1}"
+}
+
+# CPUs the allocation holds on its smallest node: SLURM_JOB_CPUS_PER_NODE reads like "72(x2),36".
+swbert_node_cpus() {
+    local min="" part count parts=()
+    IFS=, read -r -a parts <<<"${SLURM_JOB_CPUS_PER_NODE:-}"
+    for part in "${parts[@]}"; do
+        count=${part%%(*}
+        [[ $count =~ ^[0-9]+$ ]] || continue
+        if [[ -z $min ]] || ((count < min)); then min=$count; fi
+    done
+    echo "${min:-${SLURM_CPUS_ON_NODE:-$(nproc)}}"
 }
 
 swbert_gpus_visible() {
@@ -115,8 +127,28 @@ swbert_job() {
         # CPU nodes: DeepSpeed's CPU accelerator and gloo; GPUS_PER_NODE counts processes.
         export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
     fi
-    local cpus=${SLURM_CPUS_ON_NODE:-$(nproc)}
-    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((cpus / per_node > 0 ? cpus / per_node : 1))}
+    # CPUs of each task of the training step, asked for explicitly. Since Slurm 22.05 srun does not
+    # take --cpus-per-task from the job (22.05 to 23.02.4 read only SRUN_CPUS_PER_TASK; later ones
+    # read SLURM_CPUS_PER_TASK again, which only a job submitted with --cpus-per-task has), so a
+    # step that does not ask gets one CPU per task, and where tasks are bound (task/affinity,
+    # task/cgroup) a node's ranks and all their loader workers share one core. The per-node
+    # launcher's one task gets all the node's CPUs (the smallest node's: one value holds for every
+    # node); in srun mode each task gets the job's --cpus-per-task, or the node's CPUs split
+    # between its tasks.
+    local node_cpus task_cpus rank_cpus
+    node_cpus=$(swbert_node_cpus)
+    if [[ $launch_mode == srun ]]; then
+        task_cpus=${SLURM_CPUS_PER_TASK:-$((node_cpus / per_node))}
+        rank_cpus=$task_cpus
+    else
+        task_cpus=$node_cpus
+        rank_cpus=$((node_cpus / per_node))
+    fi
+    ((task_cpus >= 1)) || task_cpus=1
+    ((rank_cpus >= 1)) || rank_cpus=1
+    # The trainer sizes its threads and loader workers from the CPUs its process is bound to;
+    # OMP_NUM_THREADS is for everything else (and the fine-tuning launchers).
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$rank_cpus}
 
     # Rendezvous on the first node of the allocation, at the address SLURM reaches it by.
     local first
@@ -168,20 +200,30 @@ swbert_job() {
     {
         echo "# restart $restart, $(date '+%F %T'), $unplanned after failures (SWBERT_MAX_RESTARTS=$max_restarts)"
         echo "job=$SLURM_JOB_ID tag=$tag nodes=$SLURM_JOB_NODELIST nnodes=$nnodes per_node=$per_node launcher=$launch_mode"
+        echo "cpus: node=$node_cpus per_task=$task_cpus per_process=$rank_cpus"
         echo "master=$MASTER_ADDR:$MASTER_PORT rdzv_timeout=${RDZV_TIMEOUT}s dist_timeout=${SWBERT_DIST_TIMEOUT_MIN}min"
         printf 'command: %s' "$entry"
         printf ' %q' "${args[@]}"
         echo
     } >>"$SWBERT_LOG_DIR/job.txt"
-    swbert_log "job $tag restart $restart: $nnodes node(s) x $per_node process(es), master $MASTER_ADDR:$MASTER_PORT, logs in $SWBERT_LOG_DIR"
+    swbert_log "job $tag restart $restart: $nnodes node(s) x $per_node process(es), $rank_cpus CPU(s) each, master $MASTER_ADDR:$MASTER_PORT, logs in $SWBERT_LOG_DIR"
+    if ((rank_cpus == 1 && node_cpus < $(nproc --all))); then
+        local per="node, for its $per_node process(es)"
+        [[ $launch_mode == srun ]] && per="process"
+        swbert_log "warning: each process has 1 CPU for its threads and loader workers (the allocation" \
+            "holds $node_cpus per node): submit with --exclusive (whole nodes) or --cpus-per-task=N (N CPUs per $per)"
+    fi
 
+    # The step's CPUs are --cpus-per-task alone: a job submitted with --cpus-per-gpu has them in its
+    # allocation already, and srun would also read SLURM_CPUS_PER_GPU as a request of the step.
     local step_cmd
     if [[ $launch_mode == srun ]]; then
         # One task per GPU: the trainer maps SLURM_PROCID/LOCALID/NTASKS to RANK/LOCAL_RANK/WORLD_SIZE.
-        step_cmd=(srun --kill-on-bad-exit=1 --output="$SWBERT_LOG_DIR/rank%t-r$restart.log"
-            python "$entry" "${args[@]}")
+        step_cmd=(env -u SLURM_CPUS_PER_GPU srun --cpus-per-task="$task_cpus" --kill-on-bad-exit=1
+            --output="$SWBERT_LOG_DIR/rank%t-r$restart.log" python "$entry" "${args[@]}")
     else
-        step_cmd=(srun --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1 --kill-on-bad-exit=1
+        step_cmd=(env -u SLURM_CPUS_PER_GPU srun --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1
+            --cpus-per-task="$task_cpus" --kill-on-bad-exit=1
             --output="$SWBERT_LOG_DIR/node%n-r$restart.log"
             bash "$SWBERT_ROOT/launchers/slurm/node_launch.sh" "$entry" "${args[@]}")
     fi

@@ -20,7 +20,6 @@
 #                           (munged runs as the munge user, jobs as their users); logs, state
 #                           and pid files are 0700.
 #   SWBERT_SLURM_NODES      number of slurmd "nodes" n1..nN [2]
-#   SWBERT_SLURM_CPUS       CPUs each node advertises [all CPUs of the host]
 #   SWBERT_SLURM_CTLD_PORT  slurmctld port [16817]; node i listens on SWBERT_SLURM_NODE_PORT + i - 1
 #   SWBERT_SLURM_NODE_PORT  [17001]
 #
@@ -29,7 +28,6 @@ set -euo pipefail
 
 DIR=${SWBERT_SLURM_DIR:-}
 NODES=${SWBERT_SLURM_NODES:-2}
-CPUS=${SWBERT_SLURM_CPUS:-$(nproc)}
 CTLD_PORT=${SWBERT_SLURM_CTLD_PORT:-16817}
 NODE_PORT=${SWBERT_SLURM_NODE_PORT:-17001}
 CONF=$DIR/slurm.conf
@@ -64,8 +62,19 @@ cmd_install() {
         die "apt-get install ${PACKAGES[*]} failed"
 }
 
+# The host's CPU layout as slurmd detects it (CPUs, boards, sockets, cores, threads per core). Every
+# node declares it: tasks are bound to CPUs (task/affinity), and a layout that is not the host's
+# would bind them to CPUs that do not exist or drain the node.
+cpu_layout() {
+    local layout
+    layout=$(slurmd -C 2>/dev/null | head -n1 | tr ' ' '\n' |
+        grep -E '^(CPUs|Boards|SocketsPerBoard|CoresPerSocket|ThreadsPerCore)=' | tr '\n' ' ' || true)
+    echo "${layout:-CPUs=$(nproc) }"
+}
+
 write_config() {
-    local node_list="n[1-$NODES]" last_port=$((NODE_PORT + NODES - 1)) mem_mb
+    local node_list="n[1-$NODES]" last_port=$((NODE_PORT + NODES - 1)) mem_mb layout
+    layout=$(cpu_layout)
     ((NODES == 1)) && node_list=n1
     # Advertise memory below the host's, split between the nodes, so slurmd accepts the config.
     mem_mb=$(($(awk '/MemTotal/ {print int($2 / 1024)}' /proc/meminfo) / (NODES + 1)))
@@ -88,9 +97,12 @@ SlurmctldLogFile=$DIR/log/slurmctld.log
 SlurmdLogFile=$DIR/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
-# No cgroups: processes are tracked through /proc, tasks are not bound.
+# Processes are tracked through /proc. Each task is bound to the cores its step was given
+# (sched_setaffinity), as on clusters that bind: a step that asks for no CPUs gets one core per
+# task. task/cgroup would bind too, but needs the host's cgroup hierarchy, left alone here.
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
+TaskPluginParam=Cores
 MpiDefault=none
 SwitchType=switch/none
 SchedulerType=sched/backfill
@@ -105,7 +117,7 @@ JobCompType=jobcomp/filetxt
 JobCompLoc=$DIR/jobcomp.txt
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
-NodeName=$node_list NodeAddr=127.0.0.1 Port=$NODE_PORT-$last_port CPUs=$CPUS RealMemory=$mem_mb State=UNKNOWN
+NodeName=$node_list NodeAddr=127.0.0.1 Port=$NODE_PORT-$last_port ${layout}RealMemory=$mem_mb State=UNKNOWN
 PartitionName=debug Nodes=$node_list Default=YES MaxTime=INFINITE State=UP
 CONF
     ((NODES == 1)) && sed -i "s/Port=$NODE_PORT-$last_port/Port=$NODE_PORT/" "$CONF"
@@ -177,7 +189,7 @@ cmd_start() {
         fi
     done
     wait_idle
-    log "up: $NODES node(s) x $CPUS CPU(s) in $DIR"
+    log "up: $NODES node(s) x $(sed -n 's/^NodeName=.* CPUs=\([0-9]*\) .*/\1/p' "$CONF") CPU(s) in $DIR"
     cmd_env
 }
 

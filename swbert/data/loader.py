@@ -111,12 +111,39 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def _positive_env(*names: str) -> int | None:
+    """The first of the environment variables `names` that holds a positive integer."""
+    for name in names:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+def rank_cpus() -> int:
+    """CPUs one rank may keep busy with its threads and its loader workers.
+
+    They are the CPUs the process may run on (its affinity mask: under a SLURM step that binds
+    tasks, what the step gave this task), at most SLURM_CPUS_PER_TASK (what the step asked for,
+    which also holds where tasks are not bound), shared by the ranks that one launcher started on
+    them: LOCAL_WORLD_SIZE under torchrun, LOCAL_SIZE under the deepspeed launcher; a rank that is
+    its own SLURM task (`SWBERT_LAUNCHER=srun`) has them to itself.
+    """
+    cpus = usable_cpus()
+    step = _positive_env("SLURM_CPUS_PER_TASK")
+    if step is not None:
+        cpus = min(cpus, step)
+    sharing = _positive_env("LOCAL_WORLD_SIZE", "LOCAL_SIZE") or 1
+    return max(1, cpus // sharing)
+
+
 def resolve_num_workers(num_workers: int, cpus: int | None = None) -> int:
-    """Loader workers to start: `num_workers`, or the CPU count (`cpus`, default this process's) with a
-    warning when it asks for more, since workers beyond the cores only take turns with each other."""
+    """Loader workers to start: `num_workers`, or the CPU count (`cpus`, default this rank's share,
+    `rank_cpus`) with a warning when it asks for more, since workers beyond the cores only take
+    turns with each other."""
     if num_workers < 0:
         raise ValueError(f"num_workers={num_workers} must be 0 (batches on the training thread) or more")
-    cpus = usable_cpus() if cpus is None else cpus
+    cpus = rank_cpus() if cpus is None else cpus
     if num_workers > cpus:
         log.warning("num_workers=%d is more than the %d CPUs available: using %d", num_workers, cpus, cpus)
         return cpus

@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from swbert.cpu import keep_freed_memory, optimize_for_cpu, resolve_cpu_kernels, set_cpu_threads
-from swbert.data.loader import usable_cpus
 from swbert.dist import ParallelDims
 from swbert.logs import status
 from swbert.models import SWBertConfig, SWBertForMaskedLM
@@ -160,8 +159,7 @@ def build_batches(cfg: TrainConfig, data: TrainingData, dims: ParallelDims, star
     """This rank's training micro-batches from stream position `start`, built by `num_workers`
     DataLoader processes (forked here: after the process group, before any CUDA work of theirs)
     and pinned for asynchronous copies on a GPU."""
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    workers = resolve_num_workers(cfg.num_workers, max(1, usable_cpus() // local_ranks))
+    workers = resolve_num_workers(cfg.num_workers)  # at most this rank's share of the CPUs
     return data.loader(start, cfg.micro_batch_size, dims.dp_rank, dims.dp_size, workers, pin_memory=on_gpu)
 
 
