@@ -78,30 +78,37 @@ class Job:
     neighbours (each other and rank 2), rank 2 a counter this test writes when it likes."""
 
     def __init__(self, tmp_path: Path) -> None:
-        self.port = free_port()
+        self.port, self.ranks = free_port(), []
         self.server = self.start_server()
         self.logs = [tmp_path / f"rank{r}.log" for r in (0, 1)]
         env = job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port))
         args = [str(self.port), str(BEAT_S), str(AFTER_S), str(STORE_TIMEOUT_S)]
-        self.ranks = [
-            subprocess.Popen(
-                [sys.executable, "-c", RANK, str(r), *args],
-                cwd=REPO,
-                env=env,
-                stdout=open(self.logs[r], "w"),
-                stderr=subprocess.STDOUT,
-            )
-            for r in (0, 1)
-        ]
-        for r in (0, 1):
-            wait_for(lambda r=r: "connections" in self.log(r), timeout=120, proc=self.ranks[r])
-        self.rank2, self.rank2_store = 0, self.client()
+        try:
+            for r in (0, 1):
+                self.ranks.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", RANK, str(r), *args],
+                        cwd=REPO,
+                        env=env,
+                        stdout=open(self.logs[r], "w"),
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+            for r in (0, 1):
+                wait_for(lambda r=r: "connections" in self.log(r), timeout=120, proc=self.ranks[r])
+            self.rank2, self.rank2_store = 0, self.client()
+        except BaseException:
+            self.close()
+            raise
 
     def start_server(self) -> subprocess.Popen:
         server = subprocess.Popen(
             [sys.executable, "-c", SERVER, str(self.port)], env=job_env(), stdout=subprocess.PIPE, text=True
         )
-        assert server.stdout.readline().strip() == "up"
+        if server.stdout.readline().strip() != "up":
+            server.kill()
+            server.wait(timeout=30)
+            raise RuntimeError(f"the store server on port {self.port} did not start")
         return server
 
     def client(self) -> torch.distributed.TCPStore:
