@@ -6,15 +6,16 @@ from __future__ import annotations
 import ctypes
 import datetime
 import logging
+import math
 import os
+import random
 import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 
@@ -167,20 +168,36 @@ class Heartbeat:
     or by torchrun) from a daemon thread. After a collective fails, the ranks whose counter stands
     still are the lost ones: a dead process, or a hung one (a stopped process's threads stop too,
     while a healthy rank blocked in the same collective keeps beating). Works for gloo and NCCL
-    alike, and costs one small store write per rank every few seconds."""
+    alike, and costs one small store write per rank every few seconds.
 
-    STORE_TIMEOUT = datetime.timedelta(seconds=10)  # a store that does not answer is itself an answer
+    A store that stalls or drops the connection never silences a live rank: the beat retries (a
+    fresh connection, waiting longer after each failure) for as long as the process lives, and the
+    neighbour watch times a neighbour only while this rank itself reads the store on schedule.
+
+    One store client of its own serves the beat, the watch and `lost` alike, one connection more
+    than the process group's (measured under torchrun: a rank holds 1 connection to the store for
+    its process group, 2 with the heartbeat; a client per thread made 4, so 12,288 more on the
+    store's host at 4,096 ranks). torch's TCPStore client sends one request at a time under a lock
+    of its own and releases the GIL while it waits, so the threads share it as it is. The process
+    group's own store (`_get_default_store()`, a PrefixStore over the client the process group
+    opened) would cost no connection, but that connection cannot be replaced when it breaks (the
+    process group holds it): the beat would fall silent for good while training went on, and the
+    neighbours would end a healthy job."""
+
+    # Bounds connecting and waiting for a key; a request to a store whose process is stopped waits
+    # until it answers again (torch 2.13), so the watch also treats a late read as no read.
+    STORE_TIMEOUT = datetime.timedelta(seconds=10)
+    MIN_INTERVAL = 2.0  # seconds between beats; longer beyond 400 ranks (~200 writes a second)
+    MAX_BACKOFF = 4  # after failed writes the beat waits up to this many intervals before the next
 
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
-        self.interval = max(2.0, world / 200)  # at most ~200 writes a second on the store at any size
-        self.address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        self.store = torch.distributed.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=self.STORE_TIMEOUT
-        )
+        self.interval = max(self.MIN_INTERVAL, world / 200)  # at most ~200 writes a second at any size
+        self.host, self.port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self.address = f"{self.host}:{self.port}"
         self.me = f"{socket.gethostname()} pid {os.getpid()}"
-        self.store.set(self._key(rank), f"0 {self.me}")
-        self._reader = self.store.clone()  # the beating thread keeps its own connection
+        self._store = self._connect()  # replaced by the beating thread alone, when it breaks
+        self._store.set(self._key(rank), f"0 {self.me}")
         self._watch_stopped = threading.Event()
         threading.Thread(target=self._beat, name="swbert-heartbeat", daemon=True).start()
 
@@ -188,21 +205,51 @@ class Heartbeat:
     def _key(rank: int) -> str:
         return f"swbert/heartbeat/{rank}"
 
+    def _connect(self) -> torch.distributed.TCPStore:
+        return torch.distributed.TCPStore(self.host, self.port, timeout=self.STORE_TIMEOUT)
+
+    def _pause(self, failures: int) -> float:
+        """Seconds before the next beat: an interval, or after failed writes twice as long each time
+        up to MAX_BACKOFF intervals, jittered so that thousands of ranks do not reconnect at once."""
+        if not failures:
+            return self.interval
+        return min(2 ** (failures - 1), self.MAX_BACKOFF) * self.interval * random.uniform(0.5, 1.0)
+
     def _beat(self) -> None:
-        count = 0
+        count, failures = 0, 0
         while True:  # for as long as the process lives: a rank's silence is the one sign of its loss
-            time.sleep(self.interval)
+            time.sleep(self._pause(failures))
             count += 1
             try:
-                self.store.set(self._key(self.rank), f"{count} {self.me}")
-            except Exception:  # the store is gone: a collective will fail and say so
-                return
+                if failures:  # a write waits for no answer, so it fails only when its connection broke
+                    self._store = self._connect()
+                self._store.set(self._key(self.rank), f"{count} {self.me}")
+            except Exception as err:
+                failures += 1
+                if failures == 1:
+                    log.warning(
+                        "rank %d's heartbeat could not write to the store at %s (%s); retrying",
+                        self.rank,
+                        self.address,
+                        _first_line(err),
+                    )
+                continue
+            if failures:
+                log.warning(
+                    "rank %d's heartbeat reaches the store at %s again, after %d failed tries",
+                    self.rank,
+                    self.address,
+                    failures,
+                )
+            failures = 0
 
-    def _read(self, ranks: set[int]) -> dict[int, str | None]:
-        return {
-            r: self._reader.get(self._key(r)).decode() if self._reader.check([self._key(r)]) else None
-            for r in ranks
-        }
+    def _read(self, ranks: Iterable[int]) -> dict[int, str | None]:
+        """Each rank's last beat ("COUNT HOST pid PID"), or None for a rank that never reported."""
+        store, ranks = self._store, sorted(ranks)
+        keys = [self._key(r) for r in ranks]
+        if store.check(keys):  # every one has reported (the usual case): one read for them all
+            return {r: value.decode() for r, value in zip(ranks, store.multi_get(keys))}
+        return {r: store.get(k).decode() if store.check([k]) else None for r, k in zip(ranks, keys)}
 
     def lost(self) -> str | None:
         """Who is lost, in words: the ranks whose heartbeat stood still for a few intervals, or the
@@ -239,23 +286,35 @@ class Heartbeat:
         every rank is watched twice and the store reads stay constant per rank at any size) stood
         still for `after_s` seconds, naming it: under NCCL a collective with a dead peer waits for the
         whole collective timeout and is then aborted by NCCL's watchdog without a word, and the
-        main thread, blocked in it, cannot act. Store errors prove nothing here and are ignored."""
+        main thread, blocked in it, cannot act. Only silence this rank saw counts: a read that fails
+        or comes late (a stalled or overloaded store) restarts every neighbour's clock."""
         neighbours = sorted({(self.rank - 1) % self.world, (self.rank + 1) % self.world} - {self.rank})
-        reader = self.store.clone()
         threading.Thread(
-            target=self._watch, args=(reader, neighbours, after_s), name="swbert-lost-rank-watch", daemon=True
+            target=self._watch, args=(neighbours, after_s), name="swbert-lost-rank-watch", daemon=True
         ).start()
 
-    def _watch(self, reader: Any, neighbours: list[int], after_s: float) -> None:
-        seen: dict[int, tuple[str, float]] = {}  # rank -> (its value, when it was first read)
+    def _watch(self, neighbours: list[int], after_s: float) -> None:
+        seen: dict[int, tuple[str, float]] = {}  # rank -> (its value, since when it has stood there)
+        last_read = -math.inf  # when the last read that went well ended
         while not self._watch_stopped.wait(self.interval):
             try:
-                values = [reader.get(self._key(r)).decode() for r in neighbours]
-            except Exception:
+                values = self._read(neighbours)
+            except Exception:  # a store that does not answer tells nothing about the neighbours
+                last_read = -math.inf
                 continue
-            now, stale = time.monotonic(), []
-            for r, value in zip(neighbours, values):
-                if seen.get(r, ("",))[0] != value:
+            now = time.monotonic()
+            if now - last_read > 2 * self.interval:
+                # this rank could not read the store for a while (it stalled, it was overloaded, or
+                # the connection broke and the beat is replacing it): what a neighbour did meanwhile
+                # is unknown, and a live neighbour's beat waited too (behind its own watch's read on
+                # their shared client), so its counter may stand where it stood before; every clock
+                # starts again now, and a neighbour is named only after a whole window seen silent
+                seen.clear()
+            last_read, stale = now, []
+            for r, value in values.items():
+                if value is None:  # never reported (no heartbeat of its own): not silence
+                    seen.pop(r, None)
+                elif seen.get(r, ("",))[0] != value:
                     seen[r] = (value, now)
                 elif now - seen[r][1] >= after_s:
                     stale.append(f"rank {r} (on {value.split(' ', 1)[1]})")
@@ -274,6 +333,12 @@ class Heartbeat:
         """End the watch (the beat goes on while the process lives, so a rank that dies after this,
         e.g. during the final export, is still named by `lost`)."""
         self._watch_stopped.set()
+
+
+def _first_line(err: BaseException) -> str:
+    """An exception in one line: torch's store errors carry the C++ stack after the message."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 LOST_RANK_VAR = "SWBERT_LOST_RANK_MIN"
