@@ -126,8 +126,8 @@ def compile_units(model: SWBertForMaskedLM) -> list[nn.Module]:
     """The modules compiled one by one and gathered one by one under ZeRO-3, in forward order.
 
     The embeddings stay eager and are gathered per table, as DeepSpeed does by default: a lookup
-    and a LayerNorm gain little from compile, and as one ZeRO-3 unit the word table tied to the
-    decoder is released between the head's backward and its own (DeepSpeed 0.19)."""
+    and a LayerNorm gain little from compile, and marked as one ZeRO-3 unit their backward fails
+    in DeepSpeed 0.19.8 (a gathered table reads as released: a size-0 tensor in its gradient)."""
     return [*model.bert.encoder.layers, model.mlm_head]
 
 
