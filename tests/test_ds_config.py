@@ -1,6 +1,6 @@
 """swbert's DeepSpeed settings for GPU runs: the throughput timer off in every config swbert writes,
 bf16 gradients reduced and (ZeRO-2/3) accumulated in fp32, and DeepSpeed honouring it on real
-engines."""
+engines; bucket sizes that let the reduction overlap the backward."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from swbert.models import SWBertConfig
+from swbert.models.flops import masked_lm_params
 from swbert.training.config import TrainConfig
 from swbert.training.ds_config import BatchShape, build_ds_config, load_ds_config, pretraining_ds_config
 from tests.test_parallel_harness import mlm_batch, reference_model, run_ranks, tiny_config
@@ -86,6 +88,18 @@ def test_zero_0_and_1_accumulate_bf16_in_bf16(tmp_path, caplog):
         )
         with pytest.raises(ValueError, match=rf"grad_accum_dtype='fp32' at ZeRO stage {stage}.*zero2\.json"):
             _build(template, "bf16")
+
+
+def test_shipped_buckets_let_the_reduction_overlap_the_backward():
+    """Gradients are reduced in buckets during backward (overlap_comm): a bucket of a quarter or less
+    of the shared BERT-base's 95M gradients starts the first reduction early and leaves little to
+    reduce after the last layer; one of 16M elements or more (64 MB in fp32) keeps each all-reduce
+    large enough for NCCL to run at its bus bandwidth."""
+    base = masked_lm_params(SWBertConfig.from_size("base", vocab_size=30522))
+    for name in [*SHIPPED, "zero2_fp16.json"]:
+        zero = load_ds_config(f"ds_configs/{name}")["zero_optimization"]
+        assert zero["overlap_comm"] is True and zero["contiguous_gradients"] is True, name
+        assert 16_000_000 <= zero["reduce_bucket_size"] <= base // 4, name
 
 
 def _accumulation_in_fp32(stages: tuple[int, ...]) -> None:
