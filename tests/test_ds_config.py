@@ -1,10 +1,15 @@
-"""swbert's DeepSpeed settings for GPU runs: the throughput timer off in every config swbert writes,
-bf16 gradients reduced and (ZeRO-2/3) accumulated in fp32, and DeepSpeed honouring it on real
-engines; bucket sizes that let the reduction overlap the backward."""
+"""swbert's DeepSpeed and optimizer settings for GPU runs: the throughput timer off in every config
+swbert writes, bf16 gradients accumulated and reduced in fp32 (and DeepSpeed honouring it at every
+ZeRO stage, on real engines), bucket sizes that let the reduction overlap the backward, torch's
+fused AdamW as the GPU default and FusedAdam's build failures as one line naming the fix."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +19,8 @@ from swbert.models import SWBertConfig
 from swbert.models.flops import masked_lm_params
 from swbert.training.config import TrainConfig
 from swbert.training.ds_config import BatchShape, build_ds_config, load_ds_config, pretraining_ds_config
+from swbert.training.optim import build_optimizer
+from tests.launch_utils import REPO, job_env
 from tests.test_parallel_harness import mlm_batch, reference_model, run_ranks, tiny_config
 
 SHIPPED = ["zero1.json", "zero2.json", "zero3.json", "zero3_offload.json"]
@@ -138,3 +145,46 @@ def _accumulation_in_fp32(stages: tuple[int, ...]) -> None:
 @pytest.mark.slow
 def test_bf16_engines_accumulate_gradients_in_fp32_at_zero_2_and_3():
     run_ranks(_accumulation_in_fp32, 2, (1, 2, 3), deepspeed=True)
+
+
+def test_the_optimizer_auto_builds():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    gpu = build_optimizer(model, 1e-3, 0.01, on_gpu=True)  # torch's fused kernel runs on CPU too
+    assert type(gpu) is torch.optim.AdamW and gpu.defaults["fused"] is True
+    cpu = build_optimizer(model, 1e-3, 0.01)
+    assert type(cpu) is torch.optim.AdamW and not cpu.defaults["fused"]
+    assert [g["weight_decay"] for g in gpu.param_groups] == [0.01, 0.0]
+    with pytest.raises(ValueError, match="--optimizer torch_adamw cannot run with ZeRO optimizer offload"):
+        build_optimizer(model, 1e-3, 0.01, kind="torch_adamw", offload=True)
+
+
+def test_a_fused_adam_that_cannot_be_built_is_one_line_naming_the_fix(tmp_path):
+    """A real failed build: an empty extension cache and no working C++ compiler (CXX=false)."""
+    code = (
+        "import torch\nfrom swbert.training.optim import build_optimizer\n"
+        "build_optimizer(torch.nn.Linear(4, 4), 1e-3, 0.01, kind='fused_adam')\n"
+    )
+    env = job_env(CXX="false", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode != 0
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith(
+        "ValueError: --optimizer fused_adam: DeepSpeed's FusedAdam could not be built ("
+    ), error
+    assert "or run with --optimizer torch_adamw" in error
+    assert ("CUDA toolkit matching torch's CUDA" if torch.version.cuda else "C++ compiler") in error
+
+
+def test_a_lock_left_by_a_killed_fused_adam_build_is_named(tmp_path, monkeypatch):
+    """torch's extension builder waits forever on the lock file a killed build leaves behind."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = Path(_get_build_directory("fused_adam", verbose=False)) / "lock"
+    lock.touch()
+    stale = time.time() - 3600
+    os.utime(lock, (stale, stale))
+    with pytest.raises(
+        ValueError, match=rf"fused_adam: {lock} is the lock of a FusedAdam build that was killed"
+    ):
+        build_optimizer(torch.nn.Linear(4, 4), 1e-3, 0.01, kind="fused_adam")
