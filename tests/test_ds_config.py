@@ -91,6 +91,10 @@ def test_zero_0_and_1_accumulate_bf16_in_bf16(tmp_path, caplog):
         assert "data_types" not in ds and ds["communication_data_type"] == "fp32"
         assert f"ZeRO stage {stage} in bf16 sums the 4 micro-batches of each step in bf16" in caplog.text
         template.write_text(
+            json.dumps({"zero_optimization": {"stage": stage}, "data_types": {"grad_accum_dtype": "bf16"}})
+        )
+        assert _build(template, "bf16")["data_types"] == {"grad_accum_dtype": "bf16"}  # as written
+        template.write_text(
             json.dumps({"zero_optimization": {"stage": stage}, "data_types": {"grad_accum_dtype": "fp32"}})
         )
         with pytest.raises(ValueError, match=rf"grad_accum_dtype='fp32' at ZeRO stage {stage}.*zero2\.json"):

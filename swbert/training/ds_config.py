@@ -189,7 +189,8 @@ def run_settings(
                 f"{path} sets data_types.grad_accum_dtype={wanted!r} at ZeRO stage {stage} in bf16, {why}; "
                 "remove it, or use ZeRO stage 2 (ds_configs/zero2.json), which accumulates bf16 gradients in fp32"
             )
-        data_types.pop("grad_accum_dtype", None)  # DeepSpeed's default: the model's dtype
+        if wanted == "auto":
+            data_types.pop("grad_accum_dtype", None)  # DeepSpeed's default: the model's dtype
         if accum > 1:
             log.info(
                 "ZeRO stage %d in bf16 sums the %d micro-batches of each step in bf16; ZeRO stage 2 "
