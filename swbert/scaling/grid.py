@@ -44,7 +44,7 @@ DS_TEMPLATE: dict[str, Any] = {
     "zero_optimization": {
         "overlap_comm": True,
         "contiguous_gradients": True,
-        "reduce_bucket_size": 50_000_000,
+        "reduce_bucket_size": 20_000_000,
         "allgather_bucket_size": 50_000_000,
         "stage3_param_persistence_threshold": 100_000,
     },

@@ -77,7 +77,7 @@ class TrainConfig:
     micro_batch_size: int = 16  # sequences per forward pass on one data-parallel rank
     grad_accum_steps: int | None = None  # derived from the other two when None
     # optimisation
-    optimizer: Literal["auto", "torch_adamw", "fused_adam", "cpu_adam"] = "auto"  # auto: fused on GPU
+    optimizer: Literal["auto", "torch_adamw", "fused_adam", "cpu_adam"] = "auto"  # auto: fused AdamW on GPU
     lr: float = 1e-3  # peak learning rate, reached after the warm-up
     min_lr: float = 0.0  # floor of the decay
     lr_schedule: Literal["linear", "cosine", "constant"] = "linear"  # decay after the warm-up, to min_lr

@@ -3,12 +3,18 @@
 The JSON files in ds_configs/ choose the ZeRO stage, offload and communication settings; batch
 sizes, accumulation, clipping and precision come from `TrainConfig`. A field left "auto" (or
 absent) is filled; a hard-coded value that disagrees with the training config is an error.
+
+Two settings are swbert's on every config it writes (`run_settings`), since DeepSpeed's defaults
+cost a GPU run time or accuracy: the throughput timer is off (on, it synchronises the device twice
+per micro-batch), and bf16 runs reduce gradients in fp32 and, at ZeRO stages 2-3, accumulate them
+in fp32. docs/performance.md ("DeepSpeed settings for GPUs") gives the reasons.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +22,8 @@ from typing import Any
 import torch
 
 from swbert.training.config import TrainConfig, ds_config_dirs
+
+log = logging.getLogger(__name__)
 
 
 def resolve_precision(requested: str, on_gpu: bool) -> str:
@@ -130,12 +138,68 @@ def build_ds_config(
                 f"{path} sets {dtype}.enabled={enabled} but the run's precision is {precision}; "
                 f'set "enabled": "auto" or pass --precision {dtype if enabled else precision}'
             )
+    run_settings(ds, precision, batch.accum, path)
     if not torch.cuda.is_available():  # pinned host memory needs a GPU
         for offload in ("offload_optimizer", "offload_param"):
             target = ds.get("zero_optimization", {}).get(offload, {})
             if target.get("pin_memory"):
                 target["pin_memory"] = False
     return ds
+
+
+def run_settings(
+    ds: dict[str, Any], precision: str, accum: int, path: str | Path = "the DeepSpeed config"
+) -> None:
+    """swbert's settings on top of the template, in place.
+
+    - The throughput timer off: DeepSpeed's `ThroughputTimer` is on and synchronised by default and
+      calls `synchronize()` at the start and end of every micro-batch (engine forward and step);
+      swbert measures throughput from its own wall clock at log intervals. A template that turns
+      it on explicitly (`"timers": {"throughput": {"enabled": true}}`) keeps it.
+    - bf16: gradients reduced across ranks in fp32 (`communication_data_type`) and, at ZeRO stages
+      2 and 3, accumulated over micro-batches in fp32 (`data_types.grad_accum_dtype`), where the
+      template leaves them unset or "auto". bf16 keeps 8 bits of mantissa: a sum over 16
+      micro-batches or 8 ranks in it loses the low bits of every gradient. DeepSpeed 0.19.8 refuses
+      fp32 accumulation of bf16 gradients without ZeRO, and at stage 1 provides it only through its
+      BF16_Optimizer, whose checkpoints its own zero_to_fp32 cannot read (the export would fail):
+      stages 0 and 1 accumulate in bf16.
+    """
+    throughput = ds.setdefault("timers", {}).setdefault("throughput", {})
+    if throughput.get("enabled") is not True:
+        throughput.update(enabled=False, synchronized=False)
+    if precision != "bf16":
+        return
+    if ds.get("communication_data_type", "auto") == "auto":
+        ds["communication_data_type"] = "fp32"
+    data_types = ds.setdefault("data_types", {})
+    wanted = data_types.get("grad_accum_dtype", "auto")
+    stage = zero_stage(ds)
+    if stage >= 2:
+        if wanted == "auto":
+            data_types["grad_accum_dtype"] = "fp32"
+    else:
+        if wanted not in ("auto", "bf16", "bfloat16"):
+            why = (
+                "which DeepSpeed refuses without ZeRO"
+                if stage == 0
+                else "which DeepSpeed provides only through its BF16_Optimizer, whose checkpoints its "
+                "zero_to_fp32 cannot read (the run's export would fail)"
+            )
+            raise ValueError(
+                f"{path} sets data_types.grad_accum_dtype={wanted!r} at ZeRO stage {stage} in bf16, {why}; "
+                "remove it, or use ZeRO stage 2 (ds_configs/zero2.json), which accumulates bf16 gradients in fp32"
+            )
+        if wanted == "auto":
+            data_types.pop("grad_accum_dtype", None)  # DeepSpeed's default: the model's dtype
+        if accum > 1:
+            log.info(
+                "ZeRO stage %d in bf16 sums the %d micro-batches of each step in bf16; ZeRO stage 2 "
+                "(ds_configs/zero2.json) sums them in fp32",
+                stage,
+                accum,
+            )
+    if not data_types:
+        del ds["data_types"]
 
 
 def pretraining_ds_config(config: TrainConfig, dp_size: int, precision: str) -> dict[str, Any]:

@@ -153,14 +153,17 @@ class Loop:
             )
 
     def record(self) -> dict[str, Any]:
-        """The logged record of the window (counts summed over the data-parallel ranks: the one
-        host sync of a logging step)."""
+        """The logged record of the window (counts summed over the data-parallel ranks and the
+        gradient norm, read together: the one host sync of a logging step besides the step's own)."""
         t, w = self.t, self.window
-        loss_sum, predicted, correct = t._all_reduce(w.counts)
+        grad_norm = t.engine.get_global_grad_norm()  # a device tensor under ZeRO, a float or None otherwise
+        on_device = grad_norm if isinstance(grad_norm, torch.Tensor) else None
+        loss_sum, predicted, correct, *read = t._all_reduce(w.counts, also=on_device)
+        if read:
+            grad_norm = read[0]
         seconds = w.seconds
         tokens_per_s = t.tokens_per_step * w.steps / seconds
         tflops = tokens_per_s * t.train_flops_per_token / t.dims.world / 1e12
-        grad_norm = t.engine.get_global_grad_norm()
         record = {
             "loss": loss_sum / predicted if predicted else float("nan"),
             "mlm_acc": correct / predicted if predicted else float("nan"),

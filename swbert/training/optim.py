@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -37,25 +39,71 @@ def build_optimizer(
     on_gpu: bool = False,
     offload: bool = False,
 ) -> torch.optim.Optimizer:
-    """AdamW over `param_groups`. auto: DeepSpeed's C++ CPU Adam under ZeRO optimizer offload,
-    DeepSpeed's fused kernel on GPU, torch's AdamW on CPU. torch_adamw runs torch's fused kernel on
-    GPU (the same update, one kernel for all parameters)."""
+    """AdamW over `param_groups`. auto: DeepSpeed's C++ CPU Adam under ZeRO optimizer offload, else
+    torch_adamw. torch_adamw is torch's AdamW, its fused kernel on GPU (one kernel for all
+    parameters, its step counts on the device: no host sync, nothing to build). fused_adam is
+    DeepSpeed's FusedAdam, compiled with nvcc at first use (see `fused_adam`)."""
     if kind == "auto":
-        kind = "cpu_adam" if offload else ("fused_adam" if on_gpu else "torch_adamw")
+        kind = "cpu_adam" if offload else "torch_adamw"
     if offload and kind != "cpu_adam":
         raise ValueError(
             f"--optimizer {kind} cannot run with ZeRO optimizer offload; use --optimizer cpu_adam (or auto)"
         )
     groups = param_groups(model, weight_decay)
     if kind == "fused_adam":
-        from deepspeed.ops.adam import FusedAdam
-
-        return FusedAdam(groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True)
+        return fused_adam()(groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True)
     if kind == "cpu_adam":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, eps=eps, adamw_mode=True)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=on_gpu)
+
+
+STALE_BUILD_S = 600  # a FusedAdam build takes 1-2 minutes; a lock older than this was left behind
+
+
+def fused_adam() -> type[torch.optim.Optimizer]:
+    """DeepSpeed's FusedAdam class with its op built (or loaded from the extension cache).
+
+    The op is compiled with nvcc at first use, by every rank at once: without a CUDA toolkit
+    matching torch's CUDA each rank fails with pages of compiler output, and a build killed midway
+    leaves a lock file that makes every later job wait on it forever. Both become one error that
+    names the fix."""
+    instead = "or run with --optimizer torch_adamw (torch's fused AdamW: nothing to build)"
+    lock = _fused_adam_lock()
+    if lock is not None and time.time() - lock.stat().st_mtime > STALE_BUILD_S:
+        raise ValueError(
+            f"--optimizer fused_adam: {lock} is the lock of a FusedAdam build that was killed midway, "
+            f"and every job would wait on it forever; delete it, {instead}"
+        )
+    try:
+        from deepspeed.ops.adam import FusedAdam
+        from deepspeed.ops.op_builder import FusedAdamBuilder
+
+        FusedAdamBuilder().load(verbose=False)
+    except Exception as err:  # noqa: BLE001 - any import or build failure is reported the same way
+        cause = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        needs = (
+            f"with nvcc, from a CUDA toolkit matching torch's CUDA {torch.version.cuda} (CUDA_HOME)"
+            if torch.version.cuda
+            else "with a C++ compiler (this torch has no CUDA)"
+        )
+        raise ValueError(
+            f"--optimizer fused_adam: DeepSpeed's FusedAdam could not be built ({type(err).__name__}: "
+            f"{cause}); it is compiled at first use {needs}: install that, {instead}"
+        ) from None
+    return FusedAdam
+
+
+def _fused_adam_lock() -> Path | None:
+    """The lock file of FusedAdam's build folder in the extension cache, if there is one."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory("fused_adam", verbose=False)) / "lock"
+    except Exception:  # noqa: BLE001 - a private helper of torch's: no check rather than no optimizer
+        return None
+    return lock if lock.exists() else None
 
 
 def lr_factor(

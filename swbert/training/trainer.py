@@ -174,7 +174,8 @@ class Trainer:
         A non-finite loss on any rank turns that rank's gradients to NaN (the backward runs on
         loss x NaN), so every ZeRO stage's own check skips the step on every rank; without ZeRO, the
         trainer's guard does (`build.skip_when_flagged`). The flags are agreed in one all-reduce,
-        the step's only host sync."""
+        swbert's only host sync in the step (DeepSpeed's own, and why they stay: docs/performance.md,
+        "Host syncs per step"; tests/test_host_syncs.py holds the count)."""
         counts, bad = Counts.zeros(self.device), torch.zeros((), dtype=torch.bool, device=self.device)
         poison = self.faults.value_at(self.step + 1, self.dims.rank)
         self.engine.train()
@@ -203,7 +204,9 @@ class Trainer:
         if self.guard is not None:  # without ZeRO the gradients are whole (and reduced) here
             grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
             grads_bad = (~torch.isfinite(torch.nn.utils.get_total_norm(grads))).float()
-        stop = torch.tensor(1.0 if self.stop_signal else 0.0, device=self.device)
+        # torch.full, not torch.tensor: a tensor built from host data is copied to the device, and on
+        # a GPU that copy waits for every kernel queued before it (a second sync in the step)
+        stop = torch.full((), 1.0 if self.stop_signal else 0.0, device=self.device)
         flags = torch.stack([stop, loss_bad.float(), grads_bad.to(self.device)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stop_any, loss_any, grads_any = (v > 0 for v in flags.tolist())
@@ -211,12 +214,14 @@ class Trainer:
             self.guard.overflow = loss_any or grads_any
         return stop_any, loss_any or grads_any
 
-    def _all_reduce(self, counts: Counts) -> tuple[float, float, float]:
-        """Counts summed over the data-parallel ranks, read on the host (log intervals only)."""
+    def _all_reduce(self, counts: Counts, also: torch.Tensor | None = None) -> list[float]:
+        """Counts summed over the data-parallel ranks, read on the host (log intervals only) in one
+        read together with `also` (a device scalar the same on every rank, e.g. the gradient norm)."""
         t = torch.stack([counts.loss_sum, counts.predicted, counts.correct])
         dist.all_reduce(t, group=self.dims.dp_group)
-        loss_sum, predicted, correct = t.tolist()
-        return loss_sum, predicted, correct
+        if also is not None:
+            t = torch.cat([t, also.detach().reshape(1).to(t)])
+        return t.tolist()
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -1,0 +1,108 @@
+"""Host syncs per optimizer step, counted on the real engine path and held to a budget.
+
+A 2-rank bf16 pretraining job on gloo (ZeRO-2 and ZeRO-3, gradient accumulation 2) runs under
+tests/scripts/count_syncs.py, which counts every call that makes a GPU's host wait for the device:
+tensor reads (`item`, `tolist`, `__bool__`, `__float__`, `__int__`, `__index__`, `cpu`, `numpy`),
+device synchronisation (`torch.cuda.synchronize`, DeepSpeed's `get_accelerator().synchronize`)
+and `torch.tensor(..., device=...)` (a copy of host data, which on a GPU waits for the queue).
+The optimizer is the one `--optimizer auto` picks on a GPU.
+
+The budget per step, by who makes the call:
+- swbert: one (`Trainer._agree`: the stop flag and the non-finite check, read together); a logging
+  step adds one (the window's counts and the gradient norm), an evaluation one more.
+- DeepSpeed: the calls its config cannot remove, each listed below by function, per step and rank
+  (docs/performance.md, "Host syncs per step", says why each is there). The first step is
+  DeepSpeed's warm-up and is held to swbert's budget only: ZeRO-3 records the order parameters
+  are used in and checks it against every rank's, one read per module.
+
+Excluded, as host memory on a GPU too: calls made inside torch's DataLoader (the base seed it draws
+on the host when its workers start). Everything else counts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from tests.launch_utils import job_env, launch
+
+STEPS, LOG_EVERY = 6, 3
+SWBERT = Counter({"tolist@_agree": 1})
+LOGGED = Counter({"tolist@_all_reduce<-record": 1})
+EVALUATED = Counter({"tolist@_all_reduce<-evaluate": 1})
+DEEPSPEED = {
+    # ZeRO-1 in bf16 (DeepSpeedZeroOptimizer, as ZeRO-2) measures the same
+    2: Counter(
+        {
+            "item@has_overflow<-_check_overflow": 1,  # bf16.check_grad_overflow
+            "__bool__@is_invalid_grad_norm<-step": 1,  # the same check, on the norm
+            "host_to_device@mask_nan_or_inf_with_val_inplace<-get_grad_norm_direct": 2,  # per group
+            "__bool__@is_invalid_grad_norm<-unscale_and_clip_grads": 2,  # per group, with clipping on
+        }
+    ),
+    3: Counter(
+        {
+            "host_to_device@get_grad_norm_direct<-_get_norm_groups": 2,  # per parameter group
+            "__bool__@is_invalid_grad_norm<-step": 1,
+        }
+    ),
+}
+
+
+def _owner(stack: list[str]) -> tuple[str, str] | None:
+    """(who, call) for one counted call: the innermost frame of swbert or DeepSpeed and its caller;
+    None for a call on host memory (inside torch's DataLoader)."""
+    if any(frame.startswith("torch/utils/data/") for frame in stack):
+        return None
+    frames = [f for f in reversed(stack) if not f.startswith(("torch/", "deepspeed/utils/nvtx.py"))]
+    who = frames[0].split("/", 1)[0]
+    assert who in ("swbert", "deepspeed"), f"a sync from outside swbert and DeepSpeed: {stack}"
+    name, caller = frames[0].rsplit(":", 1)[1], frames[1].rsplit(":", 1)[1]
+    return who, f"{name}<-{caller}" if who == "deepspeed" or name == "_all_reduce" else name
+
+
+def _count(calls: list[dict]) -> dict[str, Counter]:
+    counts: dict[str, Counter] = {"swbert": Counter(), "deepspeed": Counter()}
+    for call in calls:
+        owner = _owner(call["stack"])
+        if owner is not None:
+            counts[owner[0]][f"{call['kind']}@{owner[1]}"] += 1
+    return counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_host_syncs_per_step_stay_within_the_budget(stage, data_dir, tmp_path):
+    out, syncs = tmp_path / "run", tmp_path / "syncs"
+    args = [
+        "--syncs-out", str(syncs), "--config", "tiny_cpu", "--data-dir", str(data_dir),
+        "--output-dir", str(out), "--mlflow", "false", "--precision", "bf16",
+        "--deepspeed-config", f"ds_configs/zero{stage}.json", "--micro-batch-size", "2",  # 2 ranks x 2 x accum 2
+        "--train-steps", str(STEPS), "--log-interval", str(LOG_EVERY), "--save-interval", "1000",
+        "--eval-interval", "1000", "--cpu-kernels", "off",
+    ]  # fmt: skip
+    result = launch(2, args, script="tests/scripts/count_syncs.py", env=job_env())
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+
+    # the DeepSpeed config the run wrote: the throughput timer off, bf16 accumulated and reduced in fp32
+    ds = json.loads((out / "ds_config.json").read_text())
+    assert ds["gradient_accumulation_steps"] == 2 and ds["bf16"]["enabled"] is True
+    assert ds["timers"] == {"throughput": {"enabled": False, "synchronized": False}}
+    assert ds["data_types"] == {"grad_accum_dtype": "fp32"} and ds["communication_data_type"] == "fp32"
+
+    for rank in (0, 1):
+        per_step = json.loads((syncs / f"rank{rank}.json").read_text())
+        assert sorted(map(int, per_step)) == list(range(1, STEPS + 1))
+        for step in range(1, STEPS + 1):
+            counts = _count(per_step[str(step)])
+            expected = SWBERT + (LOGGED if step % LOG_EVERY == 0 else Counter())
+            expected += EVALUATED if step == STEPS else Counter()
+            where = f"ZeRO-{stage}, rank {rank}, step {step}"
+            assert counts["swbert"] == expected, f"{where}: swbert {dict(counts['swbert'])}"
+            if step > 1:
+                stacks = "".join(f"\n  {c['kind']}: {c['stack'][-3:]}" for c in per_step[str(step)])
+                assert counts["deepspeed"] == DEEPSPEED[stage], (
+                    f"{where}: {dict(counts['deepspeed'])}{stacks}"
+                )
