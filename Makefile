@@ -8,7 +8,7 @@ CONSTRAINTS ?= constraints-cpu.txt
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/swbert/torch_extensions/$(shell echo $(abspath $(VENV)) | cksum | cut -d' ' -f1)
 BIN := $(VENV)/bin
 
-.PHONY: setup pretrain test test-faults lint golden clean
+.PHONY: setup pretrain test test-faults test-gpu lint golden clean
 
 $(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ test: setup
 # The whole kill -9 / non-finite fault matrix (CI runs a sample of it inside `make test`).
 test-faults: setup
 	SWBERT_FULL_FAULT_MATRIX=1 DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n 2 --dist loadgroup tests/test_fault_matrix.py tests/test_nonfinite.py
+
+# The first hour on a GPU machine (benchmarks/gpu_hour.py): tests/test_cuda.py, then the GPU checks and
+# benchmarks, each with a timeout; one table in runs/gpu-report.md. Without CUDA: one line, exit 77.
+test-gpu: setup
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python benchmarks/gpu_hour.py
 
 # Rewrite the golden loss curves (tests/assets/losses/) after a change of numerics on purpose;
 # the commit that does it says why (tests/golden.py).

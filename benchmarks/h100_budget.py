@@ -6,8 +6,10 @@ to check against a measurement, not one.
 
 Every figure comes from a named assumption (the flags): GEMMs at a fraction of the bf16 peak,
 flash attention at a lower one, elementwise work as passes over (tokens x d) bf16 tensors at a
-fraction of HBM bandwidth, ZeRO-2's gradient reduce-scatter and parameter all-gather over
-NVLink partly hidden behind the backward, and the loader's rate against the step's demand.
+fraction of HBM bandwidth, ZeRO-2's gradient reduce-scatter over NVLink hidden behind the part of
+the backward that runs after the first gradient is ready (measured: FIRST_REDUCE_AT), its last
+bucket and the parameter all-gather after the optimizer step not hidden, and the loader's rate
+against the step's demand.
 FLOPs and parameters are swbert's own (`swbert.models.flops`, the variant classes), so the
 variants differ exactly as the models do. What confirms it on a GPU (docs/performance.md):
 `benchmarks/train_step.py --device cuda` (eager and `--compile`) and the trainer's `mfu` field.
@@ -16,6 +18,7 @@ variants differ exactly as the models do. What confirms it on a GPU (docs/perfor
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -33,6 +36,19 @@ from swbert.models.flops import masked_lm_flops, masked_lm_params  # noqa: E402
 EAGER_PASSES = 2 * 2 + 2 * 2.5 + 2 * 3 + 8
 COMPILED_PASSES = EAGER_PASSES / 2
 SHARED_EXTRA_PASSES = 2  # Q = S * (dq * dk): one read, one write (dv rides in the output weight)
+# The halving above is an assumption no CPU test measures (inductor's CPU kernels are not a GPU's);
+# what tests it is the GPU hour's two MFU rows, eager and compiled (benchmarks/gpu_hour.py).
+
+# When ZeRO's first gradient reduce can start, as a share of the backward's wall time, for each way
+# of running the model: measured by benchmarks/compile_overlap.py (ZeRO-2 on gloo, one process,
+# 6 layers, d = 256, seq 128, batch 8; CPU, docs/performance.md "Where the H100 budget's
+# assumptions come from"), and held by tests/test_compile.py (per block: under half). Gradient
+# communication can hide behind the rest of the backward, 1 - share: 95% compiled per block (what
+# `--compile auto` runs on a GPU), 96% eager, 17% compiled as one graph (DeepSpeed's
+# engine.compile), whose backward holds every gradient hook to its end. `--first-reduce-json` takes
+# a fresh measurement (compile_overlap.py --json, or the GPU hour's runs/gpu-hour/compile_overlap.json).
+FIRST_REDUCE_AT = {"eager": 0.035, "per_block": 0.053, "whole_model": 0.829}
+DS_CONFIG = Path(__file__).resolve().parents[1] / "ds_configs" / "zero2.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,13 +64,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-efficiency", type=float, default=0.75, help="share of HBM elementwise ops reach")
     p.add_argument("--nvlink-gbps", type=float, default=450.0, help="NVLink bandwidth per GPU and direction")
     p.add_argument(
-        "--overlap", type=float, default=0.8, help="share of ZeRO-2 traffic hidden by the backward"
+        "--first-reduce-at",
+        type=float,
+        default=None,
+        help="share of the backward before ZeRO's first gradient reduce (default: FIRST_REDUCE_AT, measured)",
+    )
+    p.add_argument(
+        "--first-reduce-json",
+        type=Path,
+        default=None,
+        help="the shares from a compile_overlap.py --json file",
+    )
+    p.add_argument(
+        "--ds-config", type=Path, default=DS_CONFIG, help="DeepSpeed JSON whose reduce_bucket_size to use"
     )
     p.add_argument(
         "--loader-samples-per-s", type=float, default=None, help="loader rate (one worker x workers)"
     )
-    p.add_argument("--eager", action="store_true", help="no torch.compile fusions")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--eager", action="store_true", help="no torch.compile fusions")
+    mode.add_argument(
+        "--whole-model",
+        action="store_true",
+        help="compiled as one graph: the fusions, every reduce after the backward",
+    )
     return p.parse_args(argv)
+
+
+def compile_mode(args: argparse.Namespace) -> str:
+    return "eager" if args.eager else ("whole_model" if args.whole_model else "per_block")
+
+
+def first_reduce_at(args: argparse.Namespace) -> float:
+    """The share of the backward before the first gradient reduce: the flag, else the measurement."""
+    if args.first_reduce_at is not None:
+        return args.first_reduce_at
+    if args.first_reduce_json is not None:
+        measured = json.loads(args.first_reduce_json.read_text())
+        return measured[compile_mode(args)]["first_reduce_fraction"]
+    return FIRST_REDUCE_AT[compile_mode(args)]
+
+
+def reduce_bucket(args: argparse.Namespace) -> int:
+    """Gradient elements per reduce (`zero_optimization.reduce_bucket_size`; DeepSpeed's default 5e8)."""
+    return int(json.loads(args.ds_config.read_text())["zero_optimization"].get("reduce_bucket_size", 5e8))
 
 
 def budget(args: argparse.Namespace, variant: str) -> dict[str, float]:
@@ -82,10 +135,17 @@ def budget(args: argparse.Namespace, variant: str) -> dict[str, float]:
     head_flops = 3 * tokens * 0.15 * (2 * d * d + 2 * d * config.vocab_size)
     head_ms = 1e3 * head_flops / (peak * args.gemm_efficiency)
     compute = layers * sum(ms.values()) + head_ms
-    # ZeRO-2: reduce-scatter the bf16 gradients, all-gather the bf16 parameters, ring over the node
+    # ZeRO-2, ring over the node: reduce-scatter the bf16 gradients, all-gather the bf16 parameters
     params = masked_lm_params(config)
-    ring = 2 * (args.gpus - 1) / args.gpus * params * 2 / (args.nvlink_gbps * 1e9)
-    exposed = 1e3 * ring * (1 - args.overlap)
+    collective_ms = 1e3 * (args.gpus - 1) / args.gpus * params * 2 / (args.nvlink_gbps * 1e9)  # each
+    # The reduce-scatter runs beside the backward from its first ready gradient on (the window),
+    # bucket by bucket; the last, partial bucket is reduced after the backward ends. The all-gather
+    # of the updated parameters follows the optimizer step: nothing runs beside it.
+    window_ms = (1 - first_reduce_at(args)) * compute * 2 / 3  # backward: 2 of the step's 3 passes
+    bucket = reduce_bucket(args)
+    last_bucket = (params - 1) % bucket + 1
+    full_buckets_ms = collective_ms * (1 - last_bucket / params)
+    exposed = collective_ms + collective_ms * last_bucket / params + max(0.0, full_buckets_ms - window_ms)
     ms["communication"] = exposed / layers
     step = compute + exposed
     demand = args.micro_batch / (step / 1e3)  # samples/s one GPU consumes
@@ -100,27 +160,29 @@ def budget(args: argparse.Namespace, variant: str) -> dict[str, float]:
         "step_ms": step,
         "mfu": model_flops / (step / 1e3) / peak,
         "samples_per_s": demand,
+        "hidden": 1 - exposed / (2 * collective_ms),  # share of ZeRO-2's traffic behind the backward
     }
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    mode = "eager" if args.eager else "compiled"
+    mode = {"eager": "eager", "per_block": "compiled per block", "whole_model": "compiled whole"}
     print(
-        f"# {args.size}, seq {args.seq_len}, micro-batch {args.micro_batch}, {args.gpus} GPUs, {mode}; "
-        f"GEMM {args.gemm_efficiency:.0%} and attention {args.attention_efficiency:.0%} of "
-        f"{args.peak_tflops:g} TFLOP/s, elementwise at {args.memory_efficiency:.0%} of {args.hbm_tbps} TB/s, "
-        f"ZeRO-2 traffic {args.overlap:.0%} hidden"
+        f"# {args.size}, seq {args.seq_len}, micro-batch {args.micro_batch}, {args.gpus} GPUs, "
+        f"{mode[compile_mode(args)]}; GEMM {args.gemm_efficiency:.0%} and attention "
+        f"{args.attention_efficiency:.0%} of {args.peak_tflops:g} TFLOP/s, elementwise at "
+        f"{args.memory_efficiency:.0%} of {args.hbm_tbps} TB/s, ZeRO-2's first reduce at "
+        f"{first_reduce_at(args):.1%} of the backward, {reduce_bucket(args) / 1e6:g}M-element buckets"
     )
     print(f"{'':<10} {'ms per layer per step':^39} {'':>8}")
     print(f"{'variant':<10} {'GEMM':>7} {'attn':>7} {'elem':>7} {'comm':>7} {'data':>7} "
-          f"{'head ms':>8} {'step ms':>8} {'MFU':>6} {'samples/s':>10}")  # fmt: skip
+          f"{'head ms':>8} {'step ms':>8} {'MFU':>6} {'samples/s':>10} {'hidden':>7}")  # fmt: skip
     for variant in attention_types():
         b = budget(args, variant)
         print(
             f"{variant:<10} {b['gemm']:>7.3f} {b['attention']:>7.3f} {b['elementwise']:>7.3f} "
             f"{b['communication']:>7.3f} {b['data']:>7.3f} {b['head_ms']:>8.2f} {b['step_ms']:>8.1f} {b['mfu']:>6.1%} "
-            f"{b['samples_per_s']:>10,.0f}"
+            f"{b['samples_per_s']:>10,.0f} {b['hidden']:>7.0%}"
         )
 
 
