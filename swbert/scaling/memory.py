@@ -1,8 +1,8 @@
 """Closed-form memory per rank: model states by ZeRO stage (with offload and tensor parallelism),
-DeepSpeed's own estimators, and an activation estimate.
+DeepSpeed's own estimators, and the activation estimate (`swbert.scaling.activations`).
 
 Model states follow the tensors a DeepSpeed engine holds after `backward` (measured tensor by
-tensor in tests/test_scaling_memory.py). With p = 2 (bf16/fp16) or 4 (fp32) bytes per parameter,
+tensor in tests/test_scaling.py). With p = 2 (bf16/fp16) or 4 (fp32) bytes per parameter,
 N parameters per model-parallel rank and G data-parallel ranks, bytes per parameter are
 
     stage 0   p params + p grads + 4 fp32 master (mixed precision only) + 8 Adam (m, v)
@@ -32,11 +32,10 @@ from typing import Any, Literal
 
 import torch
 
-from swbert.models.attention import attention_class
 from swbert.models.config import SWBertConfig
 from swbert.models.modeling import SWBertForMaskedLM
+from swbert.scaling.activations import Checkpointing, Precision, activation_memory, element_bytes
 
-Precision = Literal["fp32", "bf16", "fp16"]
 Offload = Literal["none", "optimizer", "params"]
 OffloadDevice = Literal["cpu", "nvme"]
 
@@ -153,7 +152,7 @@ class StateMemory:
 
 
 def param_bytes(precision: Precision) -> int:
-    return 4 if precision == "fp32" else 2
+    return element_bytes(precision)
 
 
 def model_state_bytes(
@@ -230,13 +229,6 @@ def deepspeed_estimate(config: SWBertConfig, layout: Layout, dp: int) -> tuple[f
     return None
 
 
-# Activation bytes per token per layer, in units of the hidden size at 16-bit precision, stored for
-# backward without recomputation (Korthikanti et al., 2022: 34 for BERT/GPT attention + MLP, of
-# which 10 stay whole under tensor parallelism; Q, K and V are 6 of them). The variants differ in
-# what attention keeps; each class says how many units (`SelfAttention.activation_units`).
-REPLICATED_UNITS = 10  # layer-norm inputs and dropout masks that tensor parallelism does not split
-
-
 def activation_bytes(
     config: SWBertConfig,
     seq_len: int,
@@ -245,24 +237,27 @@ def activation_bytes(
     tp: int = 1,
     fused_attention: bool = True,
     predicted_fraction: float = 0.15,
+    sequence_parallel: bool = False,
+    checkpointing: Checkpointing = "none",
 ) -> float:
-    """Estimated activation bytes of one rank for one micro-batch (no activation checkpointing).
+    """Activation bytes one rank needs for one micro-batch: what the forward keeps for the backward
+    plus, under activation checkpointing, one block being recomputed (`swbert.scaling.activations`).
 
-    `fused_attention`: a flash / memory-efficient kernel keeps no S x S score matrices (GPU); the
-    math kernel (CPU, or dropout on attention probabilities) keeps scores, probabilities and the
-    dropout mask: 5 a s bytes per token at 16-bit.
+    `fused_attention`: the GPU's kernels (flash attention: no S x S matrices; bool dropout masks);
+    False counts what a CPU keeps (the math attention path when attention dropout is on).
     """
-    d, a, s, b = config.hidden_size, config.num_attention_heads, seq_len, micro_batch
-    scale = param_bytes(precision) / 2
-    units = attention_class(config.attention_type).activation_units
-    per_layer = s * b * d * (REPLICATED_UNITS + (units - REPLICATED_UNITS) / tp) * scale
-    if not fused_attention:
-        per_layer += 5 * a * s * s * b / tp * scale
-    embeddings = s * b * d * 2 * scale
-    predicted = predicted_fraction * s * b
-    # MLM head on the predicted positions: transform activations and fp32 logits for the loss.
-    head = predicted * (d * 8 * scale + config.padded_vocab_size * (2 * scale + 4))
-    return config.num_hidden_layers * per_layer + embeddings + head
+    memory = activation_memory(
+        config,
+        seq_len,
+        micro_batch,
+        precision,
+        tp,
+        sequence_parallel,
+        checkpointing,
+        device="gpu" if fused_attention else "cpu",
+        predictions_per_seq=max(1, round(seq_len * predicted_fraction)),
+    )
+    return memory.peak
 
 
 def zero_config_values(ds_config: dict[str, Any] | None) -> dict[str, int]:
