@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import torch
 
+from swbert.models.attention import attention_class
 from swbert.models.config import SWBertConfig
 from swbert.models.modeling import SWBertForMaskedLM
 from swbert.scaling.activations import Checkpointing, Precision, activation_memory, element_bytes
@@ -69,12 +70,20 @@ def model_tensors(config: SWBertConfig) -> list[ParamTensor]:
     # warnings), which the rest of these closed forms never need
     from swbert.parallel.plan import partition_dim
 
-    with torch.device("meta"):
-        model = SWBertForMaskedLM(config)
-    return [
-        ParamTensor(name, p.numel(), partition_dim(name, config) is not None)
-        for name, p in model.named_parameters()  # unique parameters: the tied decoder weight once
-    ]
+    # a grid asks for the same model many times (per layout, per ZeRO stage): build it once; the
+    # class is part of the key, since a variant's name can be registered to another class
+    key = (config.to_json_string(use_diff=False), attention_class(config.attention_type))
+    if key not in _TENSORS:
+        with torch.device("meta"):
+            model = SWBertForMaskedLM(config)
+        _TENSORS[key] = [
+            ParamTensor(name, p.numel(), partition_dim(name, config) is not None)
+            for name, p in model.named_parameters()  # unique parameters: the tied decoder weight once
+        ]
+    return list(_TENSORS[key])
+
+
+_TENSORS: dict[tuple[str, type], list[ParamTensor]] = {}
 
 
 def rank_tensor_sizes(config: SWBertConfig, tp: int = 1) -> list[int]:
