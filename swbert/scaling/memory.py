@@ -35,7 +35,13 @@ import torch
 from swbert.models.attention import attention_class
 from swbert.models.config import SWBertConfig
 from swbert.models.modeling import SWBertForMaskedLM
-from swbert.scaling.activations import Checkpointing, Precision, activation_memory, element_bytes
+from swbert.scaling.activations import (
+    Checkpointing,
+    Precision,
+    activation_memory,
+    check_activation_layout,
+    element_bytes,
+)
 
 Offload = Literal["none", "optimizer", "params"]
 OffloadDevice = Literal["cpu", "nvme"]
@@ -101,12 +107,15 @@ def params_per_rank(config: SWBertConfig, tp: int = 1) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """A parallel layout: tensor-parallel size, ZeRO stage, what is offloaded and where to."""
+    """A parallel layout: tensor-parallel size, ZeRO stage, what is offloaded and where to, and how
+    activations are kept (sequence parallelism, activation checkpointing)."""
 
     tp: int = 1
     zero: int = 0
     offload: Offload = "none"
     device: OffloadDevice = "cpu"  # where offloaded states go: host memory or NVMe
+    sequence_parallel: bool = False  # activations between the tensor-parallel regions split by tp
+    checkpointing: Checkpointing = "none"  # activation checkpointing per block: none, full, selective
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -119,27 +128,45 @@ class Layout:
             raise ValueError("parameter offload needs ZeRO stage 3")
         if self.device == "nvme" and self.zero != 3:
             raise ValueError("NVMe offload needs ZeRO stage 3")
+        check_activation_layout(self.tp, self.sequence_parallel, self.checkpointing)
 
     @property
     def name(self) -> str:
         suffix = {"none": "", "optimizer": "-offload", "params": "-offload-params"}[self.offload]
-        return f"tp{self.tp}-z{self.zero}{suffix}" + ("-nvme" if self.device == "nvme" else "")
+        suffix += "-nvme" if self.device == "nvme" else ""
+        suffix += "-sp" if self.sequence_parallel else ""
+        suffix += "" if self.checkpointing == "none" else f"-ac-{self.checkpointing}"
+        return f"tp{self.tp}-z{self.zero}{suffix}"
 
     @classmethod
-    def parse(cls, text: str) -> Layout:
-        """`tp2-z1`, `z3-offload`, `tp1-z3-offload-params`, `z3-offload-params-nvme` (tp1 by default)."""
+    def parse(
+        cls, text: str, sequence_parallel: bool = False, checkpointing: Checkpointing = "none"
+    ) -> Layout:
+        """`tp2-z1`, `z3-offload`, `tp1-z3-offload-params`, `z3-offload-params-nvme` (tp1 by default),
+        optionally with `-sp` (sequence parallelism) and `-ac-full` or `-ac-selective` (activation
+        checkpointing), which the name then fixes; otherwise `sequence_parallel` and `checkpointing`."""
         match = re.fullmatch(
-            r"(?:tp(\d+)-?)?z([0-3])(-offload(?:-params)?)?(-nvme)?(?:-tp(\d+))?", text.strip()
+            r"(?:tp(\d+)-?)?z([0-3])(-offload(?:-params)?)?(-nvme)?(?:-tp(\d+))?"
+            r"(-sp)?(?:-ac-(none|full|selective))?",
+            text.strip(),
         )
         if not match or (match.group(4) and not match.group(3)):
             raise ValueError(
-                f"layout {text!r} is not like tp2-z1, z2, z3-offload, z3-offload-params or "
-                "z3-offload-params-nvme (tensor-parallel size, ZeRO stage, what is offloaded, where to)"
+                f"layout {text!r} is not like tp2-z1, z2, z3-offload, z3-offload-params, z3-offload-params-nvme, "
+                "tp2-z1-sp or z1-ac-full (tensor-parallel size, ZeRO stage, what is offloaded, where to, "
+                "sequence parallelism, activation checkpointing)"
             )
         tp = int(match.group(1) or match.group(5) or 1)
         offload = {None: "none", "-offload": "optimizer", "-offload-params": "params"}[match.group(3)]
         device = "nvme" if match.group(4) else "cpu"
-        return cls(tp=tp, zero=int(match.group(2)), offload=offload, device=device)  # type: ignore[arg-type]
+        return cls(
+            tp=tp,
+            zero=int(match.group(2)),
+            offload=offload,  # type: ignore[arg-type]
+            device=device,  # type: ignore[arg-type]
+            sequence_parallel=bool(match.group(6)) or sequence_parallel,
+            checkpointing=match.group(7) or checkpointing,  # type: ignore[arg-type]
+        )
 
 
 @dataclass(frozen=True)
