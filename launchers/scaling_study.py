@@ -5,10 +5,16 @@ sizes x attention variants x parallel layouts, with measured short runs where th
     python launchers/scaling_study.py --no-measure --gpus 64            # closed forms for a cluster
     python launchers/scaling_study.py --emit-slurm --nodes 2 --gpus-per-node 8   # a job array
     python launchers/scaling_study.py --collect runs/scaling            # after the job array
+    python launchers/scaling_study.py --no-measure --gpus 8 --layouts tp2-z1 tp4-z1 \
+        --sequence-parallel false true --activation-checkpointing none full   # how activations are kept
 
 Writes OUTPUT_DIR/scaling.csv, OUTPUT_DIR/plots/*.png and one MLflow run per grid point under a
 parent run (MLFLOW_TRACKING_URI, else sqlite:///OUTPUT_DIR/mlflow.db). Layouts: z0..z3, optionally
-with a tensor-parallel size (tp2-z1) and offload (z3-offload: optimizer; z3-offload-params: both).
+with a tensor-parallel size (tp2-z1) and offload (z3-offload: optimizer; z3-offload-params: both),
+sequence parallelism (tp2-z1-sp) and activation checkpointing (z1-ac-full, z1-ac-selective);
+--sequence-parallel and --activation-checkpointing give every other layout each of their values.
+Combinations the trainer refuses (sequence parallelism without tensor parallelism, selective
+checkpointing with it) are refused before anything runs.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import runpy
 import sqlite3
 import subprocess
 import sys
@@ -79,6 +80,105 @@ def test_layout_names_parse_and_bad_ones_are_refused():
         estimate(point, 8)
     with pytest.raises(ValueError, match="not divisible by tensor-parallel size 4"):
         estimate(point, 6, vocab_size=30720)
+
+
+def test_activation_layouts_come_from_names_and_from_the_flags():
+    """--sequence-parallel and --activation-checkpointing are crossed with the layouts; a name that
+    says -sp or -ac-MODE keeps its own; each layout once, and names parse back to themselves."""
+    grid = build_grid(["tiny"], ["shared"], ["tp2-z1", "tp2-z2-sp"], sequence_parallel=[False, True],
+                      checkpointing=["none", "full"])  # fmt: skip
+    names = [p.layout.name for p in grid]
+    assert names == [
+        "tp2-z1",
+        "tp2-z1-ac-full",
+        "tp2-z1-sp",
+        "tp2-z1-sp-ac-full",
+        "tp2-z2-sp",
+        "tp2-z2-sp-ac-full",
+    ]
+    assert all(Layout.parse(name).name == name for name in names)
+    assert Layout.parse("z1-ac-selective") == Layout(zero=1, checkpointing="selective")
+    assert Layout.parse("z3-offload-tp4-sp") == Layout(
+        tp=4, zero=3, offload="optimizer", sequence_parallel=True
+    )
+    # the flags' defaults leave the names and points of existing command lines as they were
+    assert [p.name for p in build_grid(["tiny"], ["shared"], ["z2", "tp2-z1"])] == [
+        "tiny-shared-tp1-z2",
+        "tiny-shared-tp2-z1",
+    ]
+    row = estimate(grid[3], 2, vocab_size=128)
+    assert row["sequence_parallel"] is True and row["activation_checkpointing"] == "full"
+
+
+@pytest.mark.parametrize(
+    ("layouts", "flags", "message"),
+    [
+        (["z1"], {"sequence_parallel": [False, True]}, "--layouts z1: --sequence-parallel true needs a tensor-parallel size > 1"),
+        (["z1-sp"], {}, "--layouts z1-sp: --sequence-parallel true needs a tensor-parallel size > 1"),
+        (["z1", "tp2-z1"], {"checkpointing": ["selective"]}, "--layouts tp2-z1: --activation-checkpointing selective cannot run with tensor parallel size 2"),
+        (["tp4-z2-ac-selective"], {}, "--activation-checkpointing selective cannot run with tensor parallel size 4"),
+    ],
+)  # fmt: skip
+def test_combinations_the_trainer_refuses_are_refused_naming_the_flag(layouts, flags, message):
+    with pytest.raises(ValueError, match=message):
+        build_grid(["tiny"], ["shared"], layouts, **flags)
+
+
+def test_the_launcher_refuses_a_bad_combination_before_anything_runs(tmp_path, capsys):
+    main = runpy.run_path(str(REPO / "launchers" / "scaling_study.py"), run_name="launcher")["main"]
+    out = tmp_path / "study"
+    with pytest.raises(SystemExit) as exit_:
+        main(["--layouts", "z1", "tp2-z1", "--sequence-parallel", "true", "--output-dir", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "\n" not in err, err
+    expected = "error: --layouts z1: --sequence-parallel true needs a tensor-parallel size > 1"
+    assert err.startswith(expected), err
+    assert not out.exists()  # nothing ran, nothing was written
+
+
+def test_measured_runs_and_job_arrays_get_the_layouts_activation_flags(tmp_path):
+    """The flags reach `launchers/pretrain.py` as its config keys, and the trainer reads them back."""
+    from swbert import cli
+    from swbert.scaling.grid import write_ds_config
+    from swbert.scaling.measure import pretrain_args
+    from swbert.scaling.study import StudyConfig, emit_slurm
+    from swbert.training.config import TrainConfig
+
+    point = build_grid(["tiny"], ["shared"], ["tp2-z1-sp-ac-full"])[0]
+    ds = write_ds_config(point.layout, tmp_path / "ds")
+    args = pretrain_args(point, ds, tmp_path / "run", steps=3, dp=1)
+    train = cli.build_config(TrainConfig, None, args)
+    assert train.tensor_parallel == 2 and train.sequence_parallel is True
+    assert train.activation_checkpointing == "full"
+    cfg = StudyConfig(output_dir=tmp_path / "array", sizes=["tiny"], attentions=["shared"], layouts=["tp2-z1"],
+                      sequence_parallel=[True], activation_checkpointing=["none", "full"], seq_len=63)  # fmt: skip
+    sweep, _ = emit_slurm(cfg, nodes=1, gpus_per_node=2)
+    lines = sweep.read_text().splitlines()
+    # a sequence length tensor parallelism does not divide cannot be split along the sequence
+    assert sum("does not divide --seq-len 63" in line for line in lines) == 2
+    cfg.seq_len = 64
+    sweep, _ = emit_slurm(cfg, nodes=1, gpus_per_node=2)
+    runs = [line for line in sweep.read_text().splitlines() if not line.startswith("#")]
+    assert [r.split("--sequence-parallel ")[1] for r in runs] == ["true --activation-checkpointing none",
+                                                                  "true --activation-checkpointing full"]  # fmt: skip
+
+
+def test_checkpointing_and_sequence_parallelism_let_a_point_fit():
+    """The estimate that prunes layouts counts how activations are kept: a point that does not fit a
+    GPU without checkpointing fits with it; sequence parallelism shrinks it at tp2."""
+    from swbert.scaling.measure import GIB, Hardware
+
+    grid = build_grid(
+        ["large"], ["shared"], ["z1"], seq_len=512, micro_batch=32, checkpointing=["none", "full"]
+    )
+    plain, full = (estimate(p, 8, vocab_size=30720) for p in grid)
+    assert full["mem_activations_gib"] < plain["mem_activations_gib"] / 5
+    gpu = Hardware("cuda", 1, device_bytes=(full["mem_device_gib"] + 1) / 0.9 * GIB, host_bytes=1e12)
+    assert gpu.fits(full) is None
+    assert "per GPU" in gpu.fits(plain)
+    sp = estimate(build_grid(["base"], ["shared"], ["tp2-z1-sp"])[0], 8, vocab_size=30720)
+    tp = estimate(build_grid(["base"], ["shared"], ["tp2-z1"])[0], 8, vocab_size=30720)
+    assert sp["mem_activations_gib"] < tp["mem_activations_gib"]
 
 
 def test_generated_deepspeed_configs_are_filled_by_the_trainer(tmp_path):

@@ -1,15 +1,20 @@
 """The scaling grid: sizes x attention variants x parallel layouts, and each point's closed forms.
 
+A layout is a ZeRO stage with tensor parallelism and offload, and how activations are kept:
+sequence parallelism and activation checkpointing (from the layout's name, or crossed with every
+layout by `--sequence-parallel` and `--activation-checkpointing`).
+
 For every point: parameters (total and per tensor-parallel rank), training FLOPs per token, the
 compute-optimal token budget (Hoffmann et al., 2022: about 20 tokens per parameter), model-state
 memory per rank for the point's layout and for every ZeRO stage, DeepSpeed's own estimate, and
-an activation estimate.
+the activation estimate for the layout's sequence parallelism and checkpointing.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -18,11 +23,11 @@ from swbert.models.attention import attention_types
 from swbert.models.config import SIZES, SWBertConfig
 from swbert.models.flops import masked_lm_flops, masked_lm_params
 from swbert.models.plugins import load_installed
+from swbert.scaling.activations import Checkpointing, activation_memory
 from swbert.scaling.memory import (
     GIB,
     Layout,
     Precision,
-    activation_bytes,
     deepspeed_estimate,
     model_state_bytes,
     params_per_rank,
@@ -95,6 +100,14 @@ def write_ds_config(layout: Layout, folder: Path, nvme_path: Path | None = None)
     return path
 
 
+def activation_args(layout: Layout) -> list[str]:
+    """The `launchers/pretrain.py` flags that keep activations as `layout` says."""
+    return [
+        "--sequence-parallel", str(layout.sequence_parallel).lower(),
+        "--activation-checkpointing", layout.checkpointing,
+    ]  # fmt: skip
+
+
 @dataclass(frozen=True)
 class GridPoint:
     """One point of the study: model size, attention variant, layout and the batch shape."""
@@ -119,6 +132,28 @@ class GridPoint:
         )
 
 
+def expand_layouts(
+    layouts: Sequence[str],
+    sequence_parallel: Sequence[bool] = (False,),
+    checkpointing: Sequence[Checkpointing] = ("none",),
+) -> list[Layout]:
+    """Every layout name with every value of `sequence_parallel` and `checkpointing` (`--sequence-parallel`,
+    `--activation-checkpointing`), in that order and each once; a name that says `-sp` or `-ac-MODE`
+    keeps its own. A combination the trainer refuses (sequence parallelism without tensor
+    parallelism, selective checkpointing with it) is an error that names the flag."""
+    out: list[Layout] = []
+    for text in layouts:
+        for sp in sequence_parallel:
+            for mode in checkpointing:
+                try:
+                    layout = Layout.parse(text, sp, mode)
+                except ValueError as err:
+                    raise ValueError(f"--layouts {text}: {err}") from None
+                if layout not in out:
+                    out.append(layout)
+    return out
+
+
 def build_grid(
     sizes: list[str],
     attentions: list[str],
@@ -126,8 +161,11 @@ def build_grid(
     seq_len: int = 128,
     micro_batch: int = 8,
     precision: Precision = "bf16",
+    sequence_parallel: Sequence[bool] = (False,),
+    checkpointing: Sequence[Checkpointing] = ("none",),
 ) -> list[GridPoint]:
-    """All combinations, sizes outermost; unknown names are errors that list the known ones."""
+    """All combinations, sizes outermost; unknown names are errors that list the known ones.
+    `sequence_parallel` and `checkpointing` are crossed with the layouts (`expand_layouts`)."""
     for size in sizes:
         if size not in SIZES:
             raise ValueError(f"unknown size {size!r} (--sizes); known: {', '.join(SIZES)}")
@@ -137,7 +175,7 @@ def build_grid(
             raise ValueError(
                 f"unknown attention {attention!r} (--attention); known: {', '.join(attention_types())}"
             )
-    parsed = [Layout.parse(text) for text in layouts]
+    parsed = expand_layouts(layouts, sequence_parallel, checkpointing)
     return [
         GridPoint(size, attention, layout, seq_len, micro_batch, precision)
         for size in sizes
@@ -152,7 +190,9 @@ def estimate(
     vocab_size: int = BERT_VOCAB,
     fused_attention: bool = True,
 ) -> dict[str, Any]:
-    """The closed-form figures of one point on `gpus` devices (data-parallel size gpus / tp)."""
+    """The closed-form figures of one point on `gpus` devices (data-parallel size gpus / tp).
+
+    `fused_attention`: count the activations a GPU keeps (False: a CPU's; see `activation_memory`)."""
     layout = point.layout
     if gpus % layout.tp:
         raise ValueError(f"{point.name}: {gpus} GPUs are not divisible by tensor-parallel size {layout.tp}")
@@ -162,9 +202,17 @@ def estimate(
     flops = masked_lm_flops(config, point.seq_len).training
     settings = zero_config_values(ds_config_for(layout))
     states = model_state_bytes(config, layout, dp, point.precision, **settings)
-    acts = activation_bytes(
-        config, point.seq_len, point.micro_batch, point.precision, layout.tp, fused_attention
+    acts_by_part = activation_memory(
+        config,
+        point.seq_len,
+        point.micro_batch,
+        point.precision,
+        layout.tp,
+        layout.sequence_parallel,
+        layout.checkpointing,
+        device="gpu" if fused_attention else "cpu",
     )
+    acts = acts_by_part.peak  # kept for the backward, plus one block recomputed
     tokens = TOKENS_PER_PARAM * params
     row: dict[str, Any] = {
         "name": point.name,
@@ -174,6 +222,8 @@ def estimate(
         "tp": layout.tp,
         "zero": layout.zero,
         "offload": layout.offload,
+        "sequence_parallel": layout.sequence_parallel,
+        "activation_checkpointing": layout.checkpointing,
         "gpus": gpus,
         "dp": dp,
         "vocab_size": vocab_size,
@@ -187,6 +237,8 @@ def estimate(
         "mem_optimizer_gib": (states.master + states.optimizer) / GIB,
         "mem_buffers_gib": states.buffers / GIB,
         "mem_activations_gib": acts / GIB,
+        "mem_activations_kept_gib": acts_by_part.kept / GIB,
+        "mem_recompute_gib": acts_by_part.recompute / GIB,
         "mem_device_gib": (states.device + acts) / GIB,
         "mem_host_gib": states.host / GIB,
         "disk_gib": states.disk / GIB,

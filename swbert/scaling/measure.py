@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 
 from swbert.launchers import launcher_path
-from swbert.scaling.grid import GridPoint
+from swbert.scaling.grid import GridPoint, activation_args
 from swbert.scaling.memory import GIB
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout, when run from one
@@ -189,6 +189,7 @@ def pretrain_args(point: GridPoint, ds_config: Path, output_dir: Path, steps: in
         "--progress-bar", "false",
         "--resume", "none",
         "--output-dir", str(output_dir),
+        *activation_args(point.layout),
     ]  # fmt: skip
 
 

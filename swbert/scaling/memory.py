@@ -1,8 +1,8 @@
 """Closed-form memory per rank: model states by ZeRO stage (with offload and tensor parallelism),
-DeepSpeed's own estimators, and an activation estimate.
+DeepSpeed's own estimators, and the activation estimate (`swbert.scaling.activations`).
 
 Model states follow the tensors a DeepSpeed engine holds after `backward` (measured tensor by
-tensor in tests/test_scaling_memory.py). With p = 2 (bf16/fp16) or 4 (fp32) bytes per parameter,
+tensor in tests/test_scaling.py). With p = 2 (bf16/fp16) or 4 (fp32) bytes per parameter,
 N parameters per model-parallel rank and G data-parallel ranks, bytes per parameter are
 
     stage 0   p params + p grads + 4 fp32 master (mixed precision only) + 8 Adam (m, v)
@@ -35,8 +35,14 @@ import torch
 from swbert.models.attention import attention_class
 from swbert.models.config import SWBertConfig
 from swbert.models.modeling import SWBertForMaskedLM
+from swbert.scaling.activations import (
+    Checkpointing,
+    Precision,
+    activation_memory,
+    check_activation_layout,
+    element_bytes,
+)
 
-Precision = Literal["fp32", "bf16", "fp16"]
 Offload = Literal["none", "optimizer", "params"]
 OffloadDevice = Literal["cpu", "nvme"]
 
@@ -70,12 +76,20 @@ def model_tensors(config: SWBertConfig) -> list[ParamTensor]:
     # warnings), which the rest of these closed forms never need
     from swbert.parallel.plan import partition_dim
 
-    with torch.device("meta"):
-        model = SWBertForMaskedLM(config)
-    return [
-        ParamTensor(name, p.numel(), partition_dim(name, config) is not None)
-        for name, p in model.named_parameters()  # unique parameters: the tied decoder weight once
-    ]
+    # a grid asks for the same model many times (per layout, per ZeRO stage): build it once; the
+    # class is part of the key, since a variant's name can be registered to another class
+    key = (config.to_json_string(use_diff=False), attention_class(config.attention_type))
+    if key not in _TENSORS:
+        with torch.device("meta"):
+            model = SWBertForMaskedLM(config)
+        _TENSORS[key] = [
+            ParamTensor(name, p.numel(), partition_dim(name, config) is not None)
+            for name, p in model.named_parameters()  # unique parameters: the tied decoder weight once
+        ]
+    return list(_TENSORS[key])
+
+
+_TENSORS: dict[tuple[str, type], list[ParamTensor]] = {}
 
 
 def rank_tensor_sizes(config: SWBertConfig, tp: int = 1) -> list[int]:
@@ -93,12 +107,15 @@ def params_per_rank(config: SWBertConfig, tp: int = 1) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """A parallel layout: tensor-parallel size, ZeRO stage, what is offloaded and where to."""
+    """A parallel layout: tensor-parallel size, ZeRO stage, what is offloaded and where to, and how
+    activations are kept (sequence parallelism, activation checkpointing)."""
 
     tp: int = 1
     zero: int = 0
     offload: Offload = "none"
     device: OffloadDevice = "cpu"  # where offloaded states go: host memory or NVMe
+    sequence_parallel: bool = False  # activations between the tensor-parallel regions split by tp
+    checkpointing: Checkpointing = "none"  # activation checkpointing per block: none, full, selective
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -111,27 +128,45 @@ class Layout:
             raise ValueError("parameter offload needs ZeRO stage 3")
         if self.device == "nvme" and self.zero != 3:
             raise ValueError("NVMe offload needs ZeRO stage 3")
+        check_activation_layout(self.tp, self.sequence_parallel, self.checkpointing)
 
     @property
     def name(self) -> str:
         suffix = {"none": "", "optimizer": "-offload", "params": "-offload-params"}[self.offload]
-        return f"tp{self.tp}-z{self.zero}{suffix}" + ("-nvme" if self.device == "nvme" else "")
+        suffix += "-nvme" if self.device == "nvme" else ""
+        suffix += "-sp" if self.sequence_parallel else ""
+        suffix += "" if self.checkpointing == "none" else f"-ac-{self.checkpointing}"
+        return f"tp{self.tp}-z{self.zero}{suffix}"
 
     @classmethod
-    def parse(cls, text: str) -> Layout:
-        """`tp2-z1`, `z3-offload`, `tp1-z3-offload-params`, `z3-offload-params-nvme` (tp1 by default)."""
+    def parse(
+        cls, text: str, sequence_parallel: bool = False, checkpointing: Checkpointing = "none"
+    ) -> Layout:
+        """`tp2-z1`, `z3-offload`, `tp1-z3-offload-params`, `z3-offload-params-nvme` (tp1 by default),
+        optionally with `-sp` (sequence parallelism) and `-ac-full` or `-ac-selective` (activation
+        checkpointing), which the name then fixes; otherwise `sequence_parallel` and `checkpointing`."""
         match = re.fullmatch(
-            r"(?:tp(\d+)-?)?z([0-3])(-offload(?:-params)?)?(-nvme)?(?:-tp(\d+))?", text.strip()
+            r"(?:tp(\d+)-?)?z([0-3])(-offload(?:-params)?)?(-nvme)?(?:-tp(\d+))?"
+            r"(-sp)?(?:-ac-(none|full|selective))?",
+            text.strip(),
         )
         if not match or (match.group(4) and not match.group(3)):
             raise ValueError(
-                f"layout {text!r} is not like tp2-z1, z2, z3-offload, z3-offload-params or "
-                "z3-offload-params-nvme (tensor-parallel size, ZeRO stage, what is offloaded, where to)"
+                f"layout {text!r} is not like tp2-z1, z2, z3-offload, z3-offload-params, z3-offload-params-nvme, "
+                "tp2-z1-sp or z1-ac-full (tensor-parallel size, ZeRO stage, what is offloaded, where to, "
+                "sequence parallelism, activation checkpointing)"
             )
         tp = int(match.group(1) or match.group(5) or 1)
         offload = {None: "none", "-offload": "optimizer", "-offload-params": "params"}[match.group(3)]
         device = "nvme" if match.group(4) else "cpu"
-        return cls(tp=tp, zero=int(match.group(2)), offload=offload, device=device)  # type: ignore[arg-type]
+        return cls(
+            tp=tp,
+            zero=int(match.group(2)),
+            offload=offload,  # type: ignore[arg-type]
+            device=device,  # type: ignore[arg-type]
+            sequence_parallel=bool(match.group(6)) or sequence_parallel,
+            checkpointing=match.group(7) or checkpointing,  # type: ignore[arg-type]
+        )
 
 
 @dataclass(frozen=True)
@@ -153,7 +188,7 @@ class StateMemory:
 
 
 def param_bytes(precision: Precision) -> int:
-    return 4 if precision == "fp32" else 2
+    return element_bytes(precision)
 
 
 def model_state_bytes(
@@ -230,13 +265,6 @@ def deepspeed_estimate(config: SWBertConfig, layout: Layout, dp: int) -> tuple[f
     return None
 
 
-# Activation bytes per token per layer, in units of the hidden size at 16-bit precision, stored for
-# backward without recomputation (Korthikanti et al., 2022: 34 for BERT/GPT attention + MLP, of
-# which 10 stay whole under tensor parallelism; Q, K and V are 6 of them). The variants differ in
-# what attention keeps; each class says how many units (`SelfAttention.activation_units`).
-REPLICATED_UNITS = 10  # layer-norm inputs and dropout masks that tensor parallelism does not split
-
-
 def activation_bytes(
     config: SWBertConfig,
     seq_len: int,
@@ -245,24 +273,27 @@ def activation_bytes(
     tp: int = 1,
     fused_attention: bool = True,
     predicted_fraction: float = 0.15,
+    sequence_parallel: bool = False,
+    checkpointing: Checkpointing = "none",
 ) -> float:
-    """Estimated activation bytes of one rank for one micro-batch (no activation checkpointing).
+    """Activation bytes one rank needs for one micro-batch: what the forward keeps for the backward
+    plus, under activation checkpointing, one block being recomputed (`swbert.scaling.activations`).
 
-    `fused_attention`: a flash / memory-efficient kernel keeps no S x S score matrices (GPU); the
-    math kernel (CPU, or dropout on attention probabilities) keeps scores, probabilities and the
-    dropout mask: 5 a s bytes per token at 16-bit.
+    `fused_attention`: the GPU's kernels (flash attention: no S x S matrices; bool dropout masks);
+    False counts what a CPU keeps (the math attention path when attention dropout is on).
     """
-    d, a, s, b = config.hidden_size, config.num_attention_heads, seq_len, micro_batch
-    scale = param_bytes(precision) / 2
-    units = attention_class(config.attention_type).activation_units
-    per_layer = s * b * d * (REPLICATED_UNITS + (units - REPLICATED_UNITS) / tp) * scale
-    if not fused_attention:
-        per_layer += 5 * a * s * s * b / tp * scale
-    embeddings = s * b * d * 2 * scale
-    predicted = predicted_fraction * s * b
-    # MLM head on the predicted positions: transform activations and fp32 logits for the loss.
-    head = predicted * (d * 8 * scale + config.padded_vocab_size * (2 * scale + 4))
-    return config.num_hidden_layers * per_layer + embeddings + head
+    memory = activation_memory(
+        config,
+        seq_len,
+        micro_batch,
+        precision,
+        tp,
+        sequence_parallel,
+        checkpointing,
+        device="gpu" if fused_attention else "cpu",
+        predictions_per_seq=max(1, round(seq_len * predicted_fraction)),
+    )
+    return memory.peak
 
 
 def zero_config_values(ds_config: dict[str, Any] | None) -> dict[str, int]:

@@ -14,9 +14,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 from swbert.models.plugins import load_plugins
-from swbert.scaling.grid import BERT_VOCAB, GridPoint, build_grid, estimate, write_ds_config
+from swbert.scaling.activations import Checkpointing
+from swbert.scaling.grid import (
+    BERT_VOCAB,
+    GridPoint,
+    activation_args,
+    build_grid,
+    estimate,
+    expand_layouts,
+    write_ds_config,
+)
 from swbert.scaling.measure import Hardware, Measurement, parse_metrics, run_point
-from swbert.scaling.memory import Layout
+from swbert.scaling.memory import Layout, Precision
 from swbert.scaling.report import plot, write_csv
 
 log = logging.getLogger("swbert.scaling")
@@ -34,8 +43,14 @@ class StudyConfig:
     attentions: list[str] = field(
         default_factory=lambda: ["standard", "shared"], metadata={"aliases": ("attention",)}
     )
-    # parallel layouts: z0..z3, tpN-zK, z3-offload (optimizer), z3-offload-params (both), ...-nvme
+    # parallel layouts: z0..z3, tpN-zK, z3-offload (optimizer), z3-offload-params (both), ...-nvme;
+    # a name may fix how activations are kept: tp2-z1-sp, z1-ac-full, tp2-z1-sp-ac-full
     layouts: list[str] = field(default_factory=lambda: ["z0", "z1", "z2", "z3", "z3-offload"])
+    # sequence parallelism for every layout not named -sp: false, true or both (true needs a tpN layout)
+    sequence_parallel: list[bool] = field(default_factory=lambda: [False])
+    # activation checkpointing for every layout not named -ac-MODE: none, full, selective, or several
+    # (selective only without tensor parallelism)
+    activation_checkpointing: list[Checkpointing] = field(default_factory=lambda: ["none"])
     seq_len: int = 128  # tokens per sequence
     micro_batch: int = 8  # sequences per rank per step
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: fp32 when measuring on CPU, else bf16
@@ -66,6 +81,22 @@ class StudyConfig:
 
     def check(self) -> None:
         load_plugins(self.plugins)
+        # the layouts the flags make, so a combination the trainer refuses stops here, before any run
+        expand_layouts(self.layouts, self.sequence_parallel, self.activation_checkpointing)
+
+
+def grid_of(cfg: StudyConfig, precision: Precision) -> list[GridPoint]:
+    """The study's grid points at `precision`."""
+    return build_grid(
+        cfg.sizes,
+        cfg.attentions,
+        cfg.layouts,
+        cfg.seq_len,
+        cfg.micro_batch,
+        precision,
+        cfg.sequence_parallel,
+        cfg.activation_checkpointing,
+    )
 
 
 def tracking_uri(output_dir: Path) -> str:
@@ -95,14 +126,15 @@ class Recorder:
         mlflow.set_tracking_uri(self.uri)
         mlflow.set_experiment(cfg.experiment)
         self.parent = mlflow.start_run(run_name=f"scaling-{time.strftime('%Y%m%d-%H%M%S')}")
-        spec = {k: (",".join(v) if isinstance(v, list) else str(v)) for k, v in asdict(cfg).items()}
+        spec = {k: (",".join(map(str, v)) if isinstance(v, list) else str(v)) for k, v in asdict(cfg).items()}
         mlflow.log_params(spec)
 
     def point(self, row: dict[str, Any], records: list[dict[str, Any]]) -> None:
         mlflow = self.mlflow
         with mlflow.start_run(run_name=row["name"], nested=True):
-            params = ("size", "attention", "layout", "tp", "zero", "offload", "precision", "seq_len",
-                      "micro_batch", "gpus", "dp", "vocab_size")  # fmt: skip
+            params = ("size", "attention", "layout", "tp", "zero", "offload", "sequence_parallel",
+                      "activation_checkpointing", "precision", "seq_len", "micro_batch", "gpus", "dp",
+                      "vocab_size")  # fmt: skip
             mlflow.log_params({k: row[k] for k in params if k in row})
             mlflow.set_tags({"status": row["status"], "reason": row.get("reason", "")[:5000]})
             mlflow.log_metrics(_numeric({k: v for k, v in row.items() if k not in params}))
@@ -133,7 +165,7 @@ def run_study(cfg: StudyConfig) -> list[dict[str, Any]]:
     hardware = Hardware.detect(cfg.nproc, cfg.memory_limit_gib, _nvme(cfg))
     on_cpu = hardware.accelerator == "cpu"
     precision = cfg.precision if cfg.precision != "auto" else ("fp32" if cfg.measure and on_cpu else "bf16")
-    grid = build_grid(cfg.sizes, cfg.attentions, cfg.layouts, cfg.seq_len, cfg.micro_batch, precision)  # type: ignore[arg-type]
+    grid = grid_of(cfg, precision)  # type: ignore[arg-type]
     gpus = cfg.gpus or cfg.nproc
     data_dir, vocab = None, cfg.vocab_size or BERT_VOCAB
     if cfg.measure:
@@ -238,12 +270,17 @@ def emit_slurm(
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
     precision = cfg.precision if cfg.precision != "auto" else ("bf16" if gpus_per_node else "fp32")
-    grid = build_grid(cfg.sizes, cfg.attentions, cfg.layouts, cfg.seq_len, cfg.micro_batch, precision)  # type: ignore[arg-type]
+    grid = grid_of(cfg, precision)  # type: ignore[arg-type]
     world = nodes * max(gpus_per_node, 1)
     lines, names = [f"# scaling grid: {nodes} node(s) x {gpus_per_node} GPU(s); one line per array task"], []
     for point in grid:
         if world % point.layout.tp:
             lines.append(f"# skipped {point.name}: tensor-parallel size does not divide {world} GPUs")
+            continue
+        if point.layout.sequence_parallel and point.seq_len % point.layout.tp:
+            lines.append(
+                f"# skipped {point.name}: tensor-parallel size does not divide --seq-len {point.seq_len}"
+            )
             continue
         ds_config = write_ds_config(point.layout, out / "ds_configs", _nvme(cfg))
         dp = world // point.layout.tp
@@ -252,7 +289,7 @@ def emit_slurm(
             "--tensor-parallel", str(point.layout.tp), "--deepspeed-config", str(ds_config),
             "--seq-len", str(point.seq_len), "--micro-batch-size", str(point.micro_batch),
             "--global-batch-size", str(point.micro_batch * dp), "--precision", precision,
-            "--output-dir", str(out / "points" / point.name),
+            "--output-dir", str(out / "points" / point.name), *activation_args(point.layout),
         ]  # fmt: skip
         if any(ch.isspace() for arg in args for ch in arg):
             raise ValueError(
@@ -295,12 +332,7 @@ def collect(output_dir: Path) -> list[dict[str, Any]]:
     cfg = StudyConfig(**{**study, "output_dir": output_dir})
     cfg.check()  # the plugins the grid was written with
     world = spec["nodes"] * max(spec["gpus_per_node"], 1)
-    grid = {
-        p.name: p
-        for p in build_grid(
-            cfg.sizes, cfg.attentions, cfg.layouts, cfg.seq_len, cfg.micro_batch, spec["precision"]
-        )
-    }
+    grid = {p.name: p for p in grid_of(cfg, spec["precision"])}
     vocab = cfg.vocab_size or _data_vocab(cfg.data_dir) or BERT_VOCAB
     recorder = Recorder(cfg)
     rows = []
