@@ -210,6 +210,7 @@ def test_a_rank_holds_one_store_connection_and_replaces_it_when_it_breaks(job):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_job_outlives_a_store_stall_longer_than_its_timeout(data_dir, tmp_path):
     """A 2-rank pretraining job under torchrun, whose agent holds the store: the agent is stopped for
     12 s, longer than the heartbeat's store timeout (10 s) and the lost-rank window

@@ -40,7 +40,9 @@ def _close(got: dict[int, dict], want: dict[int, dict], steps: range, rtol: floa
 
 
 @pytest.mark.golden
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize(
+    "stage", [pytest.param(1, marks=pytest.mark.long), pytest.param(2, marks=pytest.mark.long), 3]
+)
 def test_compiled_zero_stage_trains_and_resumes_exactly(stage, data_dir, tmp_path):
     """Killed (kill -9) after step 7 with a checkpoint at 5, then resumed: steps 6 and 7 are logged
     twice and must be equal bit for bit, and all 10 steps match the compiled golden file. Under
