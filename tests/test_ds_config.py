@@ -189,6 +189,7 @@ def test_a_lock_left_by_a_killed_fused_adam_build_is_named(tmp_path, monkeypatch
     stale = time.time() - 3600
     os.utime(lock, (stale, stale))
     with pytest.raises(
-        ValueError, match=rf"fused_adam: {lock} is the lock of a FusedAdam build that was killed"
+        ValueError,
+        match=rf"^--optimizer fused_adam: {lock} is the lock of an extension build that was killed",
     ):
         build_optimizer(torch.nn.Linear(4, 4), 1e-3, 0.01, kind="fused_adam")

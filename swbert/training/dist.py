@@ -126,6 +126,8 @@ def init_distributed(timeout_minutes: float | None = None) -> tuple[int, int, in
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if on_gpu:
         torch.cuda.set_device(local_rank)
+    else:
+        load_shm_comm()
     deepspeed.init_distributed(
         dist_backend="nccl" if on_gpu else "gloo",
         timeout=_timeout,
@@ -142,6 +144,22 @@ def init_distributed(timeout_minutes: float | None = None) -> tuple[int, int, in
 
 
 _timeout: datetime.timedelta | None = None
+
+
+def load_shm_comm() -> None:
+    """Build or load DeepSpeed's shared-memory CPU collectives before its process group does.
+
+    DeepSpeed's CPU backend JIT-loads this op in every rank at start-up; loaded here, through
+    `extensions.load_op`, a rank killed during that load cannot leave a lock that hangs every later
+    job (DeepSpeed's own load then returns the op this process already has)."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    from swbert.training.extensions import load_op
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        load_op(builder, "DeepSpeed's CPU collectives (deepspeed_shm_comm)")
 
 
 def bound_every_group() -> None:

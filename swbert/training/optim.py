@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Literal
 
 import torch
 from torch import nn
+
+from swbert.training.extensions import StaleBuildLock, load_op
 
 OptimizerKind = Literal["auto", "torch_adamw", "fused_adam", "cpu_adam"]
 Schedule = Literal["linear", "cosine", "constant"]
@@ -54,33 +54,27 @@ def build_optimizer(
         return fused_adam()(groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True)
     if kind == "cpu_adam":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.op_builder import CPUAdamBuilder
 
+        load_op(CPUAdamBuilder(), "--optimizer cpu_adam")
         return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, eps=eps, adamw_mode=True)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=on_gpu)
-
-
-STALE_BUILD_S = 600  # a FusedAdam build takes 1-2 minutes; a lock older than this was left behind
 
 
 def fused_adam() -> type[torch.optim.Optimizer]:
     """DeepSpeed's FusedAdam class with its op built (or loaded from the extension cache).
 
     The op is compiled with nvcc at first use, by every rank at once: without a CUDA toolkit
-    matching torch's CUDA each rank fails with pages of compiler output, and a build killed midway
-    leaves a lock file that makes every later job wait on it forever. Both become one error that
-    names the fix."""
+    matching torch's CUDA each rank fails with pages of compiler output. That becomes one error that
+    names the fix; a build killed midway is handled by `extensions.load_op`."""
     instead = "or run with --optimizer torch_adamw (torch's fused AdamW: nothing to build)"
-    lock = _fused_adam_lock()
-    if lock is not None and time.time() - lock.stat().st_mtime > STALE_BUILD_S:
-        raise ValueError(
-            f"--optimizer fused_adam: {lock} is the lock of a FusedAdam build that was killed midway, "
-            f"and every job would wait on it forever; delete it, {instead}"
-        )
     try:
         from deepspeed.ops.adam import FusedAdam
         from deepspeed.ops.op_builder import FusedAdamBuilder
 
-        FusedAdamBuilder().load(verbose=False)
+        load_op(FusedAdamBuilder(), "--optimizer fused_adam")
+    except StaleBuildLock as err:
+        raise ValueError(f"{err}, {instead}") from None
     except Exception as err:  # noqa: BLE001 - any import or build failure is reported the same way
         cause = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
         needs = (
@@ -93,17 +87,6 @@ def fused_adam() -> type[torch.optim.Optimizer]:
             f"{cause}); it is compiled at first use {needs}: install that, {instead}"
         ) from None
     return FusedAdam
-
-
-def _fused_adam_lock() -> Path | None:
-    """The lock file of FusedAdam's build folder in the extension cache, if there is one."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        lock = Path(_get_build_directory("fused_adam", verbose=False)) / "lock"
-    except Exception:  # noqa: BLE001 - a private helper of torch's: no check rather than no optimizer
-        return None
-    return lock if lock.exists() else None
 
 
 def lr_factor(

@@ -1,0 +1,79 @@
+"""JIT-built ops load under an flock: a build killed midway never hangs a later job."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from swbert.training import extensions
+from swbert.training.extensions import SIDE_FILE, StaleBuildLock, build_dir, load_op
+from tests.launch_utils import REPO, job_env
+
+
+class Builder:
+    """Stands for a DeepSpeed OpBuilder: what `load_op` needs of one is its NAME and `load`."""
+
+    NAME = "swbert_test_op"
+
+    def __init__(self):
+        self.loads = 0
+
+    def load(self, verbose: bool = False):
+        self.loads += 1
+        return "op"
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    return build_dir(Builder.NAME)  # torch makes the folder
+
+
+def test_a_lock_left_by_a_killed_swbert_build_is_removed(folder):
+    """A real process takes the flock, creates torch's lock as a build does, and is killed -9."""
+    code = (
+        "import sys, time\nfrom pathlib import Path\nfrom swbert.training.extensions import _holding\n"
+        f"folder = Path({str(folder)!r})\n"
+        f"with _holding(folder / {SIDE_FILE!r}):\n"
+        "    (folder / 'lock').touch()\n    print('building', flush=True)\n    time.sleep(120)\n"
+    )
+    env = job_env(TORCH_EXTENSIONS_DIR=os.environ["TORCH_EXTENSIONS_DIR"])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "building"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    builder = Builder()
+    started = time.monotonic()
+    assert load_op(builder, "--optimizer test") == "op"
+    assert time.monotonic() - started < 5 and builder.loads == 1
+    assert not (folder / "lock").exists()
+
+
+def test_a_build_in_progress_elsewhere_is_waited_for(folder):
+    """A lock no swbert process made (another program building now) is waited for, not removed."""
+    (folder / "lock").touch()
+    builder = Builder()
+    timer = threading.Timer(1.5, (folder / "lock").unlink)
+    timer.start()
+    started = time.monotonic()
+    assert load_op(builder, "--optimizer test") == "op"
+    timer.join()
+    assert time.monotonic() - started >= 1.4 and builder.loads == 1
+
+
+def test_an_old_lock_no_swbert_process_made_is_named(folder, monkeypatch):
+    lock = folder / "lock"
+    lock.touch()
+    old = time.time() - 2 * extensions.STALE_S
+    os.utime(lock, (old, old))
+    with pytest.raises(StaleBuildLock, match=rf"^--optimizer test: {lock} is the lock of an extension build"):
+        load_op(Builder(), "--optimizer test")
+    assert lock.exists()  # named, never removed behind a program that may still own it
