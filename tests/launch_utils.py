@@ -119,15 +119,25 @@ def launch(
     env: dict[str, str] | None = None,
     script: str = "launchers/pretrain.py",
 ) -> subprocess.CompletedProcess:
-    """Run a real multi-process job to completion; its output is returned, not raised."""
-    return subprocess.run(
+    """Run a real multi-process job to completion; its output is returned, not raised.
+
+    A job past `timeout` is killed whole (launcher and workers, as `kill_group`), so a hung test
+    leaves no orphaned rank behind to load the machine for the tests after it."""
+    proc = subprocess.Popen(
         torchrun_cmd(nproc, args, script),
         cwd=REPO,
         env=env or job_env(),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
+        start_new_session=True,
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def run_single(
