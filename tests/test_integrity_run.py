@@ -59,3 +59,65 @@ def test_a_file_system_without_locks_is_one_line_naming_the_folder(tmp_path, mon
     assert "does not support file locks" in text and "SWBERT_RUN_LOCK=off" in text
     monkeypatch.setenv("SWBERT_RUN_LOCK", "off")
     RunLock(tmp_path / "run").acquire().release()
+
+
+BAD_FLAGS = [
+    (["--eval-batches", "-1"], "eval_batches=-1 must be 0 or more"),
+    (["--train-tokens", "-100"], "train_tokens=-100 must be positive"),
+    (["--num-threads", "-1"], "num_threads=-1 must be positive"),
+    (["--grad-clip", "-1"], "grad_clip=-1.0 must be 0 or more (0 disables clipping)"),
+    (["--warmup-steps", "-5"], "warmup_steps=-5 must be 0 or more"),
+    (["--weight-decay", "-0.1"], "weight_decay=-0.1 must be 0 or more"),
+    (["--lr", "1e-3", "--min-lr", "1e-2"], "min_lr=0.01 must be between 0 and lr=0.001"),
+    (["--adam-beta2", "1.5"], "adam_beta2=1.5 must be in [0, 1)"),
+    (["--seq-len", "100000"], "seq_len=100000 with micro_batch_size=4 needs at least"),
+]
+
+
+def test_every_bad_value_is_one_line_and_exit_2_before_any_process_group(tmp_path, capsys):
+    """Each used to be accepted (and trained wrong, or nothing) or to end in a deep traceback."""
+    from tests.test_pretrain import refused, tiny_args
+
+    for extra, message in BAD_FLAGS:
+        err = refused(tiny_args(tmp_path, tmp_path / "run", *extra), capsys)
+        assert message in err and err.count("\n") == 1, (extra, err)
+
+
+RECIPES = [
+    (
+        "wrong_type.yaml",
+        "size: tiny\nlr: [1, 2]\n",
+        ", line 2, key 'lr': lr=[1, 2] is a list, expected a number",
+    ),
+    ("syntax.yaml", "size: tiny\nlr: 1\n  x: [\n", ", line 3: not valid YAML"),
+    (
+        "negative.yaml",
+        "size: tiny\n\nwarmup_steps: -5\n",
+        ", line 3, key 'warmup_steps': warmup_steps=-5 must be",
+    ),
+    ("syntax.toml", 'size = "tiny"\nlr = \n', ": not valid TOML (Invalid value (at line 2"),
+    ("binary.yaml", bytes(range(256)) * 4, " is not a text file"),
+]
+
+
+@pytest.mark.parametrize(("name", "text", "message"), RECIPES, ids=[r[0] for r in RECIPES])
+def test_a_bad_recipe_names_its_file_line_and_key(name, text, message, tmp_path, capsys):
+    from tests.test_pretrain import refused, tiny_args
+
+    recipe = tmp_path / name
+    recipe.write_bytes(text if isinstance(text, bytes) else text.encode())
+    args = tiny_args(tmp_path, tmp_path / "run")
+    err = refused([*args, "--config", str(recipe)], capsys)  # the last --config wins
+    assert f"error: recipe {recipe}{message}" in err and err.count("\n") == 1, err
+
+
+def test_eval_batches_0_logs_no_validation():
+    """It used to log val_loss 0.0 and perplexity 1.0 (a loss over no tokens) at every evaluation."""
+    from types import SimpleNamespace
+
+    from swbert.training.config import TrainConfig
+    from swbert.training.trainer import Trainer
+
+    trainer = Trainer(TrainConfig(eval_batches=0))
+    trainer.data = SimpleNamespace(has_valid=True)
+    assert trainer.evaluate() == {}

@@ -225,7 +225,9 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        if not self.data.has_valid:
+        """Validation loss, perplexity and accuracy; nothing without a validation split or with
+        `eval_batches` 0 (a loss over no tokens would read 0.0, perplexity 1.0)."""
+        if not self.data.has_valid or self.config.eval_batches == 0:
             return {}
         self.engine.eval()
         counts = Counts.zeros(self.device)
