@@ -38,7 +38,7 @@ from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.config import SIZES
 from swbert.models.flops import masked_lm_params
 from swbert.training import checkpoint as ckpt
-from swbert.training.config import TrainConfig, dump_config
+from swbert.training.config import OPTIMIZER_SETTINGS, TrainConfig, dump_config
 from swbert.training.data import TrainingData, prepare_data, resolve_num_workers
 from swbert.training.dist import (
     bound_every_group,
@@ -54,7 +54,7 @@ from swbert.training.ds_config import (
     zero_stage,
 )
 from swbert.training.metrics import MetricsLogger
-from swbert.training.optim import build_optimizer, build_scheduler
+from swbert.training.optim import build_optimizer, build_scheduler, resolve_optimizer
 from swbert.training.runlock import RunLock
 from swbert.training.wrappers import wrap_model
 
@@ -241,6 +241,10 @@ def run_record(
             "zero_stage": plan.zero_stage,
             "data_parallel": plan.dims.dp_size,
             "max_predictions_per_seq": data.max_predictions_per_seq,
+            # the optimizer: its kind cannot change (its state has another form); the rest is
+            # applied to the restored optimizer when --allow-resume-change names it
+            "optimizer": resolve_optimizer(cfg.optimizer, offloads_optimizer(plan.ds_config)),
+            **{k: getattr(cfg, k) for k in OPTIMIZER_SETTINGS},
         },
     }
 

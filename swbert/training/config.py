@@ -35,6 +35,17 @@ def ds_config_dirs() -> list[Path]:
     return [d for d in candidates if d.is_dir() and any(d.glob("*.json"))]
 
 
+# The optimizer's settings a checkpoint records (see build.run_record and optim.apply_hyperparameters).
+OPTIMIZER_SETTINGS = (
+    "lr",
+    "min_lr",
+    "lr_schedule",
+    "warmup_steps",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
+)
 # Settings a checkpoint records that `--allow-resume-change` may override (see checkpoint.py).
 RESUME_CHANGEABLE = (
     "data",
@@ -44,6 +55,7 @@ RESUME_CHANGEABLE = (
     "max_predictions_per_seq",
     "global_batch_size",
     "precision",
+    *OPTIMIZER_SETTINGS,  # applied to the restored optimizer and schedule (trainer._maybe_resume)
 )
 
 
@@ -125,7 +137,9 @@ class TrainConfig:
     # auto = on for CPU runs in eager mode; off = exactly the model path a GPU runs; on = required
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
     # what a resume may change on purpose (comma-separated): data, seed, seq_len, mlm_probability,
-    # max_predictions_per_seq, global_batch_size, precision; a change of any other recorded setting is refused
+    # max_predictions_per_seq, global_batch_size, precision, and the optimizer's lr, min_lr,
+    # lr_schedule, warmup_steps, weight_decay, adam_beta1, adam_beta2, adam_eps (applied to the
+    # restored optimizer); a change of any other recorded setting (the optimizer kind too) is refused
     allow_resume_change: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
