@@ -19,7 +19,7 @@ import torch
 from swbert.logs import status
 from swbert.training import checkpoint as ckpt
 from swbert.training.faults import kill_point
-from swbert.training.metrics import memory_gib
+from swbert.training.metrics import MetricsWriteError, memory_gib
 
 if TYPE_CHECKING:
     from swbert.training.trainer import Trainer
@@ -126,6 +126,7 @@ class Loop:
                 last_saved = t._checkpoint_now(last_saved)
                 status.info("pre-empted: checkpoint saved at step %d", t.step)
                 return "KILLED", last_saved
+        t.stop_if_a_write_failed()  # the last logged step has no next step to agree in
         return "FINISHED", t._checkpoint_now(last_saved)
 
     def account(self, result: StepResult) -> None:
@@ -191,7 +192,10 @@ class Loop:
         if t.step % t.config.eval_interval == 0 or t.step == t.total_steps:
             record.update(t.evaluate())  # before the next window starts: not counted as training time
         if t.metrics is not None:
-            t.metrics.log(t.step, record)
+            try:
+                t.metrics.log(t.step, record)
+            except MetricsWriteError as err:  # every rank stops at the next agreement (`Trainer._agree`)
+                t.write_failure = str(err)
         if math.isfinite(record["loss"]):
             self.last_logged = {"step": t.step, **record}
             self.first_logged = self.first_logged or self.last_logged

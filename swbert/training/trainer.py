@@ -32,8 +32,10 @@ from swbert.training.config import TrainConfig
 from swbert.training.dist import lost_ranks_named, stop_watching
 from swbert.training.faults import kill_point, nonfinite_faults
 from swbert.training.loop import Counts, Loop, StepResult
-from swbert.training.metrics import device_peak_tflops
+from swbert.training.metrics import MetricsWriteError, device_peak_tflops
+from swbert.training.optim import apply_hyperparameters
 from swbert.training.run_tokenizer import keep_in_run
+from swbert.training.stopping import acknowledge_at_once, acknowledgement
 
 log = logging.getLogger("swbert.train")
 
@@ -42,6 +44,8 @@ class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self.stop_signal: str | None = None
+        self.acknowledged = False  # whether a thread acknowledges stop signals (`setup`)
+        self.write_failure: str | None = None  # rank 0: metrics.jsonl could not be written
         self.folder: build.RunFolder | None = None
         self.faults = nonfinite_faults()  # a test hook: NaN/inf losses at these steps
         self.data_wait = 0.0  # seconds the loop waited for batches, since the last read
@@ -55,6 +59,8 @@ class Trainer:
         # the first step sees the flag on every rank and checkpoints
         for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        # said at once, even amid a long step (the handler itself runs only when the step yields)
+        self.acknowledged = acknowledge_at_once((signal.SIGUSR1, signal.SIGTERM))
         self.folder = folder = build.open_run_folder(cfg)
         self.output_dir, self.run_name, self.ckpt_root = folder.output_dir, folder.run_name, folder.ckpt_root
         plan = self.plan = build.plan_run(cfg)
@@ -104,6 +110,23 @@ class Trainer:
         self.step, self.samples_consumed = state["step"], state["samples_consumed"]
         self.skipped_total = state.get("skipped_total", 0)  # saved since checkpoint format 2
         status.info("resumed from %s at step %d", load_dir / tag, self.step)
+        self._apply_optimizer_settings(tag)
+
+    def _apply_optimizer_settings(self, tag: str) -> None:
+        """The config's optimizer settings, in effect from the first resumed step: the checkpoint
+        restored the saved ones. A change was refused at start unless --allow-resume-change named
+        it (checkpoints that record them); it is logged and tagged in MLflow."""
+        cfg = self.config
+        betas = (cfg.adam_beta1, cfg.adam_beta2)
+        changes = apply_hyperparameters(
+            self.engine.optimizer, self.scheduler, cfg.lr, cfg.weight_decay, betas, cfg.adam_eps
+        )
+        if not changes:
+            return
+        if self.is_main:
+            log.warning("resume applies %s to the restored optimizer", "; ".join(changes))
+        if self.metrics is not None:
+            self.metrics.tag(f"resume_applied.{tag}", "; ".join(changes))
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         """Checkpoint at the end of this step and stop (every rank agrees on it at the step's end).
@@ -117,6 +140,8 @@ class Trainer:
                 b"Ctrl-C: checkpointing at the end of this step, then stopping "
                 b"(Ctrl-C again stops at once, without that checkpoint)\n",
             )
+        elif not self.acknowledged:
+            os.write(2, acknowledgement(signum).encode())
         self.stop_signal = self.stop_signal or signal.Signals(signum).name
 
     # ---- one step -----------------------------------------------------------------------------
@@ -207,12 +232,33 @@ class Trainer:
         # torch.full, not torch.tensor: a tensor built from host data is copied to the device, and on
         # a GPU that copy waits for every kernel queued before it (a second sync in the step)
         stop = torch.full((), 1.0 if self.stop_signal else 0.0, device=self.device)
-        flags = torch.stack([stop, loss_bad.float(), grads_bad.to(self.device)])
+        failed = torch.full((), 1.0 if self.write_failure else 0.0, device=self.device)
+        flags = torch.stack([stop, loss_bad.float(), grads_bad.to(self.device), failed])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop_any, loss_any, grads_any = (v > 0 for v in flags.tolist())
+        stop_any, loss_any, grads_any, failed_any = (v > 0 for v in flags.tolist())
+        if failed_any:
+            self._raise_write_failure()
         if self.guard is not None:
             self.guard.overflow = loss_any or grads_any
         return stop_any, loss_any or grads_any
+
+    def stop_if_a_write_failed(self) -> None:
+        """Collective: raise on every rank if rank 0 could not write metrics.jsonl (one all-reduce)."""
+        failed = torch.full((), 1.0 if self.write_failure else 0.0, device=self.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item() > 0:
+            self._raise_write_failure()
+
+    def _raise_write_failure(self) -> None:
+        """Every rank raises rank 0's message (a full disk between saves), before this step's
+        update, instead of rank 0 dying alone and the others naming it as lost."""
+        message = [self.write_failure]
+        dist.broadcast_object_list(message, src=0)
+        newest = ckpt.newest_complete(self.ckpt_root)
+        raise MetricsWriteError(
+            f"stopping at step {self.step + 1} on every rank: {message[0]}. Free space there, then "
+            f"restart with --resume auto: it continues from {newest or 'step 0'}"
+        )
 
     def _all_reduce(self, counts: Counts, also: torch.Tensor | None = None) -> list[float]:
         """Counts summed over the data-parallel ranks, read on the host (log intervals only) in one
