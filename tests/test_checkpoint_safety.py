@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import signal
 import time
 from pathlib import Path
@@ -194,8 +193,6 @@ def test_sigterm_under_torchrun_saves_and_the_run_resumes(sig, data_dir, tmp_pat
     assert "pre-empted: checkpoint saved at step " in text, text[-3000:]
     assert ("Ctrl-C: checkpointing at the end of this step" in text) == (sig == signal.SIGINT)
     assert ("SIGTERM received: checkpointing at the end of this step" in text) == (sig == signal.SIGTERM)
-    # each rank exits 75, pre-empted (torchrun itself reports any worker's non-zero status as 1)
-    assert re.search(r"exitcode\s*:\s*75", text) and not re.search(r"exitcode\s*:\s*(?!75)\d", text), text
     saved = int(text.split("pre-empted: checkpoint saved at step ")[1].split()[0])
     assert ckpt.newest_complete(out / "checkpoints") == ckpt.tag_for(saved)
     resumed = launch(2, [*args, "--resume", "auto", "--train-steps", str(saved + 2)])

@@ -208,7 +208,7 @@ def test_a_full_disk_between_saves_stops_every_rank_with_one_message(data_dir, t
     )
     assert full.returncode != 0
     error = (
-        f"error: stopping at step 4 on every rank: {out / 'metrics.jsonl'} could not be written (OSError: "
+        f"error: stopping after step 3 on every rank: {out / 'metrics.jsonl'} could not be written (OSError: "
     )
     assert full.stderr.count(error) == 2, full.stderr[-5000:]  # from each rank
     line = next(x for x in full.stderr.splitlines() if x.startswith(error))
@@ -266,3 +266,24 @@ def test_a_write_the_disk_cuts_off_leaves_metrics_whole(tmp_path):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert path.read_text() == '{"step": 1, "loss": 4.0}\n'
+
+
+def test_a_preempted_run_exits_75_distinct_from_finished_and_failed(tmp_path, capsys):
+    """A pre-empted run (checkpointed on SIGTERM/SIGUSR1) used to exit 0 like a finished one, so a
+    scheduler could not tell it needs requeueing. (The trainer's side of the stop is run for real
+    in tests/test_checkpoint_safety.py; here the launcher's mapping of its status.)"""
+    from unittest import mock
+
+    from swbert.launchers.pretrain import main
+
+    from swbert.training.stopping import PREEMPTED_EXIT
+    from tests.test_pretrain import tiny_args
+
+    assert PREEMPTED_EXIT == 75
+    with (
+        mock.patch.dict(os.environ),
+        mock.patch("swbert.training.trainer.run", return_value={"status": "KILLED"}),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            main(tiny_args(tmp_path, tmp_path / "run"))
+    assert stopped.value.code == 75

@@ -163,7 +163,9 @@ def _die_with_parent(parent_pid: int) -> None:
     rank dies, however it dies. DataLoader's own parent watchdog is not enough: after a kill -9 of
     the rank, a worker noticed it only between batches and then hung at exit, joining the feeder
     thread of a queue nobody reads, for good (it held the run's files and memory). A rank that died
-    before the request was made is caught by the parent-pid check."""
+    before the request was made is caught by the parent-pid check. (The kernel watches the thread
+    that forked the worker: start the iterator on a thread that outlives the loader, as the
+    trainer's main thread does.)"""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

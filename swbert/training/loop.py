@@ -126,7 +126,6 @@ class Loop:
                 last_saved = t._checkpoint_now(last_saved)
                 status.info("pre-empted: checkpoint saved at step %d", t.step)
                 return "KILLED", last_saved
-        t.stop_if_a_write_failed()  # the last logged step has no next step to agree in
         return "FINISHED", t._checkpoint_now(last_saved)
 
     def account(self, result: StepResult) -> None:

@@ -237,26 +237,20 @@ class Trainer:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stop_any, loss_any, grads_any, failed_any = (v > 0 for v in flags.tolist())
         if failed_any:
-            self._raise_write_failure()
+            message = [self.write_failure]
+            dist.broadcast_object_list(message, src=0)  # rank 0 writes metrics.jsonl
+            self._raise_write_failure(message[0])
         if self.guard is not None:
             self.guard.overflow = loss_any or grads_any
         return stop_any, loss_any or grads_any
 
-    def stop_if_a_write_failed(self) -> None:
-        """Collective: raise on every rank if rank 0 could not write metrics.jsonl (one all-reduce)."""
-        failed = torch.full((), 1.0 if self.write_failure else 0.0, device=self.device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item() > 0:
-            self._raise_write_failure()
-
-    def _raise_write_failure(self) -> None:
-        """Every rank raises rank 0's message (a full disk between saves), before this step's
-        update, instead of rank 0 dying alone and the others naming it as lost."""
-        message = [self.write_failure]
-        dist.broadcast_object_list(message, src=0)
+    def _raise_write_failure(self, message: str) -> None:
+        """Every rank raises rank 0's message (a full disk between saves) at the same point, before
+        an update or the last checkpoint, instead of rank 0 dying alone and the others naming it
+        as lost."""
         newest = ckpt.newest_complete(self.ckpt_root)
         raise MetricsWriteError(
-            f"stopping at step {self.step + 1} on every rank: {message[0]}. Free space there, then "
+            f"stopping after step {self.step} on every rank: {message}. Free space there, then "
             f"restart with --resume auto: it continues from {newest or 'step 0'}"
         )
 
@@ -305,8 +299,11 @@ class Trainer:
         """A complete checkpoint of the current step: the one already on disk (a finished run that
         is resumed again, or a save this run just made) is never rewritten. Rank 0 decides."""
         tag_dir = self.ckpt_root / ckpt.tag_for(self.step)
-        decision = [last_saved == tag_dir or (self.is_main and ckpt.is_complete(tag_dir))]
+        # with it, a failed write of the last logged step, which had no next step to agree in
+        decision = [last_saved == tag_dir or (self.is_main and ckpt.is_complete(tag_dir)), self.write_failure]
         dist.broadcast_object_list(decision, src=0)
+        if decision[1]:
+            self._raise_write_failure(decision[1])
         return tag_dir if decision[0] else self.save()
 
     # ---- the loop -----------------------------------------------------------------------------
