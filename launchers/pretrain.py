@@ -5,8 +5,11 @@
     deepspeed launchers/pretrain.py            # the embedded default recipe, on any machine
     torchrun --nproc_per_node 8 -m swbert.launchers.pretrain ...   # the same, as a module
 
-Run with --help for every option. Without --data-dir, the embedded default corpus is built first
-(once, under SWBERT_DATA_HOME or runs/data; every rank waits on one lock while one builds it).
+Exit status: 0 finished, 2 bad input (nothing started), 3 failed (a lost rank, a write that
+failed, non-finite steps), 75 pre-empted (SIGTERM/SIGUSR1/Ctrl-C: checkpointed, resume with
+--resume auto). Run with --help for every option. Without --data-dir, the embedded default
+corpus is built first (once, under SWBERT_DATA_HOME or runs/data; every rank waits on one lock
+while one builds it).
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ def main(argv: list[str] | None = None) -> None:
     from swbert.training.checkpoint import CheckpointSaveError
     from swbert.training.dist import LostRanks
     from swbert.training.loop import NonFiniteStop
+    from swbert.training.metrics import MetricsWriteError
     from swbert.training.runlock import RunFolderBusy
     from swbert.training.trainer import run
 
     try:
         summary = run(config)
-    except (NonFiniteStop, CheckpointSaveError, LostRanks) as err:
+    except (NonFiniteStop, CheckpointSaveError, MetricsWriteError, LostRanks) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(3)
     except (ValueError, FileNotFoundError, RunFolderBusy) as err:
@@ -44,6 +48,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     if "export_dir" in summary:
         print(closing_summary(summary), flush=True)
+    if summary.get("status") == "KILLED":  # pre-empted: checkpointed on request, not finished
+        from swbert.training.stopping import PREEMPTED_EXIT
+
+        sys.exit(PREEMPTED_EXIT)
 
 
 def hard_exit(code: int) -> None:

@@ -112,8 +112,10 @@ def parse_value(name: str, raw: Any, tp: Any, split: bool = True) -> Any:
             for x in (s.split(",") if isinstance(s, str) else [s])
         ]
         return [parse_value(name, x, item) for x in items if x != ""]
+    if raw is None and not optional:
+        raise ValueError(f"{name} has no value: give it one, or leave the key out for its default")
     if not isinstance(raw, str):
-        return float(raw) if base is float and isinstance(raw, int) and not isinstance(raw, bool) else raw
+        return _typed(name, raw, base)
     try:
         if base is bool:
             if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
@@ -130,19 +132,89 @@ def parse_value(name: str, raw: Any, tp: Any, split: bool = True) -> Any:
     return raw
 
 
-def read_recipe(path: str | Path, recipes_dir: Path | None = None) -> dict[str, Any]:
-    """A recipe file (YAML or TOML), or the name of one shipped in `recipes_dir`."""
+_TYPE_NAMES = {
+    bool: "boolean",
+    int: "whole number",
+    float: "number",
+    str: "string",
+    Path: "path",
+    list: "list",
+    dict: "mapping",
+}
+
+
+def _typed(name: str, raw: Any, base: Any) -> Any:
+    """A recipe's (already typed) value checked against the field's type: `lr: [1, 2]` or
+    `train_steps: 1.5` fails here, naming the key, instead of deep inside the run."""
+    if raw is None or base is Any or not isinstance(base, type):
+        return raw
+    if base is float and isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        return float(raw)
+    if base is Path and isinstance(raw, str):
+        return Path(raw)
+    if isinstance(raw, base) and not (isinstance(raw, bool) and base is not bool):
+        return raw
+    got = _TYPE_NAMES.get(type(raw), type(raw).__name__)
+    raise ValueError(f"{name}={raw!r} is a {got}, expected a {_TYPE_NAMES.get(base, base.__name__)}")
+
+
+def _resolve_recipe(path: str | Path, recipes_dir: Path | None) -> Path:
     p = Path(path)
     if not p.exists() and recipes_dir is not None and (recipes_dir / f"{path}.yaml").exists():
         p = recipes_dir / f"{path}.yaml"
     if not p.is_file():
         shipped = ", ".join(sorted(x.stem for x in recipes_dir.glob("*.yaml"))) if recipes_dir else "none"
         raise FileNotFoundError(f"recipe {path} not found (shipped recipes: {shipped})")
-    text = p.read_text()
-    data = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
+    return p
+
+
+def _parse_recipe(p: Path) -> tuple[Any, dict[str, int]]:
+    """A recipe file's data and the line of each top-level key (YAML; none for TOML). Syntax errors
+    and files that are not text are one ValueError naming the file (and the line when known)."""
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"recipe {p} is not a text file (not UTF-8): pass a YAML or TOML recipe") from None
+    if "\x00" in text:
+        raise ValueError(f"recipe {p} is not a text file (it holds NUL bytes): pass a YAML or TOML recipe")
+    if p.suffix == ".toml":
+        try:
+            return tomllib.loads(text), {}
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"recipe {p}: not valid TOML ({err})") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"recipe {p}{where}: not valid YAML ({problem})") from None
+    lines = {}
+    if isinstance(node, yaml.MappingNode):
+        lines = {str(k.value): k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
+    return data, lines
+
+
+def read_recipe(
+    path: str | Path, recipes_dir: Path | None = None, lines: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """A recipe file (YAML or TOML), or the name of one shipped in `recipes_dir`; `lines`, when
+    given, is filled with the line of each key (YAML), for errors that name it."""
+    p = _resolve_recipe(path, recipes_dir)
+    data, found = _parse_recipe(p)
     if not isinstance(data, dict):
         raise ValueError(f"recipe {p} must hold a mapping of config keys, got {type(data).__name__}")
+    if lines is not None:
+        lines.update(found)
     return data
+
+
+def recipe_location(recipe: str | Path, recipes_dir: Path | None, lines: dict[str, int], key: str) -> str:
+    """`recipe FILE, line N, key K` (the line when known), the prefix of an error about a value."""
+    p = _resolve_recipe(recipe, recipes_dir)
+    line = f", line {lines[key]}" if key in lines else ""
+    return f"recipe {p}{line}, key {key!r}"
 
 
 def positional_fields(cls: type) -> list[str]:
@@ -221,23 +293,43 @@ def build_config(
     """Recipe values, then `--key value` overrides, typed and checked (the instance's `check()`)."""
     hints, names = get_type_hints(cls), _aliases(cls)
     raw: dict[str, Any] = {}
+    from_recipe: dict[str, str] = {}  # field -> the recipe key that set it (not overridden)
+    lines: dict[str, int] = {}
     if recipe is not None:
-        for key, value in read_recipe(recipe, recipes_dir).items():
+        for key, value in read_recipe(recipe, recipes_dir, lines).items():
             name = names.get(key.replace("-", "_"))
             if name is None:
                 raise unknown_key(cls, key, f"recipe {recipe}")
-            raw[name] = value
-    raw.update(split_overrides(cls, overrides))
+            raw[name], from_recipe[name] = value, key
+    for name, value in split_overrides(cls, overrides).items():
+        raw[name] = value
+        from_recipe.pop(name, None)
+
+    def located(name: str | None, err: ValueError) -> ValueError:
+        """`err`, prefixed with the recipe's file, line and key when `name` came from it."""
+        if name not in from_recipe:
+            return err
+        return ValueError(f"{recipe_location(recipe, recipes_dir, lines, from_recipe[name])}: {err}")
+
     commas = {f.name: f.metadata.get("commas", True) for f in dataclasses.fields(cls)}
-    values = {name: parse_value(name, value, hints[name], commas[name]) for name, value in raw.items()}
+    values = {}
+    for name, value in raw.items():
+        try:
+            values[name] = parse_value(name, value, hints[name], commas[name])
+        except ValueError as err:
+            raise located(name, err) from None
     for f in dataclasses.fields(cls):
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if required and f.name not in values:
             raise ValueError(f"{_display(cls, f.name)} is required")
     config = cls(**values)
-    check_choices(config)
-    if hasattr(config, "check"):
-        config.check()
+    try:
+        check_choices(config)
+        if hasattr(config, "check"):
+            config.check()
+    except ValueError as err:  # a check names the field first: `name=value ...` or `name: ...`
+        named = re.match(r"^(\w+)[=:]", str(err))
+        raise located(named.group(1) if named else None, err) from None
     return config
 
 

@@ -192,6 +192,7 @@ def test_sigterm_under_torchrun_saves_and_the_run_resumes(sig, data_dir, tmp_pat
     text = log.read_text()
     assert "pre-empted: checkpoint saved at step " in text, text[-3000:]
     assert ("Ctrl-C: checkpointing at the end of this step" in text) == (sig == signal.SIGINT)
+    assert ("SIGTERM received: checkpointing at the end of this step" in text) == (sig == signal.SIGTERM)
     saved = int(text.split("pre-empted: checkpoint saved at step ")[1].split()[0])
     assert ckpt.newest_complete(out / "checkpoints") == ckpt.tag_for(saved)
     resumed = launch(2, [*args, "--resume", "auto", "--train-steps", str(saved + 2)])

@@ -215,7 +215,7 @@ def test_a_job_outlives_a_store_stall_longer_than_its_timeout(data_dir, tmp_path
     """A 2-rank pretraining job under torchrun, whose agent holds the store: the agent is stopped for
     12 s, longer than the heartbeat's store timeout (10 s) and the lost-rank window
     (SWBERT_LOST_RANK_MIN=0.1: 6 s), while the ranks train on. No rank is taken for lost in the
-    window after: the job is then pre-empted (SIGUSR1: checkpoint and stop) and ends with status 0.
+    window after: the job is then pre-empted (SIGUSR1: checkpoint and stop; each rank exits 75).
     Each rank holds two connections to the store: its process group's and its heartbeat's."""
     out = tmp_path / "run"
     args = [
@@ -244,7 +244,8 @@ def test_a_job_outlives_a_store_stall_longer_than_its_timeout(data_dir, tmp_path
 
         for rank in ranks:
             rank.send_signal(signal.SIGUSR1)
-        assert agent.wait(timeout=120) == 0, log.read_text()[-3000:]
+        # the ranks exit 75 (pre-empted), which torchrun reports as 1, as any non-zero status
+        assert agent.wait(timeout=120) == 1, log.read_text()[-3000:]
     finally:
         kill_group(agent)
     text = log.read_text()

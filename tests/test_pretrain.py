@@ -223,16 +223,23 @@ def test_bad_input_errors_name_what_to_change(data_dir, tmp_path, capsys):
     assert f"python -m swbert.parallel.convert universal {out / 'checkpoints'} NEW_DIR" in err
     err = refused(tiny_args(data_dir, out, "--allow-resume-change", "sede", "--resume", "auto"), capsys)
     assert "'sede' is not a setting a resume may change; did you mean 'seed'?" in err
+    # an optimizer setting is never silently ignored: refused, or applied; its kind cannot change
+    err = refused(tiny_args(data_dir, out, "--lr", "1e-3", "--resume", "auto"), capsys)
+    assert "lr: checkpoint 0.002 vs this run 0.001" in err and "--allow-resume-change lr" in err
+    err = refused(tiny_args(data_dir, out, "--optimizer", "cpu_adam", "--resume", "auto"), capsys)
+    assert "holds the state of --optimizer torch_adamw, which --optimizer cpu_adam cannot load" in err
     # a deliberate change proceeds, and the MLflow run records it
-    args = ["--seed", "99", "--allow-resume-change", "seed", "--resume", "auto", "--train-steps", "3"]
-    changed = run_single([*tiny_args(data_dir, out, *args), "--mlflow", "true"])  # the later --mlflow wins
+    args = ["--seed", "99", "--lr", "1e-3", "--allow-resume-change", "seed,lr", "--resume", "auto"]
+    changed = run_single([*tiny_args(data_dir, out, *args, "--train-steps", "3"), "--mlflow", "true"])
     check_ok(changed)
     assert "resume changes seed: 1234 -> 99 (--allow-resume-change)" in changed.stderr
+    assert "resume applies lr: 0.002 -> 0.001 to the restored optimizer" in changed.stderr
+    assert read_metrics(out)[3]["lr"] == pytest.approx(1e-3 * 4 / 5)  # warm-up step 4 of 5, new peak
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
     run = client.get_run((out / "mlflow_run_id").read_text().strip())
-    assert run.data.tags["resume_change.step_00000002"] == "seed: 1234 -> 99"
+    assert run.data.tags["resume_change.step_00000002"] == "seed: 1234 -> 99; lr: 0.002 -> 0.001"
     # the exit status and message of a real process
     bad = run_single(tiny_args(data_dir, tmp_path / "other", "--precision", "fp16"))
     assert bad.returncode == 2 and "fp16 needs a GPU" in bad.stderr

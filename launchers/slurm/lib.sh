@@ -242,7 +242,9 @@ swbert_job() {
         kill -0 "$SWBERT_STEP_PID" 2>/dev/null || break
     done
 
-    if grep -qs "pre-empted: checkpoint saved at step" "$SWBERT_LOG_DIR"/*-r"$restart".log; then
+    # Pre-empted: the training processes exit 75 (srun passes it on; torchrun reports it as 1, so
+    # their log line counts too).
+    if ((rc == 75)) || grep -qs "pre-empted: checkpoint saved at step" "$SWBERT_LOG_DIR"/*-r"$restart".log; then
         local max=${SWBERT_MAX_REQUEUES:-50}
         if ((restart >= max)); then
             swbert_log "checkpoint saved, but restart $restart reached SWBERT_MAX_REQUEUES=$max: not requeueing"

@@ -13,7 +13,7 @@
 #   SWBERT_LAUNCHER          torchrun (c10d rendezvous) | deepspeed (deepspeed --no_ssh) [torchrun]
 #
 # Pre-emption: this node's launcher ignores SIGUSR1 so that the signal, sent by `srun`/`scancel` to
-# every process of the step, is handled by the training processes only (they checkpoint and exit 0).
+# every process of the step, is handled by the training processes only (they checkpoint and exit 75).
 # torchrun and the deepspeed launcher would otherwise die of it and take their workers with them.
 set -euo pipefail
 

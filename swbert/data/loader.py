@@ -8,11 +8,15 @@ their order, so the stream is the same for any number of workers (0: on the call
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import math
 import os
 import signal
+import sys
 from collections.abc import Iterator
+from functools import partial
 
 import numpy as np
 import torch
@@ -151,16 +155,36 @@ def resolve_num_workers(num_workers: int, cpus: int | None = None) -> int:
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+_PR_SET_PDEATHSIG = 1  # prctl option: the signal this process gets when its parent dies
 
 
-def _leave_stop_signals_to_the_trainer(_worker_id: int) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills this worker (SIGKILL: it ignores the stop signals) the moment its
+    rank dies, however it dies. DataLoader's own parent watchdog is not enough: after a kill -9 of
+    the rank, a worker noticed it only between batches and then hung at exit, joining the feeder
+    thread of a queue nobody reads, for good (it held the run's files and memory). A rank that died
+    before the request was made is caught by the parent-pid check. (The kernel watches the thread
+    that forked the worker: start the iterator on a thread that outlives the loader, as the
+    trainer's main thread does.)"""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the DataLoader's watchdog remains
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def _leave_stop_signals_to_the_trainer(parent_pid: int | None, _worker_id: int) -> None:
     """A worker ignores SIGTERM, SIGINT and SIGUSR1: launchers (torchrun, SLURM) signal a rank's
     whole process group, and a worker that died of it would fail the rank while the trainer saves
     its pre-emption checkpoint. The trainer stops its workers when it is done; a worker whose
-    trainer is gone exits on its own (DataLoader's parent watchdog).
+    trainer is gone dies with it (`_die_with_parent`).
 
     The worker starts with these signals blocked (`_start_shielded`): one that arrived between the
     fork and here is pending, and ignoring it discards it, before the signals are unblocked."""
+    if parent_pid is not None and sys.platform.startswith("linux"):
+        _die_with_parent(parent_pid)
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
@@ -236,6 +260,8 @@ def batch_loader(
     if num_workers < 0:
         raise ValueError(f"num_workers={num_workers} must be 0 (batches on the training thread) or more")
     workers = num_workers
+    # a forkserver's workers are its children, not this process's: they keep DataLoader's watchdog
+    parent = None if multiprocessing_context == "forkserver" else os.getpid()
     dataset = MicroBatches(stream, start_sample, micro_bs, dp_rank, dp_size)
     loader = torch.utils.data.DataLoader(
         dataset,
@@ -252,6 +278,6 @@ def batch_loader(
         # the global RNG would shift the dropout masks of every later step (a resumed run starts its
         # loader at another step than the uninterrupted one). Masks do not use it: they are hashed.
         generator=torch.Generator().manual_seed(0),
-        worker_init_fn=_leave_stop_signals_to_the_trainer if workers > 0 else None,
+        worker_init_fn=partial(_leave_stop_signals_to_the_trainer, parent) if workers > 0 else None,
     )
     return BatchLoader(loader, start_sample, micro_bs * dp_size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -18,6 +19,8 @@ import numpy as np
 # report imports this module inside build_report, so importing it here makes no cycle
 from swbert.finetune.report import Table, Timing, noise_metric, variant_key
 from swbert.finetune.tasks import GLUE_TASKS, TABLE1_COLUMNS, get_task, split_label
+
+log = logging.getLogger(__name__)
 
 FIGURE2 = "figure2_pretrain_loss"
 FIGURE3 = "figure3_finetune_time"
@@ -40,12 +43,17 @@ def read_loss_curve(run_dir: Path, key: str = "loss") -> tuple[list[int], list[f
     the resume) keeps its last value, and skipped steps (a null loss) are left out."""
     by_step: dict[int, float] = {}
     path = Path(run_dir) / "metrics.jsonl"
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.splitlines()
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
+            if n == len(lines) and not text.endswith("\n"):  # torn: a run cut off while writing
+                log.warning("%s, line %d: a torn last line, left out (%.60s)", path, n, line)
+                continue
             raise ValueError(
                 f"{path}, line {n}: not JSON ({e}); is it a pretraining run's metrics.jsonl?"
             ) from e

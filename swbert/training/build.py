@@ -35,9 +35,10 @@ from swbert.cpu import keep_freed_memory, optimize_for_cpu, resolve_cpu_kernels,
 from swbert.dist import ParallelDims
 from swbert.logs import status
 from swbert.models import SWBertConfig, SWBertForMaskedLM
+from swbert.models.config import SIZES
 from swbert.models.flops import masked_lm_params
 from swbert.training import checkpoint as ckpt
-from swbert.training.config import TrainConfig, dump_config
+from swbert.training.config import OPTIMIZER_SETTINGS, TrainConfig, dump_config
 from swbert.training.data import TrainingData, prepare_data, resolve_num_workers
 from swbert.training.dist import (
     bound_every_group,
@@ -53,7 +54,7 @@ from swbert.training.ds_config import (
     zero_stage,
 )
 from swbert.training.metrics import MetricsLogger
-from swbert.training.optim import build_optimizer, build_scheduler
+from swbert.training.optim import build_optimizer, build_scheduler, resolve_optimizer
 from swbert.training.runlock import RunLock
 from swbert.training.wrappers import wrap_model
 
@@ -123,7 +124,39 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
         check_compiler(torch.device("cuda" if on_gpu else "cpu"), cfg.compile_backend)
     ds_config = pretraining_ds_config(cfg, dims.dp_size, precision)
     batch = BatchShape(*cfg.batch_layout(dims.dp_size))
+    check_sequence_fits(cfg, on_gpu, device_memory(on_gpu))
     return RunPlan(dims, on_gpu, precision, cpu_kernels, compile_model, ds_config, batch)
+
+
+def device_memory(on_gpu: bool) -> int:
+    """Bytes one rank may use: its GPU's, or the machine's memory shared by the ranks on it."""
+    if on_gpu:
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    import psutil
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")) or 1)
+    return psutil.virtual_memory().total // max(local, 1)
+
+
+def check_sequence_fits(cfg: TrainConfig, on_gpu: bool, memory: int) -> None:
+    """Refuse a sequence length whose activations of one micro-batch cannot fit in `memory`, before
+    any work: `--seq-len 100000` used to start and run for minutes without a step. A lower bound
+    only: per token and layer the block keeps at least 2d + f values; on a CPU the attention kernel
+    also holds one layer's (heads x S x S) fp32 scores (a GPU's flash kernel holds none)."""
+    shape = SIZES[cfg.size]
+    d, f, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    heads = shape["num_attention_heads"] // cfg.tensor_parallel
+    tokens = cfg.micro_batch_size * cfg.seq_len
+    need = 4 * tokens * layers * (2 * d + f)
+    if not on_gpu:
+        need += 4 * cfg.micro_batch_size * heads * cfg.seq_len**2
+    if need > memory:
+        raise ValueError(
+            f"seq_len={cfg.seq_len} with micro_batch_size={cfg.micro_batch_size} needs at least "
+            f"{need / 2**30:,.1f} GiB of activations per rank at size {cfg.size}, more than the "
+            f"{memory / 2**30:,.1f} GiB of this {'GPU' if on_gpu else 'machine (per local rank)'}; "
+            "lower --seq-len or --micro-batch-size"
+        )
 
 
 def check_compiler(device: torch.device, backend: str = "inductor") -> None:
@@ -208,6 +241,10 @@ def run_record(
             "zero_stage": plan.zero_stage,
             "data_parallel": plan.dims.dp_size,
             "max_predictions_per_seq": data.max_predictions_per_seq,
+            # the optimizer: its kind cannot change (its state has another form); the rest is
+            # applied to the restored optimizer when --allow-resume-change names it
+            "optimizer": resolve_optimizer(cfg.optimizer, offloads_optimizer(plan.ds_config)),
+            **{k: getattr(cfg, k) for k in OPTIMIZER_SETTINGS},
         },
     }
 

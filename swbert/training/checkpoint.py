@@ -507,6 +507,12 @@ def _check_run_settings(
             f"cannot reshard it as it is. Convert it first: python -m swbert.parallel.convert universal "
             f"{tag_dir.parent} NEW_DIR --tag {tag_dir.name}, then pass --resume NEW_DIR"
         )
+    if "optimizer" in changed:  # its state has another form: no flag can carry it over
+        saved_kind, kind = changed["optimizer"]
+        raise ValueError(
+            f"checkpoint {tag_dir} holds the state of --optimizer {saved_kind}, which --optimizer {kind} "
+            f"cannot load; resume with --optimizer {saved_kind}, or start a new --output-dir"
+        )
     refused = {k: v for k, v in changed.items() if k not in layout and k not in allow}
     if refused:
         what = "; ".join(f"{k}: checkpoint {a!r} vs this run {b!r}" for k, (a, b) in refused.items())

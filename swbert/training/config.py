@@ -35,6 +35,17 @@ def ds_config_dirs() -> list[Path]:
     return [d for d in candidates if d.is_dir() and any(d.glob("*.json"))]
 
 
+# The optimizer's settings a checkpoint records (see build.run_record and optim.apply_hyperparameters).
+OPTIMIZER_SETTINGS = (
+    "lr",
+    "min_lr",
+    "lr_schedule",
+    "warmup_steps",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
+)
 # Settings a checkpoint records that `--allow-resume-change` may override (see checkpoint.py).
 RESUME_CHANGEABLE = (
     "data",
@@ -44,6 +55,7 @@ RESUME_CHANGEABLE = (
     "max_predictions_per_seq",
     "global_batch_size",
     "precision",
+    *OPTIMIZER_SETTINGS,  # applied to the restored optimizer and schedule (trainer._maybe_resume)
 )
 
 
@@ -86,7 +98,7 @@ class TrainConfig:
     adam_beta1: float = 0.9  # AdamW first-moment decay
     adam_beta2: float = 0.98  # AdamW second-moment decay
     adam_eps: float = 1e-6  # AdamW denominator epsilon
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping (negative values are refused)
     # length of the run: steps, or a token budget (converted to steps)
     train_steps: int = 1000  # optimizer steps (ignored when train_tokens is set)
     train_tokens: int | None = None  # token budget, converted to steps of global_batch_size x seq_len
@@ -106,7 +118,7 @@ class TrainConfig:
     seed: int = 1234  # initial weights, data order and masks
     log_interval: int = 10  # steps between logged metrics
     eval_interval: int = 200  # steps between validations (on a logging step)
-    eval_batches: int = 10  # validation micro-batches per evaluation
+    eval_batches: int = 10  # validation micro-batches per evaluation; 0: no validation (nothing logged)
     save_interval: int = 500  # steps between checkpoints (and one at the end)
     keep_checkpoints: int = 3  # newest complete checkpoints kept on disk
     resume: str = "none"  # none | auto (newest complete checkpoint in output_dir) | a checkpoint path
@@ -125,7 +137,9 @@ class TrainConfig:
     # auto = on for CPU runs in eager mode; off = exactly the model path a GPU runs; on = required
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
     # what a resume may change on purpose (comma-separated): data, seed, seq_len, mlm_probability,
-    # max_predictions_per_seq, global_batch_size, precision; a change of any other recorded setting is refused
+    # max_predictions_per_seq, global_batch_size, precision, and the optimizer's lr, min_lr,
+    # lr_schedule, warmup_steps, weight_decay, adam_beta1, adam_beta2, adam_eps (applied to the
+    # restored optimizer); a change of any other recorded setting (the optimizer kind too) is refused
     allow_resume_change: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -139,20 +153,8 @@ class TrainConfig:
         load_plugins(self.plugins)
         attention_class(self.attention_type)  # a ValueError listing the registered variants
         cli.check_choices(self)
-        for name in (
-            "seq_len",
-            "global_batch_size",
-            "micro_batch_size",
-            "train_steps",
-            "log_interval",
-            "eval_interval",
-            "save_interval",
-            "keep_checkpoints",
-            "tensor_parallel",
-            "pad_vocab_multiple",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        self._check_counts()
+        self._check_optimisation()
         for key in self.allow_resume_change:
             if key not in RESUME_CHANGEABLE:
                 close = difflib.get_close_matches(key, RESUME_CHANGEABLE, n=1)
@@ -178,6 +180,53 @@ class TrainConfig:
             raise ValueError(
                 f"num_workers={self.num_workers} must be 0 (batches on the training thread) or more"
             )
+
+    def _check_counts(self) -> None:
+        """Counts that must be positive (None: derived or unset), and those that may be 0."""
+        for name in (
+            "seq_len",
+            "global_batch_size",
+            "micro_batch_size",
+            "train_steps",
+            "log_interval",
+            "eval_interval",
+            "save_interval",
+            "keep_checkpoints",
+            "tensor_parallel",
+            "pad_vocab_multiple",
+            "max_nonfinite_steps",
+            "grad_accum_steps",
+            "num_threads",
+        ):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name}={value} must be positive")
+        if self.train_tokens is not None and self.train_tokens <= 0:
+            raise ValueError(
+                f"train_tokens={self.train_tokens} must be positive (a token budget); leave it out to "
+                "train --train-steps steps"
+            )
+        for name in ("eval_batches", "warmup_steps"):  # 0: no validation; no warm-up
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be 0 or more")
+
+    def _check_optimisation(self) -> None:
+        """Rates and optimizer settings in the ranges where AdamW and the schedule mean something."""
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr} must be positive (the peak learning rate)")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(
+                f"min_lr={self.min_lr} must be between 0 and lr={self.lr} (the floor of the decay)"
+            )
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay={self.weight_decay} must be 0 or more")
+        if not self.grad_clip >= 0:
+            raise ValueError(f"grad_clip={self.grad_clip} must be 0 or more (0 disables clipping)")
+        if not self.adam_eps > 0:
+            raise ValueError(f"adam_eps={self.adam_eps} must be positive")
+        for name in ("adam_beta1", "adam_beta2", "hidden_dropout", "attention_dropout"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
 
     def batch_layout(self, dp_size: int) -> tuple[int, int, int]:
         """(global, micro, accumulation) for `dp_size` data-parallel ranks; errors say what to change."""

@@ -19,7 +19,7 @@ import torch
 from swbert.logs import status
 from swbert.training import checkpoint as ckpt
 from swbert.training.faults import kill_point
-from swbert.training.metrics import memory_gib
+from swbert.training.metrics import MetricsWriteError, memory_gib
 
 if TYPE_CHECKING:
     from swbert.training.trainer import Trainer
@@ -191,7 +191,10 @@ class Loop:
         if t.step % t.config.eval_interval == 0 or t.step == t.total_steps:
             record.update(t.evaluate())  # before the next window starts: not counted as training time
         if t.metrics is not None:
-            t.metrics.log(t.step, record)
+            try:
+                t.metrics.log(t.step, record)
+            except MetricsWriteError as err:  # every rank stops at the next agreement (`Trainer._agree`)
+                t.write_failure = str(err)
         if math.isfinite(record["loss"]):
             self.last_logged = {"step": t.step, **record}
             self.first_logged = self.first_logged or self.last_logged

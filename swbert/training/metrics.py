@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import queue
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -221,8 +222,41 @@ def _finite_or_none(value: Any) -> Any:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
+class MetricsWriteError(RuntimeError):
+    """metrics.jsonl could not be written (a full disk between saves); the file was left whole."""
+
+
+TORN_SUFFIX = ".torn"  # where a torn last line of metrics.jsonl is moved, never deleted
+
+
+def repair_torn_tail(path: Path) -> str | None:
+    """Cut a torn last line (no newline: a write a crash or a full disk cut off) from a JSON-lines
+    file, appending it to `<path>.torn`; returns the torn text, or None when the file was whole."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return None
+    with open(path, "rb+") as f:
+        f.seek(max(0, size - 2**20))  # a line is at most a few KiB
+        tail = f.read()
+        if not tail or tail.endswith(b"\n"):
+            return None
+        cut = tail.rfind(b"\n") + 1
+        torn = tail[cut:]
+        with open(path.with_name(path.name + TORN_SUFFIX), "ab") as aside:
+            aside.write(torn + b"\n")
+        f.truncate(size - len(torn))
+    text = torn.decode("utf-8", "replace")
+    log.warning("%s ended in a torn line (moved to %s%s): %.80s", path, path.name, TORN_SUFFIX, text)
+    return text
+
+
 class MetricsLogger:
-    """Rank 0's sink: appends JSON lines to metrics.jsonl and forwards to MLflow."""
+    """Rank 0's sink: appends JSON lines to metrics.jsonl and forwards to MLflow.
+
+    Each record is one unbuffered append; a write that fails (a full disk) is cut back, so the file
+    never holds a torn line, and raises MetricsWriteError. A torn line left by an older version or
+    a kill is repaired when the logger opens the file."""
 
     def __init__(
         self,
@@ -233,15 +267,34 @@ class MetricsLogger:
         system_metrics: bool = True,
     ) -> None:
         self.path = output_dir / "metrics.jsonl"
-        self.file = open(self.path, "a")
+        repair_torn_tail(self.path)
+        self.fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.mlflow = MLflowSink(output_dir, run_name, params, system_metrics) if use_mlflow else None
+
+    def _append(self, line: bytes) -> None:
+        """Append `line` whole or not at all: a failed write is truncated back, then raised."""
+        assert self.fd is not None, "metrics.jsonl is closed"
+        before = os.fstat(self.fd).st_size
+        try:
+            done = 0
+            while done < len(line):
+                done += os.write(self.fd, line[done:])
+        except OSError as err:
+            try:
+                os.ftruncate(self.fd, before)
+            except OSError:
+                pass  # the torn line is repaired when the run resumes
+            free = shutil.disk_usage(self.path.parent).free / 2**20
+            raise MetricsWriteError(
+                f"{self.path} could not be written ({type(err).__name__}: {err}; {free:,.0f} MiB free "
+                "there); it is kept whole"
+            ) from err
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         # strict JSON: a non-finite value (a skipped step's loss) is null, not NaN, which jq and
         # other strict readers refuse; the skipped-step counters say what happened
         record = {"step": step, **{k: _finite_or_none(v) for k, v in values.items()}}
-        self.file.write(json.dumps(record, allow_nan=False) + "\n")
-        self.file.flush()
+        self._append((json.dumps(record, allow_nan=False) + "\n").encode())
         if self.mlflow is not None:
             self.mlflow.metrics(step, {k: v for k, v in values.items() if isinstance(v, (int, float))})
 
@@ -259,6 +312,8 @@ class MetricsLogger:
             self.mlflow.log_model(export_dir)
 
     def close(self, status: str = "FINISHED") -> None:
-        self.file.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
         if self.mlflow is not None:
             self.mlflow.close(status)

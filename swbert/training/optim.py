@@ -43,8 +43,7 @@ def build_optimizer(
     torch_adamw. torch_adamw is torch's AdamW, its fused kernel on GPU (one kernel for all
     parameters, its step counts on the device: no host sync, nothing to build). fused_adam is
     DeepSpeed's FusedAdam, compiled with nvcc at first use (see `fused_adam`)."""
-    if kind == "auto":
-        kind = "cpu_adam" if offload else "torch_adamw"
+    kind = resolve_optimizer(kind, offload)
     if offload and kind != "cpu_adam":
         raise ValueError(
             f"--optimizer {kind} cannot run with ZeRO optimizer offload; use --optimizer cpu_adam (or auto)"
@@ -60,6 +59,51 @@ def build_optimizer(
         return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, eps=eps, adamw_mode=True)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=on_gpu)
 
+
+def resolve_optimizer(kind: OptimizerKind, offload: bool) -> OptimizerKind:
+    """What `auto` means: DeepSpeed's CPU Adam under ZeRO optimizer offload, else torch's AdamW."""
+    if kind == "auto":
+        return "cpu_adam" if offload else "torch_adamw"
+    return kind
+
+
+def apply_hyperparameters(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+) -> list[str]:
+    """Set the run's optimizer settings on an optimizer and schedule restored from a checkpoint;
+    returns what changed ("lr: 0.002 -> 0.001").
+
+    A checkpoint restores the optimizer's groups (betas, eps, weight decay) and the schedule's peak
+    LR (`base_lrs`) as they were saved, so a new `--lr` or `--weight-decay` given on resume was
+    silently ignored. The schedule's shape (warm-up, decay, floor) is never saved: it always comes
+    from the config. Groups are `param_groups`' order: decayed first, then the undecayed ones."""
+    changes: list[str] = []
+
+    def put(group: dict, key: str, value: object) -> None:
+        if key in group and group[key] != value:
+            changes.append(f"{key}: {group[key]!r} -> {value!r}")
+        group[key] = value
+
+    for i, group in enumerate(optimizer.param_groups):
+        put(group, "betas", tuple(betas))
+        put(group, "eps", eps)
+        if i == 0:
+            put(group, "weight_decay", weight_decay)
+        group["initial_lr"] = lr
+    old = scheduler.base_lrs
+    if any(b != lr for b in old):
+        changes.append(f"lr: {old[0]!r} -> {lr!r}")
+    scheduler.base_lrs = [lr] * len(old)
+    factors = [fn(scheduler.last_epoch) for fn in scheduler.lr_lambdas]
+    for group, factor in zip(optimizer.param_groups, factors):
+        group["lr"] = lr * factor  # in effect from the next step on
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+    return list(dict.fromkeys(changes))  # once each, not per group
 
 def fused_adam() -> type[torch.optim.Optimizer]:
     """DeepSpeed's FusedAdam class with its op built (or loaded from the extension cache).

@@ -32,8 +32,10 @@ from swbert.training.config import TrainConfig
 from swbert.training.dist import lost_ranks_named, stop_watching
 from swbert.training.faults import kill_point, nonfinite_faults
 from swbert.training.loop import Counts, Loop, StepResult
-from swbert.training.metrics import device_peak_tflops
+from swbert.training.metrics import MetricsWriteError, device_peak_tflops
+from swbert.training.optim import apply_hyperparameters
 from swbert.training.run_tokenizer import keep_in_run
+from swbert.training.stopping import acknowledge_at_once, acknowledgement
 
 log = logging.getLogger("swbert.train")
 
@@ -42,6 +44,8 @@ class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self.stop_signal: str | None = None
+        self.acknowledged = False  # whether a thread acknowledges stop signals (`setup`)
+        self.write_failure: str | None = None  # rank 0: metrics.jsonl could not be written
         self.folder: build.RunFolder | None = None
         self.faults = nonfinite_faults()  # a test hook: NaN/inf losses at these steps
         self.data_wait = 0.0  # seconds the loop waited for batches, since the last read
@@ -55,6 +59,8 @@ class Trainer:
         # the first step sees the flag on every rank and checkpoints
         for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        # said at once, even amid a long step (the handler itself runs only when the step yields)
+        self.acknowledged = acknowledge_at_once((signal.SIGUSR1, signal.SIGTERM))
         self.folder = folder = build.open_run_folder(cfg)
         self.output_dir, self.run_name, self.ckpt_root = folder.output_dir, folder.run_name, folder.ckpt_root
         plan = self.plan = build.plan_run(cfg)
@@ -104,6 +110,23 @@ class Trainer:
         self.step, self.samples_consumed = state["step"], state["samples_consumed"]
         self.skipped_total = state.get("skipped_total", 0)  # saved since checkpoint format 2
         status.info("resumed from %s at step %d", load_dir / tag, self.step)
+        self._apply_optimizer_settings(tag)
+
+    def _apply_optimizer_settings(self, tag: str) -> None:
+        """The config's optimizer settings, in effect from the first resumed step: the checkpoint
+        restored the saved ones. A change was refused at start unless --allow-resume-change named
+        it (checkpoints that record them); it is logged and tagged in MLflow."""
+        cfg = self.config
+        betas = (cfg.adam_beta1, cfg.adam_beta2)
+        changes = apply_hyperparameters(
+            self.engine.optimizer, self.scheduler, cfg.lr, cfg.weight_decay, betas, cfg.adam_eps
+        )
+        if not changes:
+            return
+        if self.is_main:
+            log.warning("resume applies %s to the restored optimizer", "; ".join(changes))
+        if self.metrics is not None:
+            self.metrics.tag(f"resume_applied.{tag}", "; ".join(changes))
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         """Checkpoint at the end of this step and stop (every rank agrees on it at the step's end).
@@ -117,6 +140,8 @@ class Trainer:
                 b"Ctrl-C: checkpointing at the end of this step, then stopping "
                 b"(Ctrl-C again stops at once, without that checkpoint)\n",
             )
+        elif not self.acknowledged:
+            os.write(2, acknowledgement(signum).encode())
         self.stop_signal = self.stop_signal or signal.Signals(signum).name
 
     # ---- one step -----------------------------------------------------------------------------
@@ -207,12 +232,27 @@ class Trainer:
         # torch.full, not torch.tensor: a tensor built from host data is copied to the device, and on
         # a GPU that copy waits for every kernel queued before it (a second sync in the step)
         stop = torch.full((), 1.0 if self.stop_signal else 0.0, device=self.device)
-        flags = torch.stack([stop, loss_bad.float(), grads_bad.to(self.device)])
+        failed = torch.full((), 1.0 if self.write_failure else 0.0, device=self.device)
+        flags = torch.stack([stop, loss_bad.float(), grads_bad.to(self.device), failed])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop_any, loss_any, grads_any = (v > 0 for v in flags.tolist())
+        stop_any, loss_any, grads_any, failed_any = (v > 0 for v in flags.tolist())
+        if failed_any:
+            message = [self.write_failure]
+            dist.broadcast_object_list(message, src=0)  # rank 0 writes metrics.jsonl
+            self._raise_write_failure(message[0])
         if self.guard is not None:
             self.guard.overflow = loss_any or grads_any
         return stop_any, loss_any or grads_any
+
+    def _raise_write_failure(self, message: str) -> None:
+        """Every rank raises rank 0's message (a full disk between saves) at the same point, before
+        an update or the last checkpoint, instead of rank 0 dying alone and the others naming it
+        as lost."""
+        newest = ckpt.newest_complete(self.ckpt_root)
+        raise MetricsWriteError(
+            f"stopping after step {self.step} on every rank: {message}. Free space there, then "
+            f"restart with --resume auto: it continues from {newest or 'step 0'}"
+        )
 
     def _all_reduce(self, counts: Counts, also: torch.Tensor | None = None) -> list[float]:
         """Counts summed over the data-parallel ranks, read on the host (log intervals only) in one
@@ -225,7 +265,9 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        if not self.data.has_valid:
+        """Validation loss, perplexity and accuracy; nothing without a validation split or with
+        `eval_batches` 0 (a loss over no tokens would read 0.0, perplexity 1.0)."""
+        if not self.data.has_valid or self.config.eval_batches == 0:
             return {}
         self.engine.eval()
         counts = Counts.zeros(self.device)
@@ -257,8 +299,11 @@ class Trainer:
         """A complete checkpoint of the current step: the one already on disk (a finished run that
         is resumed again, or a save this run just made) is never rewritten. Rank 0 decides."""
         tag_dir = self.ckpt_root / ckpt.tag_for(self.step)
-        decision = [last_saved == tag_dir or (self.is_main and ckpt.is_complete(tag_dir))]
+        # with it, a failed write of the last logged step, which had no next step to agree in
+        decision = [last_saved == tag_dir or (self.is_main and ckpt.is_complete(tag_dir)), self.write_failure]
         dist.broadcast_object_list(decision, src=0)
+        if decision[1]:
+            self._raise_write_failure(decision[1])
         return tag_dir if decision[0] else self.save()
 
     # ---- the loop -----------------------------------------------------------------------------
