@@ -127,3 +127,92 @@ def test_a_pretraining_job_refuses_corrupt_shards(data_copy: Path, tmp_path: Pat
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
     assert str(path.resolve()) in errors[0] and "python -m data_prep.verify" in errors[0]
     assert not (tmp_path / "run" / "checkpoints" / "step_00000002").exists()
+
+
+# ---- data bad input, named -------------------------------------------------------------------
+
+
+def test_a_damaged_index_or_manifest_names_the_shard(data_copy: Path) -> None:
+    from swbert.data import open_corpus
+
+    manifest_path = data_copy / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    idx = data_copy / f"{manifest['shards'][0]['name']}.train.idx"
+    original = idx.read_bytes()
+    header = bytearray(original)
+    header[18:26] = (1 << 40).to_bytes(8, "little")  # the sequence count: same size, far too many
+    idx.write_bytes(bytes(header))
+    with pytest.raises(ValueError, match=rf"^{idx}.*not a readable index.*data_prep.verify"):
+        open_corpus(data_copy)
+    idx.write_bytes(original)
+    shard = manifest["shards"][0]
+    shard["train"]["bin_bytes"] = "12"
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(
+        ValueError, match=rf"shard_00000.train: bin_bytes is '12'.*data_prep.verify {data_copy}"
+    ):
+        open_corpus(data_copy)
+    del shard["train"]
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="the record of shard_00000 has no 'train' split"):
+        open_corpus(data_copy)
+
+
+def test_a_data_folder_without_its_tokenizer_is_refused_with_the_fix(data_copy: Path) -> None:
+    from swbert.training.data import prepare_data
+
+    assert prepare_data(data_copy) == data_copy
+    shutil.move(data_copy / "tokenizer", data_copy.parent / "moved-tokenizer")
+    with pytest.raises(FileNotFoundError) as err:
+        prepare_data(data_copy)
+    assert f"copy that tokenizer folder to {data_copy / 'tokenizer'}" in str(err.value)
+
+
+def _preprocess_cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    from data_prep import preprocess as preprocess_cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        preprocess_cli.cli.run_main(lambda: preprocess_cli.main(argv))
+    return exit_info.value.code, capsys.readouterr().err.strip()
+
+
+def test_input_that_is_not_utf8_is_refused_per_file_unless_asked(
+    data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    import random
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a_good.txt").write_text("plain english text here.\n" * 50 + "caf\u00e9 na\u00efve.\n")
+    (folder / "b_latin1.txt").write_bytes(
+        "un caf\u00e9 cr\u00e8me \u00e0 la fran\u00e7aise.\n".encode("latin-1") * 20
+    )
+    (folder / "c_random.txt").write_bytes(random.Random(0).randbytes(4096).replace(b"\0", b"x"))
+    base = ["--tokenizer", str(data_dir.parent / "tok"), "--workers", "1", "--no-progress", "true"]
+    code, err = _preprocess_cli(["--input", str(folder), "--output", str(tmp_path / "o1"), *base], capsys)
+    assert code == 1 and err.count("\n") == 0 and "Traceback" not in err
+    assert (
+        err.startswith(f"error: {folder / 'b_latin1.txt'}: 80 byte sequences")
+        and "--invalid-utf8 replace" in err
+    )
+    (folder / "b_latin1.txt").unlink()
+    code, err = _preprocess_cli(["--input", str(folder), "--output", str(tmp_path / "o2"), *base], capsys)
+    assert code == 1 and err.startswith(f"error: {folder / 'c_random.txt'}: ") and "not UTF-8" in err
+    argv = ["--input", str(folder), "--output", str(tmp_path / "o3"), "--invalid-utf8", "replace", *base]
+    assert _preprocess_cli(argv, capsys)[0] == 0  # explicit: read, repaired and counted
+    assert read_manifest(tmp_path / "o3")["counts"]["invalid_utf8_replaced"] > 0
+
+
+def test_output_naming_a_file_is_a_one_line_error(data_dir: Path, tmp_path: Path, capsys) -> None:
+    from data_prep import preprocess as preprocess_cli
+
+    (tmp_path / "notes.txt").write_text("some text\n")
+    argv = ["--input", str(tmp_path / "notes.txt"), "--tokenizer", str(data_dir.parent / "tok")]
+    with pytest.raises(SystemExit) as exit_info:
+        preprocess_cli.main([*argv, "--output", str(tmp_path / "notes.txt")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and err == (
+        f"error: --output {tmp_path / 'notes.txt'} is a file, not a folder: name a new (or this run's) "
+        "folder for the shards"
+    )
+    assert (tmp_path / "notes.txt").read_text() == "some text\n"
