@@ -54,8 +54,9 @@ class InputOptions:
     # field or column holding the text in .jsonl, .parquet and Hub datasets
     text_field: str = ReadOptions.text_field
     # what to do with documents holding bytes that are not UTF-8: replace them with U+FFFD or skip
-    # the document; either way they are counted in the summary
-    invalid_utf8: Literal["replace", "skip"] = ReadOptions.invalid_utf8
+    # the document; either way they are counted in the summary. Unset: replace, but refuse a file
+    # that is mostly not UTF-8 (Latin-1, binary), naming it
+    invalid_utf8: Literal["replace", "skip"] | None = None
     # JSON lines longer than this are skipped and counted, never held in memory (text lines of any
     # length are read in pieces)
     max_line_bytes: str = size_text(ReadOptions.max_line_bytes)
@@ -72,7 +73,7 @@ class InputOptions:
         return ReadOptions(
             txt_documents=self.txt_documents,
             text_field=self.text_field,
-            invalid_utf8=self.invalid_utf8,
+            invalid_utf8=self.invalid_utf8 or ReadOptions.invalid_utf8,
             max_line_bytes=byte_size(self.max_line_bytes, "--max-line-bytes"),
         )
 

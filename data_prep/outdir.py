@@ -51,6 +51,18 @@ class OutputLock:
         os.close(self.fd)  # closing the descriptor releases the lock
 
 
+def check_output_dir(output_dir: str | Path) -> None:
+    """An `InputError` when `--output` names something that exists but is no folder (a file)."""
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise InputError(
+            f"--output {path} is a file, not a folder: name a new (or this run's) folder for the shards"
+        )
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise InputError(f"--output {path}: {parent} is a file, so no folder can be made inside it")
+
+
 def _is_ours(path: Path) -> bool:
     name = path.name
     return (

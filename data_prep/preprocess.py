@@ -22,9 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from data_prep import cli
-from data_prep.outdir import PLAN_NAME, OutputLock, check_existing, finished_record, remove_stale_temporaries
+from data_prep.outdir import (
+    PLAN_NAME,
+    OutputLock,
+    check_existing,
+    check_output_dir,
+    finished_record,
+    remove_stale_temporaries,
+)
 from data_prep.shard_writer import ShardJob
-from data_prep.sources import InputError, ReadOptions, Source, plan_chunks, resolve_inputs
+from data_prep.sources import InputError, ReadOptions, Source, plan_chunks, refuse_non_utf8, resolve_inputs
 from data_prep.workers import run_jobs
 from swbert.cli import parse_or_exit
 from swbert.data.manifest import (
@@ -63,6 +70,7 @@ class PreprocessConfig(cli.InputOptions):
     def check(self) -> None:
         super().check()
         self.shard_bytes()
+        check_output_dir(self.output)
 
     def shard_bytes(self) -> int:
         return cli.byte_size(self.shard_size, "--shard-size")
@@ -135,11 +143,13 @@ def preprocess(
     hf_split: str = "train",
     overwrite: bool = False,
     progress: bool = True,
+    check_encoding: bool = True,
 ) -> PreprocessResult:
     """Write (or finish writing) the shards and `manifest.json` of `output_dir`.
 
-    Raises `InputError` (a `ValueError`) for problems the user can fix: inputs, a tokenizer
-    folder, or an output folder holding shards of another tokenizer, inputs or settings.
+    Raises `InputError` (a `ValueError`) for problems the user can fix: inputs (with
+    `check_encoding`, a file that is not UTF-8 text), a tokenizer folder, an `output_dir` that is a
+    file, or an output folder holding shards of another tokenizer, inputs or settings.
     """
     started = time.perf_counter()
     options = options or ReadOptions()
@@ -149,6 +159,7 @@ def preprocess(
         raise InputError(f"--valid-fraction must be in [0, 1), not {valid_fraction}")
     if shard_bytes < 1:
         raise InputError(f"--shard-size must be positive, not {shard_bytes}")
+    check_output_dir(output_dir)
     tokenizer_dir = Path(tokenizer_dir)
     try:
         tokenizer_hash(tokenizer_dir)  # a missing tokenizer is reported before any input is read
@@ -161,6 +172,8 @@ def preprocess(
         hf_config=hf_config,
         hf_split=hf_split,
     )
+    if check_encoding:
+        refuse_non_utf8(sources)
     plan = _plan(tokenizer_dir, sources, shard_bytes, valid_fraction, options)
     plan_id = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
     output_dir = Path(output_dir)
@@ -294,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_config=args.hf_config,
         hf_split=args.hf_split,
         overwrite=args.overwrite,
+        check_encoding=args.invalid_utf8 is None,  # an explicit --invalid-utf8 reads any file
         progress=not args.no_progress,
     )
     return 0

@@ -145,6 +145,51 @@ def resolve_inputs(
     return sources, skipped
 
 
+ENCODING_SAMPLE_BYTES = 1 << 20
+MIN_INVALID = 16  # invalid sequences below which a file is repaired, whatever their share
+
+
+def encoding_problem(path: str, head: bytes) -> str | None:
+    """Why a file's first bytes do not look like UTF-8 text (binary, Latin-1, ...), or None.
+
+    A stray bad byte in UTF-8 text is repaired and counted; a file is refused when at least
+    `MIN_INVALID` invalid sequences make up most of its non-ASCII characters (Latin-1 or another
+    8-bit encoding; random bytes) or when it holds NUL bytes (binary, UTF-16)."""
+    if head.count(0) > len(head) // 100:
+        return f"{path} holds NUL bytes: it is binary or UTF-16, not UTF-8 text"
+    invalid = valid = 0
+    text = head.decode("utf-8", errors="replace")
+    if len(head) == ENCODING_SAMPLE_BYTES:  # a character cut at the end of the sample is no error
+        text = text.rstrip("\ufffd")
+    for char in text:
+        if char == "\ufffd":
+            invalid += 1
+        elif ord(char) > 127:
+            valid += 1
+    if invalid >= MIN_INVALID and invalid > valid:
+        where = "its first MiB" if len(head) == ENCODING_SAMPLE_BYTES else "it"
+        return (
+            f"{path}: {invalid} byte sequences of {where} are not UTF-8 (and {valid} characters are): "
+            "it is in another encoding (Latin-1?) or binary"
+        )
+    return None
+
+
+def refuse_non_utf8(sources: list[Source]) -> None:
+    """Refuse, naming the file, a local .txt/.jsonl input that is not UTF-8 text (see
+    `encoding_problem`); reading would turn it into replacement characters without a word."""
+    for source in sources:
+        if source.kind not in ("txt", "jsonl") or "://" in source.path:
+            continue
+        with open(source.path, "rb") as stream:
+            problem = encoding_problem(source.path, stream.read(ENCODING_SAMPLE_BYTES))
+        if problem:
+            raise InputError(
+                f"{problem}. Convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), remove it from --input, "
+                "or pass --invalid-utf8 replace (or skip) to read it anyway"
+            )
+
+
 def _txt_documents(path: Path, mode: str) -> str:
     """`auto`: blank-line documents (BERT's format) if the first MiB holds a blank line, else one per line."""
     if mode != "auto":

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from data_prep import cli
 from data_prep.documents import DocumentReader, split_text
 from data_prep.hf_tokenizer import build_fast_tokenizer, save_hf_folder
-from data_prep.sources import InputError, ReadOptions, Source, plan_chunks, resolve_inputs
+from data_prep.sources import InputError, ReadOptions, Source, plan_chunks, refuse_non_utf8, resolve_inputs
 from swbert.cli import parse_or_exit
 from swbert.data.tokenizer import (
     PAD_ID,
@@ -114,6 +114,7 @@ def train_tokenizer(
     hf_config: str | None = None,
     hf_split: str = "train",
     overwrite: bool = False,
+    check_encoding: bool = True,
 ) -> dict[str, Any]:
     """Train and save the tokenizer folder; returns what `swbert_tokenizer.json` records.
 
@@ -143,6 +144,8 @@ def train_tokenizer(
         hf_config=hf_config,
         hf_split=hf_split,
     )
+    if check_encoding:  # an explicit --invalid-utf8 reads any file
+        refuse_non_utf8(sources)
     stats: Counter = Counter()
     sample, seen = sample_sentences(iter_sentences(sources, options, stats), max_sentences, seed)
     if not sample:
@@ -254,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_config=args.hf_config,
         hf_split=args.hf_split,
         overwrite=args.overwrite,
+        check_encoding=args.invalid_utf8 is None,  # an explicit --invalid-utf8 reads any file
     )
     return 0
 

@@ -47,19 +47,14 @@ class Corpus:
         self._shard_dtypes: list[np.dtype] = []
         self._shard_sizes: list[int] = []  # tokens in each shard's .bin
         lengths, shard_ids, offsets = [], [], []
-        module = indexed_dataset()
-        for i, prefix in enumerate(self.prefixes):
-            dataset = module.IndexedDataset(prefix)
-            seq_lengths = dataset.sequence_lengths.astype(np.int64)
-            doc_index = dataset.document_indices
-            # A long document is stored as several sequences; they are contiguous in `.bin`,
-            # so a document is the token span from its first sequence to its last.
-            ends = np.concatenate(([0], np.cumsum(seq_lengths)))
-            lengths.append(ends[doc_index[1:]] - ends[doc_index[:-1]])
-            offsets.append(ends[doc_index[:-1]])
-            shard_ids.append(np.full(len(doc_index) - 1, i, dtype=np.int32))
-            self._shard_dtypes.append(np.dtype(dataset.index.dtype))
-            self._shard_sizes.append(int(ends[-1]))
+        records = [shard[split] for shard in manifest["shards"] if shard[split]["documents"] > 0]
+        for i, (prefix, record) in enumerate(zip(self.prefixes, records)):
+            doc_lengths, doc_offsets, dtype, size = _read_index(prefix, record, data_dir)
+            lengths.append(doc_lengths)
+            offsets.append(doc_offsets)
+            shard_ids.append(np.full(len(doc_lengths), i, dtype=np.int32))
+            self._shard_dtypes.append(dtype)
+            self._shard_sizes.append(size)
         self.doc_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
         self._doc_shard = np.concatenate(shard_ids) if shard_ids else np.zeros(0, np.int32)
         self._doc_offset = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)
@@ -126,6 +121,40 @@ class Corpus:
     def document(self, doc: int) -> np.ndarray:
         """All token ids of document `doc`."""
         return self.read(doc)
+
+
+def _read_index(
+    prefix: str, record: dict[str, Any], data_dir: Path
+) -> tuple[np.ndarray, np.ndarray, np.dtype, int]:
+    """(document lengths, document offsets, token dtype, tokens) of one shard's `.idx`.
+
+    A damaged index of the right size parses into nonsense or fails deep inside megatron-core
+    ("mmap length is greater than file size"); either way the error names the file here."""
+    idx = f"{prefix}.idx"
+    try:
+        # the index alone (megatron's IndexedDataset would also map the .bin, which `tokens` does)
+        index = indexed_dataset()._IndexReader(idx, multimodal=False)
+        seq_lengths = index.sequence_lengths.astype(np.int64)
+        doc_index = np.array(index.document_indices)
+        dtype = np.dtype(index.dtype)
+        # A long document is stored as several sequences; they are contiguous in `.bin`,
+        # so a document is the token span from its first sequence to its last.
+        ends = np.concatenate(([0], np.cumsum(seq_lengths)))
+        doc_lengths = ends[doc_index[1:]] - ends[doc_index[:-1]]
+        doc_offsets = ends[doc_index[:-1]]
+    except Exception as err:  # megatron-core asserts on a bad header; numpy fails on a bad count
+        raise ValueError(
+            f"{idx} is not a readable index ({type(err).__name__}: {err}): the shard is corrupt. "
+            f"Check the folder with: python -m data_prep.verify {data_dir}"
+        ) from err
+    tokens = int(ends[-1])
+    if len(doc_lengths) != record["documents"] or tokens * dtype.itemsize != record["bin_bytes"]:
+        raise ValueError(
+            f"{idx} indexes {len(doc_lengths)} documents and {tokens} tokens, but the manifest says "
+            f"{record['documents']} documents in {record['bin_bytes']} bytes: the shard is corrupt. "
+            f"Check the folder with: python -m data_prep.verify {data_dir}"
+        )
+    return doc_lengths, doc_offsets, dtype, tokens
 
 
 def open_corpus(

@@ -79,6 +79,52 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{path} is unreadable ({err}); re-run preprocessing into a new folder") from err
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{path} has format {manifest.get('format')!r}, this swbert reads {FORMAT!r}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ValueError(f"{path} has format {found!r}, this swbert reads {FORMAT!r}")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise ValueError(
+            f"{path}: {problem}: the manifest is damaged. Check the folder with: "
+            f"python -m data_prep.verify {data_dir}, or preprocess again into a new folder"
+        )
     return manifest
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_sha(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64
+
+
+def _manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """What is missing or mistyped in a manifest (naming the shard whose record it is), or None."""
+    tokenizer = manifest.get("tokenizer")
+    if (
+        not isinstance(tokenizer, dict)
+        or not _is_sha(tokenizer.get("hash"))
+        or not _is_count(tokenizer.get("vocab_size"))
+    ):
+        return "its tokenizer record (hash, vocab_size) is missing or malformed"
+    if manifest.get("dtype") not in ("uint16", "int32"):
+        return f"dtype {manifest.get('dtype')!r} is not uint16 or int32"
+    shards = manifest.get("shards")
+    if not isinstance(shards, list):
+        return "it lists no shards"
+    for i, shard in enumerate(shards):
+        name = shard.get("name") if isinstance(shard, dict) else None
+        if not isinstance(name, str) or name != shard_name(i):
+            return f"shard #{i} is named {name!r}, not {shard_name(i)!r}"
+        for split in SPLITS:
+            record = shard.get(split)
+            if not isinstance(record, dict):
+                return f"the record of {name} has no {split!r} split"
+            for key in ("documents", "tokens", "bin_bytes", "idx_bytes"):
+                if not _is_count(record.get(key)):
+                    return f"{name}.{split}: {key} is {record.get(key)!r}, not a count"
+            for key in ("bin_sha256", "idx_sha256"):
+                if not _is_sha(record.get(key)):
+                    return f"{name}.{split}: {key} is {record.get(key)!r}, not a sha256"
+    return None

@@ -23,6 +23,16 @@ from swbert.dist import ParallelDims
 from swbert.finetune.checkpoint import Checkpoint, parse_checkpoints, save_finetuned
 from swbert.finetune.metrics import selection_value
 from swbert.finetune.results import Trial, nest_metrics
+from swbert.finetune.resume import (
+    load_finished,
+    log_reused,
+    mark_killed_sweep,
+    record_path,
+    remember_sweep,
+    save_finished,
+    trial_from_record,
+    trial_key,
+)
 from swbert.finetune.tracking import DEFAULT_EXPERIMENT, Tracker, tracking_uri
 from swbert.finetune.trainer import FinetuneConfig, fit, set_seed
 from swbert.models.plugins import load_plugins
@@ -126,8 +136,10 @@ def run_sweep(sweep: SweepConfig, kind: str, run: Callable[[Any, Tracker], objec
 
     setup_logging()
     tracker = open_tracker(sweep)
+    mark_killed_sweep(tracker, sweep.output_dir)  # a killed sweep's runs would stay RUNNING
     name = sweep.run_name or f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
     with tracker.sweep(name, f"{kind}_sweep", sweep.params()) as parent:
+        remember_sweep(tracker, sweep.output_dir, parent)
         run(sweep, tracker)
     report_sweep(tracker, sweep, parent)
     return 0
@@ -202,6 +214,18 @@ class StagedResult:
     steps: int = 0
     epochs_trained: float = 0.0
 
+    def summary(self) -> dict[str, float]:
+        """What a trial's run logs besides its best metrics."""
+        return {
+            "best_epoch": self.best_epoch,
+            "best_stage": self.best_stage,
+            "train_seconds": self.train_seconds,  # training steps only, evaluations excluded
+            "eval_seconds": self.eval_seconds,
+            "epochs_trained": self.epochs_trained,
+            "seconds_per_epoch": self.train_seconds / max(self.epochs_trained, 1e-9),
+            "steps": self.steps,
+        }
+
 
 def fit_stages(
     sweep: SweepConfig,
@@ -263,8 +287,10 @@ def run_trial(
     tokenizer: Any,
 ) -> Trial:
     """Fine-tune one trial as a child run: fit (best dev epoch kept; every stage of a stepped plan), log
-    the best metrics and the time spent training, save the model (unless --keep none). `build_model`
-    runs after seeding: the new head's init depends on it."""
+    the best metrics and the time spent training, save the model (unless --keep none), record it as
+    finished (`swbert.finetune.resume`). A trial recorded by an earlier run of the sweep with the same
+    flags and checkpoint is not trained again. `build_model` runs after seeding: the head's init
+    depends on it."""
     from swbert.finetune.tracking import CHECKPOINT, KIND, TASK, VARIANT
 
     tags = {KIND: spec.kind, VARIANT: spec.ckpt.name, TASK: spec.task, CHECKPOINT: str(spec.ckpt.path)}
@@ -275,6 +301,13 @@ def run_trial(
         "attention_type": getattr(spec.ckpt.config, "attention_type", ""),
         **spec.params,
     }
+    record = record_path(sweep.output_dir, spec.ckpt.name, spec.task, spec.folder)
+    key = trial_key(params, tags, spec.ckpt.path, sweep.params())
+    finished = load_finished(record, key)
+    if finished is not None:  # a re-run of the sweep: this trial's result is already recorded
+        log.info("%s: finished before (%s), not trained again", spec.name, record)
+        log_reused(tracker, spec.name, tags, params, finished)
+        return trial_from_record(finished)
     with tracker.run(spec.name, tags, params) as run_id:
         set_seed(spec.seed)
         model = build_model()
@@ -289,20 +322,15 @@ def run_trial(
             lambda m, step: tracker.log(run_id, m, step),
         )
         best = result.best_metrics
-        summary = {
-            "best_epoch": result.best_epoch,
-            "best_stage": result.best_stage,
-            "train_seconds": result.train_seconds,  # training steps only, evaluations excluded
-            "eval_seconds": result.eval_seconds,
-            "epochs_trained": result.epochs_trained,
-            "seconds_per_epoch": result.train_seconds / max(result.epochs_trained, 1e-9),
-            "steps": result.steps,
-        }
-        tracker.log(run_id, {f"best/{k}": v for k, v in best.items()} | summary)
+        logged = {f"best/{k}": v for k, v in best.items()} | result.summary()
+        tracker.log(run_id, logged)
         model_dir = ""
         if sweep.keep != "none":
             model_dir = str(sweep.output_dir / spec.ckpt.name / spec.task / spec.folder)
             save_finetuned(model, tokenizer, model_dir)
-    return Trial(
+    trial = Trial(
         spec.ckpt.name, spec.task, spec.lr, spec.seed, nest_metrics(best), model_dir, tuple(spec.lrs[1:])
     )
+    if ParallelDims.from_env().is_main:  # last: the record says the trial (and its model) is complete
+        save_finished(record, key, trial, run_id, logged)
+    return trial

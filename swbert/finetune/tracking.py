@@ -124,6 +124,29 @@ class Tracker:
             raise
         self._end(run_id, "FINISHED")
 
+    def kill_running(self, run_id: str) -> list[str]:
+        """Set `run_id` and its children KILLED where they are still RUNNING (a killed sweep's runs);
+        returns those marked. A run this store does not hold is left alone."""
+        from mlflow.exceptions import MlflowException
+
+        if not self.enabled:
+            return []
+        try:
+            parent = self.client.get_run(run_id)
+        except MlflowException:
+            return []
+        if parent.info.status != "RUNNING":
+            return []
+        children = self.client.search_runs(
+            [parent.info.experiment_id],
+            f"tags.mlflow.parentRunId = '{run_id}' and attributes.status = 'RUNNING'",
+            max_results=50000,
+        )
+        marked = [child.info.run_id for child in children] + [run_id]
+        for rid in marked:
+            self.client.set_terminated(rid, "KILLED")
+        return marked
+
     def _end(self, run_id: str | None, status: str) -> None:
         if self.enabled and run_id is not None:
             self.client.set_terminated(run_id, status)

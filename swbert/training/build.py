@@ -8,6 +8,7 @@
     record = run_record(...)               # what exact resume depends on
     resume = choose_resume(...)            # refused here, before any process group, if incompatible
     dims, mpu = build_layout(cfg, plan)    # process group, tensor-parallel groups
+    check_shards(data, folder.output_dir)  # sha256 of every shard, split over the ranks
     model = build_model(...)               # seeded weights, then wrappers: TP, checkpointing, compile
     engine, scheduler = build_engine(...)  # optimizer, schedule, deepspeed.initialize
     metrics = build_tracking(...)          # metrics.jsonl and MLflow (rank 0)
@@ -39,7 +40,7 @@ from swbert.models.config import SIZES
 from swbert.models.flops import masked_lm_params
 from swbert.training import checkpoint as ckpt
 from swbert.training.config import OPTIMIZER_SETTINGS, TrainConfig, dump_config
-from swbert.training.data import TrainingData, prepare_data, resolve_num_workers
+from swbert.training.data import TrainingData, prepare_data, resolve_num_workers, verify_data
 from swbert.training.dist import (
     bound_every_group,
     init_distributed,
@@ -186,6 +187,16 @@ def build_data(cfg: TrainConfig) -> TrainingData:
     return TrainingData(
         prepare_data(cfg.data_dir), cfg.seq_len, cfg.mlm_probability, cfg.seed, cfg.max_predictions_per_seq
     )
+
+
+def check_shards(data: TrainingData, run_dir: Path) -> None:
+    """Hash the shards against the manifest (in parallel over the ranks, remembered per file) before
+    the first batch: same-size corruption keeps token ids valid and would otherwise train silently."""
+    result = verify_data(data, run_dir)
+    status.info(
+        "shards verified against %s: %d files, %d hashed now (%.1f MB over all ranks), %.2f s",
+        data.data_dir / "manifest.json", result.files, result.hashed, result.hashed_bytes / 1e6, result.seconds,
+    )  # fmt: skip
 
 
 def build_batches(cfg: TrainConfig, data: TrainingData, dims: ParallelDims, start: int, on_gpu: bool) -> Any:

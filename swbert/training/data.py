@@ -8,15 +8,19 @@ workers, and not on whether the run was interrupted and resumed.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
 from swbert.data import MaskingCollator, PackedSequences, open_corpus
+from swbert.data.integrity import CACHE_NAME, VerifyResult, verify_shards
 from swbert.data.loader import BatchLoader, batch_loader, resolve_num_workers
+from swbert.data.manifest import TOKENIZER_SUBDIR
 from swbert.data.stream import VALID_STREAM_OFFSET, MaskedStream, check_layout
+from swbert.data.tokenizer import SPM_MODEL_NAME
 
-__all__ = ["TrainingData", "prepare_data", "resolve_num_workers"]
+__all__ = ["TrainingData", "prepare_data", "resolve_num_workers", "verify_data"]
 
 
 def prepare_data(data_dir: str | Path | None) -> Path:
@@ -33,7 +37,33 @@ def prepare_data(data_dir: str | Path | None) -> Path:
             f"--data-dir {path} holds no manifest.json: make shards with "
             f"`python -m data_prep.preprocess --input FILES --tokenizer TOK_DIR --output {path}`"
         )
+    if not (path / TOKENIZER_SUBDIR / SPM_MODEL_NAME).is_file():  # else the export has no tokenizer
+        raise FileNotFoundError(
+            f"--data-dir {path} has no {TOKENIZER_SUBDIR}/{SPM_MODEL_NAME} (the copy of the tokenizer the "
+            f"shards were made with, which checkpoints and exports carry): copy that tokenizer folder to "
+            f"{path / TOKENIZER_SUBDIR}, then check it with python -m data_prep.verify {path}"
+        )
     return path
+
+
+def _all_gather(obj: object) -> list[object]:
+    """Every rank's `obj` (the default group), or `[obj]` without a process group."""
+    if not torch.distributed.is_initialized():
+        return [obj]
+    out: list[object] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def verify_data(data: TrainingData, run_dir: Path) -> VerifyResult:
+    """Every shard the run reads checked against the manifest's sha256, each rank hashing its share
+    (call after the process group starts, before the first batch). Verified files are remembered in
+    the data folder (`.shard_hashes.json`; shared by every run on that data) or, when the folder is
+    read-only, in the run folder, so a restart hashes only files changed since."""
+    cache_dir = data.data_dir if os.access(data.data_dir, os.W_OK) else run_dir
+    dist = torch.distributed
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    return verify_shards(data.data_dir, data.manifest, cache_dir / CACHE_NAME, rank, world, _all_gather)
 
 
 class TrainingData:
@@ -56,6 +86,7 @@ class TrainingData:
     ) -> None:
         self.data_dir = Path(data_dir)
         corpus = open_corpus(data_dir, "train")
+        self.manifest = corpus.manifest
         self.train = PackedSequences(corpus, seq_len)
         self.vocab_size = corpus.vocab_size
         self.tokenizer_hash = corpus.tokenizer_hash

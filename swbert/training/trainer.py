@@ -78,6 +78,7 @@ class Trainer:
 
         self.dims, mpu = build.build_layout(cfg, plan)  # the process group starts here
         self.is_main = self.dims.is_main
+        build.check_shards(self.data, self.output_dir)  # before any batch is read
         # every rank resumes from what rank 0 chose, and says so if it cannot see it
         self.resume_from = ckpt.agree_on_resume(self.resume_from)
         if self.resume_from is not None and ckpt.is_universal(self.resume_from[0] / self.resume_from[1]):
