@@ -105,6 +105,7 @@ def apply_hyperparameters(
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
     return list(dict.fromkeys(changes))  # once each, not per group
 
+
 def fused_adam() -> type[torch.optim.Optimizer]:
     """DeepSpeed's FusedAdam class with its op built (or loaded from the extension cache).
 
