@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import pickle
 import random
@@ -41,6 +42,7 @@ import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import xxhash
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from swbert.fsutil import fsync_path
 from swbert.safe_load import weights_only_loads
@@ -199,22 +202,22 @@ def save(
     tag = tag_for(step)
     partial = ckpt_root / f"{tag}{PARTIAL}"
     failures: list[str] = []
-    written: list[Path] = []
-    try:
-        partial.mkdir(parents=True, exist_ok=True)
-        torch.save(rng_state(), partial / f"rng_rank{rank:05d}.pt")
-        written.append(partial / f"rng_rank{rank:05d}.pt")
-    except Exception as err:
-        failures.append(_failure(partial / f"rng_rank{rank:05d}.pt", err))
-    with _writes_recorded(engine, failures, step) as recorder:  # every rank runs DeepSpeed's save to its end
-        engine.save_checkpoint(str(ckpt_root), tag=partial.name, client_state=client_state, save_latest=False)
     hashes: dict[str, str] = {}
-    if not failures:
-        try:  # every rank flushes what its node wrote (on a shared file system too), then hashes its files
-            _fsync_tree(partial)
-            hashes = hash_files(partial, written + recorder.written)
-        except OSError as err:
-            failures.append(_failure(partial, err))
+    with _writes_recorded(engine, failures, step) as recorder:  # every rank runs DeepSpeed's save to its end
+        rng_file = partial / f"rng_rank{rank:05d}.pt"
+        try:
+            partial.mkdir(parents=True, exist_ok=True)
+            torch.save(rng_state(), rng_file)
+            recorder.track(rng_file)
+        except Exception as err:
+            failures.append(_failure(rng_file, err))
+        engine.save_checkpoint(str(ckpt_root), tag=partial.name, client_state=client_state, save_latest=False)
+        if not failures:
+            try:  # every rank flushes what its node wrote (on a shared file system too)
+                _fsync_tree(partial)
+                hashes = recorder.hashes(partial)
+            except OSError as err:
+                failures.append(_failure(partial, err))
     _fail_together(ckpt_root, tag, failures)  # a barrier: every rank's shards are on stable storage now
     hashes = _gather_hashes(hashes)
     kill_point("in_save", step, rank)  # die with the shards written, no marker
@@ -250,14 +253,12 @@ def _into_place(ckpt_root: Path, partial: Path, tag: str) -> None:
 
 
 def file_hash(path: Path) -> str:
-    """xxh3-128 of a file's bytes, read in 8 MiB blocks."""
-    digest = xxhash.xxh3_128()
-    buf = bytearray(8 << 20)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            digest.update(view[:n])
-    return digest.hexdigest()
+    """xxh3-128 of a file's bytes, read through a memory map (no copy into Python buffers)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return xxhash.xxh3_128().hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return xxhash.xxh3_128(mapped).hexdigest()
 
 
 def hash_files(tag_dir: Path, paths: list[Path]) -> dict[str, str]:
@@ -277,11 +278,28 @@ class _RecordedWrites:
     raised out of `save_checkpoint` midway would leave the others waiting in the next collective
     until the timeout. After a failure, this rank's remaining writes are skipped."""
 
-    def __init__(self, inner: Any, failures: list[str], step: int) -> None:
+    def __init__(self, inner: Any, failures: list[str], step: int, pool: ThreadPoolExecutor) -> None:
         self.inner = inner
         self.failures = failures
         self.step = step
-        self.written: list[Path] = []  # this rank's files, hashed once they are on disk
+        self.pool = pool  # hashes a written file while DeepSpeed writes the next (xxhash frees the GIL)
+        self.pending: list[tuple[Path, Future[str]]] = []
+
+    def track(self, path: Path) -> None:
+        """Hash a file this rank has written, in the background."""
+        self.pending.append((path, self.pool.submit(file_hash, path)))
+
+    def _save_hashed(self, state_dict: Any, path: Path) -> None:
+        with open(path, "wb") as f:
+            writer = _HashingWriter(f)
+            self.inner.save(state_dict, writer)
+        done: Future[str] = Future()
+        done.set_result(writer.digest.hexdigest())
+        self.pending.append((path, done))
+
+    def hashes(self, tag_dir: Path) -> dict[str, str]:
+        """{name relative to `tag_dir`: hash} of every file this rank wrote there."""
+        return {str(path.relative_to(tag_dir)): done.result() for path, done in self.pending}
 
     def guard(self, path: str | Path, write: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.failures:
@@ -293,8 +311,13 @@ class _RecordedWrites:
             return None
 
     def save(self, state_dict: Any, path: str) -> None:
-        self.guard(path, self.inner.save, state_dict, path)
-        self.written.append(Path(path))
+        if isinstance(self.inner, TorchCheckpointEngine):  # torch.save: hashed as it writes
+            self.guard(path, self._save_hashed, state_dict, Path(path))
+        else:
+            before = len(self.failures)
+            self.guard(path, self.inner.save, state_dict, path)
+            if len(self.failures) == before:
+                self.track(Path(path))
         kill_point("in_save_shards", self.step, dist.get_rank())  # a drill: one shard file written
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
@@ -304,11 +327,27 @@ class _RecordedWrites:
         return getattr(self.inner, name)
 
 
+class _HashingWriter:
+    """A file for torch.save that hashes the bytes on their way to disk: no second read."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.digest = xxhash.xxh3_128()
+
+    def write(self, data: Any) -> int:
+        self.digest.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 @contextmanager
 def _writes_recorded(engine, failures: list[str], step: int) -> Iterator[_RecordedWrites]:
     """Record the failures of DeepSpeed's writes during one save: its checkpoint engine (model and
     optimizer states) and rank 0's copy of its recovery scripts (zero_to_fp32.py)."""
-    recorder = _RecordedWrites(engine.checkpoint_engine, failures, step)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash")
+    recorder = _RecordedWrites(engine.checkpoint_engine, failures, step, pool)
     engine.checkpoint_engine = recorder
     copy_scripts = getattr(engine, "_copy_recovery_script", None)
     if copy_scripts is not None:
@@ -319,6 +358,7 @@ def _writes_recorded(engine, failures: list[str], step: int) -> Iterator[_Record
         engine.checkpoint_engine = recorder.inner
         if copy_scripts is not None:
             del engine._copy_recovery_script
+        pool.shutdown(wait=True)
 
 
 def _failure(path: Path, err: BaseException) -> str:
