@@ -10,8 +10,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+import xxhash
 
 from swbert.training import checkpoint as ckpt
+from tests.launch_utils import launch
 
 # ---- hashes -----------------------------------------------------------------------------------
 
@@ -140,3 +143,122 @@ def test_a_save_never_writes_into_an_existing_step_folder(tmp_path):
     assert (kept / ckpt.COMPLETE).read_text() == stamp
     (root / "step_00000012.partial").mkdir()  # a save cut off before its rename
     assert [p.name for p in ckpt.set_aside_incomplete(root)] == ["step_00000012"]
+
+
+# ---- end to end: a real run, its checkpoints and export ---------------------------------------
+
+
+def _args(data_dir: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--config", "tiny_cpu", "--data-dir", str(data_dir), "--output-dir", str(out), "--mlflow", "false",
+        "--train-steps", "4", "--save-interval", "2", "--keep-checkpoints", "3", "--log-interval", "1",
+        "--eval-interval", "100", "--hidden-dropout", "0.1", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained(data_dir, tmp_path_factory) -> Path:
+    """A finished 2-rank run (ZeRO-2): checkpoints at steps 2 and 4, and its export."""
+    out = tmp_path_factory.mktemp("integrity") / "run"
+    result = launch(2, _args(data_dir, out))
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns(".swbert.lock"))
+    return copy
+
+
+class _Payload:
+    """What an attacker plants: unpickling it creates a file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _plant(path: Path, marker: Path) -> None:
+    """Replace a checkpoint file by a crafted pickle, the marker's hash updated as an attacker would."""
+    torch.save({"module": _Payload(marker), "optimizer_state_dict": _Payload(marker)}, path)
+    for tag_dir in (p for p in path.parents if (p / ckpt.COMPLETE).is_file()):
+        marker_file = json.loads((tag_dir / ckpt.COMPLETE).read_text())
+        name = str(path.relative_to(tag_dir))
+        marker_file["files"][name] = path.stat().st_size
+        if "hashes" in marker_file:
+            marker_file["hashes"][name] = xxhash.xxh3_128(path.read_bytes()).hexdigest()
+        (tag_dir / ckpt.COMPLETE).write_text(json.dumps(marker_file))
+
+
+def _one_line_naming(text: str, path: Path) -> None:
+    lines = [x for x in text.splitlines() if x.startswith("error: ")]
+    assert lines and f"{path}: refused to load" in lines[0], text[-3000:]
+
+
+@pytest.mark.slow
+def test_planted_pickles_never_run(trained, data_dir, tmp_path, capsys):
+    """A crafted pickle in the model states (read by DeepSpeed on --resume auto), an optimizer shard
+    (read by zero_to_fp32 on export), a converted checkpoint (read on conversion) and the exported
+    weights: none runs, and each is one line naming the file."""
+    from swbert.models import SWBertForMaskedLM
+    from swbert.parallel import convert
+    from swbert.training import export
+
+    run, marker = _copy(trained, tmp_path), tmp_path / "code-ran"
+    step = run / "checkpoints" / "step_00000004"
+    converted = convert.to_universal(run / "checkpoints", tmp_path / "universal", "step_00000004")
+
+    shard = step / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    _plant(shard, marker)
+    with pytest.raises(SystemExit) as exit_:
+        export.main([str(step), "--output", str(tmp_path / "hf")])
+    assert not marker.exists() and exit_.value.code == 2
+    _one_line_naming(capsys.readouterr().err, shard)
+
+    universal = sorted((converted / "step_00000004" / "zero").glob("*/fp32.pt"))[0]
+    _plant(universal, marker)
+    with pytest.raises(SystemExit):
+        convert.main(["hf", str(converted), str(tmp_path / "hf2")])
+    assert not marker.exists()
+    _one_line_naming(capsys.readouterr().err, universal)
+
+    weights = run / "export" / "pytorch_model.bin"
+    (run / "export" / "model.safetensors").unlink()
+    _plant(weights, marker)
+    with pytest.raises(Exception, match="Weights only load failed|weights_only"):
+        SWBertForMaskedLM.from_pretrained(run / "export")
+    assert not marker.exists()
+
+    model_states = step / "mp_rank_00_model_states.pt"
+    _plant(model_states, marker)
+    resumed = launch(2, _args(data_dir, run, "--resume", "auto", "--train-steps", "6"))
+    assert not marker.exists() and resumed.returncode != 0, resumed.stderr[-3000:]
+    _one_line_naming(resumed.stderr, model_states)
+
+
+@pytest.mark.slow
+def test_a_rewind_is_a_branch_and_the_export_holds_the_weights_just_trained(trained, data_dir, tmp_path):
+    """Resume from step 2 (with another seed, so the new line differs) to step 4, which the abandoned
+    line already holds: step 4 is saved anew, the old one kept under abandoned-*/, and the export
+    holds the new weights, not the abandoned run's."""
+    from safetensors.torch import load_file
+
+    run = _copy(trained, tmp_path)
+    root = run / "checkpoints"
+    old_marker = (root / "step_00000004" / ckpt.COMPLETE).read_text()
+    old_export = load_file(run / "export" / "model.safetensors")
+    rewind = ["--resume", str(root / "step_00000002"), "--seed", "7", "--allow-resume-change", "seed"]
+    resumed = launch(2, _args(data_dir, run, *rewind))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    new_export = load_file(run / "export" / "model.safetensors")
+    assert any(not torch.equal(new_export[k], old_export[k]) for k in old_export)
+    assert "rewinds the run" in resumed.stderr
+    (kept,) = root.glob("abandoned-*/step_00000004")
+    assert (kept / ckpt.COMPLETE).read_text() == old_marker  # kept whole
+    new_marker = root / "step_00000004" / ckpt.COMPLETE
+    assert new_marker.read_text() != old_marker and (root / "latest").read_text() == "step_00000004"
+    stamp = json.loads((run / "export" / "swbert_export.json").read_text())
+    assert stamp == {"checkpoint": "step_00000004", "marker": ckpt.file_hash(new_marker)}
