@@ -47,6 +47,10 @@ def test_the_marker_records_every_files_hash_and_a_same_size_flip_is_named(tmp_p
     # the ranks split the reading: together they see it, once
     shares = [ckpt.mismatched(tag_dir, rank, 2) for rank in (0, 1)]
     assert sorted(shares[0] + shares[1]) == ["zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    # a universal (converted) folder holds other files; a marker copied from its source says nothing
+    (tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    (tag_dir / "zero").mkdir()
+    assert ckpt.mismatched(tag_dir) == []
 
 
 def _verify_resume(tmp: str) -> None:

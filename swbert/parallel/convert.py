@@ -141,7 +141,8 @@ def to_universal(
         with weights_only_loads():
             ds_to_universal.main(args)  # also writes OUT_DIR/latest_universal
     for meta in (Path(ckpt_dir) / tag).glob("*.json"):  # the trainer's metadata travels along
-        shutil.copy2(meta, Path(out_dir) / tag / meta.name)
+        if meta.name != "complete.json":  # the source's marker: it lists the source's files
+            shutil.copy2(meta, Path(out_dir) / tag / meta.name)
     pack_universal(Path(out_dir) / tag, _config(first, config, Path(ckpt_dir) / tag))
     return Path(out_dir)
 

@@ -494,8 +494,10 @@ def marker_hashes(tag_dir: Path) -> dict[str, str]:
 
 def mismatched(tag_dir: Path, rank: int = 0, world: int = 1) -> list[str]:
     """The files of `tag_dir` (this rank's share of them: the ranks split the reading) whose bytes
-    no longer match the hash its marker records; a file that cannot be read counts too."""
-    hashes = marker_hashes(tag_dir)
+    no longer match the hash its marker records; a file that cannot be read counts too. A universal
+    (converted) checkpoint has no marker of its own: conversions before this check copied the
+    source's, which lists files the converted folder does not hold."""
+    hashes = {} if is_universal(tag_dir) else marker_hashes(tag_dir)
     by_size = sorted(hashes, key=lambda n: (-_size(tag_dir / n), n))
     bad = []
     for name in by_size[rank::world]:
