@@ -234,7 +234,7 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_the_run_resumes(data_dir, 
         "--train-steps", "4", "--save-interval", "2", "--export", "false", "--log-interval", "1",
     ]  # fmt: skip
     # the timeout bounds a regression (a rank left in a barrier) to a minute
-    env = job_env(SWBERT_TEST_FSIZE="1:step_00000004:100000", SWBERT_DIST_TIMEOUT_MIN="1")
+    env = job_env(SWBERT_TEST_FSIZE="1:step_00000004.partial:100000", SWBERT_DIST_TIMEOUT_MIN="1")
     started = time.monotonic()
     full = launch(2, args, env=env, script="tests/scripts/pretrain_fsize_limit.py")
     took = time.monotonic() - started
@@ -247,7 +247,7 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_the_run_resumes(data_dir, 
     assert "--resume auto continues from step_00000002, the newest complete checkpoint" in line
     assert took < 60, took
     assert ckpt.newest_complete(root) == "step_00000002" and (root / "latest").read_text() == "step_00000002"
-    assert (root / "step_00000004").is_dir() and not ckpt.is_complete(root / "step_00000004")
+    assert (root / "step_00000004.partial").is_dir() and not (root / "step_00000004").exists()
 
     resumed = launch(2, [*args, "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]

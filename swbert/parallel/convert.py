@@ -11,7 +11,8 @@ python -m swbert.parallel.convert reshard CKPT_DIR OUT_DIR --tensor-parallel K [
     files; load with engine.load_checkpoint(OUT_DIR, load_module_only=True).
 
 CKPT_DIR is the folder given to `engine.save_checkpoint`; the tag defaults to its `latest`.
-The model config comes from the checkpoint (`checkpoint_client_state`) or `--config`.
+The model config comes from the checkpoint (`checkpoint_client_state`) or `--config`. Every file is
+read with weights_only=True (swbert.safe_load, DeepSpeed's converter included): nothing pickled runs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse  # DeepSpeed's universal-checkpoint converter takes its arguments as a Namespace
 import json
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,10 +40,11 @@ from swbert.parallel.checkpoint import (
     shard_state_dict,
     universal_checkpoint_info,
 )
+from swbert.safe_load import UnsafeCheckpointError, load, weights_only_loads
 
 
 def _load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return load(path, map_location="cpu")
 
 
 # The pretraining job keeps the model config in a metadata file next to DeepSpeed's.
@@ -103,7 +106,7 @@ def to_hf(
     if set(missing) - tied or unexpected:
         raise ValueError(f"checkpoint does not match the config: missing {missing}, unexpected {unexpected}")
     model.trim_vocab_padding()  # the folder's tables match the tokenizer (vocab_size rows)
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
     from swbert.models.remote_code import add_remote_code
 
     add_remote_code(out_dir)  # loadable without swbert too, with trust_remote_code
@@ -135,9 +138,11 @@ def to_universal(
             strict=True,
             inject_missing_state=False,
         )
-        ds_to_universal.main(args)  # also writes OUT_DIR/latest_universal
+        with weights_only_loads():
+            ds_to_universal.main(args)  # also writes OUT_DIR/latest_universal
     for meta in (Path(ckpt_dir) / tag).glob("*.json"):  # the trainer's metadata travels along
-        shutil.copy2(meta, Path(out_dir) / tag / meta.name)
+        if meta.name != "complete.json":  # the source's marker: it lists the source's files
+            shutil.copy2(meta, Path(out_dir) / tag / meta.name)
     pack_universal(Path(out_dir) / tag, _config(first, config, Path(ckpt_dir) / tag))
     return Path(out_dir)
 
@@ -233,14 +238,21 @@ class CheckpointConvertConfig:
 def main(argv: list[str] | None = None) -> None:
     args = cli.parse_or_exit(CheckpointConvertConfig, argv, __doc__, recipes=False)
     config = SWBertConfig.from_json_file(args.config) if args.config else None
-    if args.command == "universal":
-        out = to_universal(args.ckpt_dir, args.out_dir, args.tag, config)
-    elif args.command == "hf":
-        out = to_hf(args.ckpt_dir, args.out_dir, args.tag, config)
-    else:
-        assert args.tensor_parallel is not None  # check()
-        out = reshard(args.ckpt_dir, args.out_dir, args.tensor_parallel, args.tag, config)
+    try:
+        out = _convert(args, config)
+    except UnsafeCheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"wrote {out}")
+
+
+def _convert(args: CheckpointConvertConfig, config: SWBertConfig | None) -> Path:
+    if args.command == "universal":
+        return to_universal(args.ckpt_dir, args.out_dir, args.tag, config)
+    if args.command == "hf":
+        return to_hf(args.ckpt_dir, args.out_dir, args.tag, config)
+    assert args.tensor_parallel is not None  # check()
+    return reshard(args.ckpt_dir, args.out_dir, args.tensor_parallel, args.tag, config)
 
 
 if __name__ == "__main__":

@@ -275,6 +275,45 @@ def choose_resume(
     )
 
 
+def verify_resume(
+    cfg: TrainConfig,
+    ckpt_root: Path,
+    record: dict[str, Any],
+    choice: tuple[Path, str] | None,
+    changes: list[str],
+) -> tuple[tuple[Path, str] | None, list[str]]:
+    """Collective, before anything loads: the chosen checkpoint's files against the hashes its marker
+    records, the ranks sharing the reading. A mismatch under --resume auto (or a checkpoints/ folder)
+    moves that checkpoint to damaged/ (rank 0; never deleted) and falls back to the previous complete
+    one; a step folder named explicitly is refused in one line naming the files."""
+    while choice is not None:
+        tag_dir = choice[0] / choice[1]
+        bad = ckpt.verify(tag_dir)
+        if not bad:
+            return choice, changes
+        named = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        if ckpt.TAG_RE.match(Path(cfg.resume).name):
+            raise ckpt.CheckpointDamaged(
+                f"--resume {cfg.resume}: {named} in {tag_dir} no longer match the hashes its "
+                f"{ckpt.COMPLETE} records (damaged on disk?); resume from an earlier checkpoint, or "
+                "--resume auto to fall back to the newest intact one"
+            )
+        if dist.get_rank() == 0:
+            moved = ckpt.move_aside(choice[0], choice[1], ckpt.DAMAGED_DIR)
+            log.warning(
+                "checkpoint %s: %s do not match the hashes it recorded; moved to %s (nothing deleted), "
+                "falling back to the previous complete checkpoint", tag_dir, named, moved,
+            )  # fmt: skip
+        dist.barrier()
+        choice = ckpt.agree_on_resume(
+            ckpt.resolve_resume(cfg.resume, ckpt_root) if dist.get_rank() == 0 else None
+        )
+        changes = [] if choice is None else ckpt.check_compatible(
+            choice[0] / choice[1], record, cfg.allow_resume_change
+        )  # fmt: skip
+    return None, []
+
+
 def build_layout(cfg: TrainConfig, plan: RunPlan) -> tuple[ParallelDims, Any]:
     """Start the process group (NCCL on GPU, gloo on CPU) and the tensor-parallel groups; returns
     this process's `ParallelDims` and the DeepSpeed `mpu` (None without tensor parallelism)."""
@@ -372,9 +411,15 @@ def skip_when_flagged(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
     return optimizer
 
 
-def write_run_files(cfg: TrainConfig, folder: RunFolder, ds_config: dict[str, Any], is_main: bool) -> None:
-    """Rank 0 saves the resolved config and the filled DeepSpeed config, and moves cut-off saves
-    aside; every rank waits for it."""
+def write_run_files(
+    cfg: TrainConfig,
+    folder: RunFolder,
+    ds_config: dict[str, Any],
+    is_main: bool,
+    resume_from: tuple[Path, str] | None = None,
+) -> None:
+    """Rank 0 saves the resolved config and the filled DeepSpeed config, moves cut-off saves aside
+    and, when resuming from an older step (a rewind), the newer checkpoints; every rank waits."""
     if is_main:
         folder.output_dir.mkdir(parents=True, exist_ok=True)
         (folder.output_dir / "resolved_config.yaml").write_text(dump_config(cfg))
@@ -382,6 +427,8 @@ def write_run_files(cfg: TrainConfig, folder: RunFolder, ds_config: dict[str, An
         status.info("resolved config (%s):\n%s", folder.output_dir / "resolved_config.yaml", dump_config(cfg))
         folder.ckpt_root.mkdir(parents=True, exist_ok=True)
         ckpt.set_aside_incomplete(folder.ckpt_root)
+        if resume_from is not None:  # a rewind is a branch: the abandoned line is kept aside
+            ckpt.abandon_newer(folder.ckpt_root, resume_from[1])
     dist.barrier()
 
 

@@ -5,13 +5,20 @@ Layout under `<output_dir>/checkpoints/`:
     step_00000500/            DeepSpeed's per-rank model/optimizer shards (any ZeRO stage)
         rng_rank00000.pt      every rank's RNG states
         swbert_meta.json      model config, parallel layout, step (checked before loading)
-        complete.json         the completeness marker: step and every file with its size
+        complete.json         the completeness marker: step and every file with its size and hash
     latest                    the newest complete tag, a convenience for people and tools
     incomplete/               saves a crash cut off, moved aside (never deleted)
+    damaged/                  checkpoints whose files no longer match their hashes (never deleted)
+    abandoned-<time>/         the newer checkpoints of a line a rewind left (never deleted)
+
+A save writes into `step_N.partial/` and rank 0 renames it to `step_N/` once it is complete, so a
+save never writes into an existing step folder (a rewind re-saving a step the abandoned line holds
+has moved that line aside first). Every rank hashes (xxh3-128) the files it wrote, in parallel, and
+the marker records them; a resume checks them before anything loads (`verify`).
 
 A checkpoint counts only once every rank has written and fsynced its files: after DeepSpeed's
 save and a barrier, rank 0 writes the meta file and then the marker (atomically, the folder
-fsynced), and only then moves `latest`. Resume trusts the markers, not `latest`: a missing, empty
+fsynced), renames the folder into place, and only then moves `latest`. Resume trusts the markers, not `latest`: a missing, empty
 or stale pointer resumes from the newest complete checkpoint and says so. Nothing is deleted
 except complete checkpoints older than the newest `keep_checkpoints`.
 
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import pickle
 import random
@@ -32,7 +40,9 @@ import re
 import resource
 import shutil
 import socket
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -40,8 +50,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import xxhash
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from swbert.fsutil import fsync_path
+from swbert.safe_load import weights_only_loads
 from swbert.training.faults import kill_point, kill_requested
 
 log = logging.getLogger(__name__)
@@ -50,8 +63,12 @@ LATEST_UNIVERSAL = "latest_universal"  # written by `python -m swbert.parallel.c
 COMPLETE = "complete.json"  # the completeness marker, written last
 META = "swbert_meta.json"
 INCOMPLETE_DIR = "incomplete"  # where cut-off saves are moved
+DAMAGED_DIR = "damaged"  # where checkpoints whose files do not match their hashes are moved
+PARTIAL = ".partial"  # the suffix of a step folder being written
+HASH = "xxh3_128"  # the marker's file hash: fast (GB/s per core), not a security measure
 CHECKPOINT_FORMAT = 2  # 2: completeness markers; 1 (no key in the meta): `latest` written after the meta
 TAG_RE = re.compile(r"^step_(\d{8})$")
+PARTIAL_RE = re.compile(r"^step_(\d{8})\.partial$")
 
 
 def tag_for(step: int) -> str:
@@ -177,35 +194,81 @@ def save(
 ) -> Path:
     """Save on every rank; returns the tag folder. Collective: all ranks must call it.
 
+    Every rank writes into `step_N.partial/` and hashes the files it wrote; rank 0 writes the marker
+    with every hash and renames the folder to `step_N/` (an existing one is moved aside first).
     Raises CheckpointSaveError on every rank when any rank could not write its files; the previous
     checkpoints are untouched then."""
     rank = dist.get_rank()
     tag = tag_for(step)
-    tag_dir = ckpt_root / tag
+    partial = ckpt_root / f"{tag}{PARTIAL}"
     failures: list[str] = []
-    try:
-        tag_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(rng_state(), tag_dir / f"rng_rank{rank:05d}.pt")
-    except Exception as err:
-        failures.append(_failure(tag_dir / f"rng_rank{rank:05d}.pt", err))
-    with _writes_recorded(engine, failures, step):  # every rank runs DeepSpeed's save to its end
-        engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client_state, save_latest=False)
-    if not failures:
-        try:  # every rank flushes what its node wrote (on a shared file system too)
-            _fsync_tree(tag_dir)
-        except OSError as err:
-            failures.append(_failure(tag_dir, err))
+    hashes: dict[str, str] = {}
+    with _writes_recorded(engine, failures, step) as recorder:  # every rank runs DeepSpeed's save to its end
+        rng_file = partial / f"rng_rank{rank:05d}.pt"
+        try:
+            partial.mkdir(parents=True, exist_ok=True)
+            torch.save(rng_state(), rng_file)
+            recorder.track(rng_file)
+        except Exception as err:
+            failures.append(_failure(rng_file, err))
+        engine.save_checkpoint(str(ckpt_root), tag=partial.name, client_state=client_state, save_latest=False)
+        if not failures:
+            try:  # every rank flushes what its node wrote (on a shared file system too)
+                _fsync_tree(partial)
+                hashes = recorder.hashes(partial)
+            except OSError as err:
+                failures.append(_failure(partial, err))
     _fail_together(ckpt_root, tag, failures)  # a barrier: every rank's shards are on stable storage now
+    hashes = _gather_hashes(hashes)
     kill_point("in_save", step, rank)  # die with the shards written, no marker
     if rank == 0:
         try:
-            mark_complete(tag_dir, step, meta)
+            mark_complete(partial, step, meta, hashes)
+            _into_place(ckpt_root, partial, tag)
             _atomic_write(ckpt_root / LATEST, tag)
             prune(ckpt_root, keep, step)
         except Exception as err:
-            failures.append(_failure(tag_dir / COMPLETE, err))
+            failures.append(_failure(partial / COMPLETE, err))
     _fail_together(ckpt_root, tag, failures)
-    return tag_dir
+    return ckpt_root / tag
+
+
+def _gather_hashes(mine: dict[str, str]) -> dict[str, str]:
+    """Every rank's file hashes, on rank 0 (collective; empty elsewhere)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gathered: list[Any] = [None] * world if rank == 0 else None  # type: ignore[assignment]
+    dist.gather_object(mine, gathered, dst=0)
+    return {k: v for part in gathered or [] for k, v in part.items()} if rank == 0 else {}
+
+
+def _into_place(ckpt_root: Path, partial: Path, tag: str) -> None:
+    """Rename a finished `step_N.partial/` to `step_N/`; a folder already there (left by a line a
+    rewind abandoned) is moved aside first, never written into or deleted."""
+    target = ckpt_root / tag
+    if target.exists():
+        moved = move_aside(ckpt_root, tag, f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}")
+        log.warning("moved %s to %s before saving that step again (nothing deleted)", target, moved)
+    os.replace(partial, target)
+    fsync_path(ckpt_root)
+
+
+def file_hash(path: Path) -> str:
+    """xxh3-128 of a file's bytes, read through a memory map (no copy into Python buffers)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return xxhash.xxh3_128().hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return xxhash.xxh3_128(mapped).hexdigest()
+
+
+def hash_files(tag_dir: Path, paths: list[Path]) -> dict[str, str]:
+    """{name relative to `tag_dir`: hash} of the files in `paths` that lie under it."""
+    out = {}
+    for path in paths:
+        path = Path(path)
+        if path.is_file() and path.is_relative_to(tag_dir):
+            out[str(path.relative_to(tag_dir))] = file_hash(path)
+    return out
 
 
 class _RecordedWrites:
@@ -215,10 +278,28 @@ class _RecordedWrites:
     raised out of `save_checkpoint` midway would leave the others waiting in the next collective
     until the timeout. After a failure, this rank's remaining writes are skipped."""
 
-    def __init__(self, inner: Any, failures: list[str], step: int) -> None:
+    def __init__(self, inner: Any, failures: list[str], step: int, pool: ThreadPoolExecutor) -> None:
         self.inner = inner
         self.failures = failures
         self.step = step
+        self.pool = pool  # hashes a written file while DeepSpeed writes the next (xxhash frees the GIL)
+        self.pending: list[tuple[Path, Future[str]]] = []
+
+    def track(self, path: Path) -> None:
+        """Hash a file this rank has written, in the background."""
+        self.pending.append((path, self.pool.submit(file_hash, path)))
+
+    def _save_hashed(self, state_dict: Any, path: Path) -> None:
+        with open(path, "wb") as f:
+            writer = _HashingWriter(f)
+            self.inner.save(state_dict, writer)
+        done: Future[str] = Future()
+        done.set_result(writer.digest.hexdigest())
+        self.pending.append((path, done))
+
+    def hashes(self, tag_dir: Path) -> dict[str, str]:
+        """{name relative to `tag_dir`: hash} of every file this rank wrote there."""
+        return {str(path.relative_to(tag_dir)): done.result() for path, done in self.pending}
 
     def guard(self, path: str | Path, write: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.failures:
@@ -230,7 +311,13 @@ class _RecordedWrites:
             return None
 
     def save(self, state_dict: Any, path: str) -> None:
-        self.guard(path, self.inner.save, state_dict, path)
+        if isinstance(self.inner, TorchCheckpointEngine):  # torch.save: hashed as it writes
+            self.guard(path, self._save_hashed, state_dict, Path(path))
+        else:
+            before = len(self.failures)
+            self.guard(path, self.inner.save, state_dict, path)
+            if len(self.failures) == before:
+                self.track(Path(path))
         kill_point("in_save_shards", self.step, dist.get_rank())  # a drill: one shard file written
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
@@ -240,11 +327,27 @@ class _RecordedWrites:
         return getattr(self.inner, name)
 
 
+class _HashingWriter:
+    """A file for torch.save that hashes the bytes on their way to disk: no second read."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.digest = xxhash.xxh3_128()
+
+    def write(self, data: Any) -> int:
+        self.digest.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 @contextmanager
 def _writes_recorded(engine, failures: list[str], step: int) -> Iterator[_RecordedWrites]:
     """Record the failures of DeepSpeed's writes during one save: its checkpoint engine (model and
     optimizer states) and rank 0's copy of its recovery scripts (zero_to_fp32.py)."""
-    recorder = _RecordedWrites(engine.checkpoint_engine, failures, step)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash")
+    recorder = _RecordedWrites(engine.checkpoint_engine, failures, step, pool)
     engine.checkpoint_engine = recorder
     copy_scripts = getattr(engine, "_copy_recovery_script", None)
     if copy_scripts is not None:
@@ -255,6 +358,7 @@ def _writes_recorded(engine, failures: list[str], step: int) -> Iterator[_Record
         engine.checkpoint_engine = recorder.inner
         if copy_scripts is not None:
             del engine._copy_recovery_script
+        pool.shutdown(wait=True)
 
 
 def _failure(path: Path, err: BaseException) -> str:
@@ -294,7 +398,7 @@ def _fail_together(ckpt_root: Path, tag: str, failures: list[str]) -> None:
     else:
         earlier = f"from {newest}, the newest complete checkpoint, untouched" if newest else "from step 0"
         after = (
-            f"--resume auto continues {earlier}; the partial {tag} is moved to "
+            f"--resume auto continues {earlier}; the partial {tag}{PARTIAL} is moved to "
             f"{ckpt_root / INCOMPLETE_DIR} then, never deleted"
         )
     raise CheckpointSaveError(
@@ -303,15 +407,18 @@ def _fail_together(ckpt_root: Path, tag: str, failures: list[str]) -> None:
     )
 
 
-def mark_complete(tag_dir: Path, step: int, meta: dict[str, Any]) -> None:
-    """Write the meta file, then the marker listing every file of the folder with its size."""
+def mark_complete(
+    tag_dir: Path, step: int, meta: dict[str, Any], hashes: dict[str, str] | None = None
+) -> None:
+    """Write the meta file, then the marker listing every file of the folder with its size and hash
+    (`hashes`: those the writing ranks computed; rank 0 hashes the rest, e.g. the meta file)."""
     _atomic_write(tag_dir / META, json.dumps({**meta, "checkpoint_format": CHECKPOINT_FORMAT}, indent=1))
-    files = {
-        str(p.relative_to(tag_dir)): p.stat().st_size
-        for p in sorted(tag_dir.rglob("*"))
-        if p.is_file() and p.name != COMPLETE
-    }
-    _atomic_write(tag_dir / COMPLETE, json.dumps({"step": step, "files": files}, indent=1))
+    paths = [p for p in sorted(tag_dir.rglob("*")) if p.is_file() and p.name != COMPLETE]
+    files = {str(p.relative_to(tag_dir)): p.stat().st_size for p in paths}
+    known = dict(hashes or {})
+    known.update(hash_files(tag_dir, [p for p in paths if str(p.relative_to(tag_dir)) not in known]))
+    marker = {"step": step, "files": files, "hash": HASH, "hashes": {k: known[k] for k in files}}
+    _atomic_write(tag_dir / COMPLETE, json.dumps(marker, indent=1))
 
 
 def prune(ckpt_root: Path, keep: int, step: int = 0) -> None:
@@ -325,53 +432,147 @@ def prune(ckpt_root: Path, keep: int, step: int = 0) -> None:
         shutil.rmtree(ckpt_root / old, ignore_errors=True)
 
 
+def move_aside(ckpt_root: Path, name: str, folder: str) -> Path:
+    """Move `ckpt_root/name` into `ckpt_root/folder/` (a step_N.partial as step_N), beside any
+    earlier one of that name (`.1`, `.2`, ...); returns where it went. Never deletes."""
+    tag = name.removesuffix(PARTIAL)
+    target = ckpt_root / folder / tag
+    n = 0
+    while target.exists():
+        n += 1
+        target = ckpt_root / folder / f"{tag}.{n}"
+    target.parent.mkdir(exist_ok=True)
+    os.replace(ckpt_root / name, target)
+    return target
+
+
 def set_aside_incomplete(ckpt_root: Path) -> list[Path]:
-    """Move step_* folders without a finished save to `incomplete/` (rank 0, before training);
-    returns where they went. They are kept for inspection, never deleted."""
+    """Move step_* folders without a finished save, and step_*.partial folders (a save cut off before
+    its rename), to `incomplete/` (rank 0, before training); returns where they went. They are kept
+    for inspection, never deleted."""
     moved = []
-    for tag in checkpoint_tags(ckpt_root):
-        if is_complete(ckpt_root / tag):
-            continue
-        target = ckpt_root / INCOMPLETE_DIR / tag
-        n = 0
-        while target.exists():
-            n += 1
-            target = ckpt_root / INCOMPLETE_DIR / f"{tag}.{n}"
-        target.parent.mkdir(exist_ok=True)
-        os.replace(ckpt_root / tag, target)
+    partials = sorted(p.name for p in ckpt_root.iterdir() if p.is_dir() and PARTIAL_RE.match(p.name))
+    for name in [*(t for t in checkpoint_tags(ckpt_root) if not is_complete(ckpt_root / t)), *partials]:
+        target = move_aside(ckpt_root, name, INCOMPLETE_DIR)
         log.warning(
-            "moved incomplete checkpoint %s to %s (its save did not finish; nothing deleted)", tag, target
+            "moved incomplete checkpoint %s to %s (its save did not finish; nothing deleted)", name, target
         )
         moved.append(target)
     return moved
 
 
+def abandon_newer(ckpt_root: Path, tag: str) -> Path | None:
+    """A rewind is a branch: move the step folders newer than `tag` (the line this resume leaves)
+    to `abandoned-<time>/` and point `latest` at `tag` (rank 0, before the first save). Returns the
+    folder they went to, None when there was nothing newer."""
+    step = int(TAG_RE.match(tag).group(1))  # type: ignore[union-attr]
+    newer = [t for t in checkpoint_tags(ckpt_root) if int(t[5:]) > step]
+    newer += [p.name for p in ckpt_root.glob("step_*" + PARTIAL) if int(p.name[5:13]) > step]
+    if not newer:
+        return None
+    folder = f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"
+    for name in newer:
+        move_aside(ckpt_root, name, folder)
+    if (ckpt_root / tag).is_dir():
+        _atomic_write(ckpt_root / LATEST, tag)
+    log.warning(
+        "resuming from %s rewinds the run: its newer checkpoints (%s) moved to %s, kept, never deleted",
+        tag, ", ".join(newer), ckpt_root / folder,
+    )  # fmt: skip
+    return ckpt_root / folder
+
+
+def marker_hashes(tag_dir: Path) -> dict[str, str]:
+    """The file hashes a checkpoint's marker records ({} for one saved before hashes)."""
+    try:
+        marker = json.loads((tag_dir / COMPLETE).read_text())
+    except (OSError, ValueError):
+        return {}
+    hashes = marker.get("hashes") if isinstance(marker, dict) and marker.get("hash") == HASH else None
+    return hashes if isinstance(hashes, dict) else {}
+
+
+def mismatched(tag_dir: Path, rank: int = 0, world: int = 1) -> list[str]:
+    """The files of `tag_dir` (this rank's share of them: the ranks split the reading) whose bytes
+    no longer match the hash its marker records; a file that cannot be read counts too. A universal
+    (converted) checkpoint has no marker of its own: conversions before this check copied the
+    source's, which lists files the converted folder does not hold."""
+    hashes = {} if is_universal(tag_dir) else marker_hashes(tag_dir)
+    by_size = sorted(hashes, key=lambda n: (-_size(tag_dir / n), n))
+    bad = []
+    for name in by_size[rank::world]:
+        try:
+            if file_hash(tag_dir / name) != hashes[name]:
+                bad.append(name)
+        except OSError:
+            bad.append(name)
+    return bad
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def verify(tag_dir: Path) -> list[str]:
+    """Collective: the files of `tag_dir` that do not match their recorded hashes, on every rank;
+    every rank hashes its share of the files, so the check reads the checkpoint once in all."""
+    mine = mismatched(tag_dir, dist.get_rank(), dist.get_world_size())
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return sorted(name for part in gathered for name in part)
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint named explicitly (--resume PATH/step_N) is incomplete or fails its hashes."""
+
+
+def _resume_newest(ckpt_root: Path, flag: str) -> tuple[Path, str] | None:
+    """The newest complete checkpoint under `ckpt_root`, saying so when `latest` names another."""
+    tag = newest_complete(ckpt_root)
+    pointed = read_latest(ckpt_root)
+    if tag is not None and pointed != tag:
+        why = (
+            "is missing" if not (ckpt_root / LATEST).exists() else f"names {pointed or 'no valid checkpoint'}"
+        )
+        log.warning(
+            "%s %s; resuming from the newest complete checkpoint, %s (%s)", ckpt_root / LATEST, why, tag, flag
+        )
+    return (ckpt_root, tag) if tag else None
+
+
 def resolve_resume(resume: str, ckpt_root: Path) -> tuple[Path, str] | None:
-    """(load_dir, tag) for --resume none|auto|PATH; None when starting fresh."""
+    """(load_dir, tag) for --resume none|auto|PATH; None when starting fresh.
+
+    auto and a checkpoints/ folder resume its newest complete checkpoint (`latest` is only a
+    convenience); a step folder named explicitly must be complete, else a one-line error."""
     if resume == "none":
         return None
     if resume == "auto":
-        tag = newest_complete(ckpt_root)
-        pointed = read_latest(ckpt_root)
-        if tag is not None and pointed != tag:
-            why = (
-                "is missing"
-                if not (ckpt_root / LATEST).exists()
-                else f"names {pointed or 'no valid checkpoint'}"
-            )
-            log.warning(
-                "%s %s; resuming from the newest complete checkpoint, %s", ckpt_root / LATEST, why, tag
-            )
-        return (ckpt_root, tag) if tag else None
+        return _resume_newest(ckpt_root, "--resume auto")
     path = Path(resume)
-    for pointer in (LATEST, LATEST_UNIVERSAL):  # a checkpoints/ folder, or a converted (universal) one
-        if path.is_dir() and (path / pointer).is_file():
-            tag = read_latest(path, pointer)
-            if tag is None:
-                raise FileNotFoundError(f"--resume {resume}: its '{pointer}' names a missing checkpoint")
-            return path, tag
+    if path.is_dir() and (path / LATEST_UNIVERSAL).is_file():  # a converted (universal) folder
+        tag = read_latest(path, LATEST_UNIVERSAL)
+        if tag is None:
+            raise FileNotFoundError(f"--resume {resume}: its '{LATEST_UNIVERSAL}' names a missing checkpoint")
+        return path, tag
     if path.is_dir() and TAG_RE.match(path.name):
+        if not is_universal(path) and not is_complete(path):
+            newest = newest_complete(path.parent)
+            raise CheckpointDamaged(
+                f"--resume {resume}: this checkpoint is incomplete (its save did not finish, or a file "
+                f"listed in {COMPLETE} is missing or has another size); resume from "
+                + (f"{path.parent / newest}, the newest complete one" if newest else "another checkpoint")
+                + ", or --resume auto"
+            )
         return path.parent, path.name
+    if path.is_dir() and ((path / LATEST).is_file() or checkpoint_tags(path)):  # a checkpoints/ folder
+        found = _resume_newest(path, f"--resume {resume}")
+        if found is None:
+            raise FileNotFoundError(f"--resume {resume}: holds no complete checkpoint")
+        return found
     raise FileNotFoundError(
         f"--resume {resume}: not a checkpoint (expected a checkpoints/ folder with 'latest' or a step_* folder)"
     )
@@ -458,8 +659,8 @@ def _saved_parameter_names(tag_dir: Path) -> set[str] | None:
         return None
     try:  # memory-mapped: only the names are read, not the weights; no pickled code runs
         module = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True).get("module")
-    except pickle.UnpicklingError:  # a file this check cannot read safely: DeepSpeed's load decides
-        return None
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, AttributeError):
+        return None  # a file this check cannot read safely, or a damaged one: the hash check decides
     return {k for k, v in module.items() if isinstance(v, torch.Tensor)} if isinstance(module, dict) else None
 
 
@@ -533,10 +734,12 @@ def is_universal(tag_dir: Path) -> bool:
 
 
 def load(engine, load_dir: Path, tag: str) -> dict[str, Any]:
-    """Load model, optimizer and scheduler; restore this rank's RNG. Returns the client state."""
-    _, client_state = engine.load_checkpoint(
-        str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
+    """Load model, optimizer and scheduler; restore this rank's RNG. Returns the client state.
+    Every file DeepSpeed reads is loaded with weights_only=True (swbert.safe_load)."""
+    with weights_only_loads():
+        _, client_state = engine.load_checkpoint(
+            str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
     if client_state is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {load_dir / tag}")
     rng_file = load_dir / tag / f"rng_rank{dist.get_rank():05d}.pt"

@@ -7,6 +7,9 @@ README.md on loading it: with swbert installed, `AutoModelForMaskedLM.from_pretr
 `import swbert`; anywhere else `AutoModelForMaskedLM.from_pretrained(DIR, trust_remote_code=True)` or
 `pipeline("fill-mask", model=DIR, trust_remote_code=True)`. A `standard` model also converts to
 transformers' own `BertForMaskedLM` (`swbert-convert to-hf DIR OUT`).
+
+Nothing in the checkpoint is unpickled into code: every file (DeepSpeed's zero_to_fp32 included) is
+read with weights_only=True (swbert.safe_load), and the weights are written as safetensors.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from swbert import cli
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.attention import attention_class
 from swbert.models.remote_code import add_remote_code
+from swbert.safe_load import UnsafeCheckpointError, load, weights_only_loads
 from swbert.training.checkpoint import newest_complete, read_latest
 from swbert.training.run_tokenizer import copy_tokenizer, tokenizer_for_export
 
@@ -33,11 +37,12 @@ def _full_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
     ):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        with weights_only_loads():
+            return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     model_file = tag_dir / "mp_rank_00_model_states.pt"
     if not model_file.is_file():
         raise FileNotFoundError(f"{tag_dir} holds no DeepSpeed model states (mp_rank_00_model_states.pt)")
-    return torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+    return load(model_file, map_location="cpu")["module"]
 
 
 def load_model_from_checkpoint(tag_dir: Path) -> SWBertForMaskedLM:
@@ -76,7 +81,7 @@ def export(tag_dir: Path, output: Path, tokenizer_dir: Path | None = None) -> Pa
         raise FileNotFoundError(f"--tokenizer {tokenizer_dir} is not a folder")
     tokenizer = tokenizer_dir if tokenizer_dir is not None else tokenizer_for_export(tag_dir, meta)
     output.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(output)
+    model.save_pretrained(output, safe_serialization=True)
     add_remote_code(output)
     (output / "README.md").write_text(model_card(model.config))
     if tokenizer is not None:
@@ -162,7 +167,11 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    out = export(tag_dir, args.output, args.tokenizer)
+    try:
+        out = export(tag_dir, args.output, args.tokenizer)
+    except UnsafeCheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"exported {tag_dir} -> {out}")
     if attention_class(json.loads((out / "config.json").read_text())["attention_type"]).bert_equivalent:
         print(f"as transformers' BertForMaskedLM: swbert-convert to-hf {out} BERT_FOLDER")

@@ -81,6 +81,10 @@ class Trainer:
         build.check_shards(self.data, self.output_dir)  # before any batch is read
         # every rank resumes from what rank 0 chose, and says so if it cannot see it
         self.resume_from = ckpt.agree_on_resume(self.resume_from)
+        # every file of it against its recorded hash, before anything loads
+        self.resume_from, self.resume_changes = build.verify_resume(
+            cfg, self.ckpt_root, self.meta, self.resume_from, self.resume_changes
+        )
         if self.resume_from is not None and ckpt.is_universal(self.resume_from[0] / self.resume_from[1]):
             # converted to resume at another tensor/data-parallel size
             self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
@@ -97,7 +101,7 @@ class Trainer:
         self.train_flops_per_token = flops.training
         self.peak_tflops = device_peak_tflops() if self.precision in ("bf16", "fp16") else None
 
-        build.write_run_files(cfg, folder, self.ds_config, self.is_main)
+        build.write_run_files(cfg, folder, self.ds_config, self.is_main, self.resume_from)
         self.metrics = build.build_tracking(cfg, folder, self.dims, plan, self.model_config, applied)
         if self.metrics is not None and self.resume_changes:  # deliberate changes, kept with the run
             self.metrics.tag(f"resume_change.{self.resume_from[1]}", "; ".join(self.resume_changes))
@@ -336,11 +340,14 @@ class Trainer:
     # ---- the end ------------------------------------------------------------------------------
     def _export(self, tag_dir: Path) -> Path:
         """`<output_dir>/export` from `tag_dir`, written next to it and renamed into place, so a kill
-        leaves either the previous folder or the new one; skipped when it already holds `tag_dir`."""
+        leaves either the previous folder or the new one; skipped when it already holds `tag_dir`:
+        the same step saved by the same save (the marker's hash), not a namesake a rewind abandoned."""
         from swbert.training.export import export
 
         final = self.output_dir / "export"
-        stamp, source = final / "swbert_export.json", {"checkpoint": tag_dir.name}
+        marker = tag_dir / ckpt.COMPLETE
+        source = {"checkpoint": tag_dir.name, "marker": ckpt.file_hash(marker) if marker.is_file() else None}
+        stamp = final / "swbert_export.json"
         try:
             if json.loads(stamp.read_text()) == source:
                 log.info("%s already holds %s", final, tag_dir.name)

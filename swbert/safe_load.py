@@ -1,0 +1,92 @@
+"""Loading checkpoint files without running code from them.
+
+A pickle can name any callable to run while it is read (`__reduce__`): a checkpoint or export
+copied from elsewhere, or tampered with on a shared file system, would run its code in every rank
+that loads it. Every load in swbert therefore uses `torch.load(..., weights_only=True)`, which
+reads tensors, containers and plain values only, plus the few DeepSpeed and NumPy types a DeepSpeed
+checkpoint holds (`ALLOWED`). DeepSpeed's own loads (`engine.load_checkpoint`, zero_to_fp32, the
+universal conversion) pass `weights_only=False`; `weights_only_loads()` overrides that while they run.
+
+A refused file raises `UnsafeCheckpointError`: one line naming the file and what it holds.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _allowed() -> list[Any]:
+    """The non-tensor types DeepSpeed checkpoints and swbert's RNG files hold (seen in ZeRO 0-3 and
+    universal checkpoints, fp32 and bf16): nothing in them runs code when rebuilt."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    numpy_core = getattr(np, "_core", None) or np.core  # renamed in NumPy 2
+    return [
+        LossScaler,
+        DynamicLossScaler,
+        ZeroStageEnum,
+        fragment_address,
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),
+        type(np.dtype(np.float32)),
+        type(np.dtype(np.int64)),
+        numpy_core.multiarray._reconstruct,
+        numpy_core.multiarray.scalar,
+    ]
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file that would run code (or holds a type outside the allow-list) when loaded."""
+
+
+_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)|Trying to \w+ [^.]*|unsupported [^.\n]*", re.I)
+
+
+def _one_line(path: Any, err: Exception) -> UnsafeCheckpointError:
+    text = str(err)
+    found = _GLOBAL.search(text)
+    what = (found.group(1) or found.group(0)) if found else text.strip().splitlines()[0][:200]
+    return UnsafeCheckpointError(
+        f"{path}: refused to load, it holds {what}, which is not plain weights (weights_only=True); "
+        "a file that would run code when read is never unpickled. Use a checkpoint you made, or "
+        "restore this file from its original"
+    )
+
+
+def load(path: str | Path, original: Any = None, **kwargs: Any) -> Any:
+    """`torch.load(path, weights_only=True)` with `ALLOWED`; UnsafeCheckpointError names the file."""
+    kwargs.pop("weights_only", None)
+    loader = original or torch.load
+    try:
+        with torch.serialization.safe_globals(_allowed()):
+            return loader(path, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as err:
+        raise _one_line(path, err) from None
+
+
+@contextmanager
+def weights_only_loads() -> Iterator[None]:
+    """Every `torch.load` made while inside (DeepSpeed's included) is `load`: weights only."""
+    original = torch.load
+
+    def forced(f: Any, *args: Any, **kwargs: Any) -> Any:
+        if args:  # map_location given by position
+            kwargs["map_location"] = args[0]
+        return load(f, original, **kwargs)
+
+    torch.load = forced
+    try:
+        yield
+    finally:
+        torch.load = original
