@@ -115,7 +115,8 @@ def test_zero_stage_trains_exports_and_resumes_exactly(stage, data_dir, tmp_path
     assert max(read_metrics(cut)) == last
     assert (ckpts / "latest").read_text() == f"step_{k:08d}"
     if stage == 3:
-        assert (ckpts / f"step_{2 * k:08d}").is_dir()  # the cut-off save is there, but not pointed to
+        # the cut-off save is there, under its in-progress name (renamed only once complete)
+        assert (ckpts / f"step_{2 * k:08d}.partial").is_dir() and not (ckpts / f"step_{2 * k:08d}").exists()
     resumed = launch(2, tiny_args(data_dir, cut, *args, "--resume", "auto"), env=job_env(**fault))
     check_ok(resumed)
     assert "model path: plain PyTorch ops" in resumed.stderr
