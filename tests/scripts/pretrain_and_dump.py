@@ -1,11 +1,13 @@
-"""Run pretraining in-process, then dump the engine's logits on a fixed batch (for export parity)."""
+"""Run pretraining in-process, then dump the engine's logits on a fixed batch (for export parity).
+
+Rank 0 ends with the closing summary, as launchers/pretrain.py does."""
 
 import os
 import sys
 
 import torch
 
-from swbert.training.cli import parse_args
+from swbert.training.cli import closing_summary, parse_args
 from swbert.training.trainer import Trainer, setup_logging
 
 argv = sys.argv[1:]
@@ -16,6 +18,8 @@ setup_logging()
 trainer = Trainer(parse_args(argv))
 summary = trainer.run()
 assert summary["status"] == "FINISHED", summary
+if "export_dir" in summary:
+    print(closing_summary(summary), flush=True)
 torch.manual_seed(0)
 input_ids = torch.randint(5, trainer.model_config.vocab_size, (2, 16))
 trainer.engine.eval()
