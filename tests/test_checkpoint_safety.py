@@ -8,13 +8,16 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from swbert.training import checkpoint as ckpt
-from tests.launch_utils import job_env, kill_group, launch, read_metrics, run_single, start, wait_for
+from tests.launch_utils import REPO, job_env, kill_group, launch, read_metrics, run_single, start, wait_for
 
 
 def fake_checkpoint(root, step: int, complete: bool = True):
@@ -78,25 +81,58 @@ def test_checkpoints_saved_before_markers_still_count(tmp_path):
     assert not ckpt.is_complete(tag_dir)  # format 2 without its marker: cut off
 
 
-@pytest.mark.slow
-def test_a_run_whose_latest_went_missing_continues_from_its_newest_checkpoint(data_dir, tmp_path):
-    """The scenario that used to delete every checkpoint and train from step 0: checkpoints at 4, 8
-    and 12, the job killed at step 14, `latest` gone. Resumed, it continues from step 12 with the
-    losses it had logged, deletes nothing, and a finished run resumed again rewrites nothing."""
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def interrupted(data_dir, tmp_path_factory) -> SimpleNamespace:
+    """One single-process run serves two tests. It saves at 4, 8 and 12 and is killed (-9) at step
+    14; while it trains (held stopped meanwhile) a second job on its folder is refused. Then
+    `latest` goes missing and --resume auto continues the run: a new job takes over the folder of
+    the killed one."""
+    out = tmp_path_factory.mktemp("interrupted") / "run"
     args = [
         "--config", "tiny_cpu", "--data-dir", str(data_dir), "--output-dir", str(out), "--mlflow", "false",
         "--train-steps", "16", "--save-interval", "4", "--keep-checkpoints", "4", "--log-interval", "1",
         "--eval-interval", "100", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
     ]  # fmt: skip
-    killed = run_single(args, env=job_env(SWBERT_FAULT_KILL_AFTER_STEP="14"))
-    assert killed.returncode != 0
+    killed = subprocess.Popen(
+        [sys.executable, "launchers/pretrain.py", *args],
+        cwd=REPO,
+        env=job_env(SWBERT_FAULT_KILL_AFTER_STEP="14"),
+        stdout=open(out.parent / "killed.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        # metrics.jsonl is made in set-up, with the lock held, seconds before the first step
+        wait_for(lambda: (out / "metrics.jsonl").is_file(), timeout=240, proc=killed)
+        killed.send_signal(signal.SIGSTOP)
+        first_alive = killed.poll() is None
+        started = time.monotonic()
+        second = run_single([*args, "--resume", "auto", "--train-steps", "2"])
+        second_took = time.monotonic() - started
+        holder = json.loads((out / ".swbert.lock").read_text())
+        killed.send_signal(signal.SIGCONT)
+        killed.wait(timeout=240)
+    finally:
+        kill_group(killed)
     before = read_metrics(out)
+    (out / "checkpoints" / "latest").unlink()
+    resumed = run_single([*args, "--resume", "auto"])
+    return SimpleNamespace(
+        out=out, args=args, first_alive=first_alive, second=second, second_took=second_took,
+        holder=holder, killed=killed, before=before, resumed=resumed,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_run_whose_latest_went_missing_continues_from_its_newest_checkpoint(interrupted):
+    """The scenario that used to delete every checkpoint and train from step 0: checkpoints at 4, 8
+    and 12, the job killed at step 14, `latest` gone. Resumed, it continues from step 12 with the
+    losses it had logged, deletes nothing, and a finished run resumed again rewrites nothing."""
+    out, args, before, resumed = interrupted.out, interrupted.args, interrupted.before, interrupted.resumed
+    assert interrupted.killed.returncode != 0
     assert max(before) == 14
     root = out / "checkpoints"
-    (root / "latest").unlink()
 
-    resumed = run_single([*args, "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from the newest complete checkpoint, step_00000012" in resumed.stderr
     assert f"resumed from {root / 'step_00000012'} at step 12" in resumed.stdout
@@ -117,27 +153,20 @@ def test_a_run_whose_latest_went_missing_continues_from_its_newest_checkpoint(da
 
 
 @pytest.mark.slow
-def test_one_job_per_run_folder(data_dir, tmp_path):
+def test_one_job_per_run_folder(interrupted):
     """A second job on a busy run folder exits at once naming the first; once the first is killed
-    (-9), a new job takes the folder over."""
-    out = tmp_path / "run"
-    args = [
-        "--config", "tiny_cpu", "--data-dir", str(data_dir), "--output-dir", str(out), "--mlflow", "false",
-        "--save-interval", "1000", "--export", "false", "--log-interval", "1",
-    ]  # fmt: skip
-    first = start(1, [*args, "--train-steps", "100000"])
-    try:
-        wait_for(lambda: (out / "metrics.jsonl").is_file(), timeout=240, proc=first)
-        started = time.monotonic()
-        second = run_single([*args, "--resume", "auto", "--train-steps", "2"])
-        assert second.returncode != 0 and time.monotonic() - started < 30
-        holder = json.loads((out / ".swbert.lock").read_text())
-        assert f"{out} is in use by another job" in second.stderr
-        assert f'"pid": {holder["pid"]}' in second.stderr and holder["host"] in second.stderr
-    finally:
-        kill_group(first)
-    third = run_single([*args, "--resume", "auto", "--train-steps", "2"])
+    (-9), a new job takes the folder over (here the run above, resumed after its kill)."""
+    second, out = interrupted.second, interrupted.out
+    assert interrupted.first_alive, "the first job ended before the second one started"
+    assert second.returncode != 0 and interrupted.second_took < 30
+    holder = interrupted.holder
+    assert f"{out} is in use by another job" in second.stderr, second.stderr[-3000:]
+    assert f'"pid": {holder["pid"]}' in second.stderr and holder["host"] in second.stderr
+    assert holder["pid"] == interrupted.killed.pid
+    assert interrupted.killed.returncode == -signal.SIGKILL
+    third = interrupted.resumed
     assert third.returncode == 0, third.stderr[-3000:]
+    assert "in use by another job" not in third.stderr
 
 
 class _Payload:

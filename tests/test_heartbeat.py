@@ -152,38 +152,15 @@ class Job:
             p.wait(timeout=30)
 
 
-@pytest.fixture
-def job(tmp_path):
-    job = Job(tmp_path)
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """One job for both tests below: the store restart first (it leaves every rank running and
+    beating through a new connection), then the stall, which ends with the ranks naming rank 2."""
+    job = Job(tmp_path_factory.mktemp("heartbeat"))
     try:
         yield job
     finally:
         job.close()
-
-
-def test_a_store_that_stalls_longer_than_its_timeout_silences_no_rank(job):
-    """The store's process is stopped for 5 s, longer than the store timeout (2 s) and the watch's
-    window (3 s). The ranks' reads wait or fail meanwhile; afterwards each still beats, and rank 2,
-    whose beat reaches the store again only 1 s after the store answers again (as a beat that
-    waited behind its own rank's blocked read, or backed off), is taken for lost by neither rank:
-    the time they could not read does not count. Rank 2 silent for good is named within the window."""
-    before = job.beats()
-    wait_for(lambda: job.beating(before), timeout=20)
-    job.beat_as_rank_2(2.0)  # ranks 0 and 1 see it beat
-    os.kill(job.server.pid, signal.SIGSTOP)
-    time.sleep(STALL_S)
-    os.kill(job.server.pid, signal.SIGCONT)
-    time.sleep(1.0)
-    job.beat_as_rank_2(AFTER_S + 2.0)  # the whole window again, and a few beats more
-    job.assert_alive()
-    after = job.beats()
-    wait_for(lambda: job.beating(after), timeout=5)
-
-    # the watches are live: a neighbour that falls silent is named within the window
-    for r in (0, 1):
-        assert job.ranks[r].wait(timeout=AFTER_S + 15) == 3, job.log(r)
-        named = f"error: lost rank 2 (on {socket.gethostname()} pid {os.getpid()}): its heartbeat stood still"
-        assert named in job.log(r), job.log(r)
 
 
 def test_a_rank_holds_one_store_connection_and_replaces_it_when_it_breaks(job):
@@ -207,6 +184,32 @@ def test_a_rank_holds_one_store_connection_and_replaces_it_when_it_breaks(job):
         base, now = job.connections(r)
         assert now == base + 1, (r, base, now, job.log(r))
     assert "heartbeat reaches the store at" in job.log(0) + job.log(1)
+
+
+def test_a_store_that_stalls_longer_than_its_timeout_silences_no_rank(job):
+    """The store's process is stopped for 5 s, longer than the store timeout (2 s) and the watch's
+    window (3 s). The ranks' reads wait or fail meanwhile; afterwards each still beats, and rank 2,
+    whose beat reaches the store again only 1 s after the store answers again (as a beat that
+    waited behind its own rank's blocked read, or backed off), is taken for lost by neither rank:
+    the time they could not read does not count. Rank 2 silent for good is named within the window."""
+    job.rank2_store = job.client()  # the store restarted in the test above: a client of the new one
+    before = job.beats()
+    wait_for(lambda: job.beating(before), timeout=20)
+    job.beat_as_rank_2(2.0)  # ranks 0 and 1 see it beat
+    os.kill(job.server.pid, signal.SIGSTOP)
+    time.sleep(STALL_S)
+    os.kill(job.server.pid, signal.SIGCONT)
+    time.sleep(1.0)
+    job.beat_as_rank_2(AFTER_S + 2.0)  # the whole window again, and a few beats more
+    job.assert_alive()
+    after = job.beats()
+    wait_for(lambda: job.beating(after), timeout=5)
+
+    # the watches are live: a neighbour that falls silent is named within the window
+    for r in (0, 1):
+        assert job.ranks[r].wait(timeout=AFTER_S + 15) == 3, job.log(r)
+        named = f"error: lost rank 2 (on {socket.gethostname()} pid {os.getpid()}): its heartbeat stood still"
+        assert named in job.log(r), job.log(r)
 
 
 @pytest.mark.slow

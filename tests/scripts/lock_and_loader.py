@@ -6,13 +6,22 @@ the trainer's are), prints the workers' pids and waits to be killed.
 
 import sys
 import time
+import types
 from pathlib import Path
 
 import psutil
 import torch
 
-from swbert.data.loader import batch_loader
-from swbert.training.runlock import RunLock
+# The packages' __init__ files only re-export (and import the models, and so transformers): empty
+# stand-ins let the two modules needed here load in the time torch takes, as the real rank's would.
+REPO = Path(__file__).resolve().parents[2]
+for name in ("swbert", "swbert.data", "swbert.training"):
+    package = types.ModuleType(name)
+    package.__path__ = [str(REPO.joinpath(*name.split(".")))]
+    sys.modules[name] = package
+
+from swbert.data.loader import batch_loader  # noqa: E402
+from swbert.training.runlock import RunLock  # noqa: E402
 
 
 class Stream:
