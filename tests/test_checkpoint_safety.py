@@ -106,9 +106,7 @@ def interrupted(data_dir, tmp_path_factory) -> SimpleNamespace:
         wait_for(lambda: (out / "metrics.jsonl").is_file(), timeout=240, proc=killed)
         killed.send_signal(signal.SIGSTOP)
         first_alive = killed.poll() is None
-        started = time.monotonic()
         second = run_single([*args, "--resume", "auto", "--train-steps", "2"])
-        second_took = time.monotonic() - started
         holder = json.loads((out / ".swbert.lock").read_text())
         killed.send_signal(signal.SIGCONT)
         killed.wait(timeout=240)
@@ -118,7 +116,7 @@ def interrupted(data_dir, tmp_path_factory) -> SimpleNamespace:
     (out / "checkpoints" / "latest").unlink()
     resumed = run_single([*args, "--resume", "auto"])
     return SimpleNamespace(
-        out=out, args=args, first_alive=first_alive, second=second, second_took=second_took,
+        out=out, args=args, first_alive=first_alive, second=second,
         holder=holder, killed=killed, before=before, resumed=resumed,
     )  # fmt: skip
 
@@ -158,7 +156,10 @@ def test_one_job_per_run_folder(interrupted):
     (-9), a new job takes the folder over (here the run above, resumed after its kill)."""
     second, out = interrupted.second, interrupted.out
     assert interrupted.first_alive, "the first job ended before the second one started"
-    assert second.returncode != 0 and interrupted.second_took < 30
+    # "at once": the first job is stopped (SIGSTOP) holding the lock for as long as the second runs,
+    # so a second job that waited for the lock would never return (run_single's timeout); and it is
+    # refused before it builds a model. (No wall-clock bound: this machine's load is not the code's.)
+    assert second.returncode != 0 and "model path:" not in second.stderr
     holder = interrupted.holder
     assert f"{out} is in use by another job" in second.stderr, second.stderr[-3000:]
     assert f'"pid": {holder["pid"]}' in second.stderr and holder["host"] in second.stderr
