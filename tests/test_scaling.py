@@ -248,13 +248,14 @@ def test_closed_form_tensor_parallel_shards_match_parallelized_models():
 
 @pytest.mark.slow
 def test_driver_runs_a_small_grid_end_to_end(data_dir, tmp_path_factory):
-    """Tiny points measured with the real trainer; an xl point that cannot fit is skipped, not run."""
+    """Tiny points measured with the real trainer; an xl point that cannot fit is skipped, not run.
+    One process per point: the driver is under test here, the engines on 2 ranks above."""
     data = data_dir
     out = tmp_path_factory.mktemp("scaling")
     result = subprocess.run(
         [sys.executable, "launchers/scaling_study.py", "--output-dir", str(out), "--sizes", "tiny", "xl",
          "--attention", "standard", "shared", "--layouts", "z2", "--steps", "3", "--seq-len", "64",
-         "--micro-batch", "4", "--nproc", "2", "--data-dir", str(data), "--point-timeout", "600",
+         "--micro-batch", "4", "--nproc", "1", "--data-dir", str(data), "--point-timeout", "600",
          "--memory-limit-gib", "8"],
         cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
