@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import shlex
 import shutil
 import socket
@@ -291,13 +292,12 @@ def test_bad_requests_fail_fast_with_a_message(cluster, data_dir, tmp_path):
 def test_scaling_grid_runs_as_a_job_array(cluster, data_dir, tmp_path):
     """The scaling driver emits its grid as a job array; each task is one point; --collect tabulates."""
     out = tmp_path / "scaling"
-    emit = subprocess.run(
-        [sys.executable, "launchers/scaling_study.py", "--emit-slurm", "--nodes", "1", "--gpus-per-node", "0",
-         "--sizes", "tiny", "--attention", "standard", "shared", "--layouts", "z2", "--steps", "3",
-         "--seq-len", "64", "--micro-batch", "4", "--data-dir", str(data_dir), "--output-dir", str(out)],
-        cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert emit.returncode == 0, emit.stderr
+    # The launcher's main in this process (writing the sweep needs no cluster and starts nothing): a
+    # second interpreter would only import torch again.
+    main = runpy.run_path(str(REPO / "launchers" / "scaling_study.py"), run_name="launcher")["main"]
+    main(["--emit-slurm", "--nodes", "1", "--gpus-per-node", "0", "--sizes", "tiny", "--attention", "standard",
+          "shared", "--layouts", "z2", "--steps", "3", "--seq-len", "64", "--micro-batch", "4",
+          "--data-dir", str(data_dir), "--output-dir", str(out)])  # fmt: skip
     command = shlex.split((out / "submit.sh").read_text().splitlines()[-1])
     assert command[:2] == ["sbatch", "--array=0-1"], command
     # One task per process here (SWBERT_LAUNCHER=srun): the trainer maps SLURM's rank variables.
