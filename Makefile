@@ -8,7 +8,7 @@ CONSTRAINTS ?= constraints-cpu.txt
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/swbert/torch_extensions/$(shell echo $(abspath $(VENV)) | cksum | cut -d' ' -f1)
 BIN := $(VENV)/bin
 
-.PHONY: setup pretrain test test-long test-faults test-gpu lint golden clean
+.PHONY: setup pretrain test test-fast test-long test-faults test-gpu lint golden clean
 
 $(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ pretrain: setup
 test: setup
 	$(BIN)/ruff check .
 	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n 2 --dist loadfile -m "not long"
+
+# The unit tier: every test that starts no job and takes under about 2 s (under 2 minutes in all);
+# `make test` runs these and the end-to-end tests (marked slow) together.
+test-fast: setup
+	$(BIN)/ruff check .
+	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n 2 --dist loadfile -m "not slow and not long"
 
 # The cases `make test` leaves out to stay within its time: the compiled engine at ZeRO-1 and 2
 # (CI runs ZeRO-3 and TP compiled) and the heartbeat through a whole job.

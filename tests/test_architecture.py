@@ -33,6 +33,7 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
+@pytest.mark.slow
 def test_training_never_imports_data_prep():
     found = {p.name: m for p in TRAINING.glob("*.py") for m in _imports(p) if m.split(".")[0] == "data_prep"}
     assert not found, found
@@ -51,6 +52,7 @@ def test_no_trainer_method_is_over_60_lines():
                 assert length <= 60, f"{name}:{node.lineno} {node.name} is {length} lines"
 
 
+@pytest.mark.slow
 def test_build_steps_run_alone_before_any_process_group(data_dir, tmp_path, monkeypatch):
     """The steps before the process group, called one by one as a reader (or a test) would."""
     from swbert.training import build

@@ -90,6 +90,7 @@ def compiled_equals_eager(compiled: SWBertForMaskedLM, eager: SWBertForMaskedLM)
     return dict(torch._dynamo.utils.counters["graph_break"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["none", "selective"])
 def test_compiled_per_block_equals_eager(mode):
     config = tiny_config("shared")
@@ -173,6 +174,7 @@ def test_a_missing_compile_backend_is_named_before_anything_starts():
         check_compiler(torch.device("cpu"), "no_such_backend")
 
 
+@pytest.mark.slow
 def test_the_first_gradient_reduce_starts_early_in_the_backward():
     """Compiled per block, ZeRO-2's first gradient reduce fires while most of the backward is still
     to run (block i's reduce overlaps the backward of the blocks before it). Compiled as one graph

@@ -135,6 +135,7 @@ print(took, *faults)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", ["keep", "system"])
 def test_cpu_training_steps_reuse_freed_memory_without_page_faults(setting):
     """The trainer's CPU allocator setting: once warm, a training step takes the memory the last

@@ -59,6 +59,7 @@ def _documents(data_dir: Path, split: str) -> list[list[int]]:
     return [corpus.document(i).tolist() for i in range(len(corpus))]
 
 
+@pytest.mark.slow
 def test_worker_count_does_not_change_documents(setup: dict, reference: Path) -> None:
     out = setup["root"] / "two_workers"
     preprocess(setup["inputs"], setup["tok"], out, **{**ARGS, "workers": 2})
@@ -78,6 +79,7 @@ def test_rerun_skips_finished_shards(setup: dict, reference: Path) -> None:
     assert result.shards_written == 0 and result.shards_reused == len(result.manifest["shards"])
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_gives_the_same_manifest(setup: dict, reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "killed"
     command = [sys.executable, "-m", "data_prep.preprocess", "--input", *setup["inputs"], "--tokenizer",
@@ -104,6 +106,7 @@ def test_kill_9_then_resume_gives_the_same_manifest(setup: dict, reference: Path
     assert verify_dir(out)[0] == []
 
 
+@pytest.mark.slow
 def test_verify_names_each_damaged_file(reference: Path, tmp_path: Path) -> None:
     damaged = tmp_path / "damaged"
     shutil.copytree(reference, damaged)

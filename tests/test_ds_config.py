@@ -162,6 +162,7 @@ def test_the_optimizer_auto_builds():
         build_optimizer(model, 1e-3, 0.01, kind="torch_adamw", offload=True)
 
 
+@pytest.mark.slow
 def test_a_fused_adam_that_cannot_be_built_is_one_line_naming_the_fix(tmp_path):
     """A real failed build: an empty extension cache and no working C++ compiler (CXX=false)."""
     code = (

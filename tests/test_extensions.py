@@ -35,6 +35,7 @@ def folder(tmp_path, monkeypatch):
     return build_dir(Builder.NAME)  # torch makes the folder
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_a_killed_swbert_build_is_removed(folder):
     """A real process takes the flock, creates torch's lock as a build does, and is killed -9."""
     code = (
@@ -57,6 +58,7 @@ def test_a_lock_left_by_a_killed_swbert_build_is_removed(folder):
     assert not (folder / "lock").exists()
 
 
+@pytest.mark.slow
 def test_a_build_in_progress_elsewhere_is_waited_for(folder):
     """A lock no swbert process made (another program building now) is waited for, not removed."""
     (folder / "lock").touch()

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from mlflow import MlflowClient
 
 
+@pytest.mark.slow
 def test_finetune_sweep_logs_system_metrics_and_its_report(tmp_path):
     from swbert.finetune.tracking import Tracker
 
@@ -31,6 +33,7 @@ def test_finetune_sweep_logs_system_metrics_and_its_report(tmp_path):
     assert [a.path for a in client.list_artifacts(parent, "report")] == ["report/table1_glue.md"]
 
 
+@pytest.mark.slow
 def test_a_rerun_sweep_skips_finished_trials_and_marks_the_killed_runs(tmp_path):
     """kill -9 a real sweep once its first trial is recorded; the re-run reuses that trial's result
     (not trained again) and marks the killed sweep's runs KILLED instead of RUNNING for ever."""

@@ -134,6 +134,7 @@ def read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_tables_from_a_store(store, tmp_path, capsys):
     """Every table from a store of fixed synthetic results. Table 1's Avg is checked against the paper's
     definition by hand; its printed averages cannot be reproduced here: the paper's per-task numbers are
@@ -189,6 +190,7 @@ def test_tables_from_a_store(store, tmp_path, capsys):
     assert "Table 1: GLUE" in out and "logged to MLflow" in out
 
 
+@pytest.mark.slow
 def test_figure3_is_the_time_per_epoch_at_batch_16(store, tmp_path):
     root, _ = store
     assert report_main(["--runs-dir", str(root), "--out", str(tmp_path)]) == 0

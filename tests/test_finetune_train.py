@@ -65,6 +65,7 @@ def glue_run(tmp_path_factory, store):
     }
 
 
+@pytest.mark.slow
 def test_classifier_beats_chance_by_a_wide_margin(glue_run):
     _, runs = glue_run
     sst2 = runs[("glue_trial", "sst2")]
@@ -132,6 +133,7 @@ def test_evaluate_finetuned_reproduces_the_clean_score(glue_run, store, tmp_path
         assert float(csv[1].split(",")[3]) == pytest.approx(expected)
 
 
+@pytest.mark.slow
 def test_squad_v11_and_v20_end_to_end(tmp_path, store):
     """Both versions, the stepped learning-rate plan (two stages of one epoch), and the "+ TriviaQA"
     rows: TriviaQA first (from its official RC layout), then SQuAD from the kept TriviaQA model."""

@@ -17,6 +17,7 @@ from benchmarks.gpu_hour import Context, Outcome, Step
 from tests.launch_utils import REPO, job_env
 
 
+@pytest.mark.slow
 def test_without_cuda_it_says_so_in_one_line_and_exits_77():
     env = job_env(CUDA_VISIBLE_DEVICES="")  # no device, on a GPU machine too
     result = subprocess.run(
@@ -72,6 +73,7 @@ def _broken(ctx: Context) -> Outcome:
     raise ValueError("no such file: runs/x.json\nsecond line")
 
 
+@pytest.mark.slow
 def test_every_step_runs_and_reports_whatever_the_ones_before_it_did(tmp_path):
     def ok(ctx: Context) -> Outcome:
         rc, out = ctx.run([sys.executable, "-c", "print('hello')"])
@@ -168,6 +170,7 @@ def test_the_sync_counter_adds_to_the_calls_the_counting_script_records(tmp_path
     assert out.read_text() == f'["{script}", ["item"]]'
 
 
+@pytest.mark.slow
 def test_a_smoke_run_of_a_real_step_writes_the_report(tmp_path, capsys):
     report = tmp_path / "report.md"
     status = gpu_hour.main(

@@ -163,6 +163,7 @@ def job(tmp_path_factory):
         job.close()
 
 
+@pytest.mark.slow
 def test_a_rank_holds_one_store_connection_and_replaces_it_when_it_breaks(job):
     """Beat, watch and lost() share one client: one connection to the store besides the process
     group's (a client per thread made three). The store then restarts on its port, breaking every
@@ -186,6 +187,7 @@ def test_a_rank_holds_one_store_connection_and_replaces_it_when_it_breaks(job):
     assert "heartbeat reaches the store at" in job.log(0) + job.log(1)
 
 
+@pytest.mark.slow
 def test_a_store_that_stalls_longer_than_its_timeout_silences_no_rank(job):
     """The store's process is stopped for 5 s, longer than the store timeout (2 s) and the watch's
     window (3 s). The ranks' reads wait or fail meanwhile; afterwards each still beats, and rank 2,

@@ -109,6 +109,7 @@ def wheel_run(installed, data_dir, tmp_path_factory) -> tuple[Path, subprocess.C
     return here, run
 
 
+@pytest.mark.slow
 def test_wheel_pretrains_from_any_folder(installed, wheel_run, tmp_path):
     env = outside_env(installed)
     where = subprocess.run(
@@ -153,6 +154,7 @@ def test_wheel_pretrains_from_any_folder(installed, wheel_run, tmp_path):
     assert not (here / "mlruns").exists()  # MLflow's artifacts stay in the run folder
 
 
+@pytest.mark.slow
 def test_the_default_store_holds_a_loadable_model_system_metrics_and_the_configs(wheel_run):
     import mlflow
     from mlflow import MlflowClient

@@ -118,6 +118,7 @@ def test_two_ranks_each_hash_a_share_and_reach_one_verdict(data_copy: Path, tmp_
     assert bad[0] == bad[1] and bad[0][0] == "bad" and str(path.resolve()) in bad[0][1]  # one rank hashed it
 
 
+@pytest.mark.slow
 def test_a_pretraining_job_refuses_corrupt_shards(data_copy: Path, tmp_path: Path) -> None:
     """The acceptance proof: before shards were hashed at start, this job trained and exited 0."""
     path = corrupt_token(data_copy)

@@ -18,6 +18,7 @@ from swbert.training.runlock import RunFolderBusy, RunLock
 from tests.launch_utils import REPO, job_env
 
 
+@pytest.mark.slow
 def test_a_killed_rank_0_leaves_no_worker_and_no_lock(tmp_path):
     """kill -9 of rank 0 alone (the OOM killer's way) used to leave its forked loader workers alive,
     holding the run lock: every restart was refused. Now the workers die with the rank and never
@@ -162,6 +163,7 @@ def test_optimizer_settings_given_on_resume_are_applied_to_the_restored_state():
     assert decay["lr"] == pytest.approx(1e-3)
 
 
+@pytest.mark.slow
 def test_a_stop_signal_amid_a_long_call_is_acknowledged_at_once():
     """Python runs a handler only when the main thread's current call returns: a SIGTERM amid a
     long step used to go unanswered for as long as the step lasted."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import runpy
 
+import pytest
 import torch
 
 from swbert.finetune.synthetic import write_glue_fixture
@@ -18,6 +19,7 @@ def launcher(name: str):
     return runpy.run_path(str(REPO / "launchers" / f"{name}.py"), run_name="launcher")["main"]
 
 
+@pytest.mark.slow
 def test_figures_2_and_3_from_pretraining_and_finetuning_runs(data_dir, tmp_path):
     runs = {}
     for variant in ("standard", "shared"):

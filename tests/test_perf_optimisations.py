@@ -190,6 +190,7 @@ def test_an_all_ones_attention_mask_takes_the_unmasked_path():
     )
 
 
+@pytest.mark.slow
 def test_compiled_model_gives_the_eager_loss_and_gradients():
     """`torch.compile` (the benchmark's and the trainer's `--compile`) computes what eager mode does:
     the shared fast path, the masked-positions gather and padding included. `nn.Module.compile`

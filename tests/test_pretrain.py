@@ -41,6 +41,7 @@ def check_ok(result):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
 
 
+@pytest.mark.slow
 @pytest.mark.golden
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_trains_exports_and_resumes_exactly(stage, data_dir, tmp_path):
@@ -164,6 +165,7 @@ def test_zero_stage_trains_exports_and_resumes_exactly(stage, data_dir, tmp_path
     assert f"model (Hugging Face folder): {cut / 'export'}" in resumed.stdout
 
 
+@pytest.mark.slow
 def test_nonfinite_steps_in_a_row_stop_cleanly(data_dir, tmp_path):
     out = tmp_path / "run"
     result = launch(
@@ -207,6 +209,7 @@ def refused(argv: list[str], capsys) -> str:
     return err
 
 
+@pytest.mark.slow
 def test_bad_input_errors_name_what_to_change(data_dir, tmp_path, capsys):
     """Each is refused at start-up, before any process group exists, naming what to change."""
     out = tmp_path / "run"

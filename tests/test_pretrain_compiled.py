@@ -52,6 +52,7 @@ def _eager_tp1() -> dict[int, dict]:
 @pytest.mark.parametrize(
     "stage", [pytest.param(1, marks=pytest.mark.long), pytest.param(2, marks=pytest.mark.long), 3]
 )
+@pytest.mark.slow
 def test_compiled_zero_stage_trains_and_resumes_exactly(stage, data_dir, tmp_path):
     """Killed (kill -9) after step 7 with a checkpoint at 5, then resumed: steps 6 and 7 are logged
     twice and must be equal bit for bit, and all 10 steps match the compiled golden file. Under
@@ -76,6 +77,7 @@ def test_compiled_zero_stage_trains_and_resumes_exactly(stage, data_dir, tmp_pat
         _close(metrics, _eager_tp1(), range(1, STEPS + 1), EAGER_RTOL)
 
 
+@pytest.mark.slow
 @pytest.mark.golden
 def test_compiled_tensor_parallel_with_sequence_parallelism_trains_like_tp1(data_dir, tmp_path):
     """TP=2 with sequence parallelism, compiled (no graph break), against the eager TP=1 golden run

@@ -80,6 +80,7 @@ def run_args(data_dir, out, steps: int, *extra: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_params_metrics_and_artifacts_reach_the_server(mlflow_server, data_dir, tmp_path):
     uri, _ = mlflow_server
     out = tmp_path / "run"
@@ -115,6 +116,7 @@ def test_params_metrics_and_artifacts_reach_the_server(mlflow_server, data_dir, 
     )
 
 
+@pytest.mark.slow
 def test_training_continues_when_the_server_goes_away(mlflow_server, data_dir, tmp_path):
     uri, server = mlflow_server
     out = tmp_path / "run"

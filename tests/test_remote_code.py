@@ -77,6 +77,7 @@ def folders(data_dir, tmp_path_factory) -> dict[str, Path]:
     return {v: saved_model(root, v, data_dir.parent / "tok")[0] for v in VARIANTS}
 
 
+@pytest.mark.slow
 def test_exported_code_loads_without_swbert_and_gives_swbert_logits(folders, tmp_path):
     config = json.loads((folders["shared"] / "config.json").read_text())
     assert config["auto_map"]["AutoModelForMaskedLM"].endswith(".SWBertForMaskedLM")

@@ -87,6 +87,7 @@ def test_a_batch_with_no_prediction_gives_a_zero_loss_that_backpropagates():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention_type", attention_types())
 def test_training_step_compiles_without_graph_breaks(attention_type):
     """`fullgraph=True` fails on any graph break in the forward; AOTAutograd traces the backward of
