@@ -14,6 +14,8 @@ $(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[dev]"
+	# the commit-msg hook (.githooks/commit-msg: subjects of at most 72 characters), in a git clone
+	git rev-parse --git-dir >/dev/null 2>&1 && git config core.hooksPath .githooks || true
 	touch $@
 
 setup: $(BIN)/.installed
