@@ -180,7 +180,7 @@ def glue_trial(
         "hidden_dropout": sweep.hidden_dropout,
         "train_examples": len(data.train),
     }
-    collate = pad_collate(tokenizer.pad_token_id)
+    collate = sweep.collate(tokenizer.pad_token_id)
     return run_trial(
         sweep,
         TrialSpec(ckpt, task.name, lrs, seed, "glue_trial", params),
