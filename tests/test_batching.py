@@ -105,3 +105,14 @@ def test_unpad_resolves_by_device_and_says_so_once(caplog):
     with pytest.raises(ValueError, match="--unpad 'yes'"):
         resolve_unpad("yes", "cpu", 0.0)
 
+
+def test_figure3_table_says_which_batches_it_timed():
+    from swbert.finetune.figures import timing_table
+    from swbert.finetune.report import Timing
+
+    timings = [
+        Timing("standard", "sst2", 16, 10.0, "standard", "unpadded"),
+        Timing("shared", "sst2", 16, 8.0, "shared", "grouped"),
+        Timing("shared", "rte", 16, 4.0, "shared"),  # recorded before --unpad: padded
+    ]
+    assert "Batches timed: grouped, padded, unpadded" in timing_table(timings, "standard", 16).note

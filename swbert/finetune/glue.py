@@ -179,6 +179,7 @@ def glue_trial(
         "attention_dropout": sweep.attention_dropout,
         "hidden_dropout": sweep.hidden_dropout,
         "train_examples": len(data.train),
+        "batching": sweep.batching(),
     }
     collate = sweep.collate(tokenizer.pad_token_id)
     return run_trial(

@@ -148,6 +148,7 @@ class Timing:
     batch_size: int
     seconds_per_epoch: float
     attention_type: str = ""
+    batching: str = "padded"  # the trial's `batching` param (--unpad); runs from before it padded
 
 
 @dataclass
@@ -232,7 +233,12 @@ def collect(
             seconds = r.data.metrics.get("seconds_per_epoch")
             if seconds and "batch_size" in params:
                 timings[key] = Timing(
-                    variant, task, int(params["batch_size"]), seconds, params.get("attention_type", "")
+                    variant,
+                    task,
+                    int(params["batch_size"]),
+                    seconds,
+                    params.get("attention_type", ""),
+                    params.get("batching", "padded"),
                 )
         elif kind == "noise":
             t = get_task(task)

@@ -188,6 +188,7 @@ def squad_trial(
         "attention_dropout": sweep.attention_dropout,
         "hidden_dropout": sweep.hidden_dropout,
         "train_windows": len(train_set),
+        "batching": sweep.batching(),
     }
     dropout = {"attention_probs_dropout_prob": sweep.attention_dropout}
     if sweep.hidden_dropout is not None:

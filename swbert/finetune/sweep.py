@@ -131,6 +131,10 @@ class SweepConfig:
         """Whether this sweep's runs go unpadded (`--unpad`, on this process's device)."""
         return resolve_unpad(self.unpad, default_device().type, self.attention_dropout)
 
+    def batching(self) -> str:
+        """How this sweep's batches are formed, as trials record it (the Figure 3 table says it)."""
+        return "unpadded" if self.unpadded() else "grouped"
+
     def collate(self, pad_token_id: int) -> Callable[[list[dict]], dict]:
         """The batches of this sweep's runs: one token stream when unpadded, else padded."""
         return unpad_collate(pad_token_id) if self.unpadded() else pad_collate(pad_token_id)
