@@ -66,15 +66,18 @@ class SeqLens:
         return self.cu_seqlens[:-1].long()
 
     def check_positions(self, max_positions: int) -> None:
-        """A ValueError naming the first sequence longer than the model's learned positions."""
+        """A ValueError naming the first sequence longer than the model's learned positions (checked
+        on the host's max_seqlen first: a sync only when it is over)."""
         if self.max_seqlen <= max_positions:
             return
         lengths = self.cu_seqlens.diff()
-        index = int((lengths > max_positions).nonzero()[0, 0]) if bool((lengths > max_positions).any()) else 0
-        raise ValueError(
-            f"sequence {index} of the batch has {int(lengths[index])} tokens (max_seqlen={self.max_seqlen}), "
-            f"more than max_position_embeddings={max_positions}; truncate it (e.g. --max-seq-length)"
-        )
+        too_long = (lengths > max_positions).nonzero()
+        if too_long.numel():
+            index = int(too_long[0, 0])
+            raise ValueError(
+                f"sequence {index} of the batch has {int(lengths[index])} tokens, more than "
+                f"max_position_embeddings={max_positions}; truncate it (e.g. --max-seq-length)"
+            )
 
 
 class Unpadded(NamedTuple):
