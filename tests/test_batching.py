@@ -116,3 +116,30 @@ def test_figure3_table_says_which_batches_it_timed():
         Timing("shared", "rte", 16, 4.0, "shared"),  # recorded before --unpad: padded
     ]
     assert "Batches timed: grouped, padded, unpadded" in timing_table(timings, "standard", 16).note
+
+
+def test_fit_and_span_prediction_run_unpadded():
+    """The loop trains on unpadded batches, and span prediction widens batches of different
+    lengths to one array whose real positions hold the padded path's logits."""
+    from swbert import SWBertForQuestionAnswering
+    from swbert.finetune.squad import predict_spans
+    from swbert.finetune.trainer import FinetuneConfig, fit
+
+    lengths = [3, 8, 5, 2, 6, 4]  # batches of 3: widest 8, then 6
+    ids = [[2, *range(5, 4 + n)] + [0] * (8 - n) for n in lengths]
+    masks = [[1] * n + [0] * (8 - n) for n in lengths]
+    spans = {"start_positions": np.ones(6, dtype=np.int64), "end_positions": np.array(lengths) - 1}
+    data = EncodedDataset({"input_ids": ids, "attention_mask": masks}, spans)
+    torch.manual_seed(0)
+    model = SWBertForQuestionAnswering(SWBertConfig.from_size("tiny", vocab_size=32))
+    before = model.qa_outputs.weight.clone()
+    cfg = FinetuneConfig(learning_rate=1e-3, epochs=1, batch_size=3)
+    fit(model, data, unpad_collate(0), lambda m: {"v": 0.0}, "v", cfg)
+    assert not torch.equal(model.qa_outputs.weight, before)
+    start, end = predict_spans(model.eval(), data, unpad_collate(0), batch_size=3)
+    ref_start, ref_end = predict_spans(model, data, pad_collate(0), batch_size=3)
+    assert start.shape == ref_start.shape == (6, 8)
+    real = np.array(masks, dtype=bool)
+    assert_close(torch.from_numpy(start[real]), torch.from_numpy(ref_start[real]))
+    assert_close(torch.from_numpy(end[real]), torch.from_numpy(ref_end[real]))
+    assert (start[~real] == np.finfo(np.float32).min).all()
