@@ -197,3 +197,15 @@ def test_left_padding_is_refused_by_row():
     mask = batch["attention_mask"].flip(1)
     with pytest.raises(ValueError, match="attention_mask row 0 is not right-padded"):
         unpad_input(batch["input_ids"], mask)
+
+
+def test_which_varlen_kernel_a_device_gets(monkeypatch):
+    import swbert.models.varlen as varlen
+
+    monkeypatch.setattr(varlen, "_has_flash_attn", lambda: False)
+    assert varlen.varlen_kernel("cpu") is None
+    assert varlen.varlen_kernel("cuda", 0.0) == "torch.nn.attention.varlen"  # torch 2.13 has it
+    assert varlen.varlen_kernel("cuda", 0.1) is None  # torch's kernel has no dropout
+    monkeypatch.setattr(varlen, "_has_flash_attn", lambda: True)
+    assert varlen.varlen_kernel("cuda", 0.1) == "flash_attn"
+    assert varlen.varlen_kernel("cpu", 0.0) is None

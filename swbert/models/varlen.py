@@ -15,6 +15,7 @@ tests/test_unpadded.py. `varlen_kernel(device)` says which one a device gets.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
 from typing import NamedTuple
@@ -131,6 +132,12 @@ def pad_by_seqlens(x: torch.Tensor, seqlens: SeqLens, fill: float = 0.0) -> torc
 
 
 # ---- the kernel -------------------------------------------------------------------------------------
+@functools.cache
+def _has_flash_attn() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None  # looked up once: every layer asks
+
+
+@functools.cache
 def _torch_varlen() -> Callable | None:
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -144,7 +151,7 @@ def varlen_kernel(device: torch.device | str, dropout: float = 0.0) -> str | Non
     or None (the per-sequence reference runs). What `--unpad auto` asks."""
     if torch.device(device).type != "cuda":
         return None
-    if importlib.util.find_spec("flash_attn") is not None:
+    if _has_flash_attn():
         return "flash_attn"
     if _torch_varlen() is not None and dropout == 0.0:
         return "torch.nn.attention.varlen"
