@@ -119,12 +119,13 @@ class CPUAttentionKernel(SDPAKernel):
     """SDPA, except in training with attention dropout on a CPU: PyTorch has no fused CPU kernel
     with dropout and falls back to its math path; `unfused_attention` computes the same faster."""
 
-    def forward(
+    def dense(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
+        # the dense kernel, so an unpadded stream's per-sequence reference runs this too
         if self.training and self.dropout > 0.0 and q.device.type == "cpu":
             return unfused_attention(q, k, v, mask, self.dropout)
-        return super().forward(q, k, v, mask)
+        return super().dense(q, k, v, mask)
 
 
 # ---- applying them ------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import data_loader, data_prep, pretrain_e2e, train_step
+from benchmarks import data_loader, data_prep, finetune_step, pretrain_e2e, train_step
 
 
 def test_train_step_benchmark_smoke(tmp_path, capsys):
@@ -72,3 +72,19 @@ def test_data_loader_benchmark_smoke(tmp_path, capsys):
     assert 7300 < h100["standard"] < 7600 and 8800 < h100["shared"] < 9000 and h100.keys() >= {"symmetric"}
     assert json.loads((tmp_path / "r.json").read_text())["h100_samples_per_s_at_50pct_mfu"] == h100
     assert "one worker / H100 standard" in capsys.readouterr().out
+
+
+def test_finetune_step_benchmark_smoke(tmp_path, capsys):
+    """Padded, grouped and unpadded steps on both length distributions (tiny; the times mean little):
+    the JSON has every mode's figures and the unpadded mode computes exactly the real tokens."""
+    out = finetune_step.main(["--smoke", "--json", str(tmp_path / "r.json")])
+    assert json.loads((tmp_path / "r.json").read_text()) == out
+    for name in finetune_step.DISTRIBUTIONS:
+        row = out[name]
+        for key in ("padding_fraction", "tokens_per_s", "tokens_computed"):
+            assert set(row[key]) == set(finetune_step.MODES), (name, key)
+        assert row["tokens_computed"]["unpadded"] == row["real_tokens"]
+        assert row["padding_fraction"]["unpadded"] == 0.0
+        assert row["tokens_computed"]["padded"] > row["tokens_computed"]["grouped"] > row["real_tokens"]
+        assert min(row["tokens_per_s"].values()) > 0
+    assert "grouped/padded target" in capsys.readouterr().out

@@ -148,13 +148,15 @@ def timing_table(timings: list[Timing], baseline: str, batch_size: int | None) -
         rows.append(cells)
         csv_rows.append(raw)
     batch = f"batch {batch_size}" if batch_size else "every batch size"
+    batching = ", ".join(sorted({t.batching for t in timings}))
     return Table(
         f"Figure 3: fine-tuning seconds per epoch ({batch}; change against {baseline})",
         header,
         rows,
         csv_header,
         csv_rows,
-        "Training steps only (dev evaluations excluded); the median over a variant's trials of the task.",
+        "Training steps only (dev evaluations excluded); the median over a variant's trials of the task. "
+        f"Batches timed: {batching} (--unpad: unpadded token streams, or grouped padded batches).",
     )
 
 

@@ -179,8 +179,9 @@ def glue_trial(
         "attention_dropout": sweep.attention_dropout,
         "hidden_dropout": sweep.hidden_dropout,
         "train_examples": len(data.train),
+        "batching": sweep.batching(),
     }
-    collate = pad_collate(tokenizer.pad_token_id)
+    collate = sweep.collate(tokenizer.pad_token_id)
     return run_trial(
         sweep,
         TrialSpec(ckpt, task.name, lrs, seed, "glue_trial", params),

@@ -148,6 +148,7 @@ class Timing:
     batch_size: int
     seconds_per_epoch: float
     attention_type: str = ""
+    batching: str = "padded"  # the trial's `batching` param (--unpad); runs from before it padded
 
 
 @dataclass
@@ -231,9 +232,8 @@ def collect(
             trials[key] = Trial(variant, task, lr, seed, dict(metrics), later_lrs=later)
             seconds = r.data.metrics.get("seconds_per_epoch")
             if seconds and "batch_size" in params:
-                timings[key] = Timing(
-                    variant, task, int(params["batch_size"]), seconds, params.get("attention_type", "")
-                )
+                facts = (params.get("attention_type", ""), params.get("batching", "padded"))
+                timings[key] = Timing(variant, task, int(params["batch_size"]), seconds, *facts)
         elif kind == "noise":
             t = get_task(task)
             seed = int(params.get("noise_seed", 0))

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from swbert import SWBertForQuestionAnswering
 from swbert.dist import ParallelDims
 from swbert.finetune.checkpoint import Checkpoint, load_tokenizer, uses_token_types
-from swbert.finetune.glue_data import EncodedDataset, pad_collate
+from swbert.finetune.glue_data import EncodedDataset
 from swbert.finetune.metrics import best_null_threshold, squad_scores
 from swbert.finetune.results import Summary, Trial, prune_models, summarize
 from swbert.finetune.squad_data import (
@@ -134,7 +134,12 @@ def predict_spans(
         out = model(**move(batch, device))
         starts.append(out.start_logits.float().cpu())
         ends.append(out.end_logits.float().cpu())
-    return torch.cat(starts).numpy(), torch.cat(ends).numpy()
+    # unpadded batches come back as wide as their longest window: pad to the widest, at the lowest
+    # logit (as padding gets), so that decoding sees the same (windows, seq_len) arrays
+    width = max(t.shape[1] for t in starts)
+    lowest = torch.finfo(torch.float32).min
+    widen = [torch.nn.functional.pad(t, (0, width - t.shape[1]), value=lowest) for t in starts + ends]
+    return torch.cat(widen[: len(starts)]).numpy(), torch.cat(widen[len(starts) :]).numpy()
 
 
 def evaluate_squad(
@@ -173,7 +178,7 @@ def squad_trial(
     """Fine-tune one (checkpoint, version, learning-rate setting, seed) and log it as a child run.
 
     ``name`` is the task's name in MLflow (default ``squad<version>``; TriviaQA's is ``triviaqa``)."""
-    collate = pad_collate(tokenizer.pad_token_id)
+    collate = sweep.collate(tokenizer.pad_token_id)
     params = {
         "max_seq_length": sweep.max_seq_length,
         "doc_stride": sweep.doc_stride,
@@ -183,6 +188,7 @@ def squad_trial(
         "attention_dropout": sweep.attention_dropout,
         "hidden_dropout": sweep.hidden_dropout,
         "train_windows": len(train_set),
+        "batching": sweep.batching(),
     }
     dropout = {"attention_probs_dropout_prob": sweep.attention_dropout}
     if sweep.hidden_dropout is not None:

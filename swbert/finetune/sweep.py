@@ -20,7 +20,9 @@ from typing import Any, Literal
 from torch import nn
 
 from swbert.dist import ParallelDims
+from swbert.finetune.batching import resolve_unpad, unpad_collate
 from swbert.finetune.checkpoint import Checkpoint, parse_checkpoints, save_finetuned
+from swbert.finetune.glue_data import pad_collate
 from swbert.finetune.metrics import selection_value
 from swbert.finetune.results import Trial, nest_metrics
 from swbert.finetune.resume import (
@@ -34,7 +36,7 @@ from swbert.finetune.resume import (
     trial_key,
 )
 from swbert.finetune.tracking import DEFAULT_EXPERIMENT, Tracker, tracking_uri
-from swbert.finetune.trainer import FinetuneConfig, fit, set_seed
+from swbert.finetune.trainer import FinetuneConfig, default_device, fit, set_seed
 from swbert.models.plugins import load_plugins
 
 log = logging.getLogger("swbert.finetune")
@@ -81,6 +83,10 @@ class SweepConfig:
     # modules imported first that register attention variants the checkpoints use (ours; see
     # swbert.models.plugins): dotted module names or .py files
     plugins: list[str] = field(default_factory=list)
+    # batches as one token stream, no padding computed (swbert.finetune.batching): auto is on where
+    # the device has a variable-length attention kernel (CUDA); off pads batches grouped by length;
+    # on without such a kernel runs the per-sequence reference (ours: the paper says nothing of it)
+    unpad: Literal["auto", "on", "off"] = "auto"
 
     def check(self) -> None:
         load_plugins(self.plugins)
@@ -118,7 +124,20 @@ class SweepConfig:
             precision=self.precision,
             max_steps=self.max_steps,
             deepspeed_config=self.deepspeed,
+            group_by_length=not self.unpadded(),
         )
+
+    def unpadded(self) -> bool:
+        """Whether this sweep's runs go unpadded (`--unpad`, on this process's device)."""
+        return resolve_unpad(self.unpad, default_device().type, self.attention_dropout)
+
+    def batching(self) -> str:
+        """How this sweep's batches are formed, as trials record it (the Figure 3 table says it)."""
+        return "unpadded" if self.unpadded() else "grouped"
+
+    def collate(self, pad_token_id: int) -> Callable[[list[dict]], dict]:
+        """The batches of this sweep's runs: one token stream when unpadded, else padded."""
+        return unpad_collate(pad_token_id) if self.unpadded() else pad_collate(pad_token_id)
 
     def params(self) -> dict[str, str]:
         """The flags as MLflow params of the parent run (lists joined with spaces)."""

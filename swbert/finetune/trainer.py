@@ -22,9 +22,10 @@ from typing import Literal
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import Dataset
 
 from swbert.dist import ParallelDims
+from swbert.finetune.batching import train_loader
 from swbert.finetune.metrics import selection_value
 from swbert.training.ds_config import BatchShape, Flags, build_ds_config, resolve_precision
 from swbert.training.optim import build_optimizer, build_scheduler
@@ -55,6 +56,8 @@ class FinetuneConfig:
     max_steps: int | None = None
     """Stop after this many optimiser steps (smoke runs); the schedule is sized to it."""
     deepspeed_config: str | None = None
+    group_by_length: bool = False
+    """Batches of similar lengths (swbert.finetune.batching), for padded batches: less padding."""
 
 
 @dataclass
@@ -93,8 +96,11 @@ def default_device(info: ParallelDims | None = None) -> torch.device:
     return torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def move(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def move(batch: dict[str, torch.Tensor | int], device: torch.device) -> dict[str, torch.Tensor | int]:
+    # an unpadded batch's max_seqlen is a host int
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+    }
 
 
 def progress_bar(total: int, desc: str, **kwargs: object):  # -> tqdm
@@ -168,20 +174,8 @@ def fit(
         )
     model.to(device)
     micro = cfg.batch_size // info.world
-    sampler = (
-        DistributedSampler(train_set, info.world, info.rank, shuffle=True, seed=cfg.seed)
-        if info.world > 1
-        else None
-    )
-    gen = torch.Generator().manual_seed(cfg.seed)
-    loader = DataLoader(
-        train_set,
-        batch_size=micro,
-        shuffle=sampler is None,
-        sampler=sampler,
-        generator=gen,
-        collate_fn=collate,
-        drop_last=False,
+    loader, sampler = train_loader(
+        train_set, collate, micro, info.world, info.rank, cfg.seed, cfg.group_by_length
     )
     if len(loader) == 0:
         raise ValueError("the training split is empty")

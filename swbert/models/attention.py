@@ -40,12 +40,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from swbert.models.plugins import ENTRY_POINT_GROUP, load_installed
+from swbert.models.varlen import SeqLens, varlen_attention
 
 if TYPE_CHECKING:  # a type only: config.py imports this module to validate `attention_type`
     from swbert.models.config import SWBertConfig
 
 # positions to keep: (batch indices, sequence indices), row-major, as `mask.nonzero(as_tuple=True)`
 Rows = tuple[torch.Tensor, torch.Tensor]
+# what the kernel is told about which keys a query sees: a (B, 1, 1, S) key padding mask, nothing
+# (every key), or the sequence boundaries of an unpadded stream given as a batch of one
+Mask = torch.Tensor | SeqLens | None
 
 # How tensor parallelism splits a submodule or parameter of an attention layer (swbert.parallel.plan):
 #   column  an nn.Linear by output features, i.e. by heads (`split_heads` is head-major)
@@ -68,28 +72,46 @@ def unpack_heads(packed: torch.Tensor, n: int, head_dim: int) -> list[torch.Tens
 
 
 class SDPAKernel(nn.Module):
-    """`scaled_dot_product_attention`: flash / memory-efficient / cuDNN kernels on GPU."""
+    """`scaled_dot_product_attention`: flash / memory-efficient / cuDNN kernels on GPU. Given the
+    sequence boundaries of an unpadded stream instead of a mask, attention within each sequence
+    (`swbert.models.varlen.varlen_attention`: a fused varlen kernel on GPU, else `dense` per sequence)."""
 
     def __init__(self, dropout: float) -> None:
         super().__init__()
         self.dropout = dropout
 
-    def forward(
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
+        # q, k, v: (B, H, S, Dh); mask: (B, 1, 1, S) bool, True where a key may be attended; or
+        # SeqLens with B = 1 and S the stream's tokens
+        if isinstance(mask, SeqLens):
+            return varlen_attention(q, k, v, mask, self.dropout if self.training else 0.0, self.dense)
+        return self.dense(q, k, v, mask)
+
+    def dense(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        # q, k, v: (B, H, S, Dh); mask: (B, 1, 1, S) bool, True where a key may be attended
+        """Attention over a padded batch (the kernel a device-specific subclass replaces)."""
         p = self.dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
 
 
 class EagerKernel(nn.Module):
-    """The same computation written out, as a reference and for debugging."""
+    """The same computation written out, as a reference and for debugging (unpadded: per sequence)."""
 
     def __init__(self, dropout: float) -> None:
         super().__init__()
         self.dropout = nn.Dropout(dropout)
 
-    def forward(
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
+        if isinstance(mask, SeqLens):
+            bounds = mask.bounds()
+            outs = [
+                self.dense(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None) for a, b in zip(bounds, bounds[1:])
+            ]
+            return torch.cat(outs, dim=2)  # (1, H, T, Dh)
+        return self.dense(q, k, v, mask)
+
+    def dense(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, S, S)
@@ -209,9 +231,7 @@ class SelfAttention(nn.Module):
             return y[rows].flatten(1)  # (N, H*Dh): gathers only the kept rows
         return y.reshape(*y.shape[:2], -1)
 
-    def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None = None, rows: Rows | None = None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Mask = None, rows: Rows | None = None) -> torch.Tensor:
         """x: (B, S, d) -> (B, S, d). With `rows`, only those positions come out, (N, d): every
         position is still a key and a value, but the output projection runs on N rows."""
         q, k, v = self.qkv(x)
@@ -418,9 +438,7 @@ class SharedAttention(SelfAttention):
         s = self.proj(x)  # (B, S, d): one GEMM instead of three
         return self.split_heads(s * self.dq), self.split_heads(s * self.dk), self.split_heads(s * self.dv)
 
-    def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None = None, rows: Rows | None = None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Mask = None, rows: Rows | None = None) -> torch.Tensor:
         """The paper's attention on `qkv`, computed with less work. Two identities, both exact:
             Q K^T = S diag(dq) diag(dk) S^T = (S diag(dq * dk)) S^T  -> keys are S, queries S * (dq * dk)
             A V   = A S diag(dv)            = (A S) diag(dv)        -> values are S, dv scales out_proj

@@ -19,9 +19,10 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
 )
 
-from swbert.models.attention import Rows, SelfAttention, build_attention
+from swbert.models.attention import Mask, Rows, SelfAttention, build_attention
 from swbert.models.config import SWBertConfig
 from swbert.models.hf_weights import register_hf_weight_conversions
+from swbert.models.varlen import SeqLens, pad_by_seqlens
 
 IGNORE_INDEX = -100
 
@@ -80,7 +81,7 @@ class Embeddings(nn.Module):
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)  # (B, S, d)
         S = inputs_embeds.shape[1]
-        if S > self.position_embeddings.num_embeddings:
+        if position_ids is None and S > self.position_embeddings.num_embeddings:
             raise ValueError(
                 f"sequence length {S} exceeds max_position_embeddings="
                 f"{self.position_embeddings.num_embeddings}"
@@ -117,9 +118,7 @@ class Block(nn.Module):
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None = None, rows: Rows | None = None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Mask = None, rows: Rows | None = None) -> torch.Tensor:
         """(B, S, d) -> (B, S, d); with `rows` (batch and position indices) only those positions,
         (N, d). Every position still serves as a key and a value; what is saved is the output
         projection, residual, LayerNorms and MLP on the positions not kept."""
@@ -140,7 +139,7 @@ class Encoder(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        mask: Mask = None,
         output_hidden_states: bool = False,
         output_rows: torch.Tensor | Rows | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
@@ -169,8 +168,11 @@ class Pooler(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.dense(h[:, 0]))
+    def forward(self, h: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """h: (B, S, d), [CLS] at position 0; or an unpadded stream (T, d) with each sequence's
+        first index in `starts` (B,)."""
+        cls = h[:, 0] if starts is None else h[starts]  # (B, d)
+        return torch.tanh(self.dense(cls))
 
 
 def key_padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -290,25 +292,65 @@ class SWBertModel(SWBertPreTrainedModel):
         output_hidden_states: bool = False,
         return_dict: bool = True,
         output_rows: torch.Tensor | Rows | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
         **_: object,
     ) -> BaseModelOutputWithPooling:
         """`output_rows`: a (B, S) bool mask, or (batch indices, positions) index tensors; the last
         layer then computes only those positions and `last_hidden_state` is (N, d), in row-major
         order of the True entries or in the order of the indices (what `hidden[output_rows]` of the
         full output would be). Not with the pooler or `output_hidden_states`, which need every
-        position of the last layer."""
+        position of the last layer.
+
+        Unpadded (`cu_seqlens` (B+1,) int32 and `max_seqlen`, see swbert.models.varlen): the inputs
+        are one stream of T tokens, (T,) or (1, T); no attention_mask; positions restart in each
+        sequence unless given; `last_hidden_state` is (T, d) and the pooler reads each first token."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if output_rows is not None and (self.pooler is not None or output_hidden_states):
             raise ValueError("output_rows leaves out positions the pooler or output_hidden_states need")
-        x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (B, S, d)
-        x, hidden_states = self.encoder(
-            x, key_padding_mask(attention_mask), output_hidden_states, output_rows
-        )
-        pooled = self.pooler(x) if self.pooler is not None else None
+        seqlens = None
+        if cu_seqlens is not None:
+            seqlens = self._seqlens(cu_seqlens, max_seqlen, attention_mask)
+            input_ids, token_type_ids, position_ids, inputs_embeds = _as_stream(
+                seqlens, input_ids, token_type_ids, position_ids, inputs_embeds
+            )
+        x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (B, S, d) or (1, T, d)
+        mask = seqlens if seqlens is not None else key_padding_mask(attention_mask)
+        x, hidden_states = self.encoder(x, mask, output_hidden_states, output_rows)
+        if seqlens is not None and output_rows is None:
+            x = x[0]  # (T, d)
+        starts = None if seqlens is None else seqlens.starts()
+        pooled = self.pooler(x, starts) if self.pooler is not None else None
         return BaseModelOutputWithPooling(
             last_hidden_state=x, pooler_output=pooled, hidden_states=hidden_states
         )
+
+    def _seqlens(
+        self, cu_seqlens: torch.Tensor, max_seqlen: int | None, attention_mask: torch.Tensor | None
+    ) -> SeqLens:
+        """The stream's boundaries, checked against the learned positions (errors name the sequence)."""
+        if attention_mask is not None:
+            raise ValueError(
+                "pass cu_seqlens (an unpadded stream) or attention_mask (a padded batch), not both"
+            )
+        if max_seqlen is None:
+            raise ValueError("cu_seqlens needs max_seqlen, the longest sequence's length")
+        seqlens = SeqLens(cu_seqlens, max_seqlen)
+        seqlens.check_positions(self.config.max_position_embeddings)
+        return seqlens
+
+
+def _as_stream(seqlens: SeqLens, *inputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Per-token inputs of an unpadded stream as a batch of one, (1, T) or (1, T, d): the encoder,
+    the variants' `qkv` and head split run on it unchanged. Positions restart in each sequence."""
+    input_ids, token_type_ids, position_ids, inputs_embeds = (
+        t if t is None or t.ndim == (3 if i == 3 else 2) else t[None] for i, t in enumerate(inputs)
+    )
+    if position_ids is None:
+        total = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        position_ids = seqlens.position_ids(total)[None]  # (1, T)
+    return input_ids, token_type_ids, position_ids, inputs_embeds
 
 
 class MLMHead(nn.Module):
@@ -510,10 +552,21 @@ class SWBertForSequenceClassification(SWBertPreTrainedModel):
         labels: torch.Tensor | None = None,
         output_hidden_states: bool = False,
         return_dict: bool = True,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
         **_: object,
     ) -> SequenceClassifierOutput:
+        """Padded (B, S) inputs, or an unpadded stream with `cu_seqlens` and `max_seqlen` (see
+        `SWBertModel`): the pooler reads each sequence's [CLS] either way, so the logits are (B, n)."""
         out = self.bert(
-            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_hidden_states
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            position_ids,
+            inputs_embeds,
+            output_hidden_states,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
         )
         logits = self.classifier(self.dropout(out.pooler_output))  # (B, num_labels)
         loss = _classification_loss(self.config, logits, labels) if labels is not None else None
@@ -540,12 +593,31 @@ class SWBertForQuestionAnswering(SWBertPreTrainedModel):
         end_positions: torch.Tensor | None = None,
         output_hidden_states: bool = False,
         return_dict: bool = True,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
         **_: object,
     ) -> QuestionAnsweringModelOutput:
+        """Padded (B, S) inputs, or an unpadded stream with `cu_seqlens` and `max_seqlen`, whose
+        logits come back padded to (B, max_seqlen) so that span decoding is the same. Padding gets the
+        lowest logit in both: the loss is a softmax over each sequence's real tokens (with the padding
+        in it, as in transformers, the loss would depend on how far its batch was padded)."""
         out = self.bert(
-            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_hidden_states
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            position_ids,
+            inputs_embeds,
+            output_hidden_states,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
         )
-        start_logits, end_logits = self.qa_outputs(out.last_hidden_state).unbind(dim=-1)  # (B, S) each
+        logits = self.qa_outputs(out.last_hidden_state)  # (B, S, 2), or (T, 2) unpadded
+        lowest = torch.finfo(logits.dtype).min
+        if cu_seqlens is not None:
+            logits = pad_by_seqlens(logits, SeqLens(cu_seqlens, max_seqlen), fill=lowest)  # (B, S, 2)
+        elif attention_mask is not None:
+            logits = logits.masked_fill(~attention_mask.bool()[..., None], lowest)
+        start_logits, end_logits = logits.unbind(dim=-1)  # (B, S) each
         loss = None
         if start_positions is not None and end_positions is not None:
             S = start_logits.shape[1]

@@ -1,0 +1,171 @@
+"""How fine-tuning examples become batches: padded, length-grouped, or unpadded.
+
+    padded    each batch padded to its longest sequence (`pad_collate`), random batches
+    grouped   the same padding, but batches of similar lengths (`LengthGroupedBatchSampler`), so
+              little padding is computed; for devices without a variable-length attention kernel
+    unpadded  each batch one token stream with cumulative lengths (`unpad_collate`): no padding at
+              all; attention stays within each sequence (swbert.models.varlen)
+
+`--unpad auto|on|off` picks: auto is on where the device has a fused variable-length kernel (CUDA),
+off elsewhere; off runs the grouped batches. Both are ours (the paper does not say how it batches).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Literal
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from swbert.models.varlen import varlen_kernel
+
+log = logging.getLogger(__name__)
+
+Unpad = Literal["auto", "on", "off"]
+Batch = dict[str, torch.Tensor | int]
+
+
+@functools.cache
+def resolve_unpad(setting: Unpad, device: str, attention_dropout: float) -> bool:
+    """Whether fine-tuning on `device` runs unpadded; says once which kernel it gets."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"--unpad {setting!r}: choose auto, on or off")
+    kernel = varlen_kernel(device, attention_dropout)
+    if setting == "off" or (setting == "auto" and kernel is None):
+        log.info("--unpad %s: padded batches of similar lengths (length-grouped)", setting)
+        return False
+    if kernel is None:
+        log.info(
+            "--unpad on: no variable-length attention kernel on %s (attention dropout %g): unpadded "
+            "batches run the per-sequence reference kernel",
+            device,
+            attention_dropout,
+        )
+    else:
+        log.info("--unpad %s: unpadded batches, attention by %s", setting, kernel)
+    return True
+
+
+def example_length(item: dict) -> int:
+    """Real tokens of one encoded example (a window padded to a fixed length counts its mask)."""
+    mask = item.get("attention_mask")
+    return int(sum(mask)) if mask is not None else len(item["input_ids"])
+
+
+def unpad_collate(pad_token_id: int = 0) -> Callable[[list[dict]], Batch]:
+    """A DataLoader ``collate_fn`` giving one token stream: the per-token lists (``input_ids``,
+    ``token_type_ids``) as (T,) tensors of each example's real tokens, ``cu_seqlens`` (B+1,) int32,
+    ``max_seqlen`` (an int); per-example fields (labels, span positions) as (B,) tensors.
+    Built on the host from the lists, so the model needs no device-to-host sync to unpad.
+    `pad_token_id` is unused (there is no padding); taken for the same call as `pad_collate`."""
+
+    def collate(items: list[dict]) -> Batch:
+        lengths = [example_length(it) for it in items]
+        out: Batch = {}
+        for key, value in items[0].items():
+            if key == "attention_mask":
+                continue
+            if isinstance(value, list):  # per token (input_ids, token_type_ids): into the stream
+                flat = [t for it, n in zip(items, lengths) for t in it[key][:n]]
+                out[key] = torch.tensor(flat, dtype=torch.long)
+            else:
+                out[key] = torch.as_tensor(np.asarray([it[key] for it in items]))
+        out["cu_seqlens"] = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
+        out["max_seqlen"] = max(lengths)
+        return out
+
+    return collate
+
+
+class LengthGroupedBatchSampler(Sampler[list[int]]):
+    """Batches of examples of similar lengths, in a random order: little padding per batch.
+
+    Per epoch: shuffle the indices (seeded by `seed` and the epoch), cut them into megabatches of
+    `group` global batches, sort each by length (longest first) and cut it into global batches of
+    `batch_size * world`, then shuffle those batches. Rank r takes the r-th `batch_size` slice of
+    each global batch, so every rank gets the same number of batches of similar lengths, and the
+    ranks' shares together are the single-process batches (as with a DistributedSampler, the
+    indices are padded by repetition to a multiple of the world size). Deterministic: the order
+    depends on (seed, epoch, lengths, batch_size, world) only.
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        batch_size: int,
+        seed: int = 0,
+        world: int = 1,
+        rank: int = 0,
+        group: int = 50,
+    ) -> None:
+        if batch_size <= 0 or not 0 <= rank < world:
+            raise ValueError(f"batch_size={batch_size} must be positive and rank={rank} in [0, {world})")
+        self.lengths = np.asarray(lengths)
+        self.batch_size, self.seed, self.world, self.rank, self.group = batch_size, seed, world, rank, group
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def global_batches(self) -> list[np.ndarray]:
+        """This epoch's batches of `batch_size * world` indices (the last may be smaller)."""
+        rng = np.random.default_rng([self.seed, self.epoch])
+        order = rng.permutation(len(self.lengths))
+        extra = -len(order) % self.world  # DistributedSampler's padding: every rank the same count
+        order = np.concatenate([order, order[:extra]])
+        size = self.batch_size * self.world
+        batches = []
+        for start in range(0, len(order), size * self.group):
+            mega = order[start : start + size * self.group]
+            mega = mega[np.argsort(-self.lengths[mega], kind="stable")]
+            batches += [mega[i : i + size] for i in range(0, len(mega), size)]
+        return [batches[i] for i in rng.permutation(len(batches))]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.global_batches():
+            share = len(batch) // self.world  # the last batch, split evenly
+            yield batch[self.rank * share : (self.rank + 1) * share].tolist()
+
+    def __len__(self) -> int:
+        return math.ceil(
+            math.ceil(len(self.lengths) / self.world) * self.world / (self.batch_size * self.world)
+        )
+
+
+def dataset_lengths(dataset: Dataset) -> list[int]:
+    """Real tokens of every example (read off the token lists when the dataset holds them)."""
+    features = getattr(dataset, "features", None)
+    if isinstance(features, dict) and "input_ids" in features:
+        masks = features.get("attention_mask")
+        if masks is not None:
+            return [int(sum(m)) for m in masks]
+        return [len(ids) for ids in features["input_ids"]]
+    return [example_length(dataset[i]) for i in range(len(dataset))]
+
+
+def train_loader(
+    train_set: Dataset, collate: Callable, micro: int, world: int, rank: int, seed: int, grouped: bool
+) -> tuple[torch.utils.data.DataLoader, Sampler | None]:
+    """The training DataLoader and the sampler whose `set_epoch` reshuffles it: length-grouped
+    batches, or random ones (a DistributedSampler's share when world > 1)."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    if grouped:
+        sampler = LengthGroupedBatchSampler(dataset_lengths(train_set), micro, seed, world, rank)
+        return DataLoader(train_set, batch_sampler=sampler, collate_fn=collate), sampler
+    distributed = DistributedSampler(train_set, world, rank, shuffle=True, seed=seed) if world > 1 else None
+    loader = DataLoader(
+        train_set,
+        batch_size=micro,
+        shuffle=distributed is None,
+        sampler=distributed,
+        generator=torch.Generator().manual_seed(seed),
+        collate_fn=collate,
+        drop_last=False,
+    )
+    return loader, distributed
