@@ -124,8 +124,12 @@ def test_encoding_pairs_and_padding(glue_dir, tokenizer):
     batch = pad_collate(tokenizer.pad_token_id)([ds[0], ds[1], ds[2]])
     assert batch["input_ids"].shape[1] <= 12 and batch["input_ids"][:, 0].eq(tokenizer.cls_token_id).all()
     assert batch["token_type_ids"].max() == 1  # the second sentence is segment 1
-    assert batch["input_ids"].masked_select(batch["attention_mask"] == 0).eq(tokenizer.pad_token_id).all()
     assert batch["labels"].tolist() == ex.labels[:3].tolist()
+    # with a shorter pair in the batch, it is padded and masked
+    short = {k: v[:-2] if isinstance(v, list) else v for k, v in ds[0].items()}
+    batch = pad_collate(tokenizer.pad_token_id)([ds[0], short])
+    padding = batch["attention_mask"] == 0
+    assert padding.any() and batch["input_ids"].masked_select(padding).eq(tokenizer.pad_token_id).all()
 
 
 # ----------------------------------------------------------------------------------------------- SQuAD

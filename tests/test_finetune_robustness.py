@@ -76,7 +76,7 @@ def test_noise_scale_is_the_stated_fraction_of_the_mean_norm(setup, level):
     seen = []
     with torch.no_grad(), embedding_noise(model, level, mean_norm, seed=3):
         handle = emb.register_forward_hook(lambda m, i, out: seen.append(out.detach()))
-        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
         handle.remove()
     noise = (seen[0] - clean).reshape(-1, clean.shape[-1])  # (tokens, d)
     rms = noise.norm(dim=-1).pow(2).mean().sqrt().item()
@@ -111,7 +111,7 @@ def test_unit_noise_has_the_papers_standard_deviation_times_the_level(setup, lev
     seen = []
     with torch.no_grad(), embedding_noise(model, level, mean_norm=123.0, seed=3, scale="unit"):
         handle = emb.register_forward_hook(lambda m, i, out: seen.append(out.detach()))
-        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
         handle.remove()
     noise = seen[0] - clean
     assert noise.std().item() == pytest.approx(level, rel=0.03)  # the mean norm plays no part

@@ -329,11 +329,10 @@ DEEPSPEED_SYNCS = Counter(
 
 
 def _syncs(calls: list[dict]) -> dict[str, Counter]:
-    """A step's counted calls by owner (tests/test_host_syncs.py's rule), less the model's known read
-    in `key_padding_mask` (`bool(mask.all())`): once that is gone, nothing is left out."""
+    """A step's counted calls by owner (tests/test_host_syncs.py's rule), none left out."""
     from tests.test_host_syncs import _count
 
-    return _count([c for c in calls if not any(":key_padding_mask" in f for f in c["stack"])])
+    return _count(calls)
 
 
 @pytest.mark.slow

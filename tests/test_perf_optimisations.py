@@ -2,6 +2,7 @@
 outputs and gradients. The CPU kernels applied from outside are tested in test_cpu_kernels.py."""
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -176,12 +177,21 @@ def test_optimize_for_inference_on_a_classifier():
     assert_close(copy.deepcopy(model).optimize_for_inference()(**inputs).logits, expected, **TOL)
 
 
-def test_an_all_ones_attention_mask_takes_the_unmasked_path():
+def test_masks_cost_no_host_sync_and_unpadded_batches_carry_none():
+    """The model uses a mask as given (no device read to drop an all-ones one); the collate, which
+    knows the lengths on the host, leaves the mask out of a batch of equal lengths."""
+    from swbert.finetune.glue_data import pad_collate
+
     ones = torch.ones(2, 5, dtype=torch.long)
-    assert key_padding_mask(ones) is None
-    padded = ones.clone()
-    padded[1, 3:] = 0
-    assert key_padding_mask(padded).shape == (2, 1, 1, 5)
+    assert key_padding_mask(ones).shape == (2, 1, 1, 5) and key_padding_mask(None) is None
+    with mock.patch.object(torch.Tensor, "__bool__", side_effect=AssertionError("host sync")):
+        key_padding_mask(ones)
+    item = {"input_ids": [2, 7, 3], "attention_mask": [1, 1, 1], "label": 1}
+    assert "attention_mask" not in pad_collate(0)([item, dict(item)])
+    short = {"input_ids": [2, 3], "attention_mask": [1, 1], "label": 0}
+    assert pad_collate(0)([item, short])["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    window = {"input_ids": [2, 7, 0], "attention_mask": [1, 1, 0], "label": 0}  # padded before (SQuAD)
+    assert pad_collate(0)([item, window])["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
     torch.manual_seed(0)
     model = SWBertForMaskedLM(tiny()).eval()
     ids = batch()["input_ids"]

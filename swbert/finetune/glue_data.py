@@ -206,12 +206,18 @@ class EncodedDataset(torch.utils.data.Dataset):
 
 
 def pad_collate(pad_token_id: int):
-    """A DataLoader ``collate_fn`` that pads ``input_ids`` with ``pad_token_id`` and the rest with 0."""
+    """A DataLoader ``collate_fn`` that pads ``input_ids`` with ``pad_token_id`` and the rest with 0.
+
+    A batch without padding (equal lengths, masks all ones) gets no ``attention_mask``: known here on
+    the host, it spares the model a mask (and GPUs their flash-attention kernel) without a device read."""
 
     def collate(items: list[dict]) -> dict[str, torch.Tensor]:
         length = max(len(it["input_ids"]) for it in items)
+        padded = any(len(it["input_ids"]) != length or not all(it.get("attention_mask", [1])) for it in items)
         out: dict[str, torch.Tensor] = {}
         for key, value in items[0].items():
+            if key == "attention_mask" and not padded:
+                continue
             if isinstance(value, list):
                 pad = pad_token_id if key == "input_ids" else 0
                 out[key] = torch.tensor(

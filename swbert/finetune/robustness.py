@@ -49,7 +49,7 @@ def mean_embedding_norm(model: nn.Module, loader: torch.utils.data.DataLoader) -
     total, count = 0.0, 0
     for batch in loader:
         ids = batch["input_ids"].to(device)
-        mask = batch["attention_mask"].to(device).bool()
+        mask = batch.get("attention_mask", torch.ones_like(ids)).to(device).bool()  # none: no padding
         norms = emb(ids).float().norm(dim=-1)  # (B, S)
         total += norms[mask].sum().item()
         count += int(mask.sum().item())

@@ -178,16 +178,14 @@ class Pooler(nn.Module):
 def key_padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """(B, S) 1/0 mask -> (B, 1, 1, S) bool for the kernel. None keeps the unmasked fast path.
 
-    A mask with nothing padded (packed pretraining batches) is dropped: with any mask the fused GPU
-    kernels fall back from flash attention to slower ones. Checking costs one host sync, which is
-    skipped under torch.compile (the mask is then kept; the result is the same).
+    A mask given is used as it is: asking whether it pads anything would cost a host sync in every
+    step. Callers that know a batch holds no padding pass none (packed pretraining batches, and
+    `swbert.finetune.glue_data.pad_collate` for a batch of equal lengths), so the fused GPU kernels
+    keep flash attention there.
     """
     if attention_mask is None:
         return None
-    mask = attention_mask.bool()
-    if not torch.compiler.is_compiling() and bool(mask.all()):
-        return None
-    return mask[:, None, None, :]
+    return attention_mask.bool()[:, None, None, :]
 
 
 class SWBertPreTrainedModel(PreTrainedModel):
