@@ -23,3 +23,23 @@ def data_dir(tmp_path_factory):
 
     Training only reads it, so every module's jobs share it."""
     return make_data_dir(tmp_path_factory.mktemp("tiny-data"))
+
+
+# The files that take longest in `make test` (wall time, longest first, measured with --durations on
+# 2 cores); `pytest_collection_modifyitems` starts with them. A file not listed runs after these.
+LONGEST_FIRST = [
+    "test_pretrain.py", "test_checkpoint_safety.py", "test_launcher_faults.py", "test_slurm.py",
+    "test_pretrain_compiled.py", "test_fault_matrix.py", "test_multinode.py", "test_pretrain_mlflow.py",
+    "test_scaling.py", "test_nonfinite.py", "test_perf_benchmarks.py", "test_parallel_pretrain.py",
+    "test_install.py", "test_host_syncs.py", "test_paper_figures.py", "test_integrity_checkpoint.py",
+]  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest files first (`LONGEST_FIRST`), the rest in their usual order.
+
+    `make test` hands whole files to its 2 workers (`--dist loadfile`) in this order: starting with
+    the longest files and ending with short ones keeps both workers busy to the end, instead of one
+    worker running a long file alone after the other has finished (longest-first scheduling)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

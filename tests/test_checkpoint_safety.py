@@ -199,7 +199,7 @@ def test_rng_files_load_without_running_pickled_code(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.long)])
 def test_sigterm_under_torchrun_saves_and_the_run_resumes(sig, data_dir, tmp_path):
     """SLURM's time limit and torchrun's own shutdown send SIGTERM, Ctrl-C sends SIGINT; torchrun
     forwards either to the workers and kills them 30 s later. The workers finish their step, checkpoint and exit within

@@ -34,7 +34,8 @@ LAYOUTS = {  # name: (ZeRO stage, gradient accumulation, tensor parallel)
     "tp2-z1": (1, 2, 2),
 }
 KILLS = ["in_step:5@1", "after_step:5", "in_save_shards:6", "in_save:6@1", "in_prune:6", "in_export:8"]
-SAMPLE = [("z2-accum2", "in_step:5@1"), ("z2-accum2", "in_prune:6")]
+# CI runs one case (a rank killed inside a step); `make test-faults` runs the whole matrix
+SAMPLE = [("z2-accum2", "in_step:5@1")]
 CASES = [(layout, kill) for layout in LAYOUTS for kill in KILLS] if FULL else SAMPLE
 
 

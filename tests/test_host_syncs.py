@@ -73,7 +73,7 @@ def _count(calls: list[dict]) -> dict[str, Counter]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.long)])
 def test_host_syncs_per_step_stay_within_the_budget(stage, data_dir, tmp_path):
     out, syncs = tmp_path / "run", tmp_path / "syncs"
     args = [

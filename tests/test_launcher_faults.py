@@ -37,7 +37,9 @@ def logged_steps(run_dir: Path) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("fault", "victim"), [("killed", 1), ("hung", 1), ("killed", 0)])
+@pytest.mark.parametrize(
+    ("fault", "victim"), [pytest.param("killed", 1, marks=pytest.mark.long), ("hung", 1), ("killed", 0)]
+)
 def test_a_lost_rank_without_a_launcher_is_named_by_the_others(fault, victim, data_dir, tmp_path):
     """srun-style ranks, no launcher to end the job: one rank killed (-9) or hung (SIGSTOP) mid-run.
     The other exits on its own with an error naming the lost rank, its host and pid (rank 0, which

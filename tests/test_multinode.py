@@ -66,7 +66,9 @@ def one_node(data_dir, tmp_path_factory):
     return read_metrics(out)
 
 
-@pytest.mark.parametrize("launcher, compile", [("torchrun", "on"), ("deepspeed", "off")])
+@pytest.mark.parametrize(
+    "launcher, compile", [("torchrun", "on"), pytest.param("deepspeed", "off", marks=pytest.mark.long)]
+)
 def test_two_nodes_give_the_losses_of_one_node_with_two_processes(
     launcher, compile, data_dir, one_node, tmp_path
 ):

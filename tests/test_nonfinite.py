@@ -55,7 +55,8 @@ def _check_skipped(out) -> dict[int, dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "stage, precision",
-    [(0, "fp32"), (2, "fp32")]
+    # ZeRO-2 is in CI through test_pretrain's injected NaN; here under `make test-long`
+    [(0, "fp32"), pytest.param(2, "fp32", marks=pytest.mark.long)]
     + ([(1, "fp32"), (3, "fp32"), (0, "bf16"), (1, "bf16"), (2, "bf16"), (3, "bf16")] if FULL else []),
 )
 def test_nonfinite_steps_are_skipped_on_every_rank(stage, precision, data_dir, tmp_path):

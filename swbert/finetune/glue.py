@@ -264,45 +264,6 @@ def cross_domain_evaluation(
     return out
 
 
-def glue_task_trials(
-    sweep: GlueSweep, ckpt: Checkpoint, name: str, tokenizer, tracker: Tracker, bar
-) -> tuple[list[Trial], TaskData, Path | None]:
-    """Every trial of one (checkpoint, task), the median model kept (unless --keep none) and, with
-    --noise, evaluated under noise. Returns the trials, the task's data and the kept model's folder."""
-    task = get_task(name)
-    data = load_task_data(
-        task,
-        tokenizer,
-        sweep.data_dir,
-        sweep.max_seq_length,
-        uses_token_types(ckpt.config),
-        sweep.max_train_samples,
-        sweep.max_eval_samples,
-    )
-    task_trials = []
-    for lrs in sweep.lr_settings():
-        for seed in sweep.seeds:
-            task_trials.append(glue_trial(sweep, ckpt, data, tokenizer, lrs, seed, tracker))
-            bar.update(1)
-    (summary,) = glue_summaries(task_trials)
-    log.info("%s %s: lr %s, median %s", ckpt.name, task.name, summary.lr_label, summary.median)
-    if sweep.keep == "median" and ParallelDims.from_env().is_main:
-        prune_models(task_trials, summary.median_trial)
-    model_dir = Path(summary.median_trial.model_dir) if sweep.keep != "none" else None
-    if sweep.noise_levels:
-        noise_evaluation(
-            ckpt.name,
-            model_dir,
-            data,
-            sweep.noise_levels,
-            sweep.noise_seeds,
-            tracker,
-            sweep.eval_batch_size,
-            sweep.noise_scales,
-        )
-    return task_trials, data, model_dir
-
-
 def run_glue(sweep: GlueSweep, tracker: Tracker) -> tuple[list[Trial], list[Summary]]:
     """The whole sweep; returns every trial and the per-(variant, task) summaries. With
     `evaluate_finetuned`, only the noise and cross-domain evaluations of already fine-tuned folders."""
@@ -327,14 +288,44 @@ def run_glue(sweep: GlueSweep, tracker: Tracker) -> tuple[list[Trial], list[Summ
     bar = progress_bar(runs, "GLUE sweep", unit="run")
     for ckpt in checkpoints:
         tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer)
+        token_types = uses_token_types(ckpt.config)
         kept: dict[str, Path] = {}
         datas: dict[str, TaskData] = {}
         for name in sweep.tasks:
-            task_trials, data, model_dir = glue_task_trials(sweep, ckpt, name, tokenizer, tracker, bar)
+            task = get_task(name)
+            data = load_task_data(
+                task,
+                tokenizer,
+                sweep.data_dir,
+                sweep.max_seq_length,
+                token_types,
+                sweep.max_train_samples,
+                sweep.max_eval_samples,
+            )
+            datas[task.name] = data
+            task_trials = []
+            for lrs in sweep.lr_settings():
+                for seed in sweep.seeds:
+                    task_trials.append(glue_trial(sweep, ckpt, data, tokenizer, lrs, seed, tracker))
+                    bar.update(1)
             trials += task_trials
-            datas[data.task.name] = data
-            if model_dir is not None:
-                kept[data.task.name] = model_dir
+            (summary,) = glue_summaries(task_trials)
+            log.info("%s %s: lr %s, median %s", ckpt.name, task.name, summary.lr_label, summary.median)
+            if sweep.keep == "median" and ParallelDims.from_env().is_main:
+                prune_models(task_trials, summary.median_trial)
+            if sweep.keep != "none":
+                kept[task.name] = Path(summary.median_trial.model_dir)
+            if sweep.noise_levels:
+                noise_evaluation(
+                    ckpt.name,
+                    kept[task.name],
+                    data,
+                    sweep.noise_levels,
+                    sweep.noise_seeds,
+                    tracker,
+                    sweep.eval_batch_size,
+                    sweep.noise_scales,
+                )
         if sweep.cross_domain:
             sources = {t: kept[t] for t in cross_domain.CROSS_DOMAIN_TASKS if t in kept}
             cross_domain_evaluation(
@@ -342,23 +333,6 @@ def run_glue(sweep: GlueSweep, tracker: Tracker) -> tuple[list[Trial], list[Summ
             )
     bar.close()
     return trials, glue_summaries(trials)
-
-
-def by_variant(models: list[Checkpoint]) -> dict[str, dict[str, Path]]:
-    """Fine-tuned folders grouped by variant name, then by the GLUE task their config names (one each)."""
-    grouped: dict[str, dict[str, Path]] = {}
-    for m in models:
-        task_name = getattr(m.config, "glue_task", None)
-        if not task_name or task_name not in GLUE_TASKS:
-            raise CheckpointError(
-                f"{m.path}/config.json names no glue_task; is it a GLUE model fine-tuned by swbert?"
-            )
-        if task_name in grouped.setdefault(m.name, {}):
-            raise CheckpointError(
-                f"two {task_name} models for variant {m.name!r}: {grouped[m.name][task_name]} and {m.path}"
-            )
-        grouped[m.name][task_name] = m.path
-    return grouped
 
 
 def evaluate_finetuned(
@@ -377,7 +351,19 @@ def evaluate_finetuned(
 
     Models of one variant are grouped by their ``NAME`` (``NAME=PATH``, one folder per task).
     """
-    for name, paths in by_variant(models).items():
+    by_variant: dict[str, dict[str, Path]] = {}
+    for m in models:
+        task_name = getattr(m.config, "glue_task", None)
+        if not task_name or task_name not in GLUE_TASKS:
+            raise CheckpointError(
+                f"{m.path}/config.json names no glue_task; is it a GLUE model fine-tuned by swbert?"
+            )
+        if task_name in by_variant.setdefault(m.name, {}):
+            raise CheckpointError(
+                f"two {task_name} models for variant {m.name!r}: {by_variant[m.name][task_name]} and {m.path}"
+            )
+        by_variant[m.name][task_name] = m.path
+    for name, paths in by_variant.items():
         datas, fingerprints = {}, {}
         for task_name, path in paths.items():
             tok = load_tokenizer(path)

@@ -30,7 +30,7 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 
@@ -190,27 +190,6 @@ def noise_metric(task: GlueTask) -> str:
 # ---------------------------------------------------------------------------------------- collecting
 
 
-def _finished_runs(
-    client: Any, tracking_uri: str, experiment: str, parent_runs: list[str] | None, missing_ok: bool
-) -> list:
-    """The finished runs of ``experiment``, oldest first (only the children of ``parent_runs`` when
-    given); none for a missing experiment when ``missing_ok``, else an error naming the store."""
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        if missing_ok:
-            return []
-        raise ValueError(f"no MLflow experiment {experiment!r} at {tracking_uri}")
-    runs = client.search_runs(
-        [exp.experiment_id],
-        filter_string="attributes.status = 'FINISHED'",
-        max_results=50000,
-        order_by=["attributes.start_time ASC"],
-    )
-    if parent_runs:
-        runs = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in set(parent_runs)]
-    return runs
-
-
 def collect(
     tracking_uri: str, experiment: str, parent_runs: list[str] | None = None, missing_ok: bool = False
 ) -> Collected:
@@ -222,7 +201,19 @@ def collect(
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri)
-    runs = _finished_runs(client, tracking_uri, experiment, parent_runs, missing_ok)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        if missing_ok:
+            return Collected()
+        raise ValueError(f"no MLflow experiment {experiment!r} at {tracking_uri}")
+    runs = client.search_runs(
+        [exp.experiment_id],
+        filter_string="attributes.status = 'FINISHED'",
+        max_results=50000,
+        order_by=["attributes.start_time ASC"],
+    )
+    if parent_runs:
+        runs = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in set(parent_runs)]
     out = Collected()
     trials: dict[tuple, Trial] = {}
     timings: dict[tuple, Timing] = {}

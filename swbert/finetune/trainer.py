@@ -1,12 +1,11 @@
-"""The one fine-tuning loop, shared by GLUE, SQuAD, TriviaQA and the models the robustness and
-cross-domain evaluations read.
+"""The one fine-tuning loop, shared by GLUE and SQuAD.
 
 AdamW (no weight decay on biases, LayerNorm weights and other 1-D scales), linear warm-up then linear
 decay, gradient clipping, an evaluation on dev after every epoch, and the best epoch's weights kept and
-restored at the end (best-checkpoint selection; optional early stopping with ``patience``). One
-process or many, the model trains in a DeepSpeed engine whose config gets its batch size, clipping
-and precision from here, so the two cannot disagree and the precision does not depend on the number
-of GPUs (`swbert.finetune.engine`). A step reads nothing back from the device but on logging steps.
+restored at the end (best-checkpoint selection; optional early stopping with ``patience``). Launched
+with a world size above one (``deepspeed`` or ``torchrun``), the same loop runs under
+``deepspeed.initialize``; the DeepSpeed config gets its batch size, clipping and precision from here,
+so the two cannot disagree.
 """
 
 from __future__ import annotations
@@ -18,18 +17,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from swbert.dist import ParallelDims
-from swbert.finetune.batching import epoch_sampler, train_loader
-from swbert.finetune.engine import DEFAULT_DS_CONFIG, Engine, build_engine, process_group
+from swbert.finetune.batching import train_loader
 from swbert.finetune.metrics import selection_value
 from swbert.training.ds_config import BatchShape, Flags, build_ds_config, resolve_precision
+from swbert.training.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +51,11 @@ class FinetuneConfig:
     patience: int = 0
     """Stop after this many epochs without a better dev score (0: run all epochs)."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """auto: bf16 on GPU, fp32 on CPU (as pretraining): DeepSpeed's, on one GPU as on many."""
+    """auto: bf16 on GPU, fp32 on CPU (as pretraining). Single-process runs use autocast; fp16 needs
+    DeepSpeed's loss scaling."""
     max_steps: int | None = None
     """Stop after this many optimiser steps (smoke runs); the schedule is sized to it."""
     deepspeed_config: str | None = None
-    """DeepSpeed JSON (a path or a ds_configs/ name, ZeRO stages 0-2); None: zero2.json."""
-    num_workers: int = 1
-    """DataLoader processes that collate training batches (0: on the training thread, for debugging)."""
-    log_every: int = 50
-    """Optimiser steps between logged training losses: the only steps that read the loss back."""
     group_by_length: bool = False
     """Batches of similar lengths (swbert.finetune.batching), for padded batches: less padding."""
 
@@ -144,136 +139,6 @@ def _state_on_cpu(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
-class FitRun:
-    """The state of one `fit`: the engine, the loader, the step count, the loss of the steps since
-    the last logged one (summed on the device) and the best epoch so far.
-
-    `step` is one optimizer step and reads nothing back from the device except on a logging step
-    (every ``log_every`` steps and the last): the loss is read there, once, for the window."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        loader: DataLoader,
-        cfg: FinetuneConfig,
-        total: int,
-        log_metrics: Callable[[dict[str, float], int], None] | None,
-        bar: Any,
-    ) -> None:
-        self.e, self.loader, self.cfg, self.total, self.bar = engine, loader, cfg, total, bar
-        self.log_metrics = log_metrics if ParallelDims.from_env().is_main else None
-        self.device = engine.engine.device
-        self.steps, self.window_steps = 0, 0
-        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        self.best_value, self.best_state, self.stale = -math.inf, None, 0
-        self.result = FitResult(best_metrics={}, best_epoch=-1, steps_per_epoch=len(loader))
-
-    @property
-    def done(self) -> bool:
-        return self.steps >= self.total
-
-    def train_epoch(self, epoch: int) -> None:
-        """One pass over this rank's share (or up to ``total`` steps), timed with its kernels: the
-        accelerator is synchronised once at the end, so the epoch's time is its own."""
-        from deepspeed.accelerator import get_accelerator
-
-        epoch_sampler(self.loader).set_epoch(epoch)
-        self.e.engine.train()
-        started = time.perf_counter()
-        for batch in self.loader:
-            self.step(batch)
-            if self.done:
-                break
-        get_accelerator().synchronize()
-        self.result.train_seconds += time.perf_counter() - started
-
-    def step(self, batch: dict[str, torch.Tensor]) -> None:
-        """Forward, backward and update of one batch; the loss joins the window's sum on the device."""
-        loss = self.e.engine(**move(batch, self.device)).loss
-        self.e.engine.backward(loss)
-        self.e.engine.step()
-        self.loss_sum += loss.detach().float()
-        self.steps += 1
-        self.window_steps += 1
-        self.bar.update(1)
-        if self.steps % self.cfg.log_every == 0 or self.done:
-            self.log_window()
-
-    def log_window(self) -> None:
-        """The mean training loss of the steps since the last logged one (this rank's: one read, no
-        collective) and the learning rate."""
-        if self.log_metrics is not None:
-            loss = self.loss_sum.item() / self.window_steps
-            self.log_metrics({"train/loss": loss, "train/lr": self.e.scheduler.get_last_lr()[0]}, self.steps)
-        self.loss_sum.zero_()
-        self.window_steps = 0
-
-    def end_epoch(self, epoch: int, evaluate: Callable[[nn.Module], dict[str, float]], select: str) -> bool:
-        """Evaluate on dev, keep the weights if the epoch is the best so far; True to stop (the step
-        budget is spent, or ``patience`` epochs passed without a better score)."""
-        module = self.e.module
-        started = time.perf_counter()
-        module.eval()
-        with torch.no_grad():
-            metrics = evaluate(module)
-        self.result.eval_seconds += time.perf_counter() - started
-        metrics["epoch"] = float(epoch)
-        self.result.history.append(metrics)
-        if self.log_metrics is not None:
-            dev = {f"dev/{k}": v for k, v in metrics.items() if k != "epoch" and not math.isnan(v)}
-            self.log_metrics(dev, self.steps)
-        self.bar.set_postfix({select: f"{metrics[select]:.4f}", "epoch": epoch})
-        value = selection_value(metrics[select])
-        if self.best_state is None or value > self.best_value:
-            self.best_value, self.best_state, self.stale = value, _state_on_cpu(module), 0
-            self.result.best_metrics, self.result.best_epoch = dict(metrics), epoch
-        else:
-            self.stale += 1
-        log.info(
-            "epoch %d step %d: %s=%.4f (best %.4f at epoch %d)",
-            *(epoch, self.steps, select, metrics[select], self.best_value, self.result.best_epoch),
-        )
-        return self.done or bool(self.cfg.patience and self.stale >= self.cfg.patience)
-
-    def finish(self) -> FitResult:
-        """The best epoch's weights back into the model, the engine's hooks dropped: a stepped
-        learning-rate plan fits the same model again with a new engine."""
-        self.result.steps = self.steps
-        if self.best_state is not None:
-            self.e.module.load_state_dict(self.best_state)
-        self.e.engine.destroy()
-        return self.result
-
-
-def start_run(
-    model: nn.Module,
-    train_set: Dataset,
-    collate: Callable,
-    cfg: FinetuneConfig,
-    dims: ParallelDims,
-    log_metrics: Callable[[dict[str, float], int], None] | None,
-    bar_desc: str,
-) -> FitRun:
-    """The loader, the step budget and the engine of one `fit` (the DeepSpeed config filled from
-    ``cfg`` as pretraining fills its own)."""
-    on_gpu = torch.cuda.is_available()
-    precision = resolve_precision(cfg.precision, on_gpu)
-    ds_cfg = deepspeed_config(cfg.deepspeed_config or DEFAULT_DS_CONFIG, cfg, dims.world, precision)
-    micro = cfg.batch_size // dims.world
-    loader = train_loader(train_set, collate, micro, dims, cfg.seed, cfg.num_workers, cfg.group_by_length)
-    if len(loader) == 0:
-        raise ValueError("the training split is empty")
-    total = (
-        cfg.epochs * len(loader) if cfg.max_steps is None else min(cfg.max_steps, cfg.epochs * len(loader))
-    )
-    model.to(default_device(dims))
-    engine = build_engine(
-        model, ds_cfg, cfg.learning_rate, cfg.weight_decay, total, int(cfg.warmup_ratio * total), on_gpu
-    )
-    bar = progress_bar(total, bar_desc, unit="step", leave=False)
-    return FitRun(engine, loader, cfg, total, log_metrics, bar)
-
-
 def fit(
     model: nn.Module,
     train_set: Dataset,
@@ -287,18 +152,122 @@ def fit(
     """Fine-tune ``model`` in place; on return it holds the weights of the best dev epoch.
 
     ``evaluate(model)`` returns dev metrics; ``select`` names the one to maximise. ``log_metrics``
-    (rank 0 only) receives the training loss and learning rate every ``cfg.log_every`` steps and the
-    dev metrics after every epoch (keys prefixed ``dev/``), with the optimiser step as ``step``. Rank 0
-    shows a progress bar over the steps, labelled ``desc``. One process or many, the model trains in
-    a DeepSpeed engine (see `swbert.finetune.engine`).
+    (rank 0 only) receives the training loss and learning rate every few steps and the dev metrics
+    after every epoch (keys prefixed ``dev/``), with the optimiser step as ``step``. Rank 0 shows a
+    progress bar over the steps, labelled ``desc``.
     """
-    with process_group() as dims:
-        run = start_run(model, train_set, collate, cfg, dims, log_metrics, desc)
-        try:
-            for epoch in range(cfg.epochs):
-                run.train_epoch(epoch)
-                if run.end_epoch(epoch, evaluate, select):
-                    break
-        finally:
-            run.bar.close()
-        return run.finish()
+    info = ParallelDims.from_env()
+    if info.world > 1 and not cfg.deepspeed_config:
+        raise ValueError(
+            f"launched with world size {info.world}: pass --deepspeed CONFIG for multi-GPU fine-tuning"
+        )
+    use_ds = info.world > 1
+    if use_ds:
+        from swbert.training.dist import init_distributed
+
+        init_distributed()  # NCCL on GPU, gloo on CPU; sets this rank's GPU; a no-op when already up
+    device = default_device(info)
+    precision = resolve_precision(cfg.precision, device.type == "cuda")
+    if precision == "fp16" and not use_ds:
+        raise ValueError(
+            "--precision fp16 needs DeepSpeed's loss scaling; use bf16, or launch with --deepspeed"
+        )
+    model.to(device)
+    micro = cfg.batch_size // info.world
+    loader, sampler = train_loader(
+        train_set, collate, micro, info.world, info.rank, cfg.seed, cfg.group_by_length
+    )
+    if len(loader) == 0:
+        raise ValueError("the training split is empty")
+    total = (
+        cfg.epochs * len(loader) if cfg.max_steps is None else min(cfg.max_steps, cfg.epochs * len(loader))
+    )
+    optimizer = build_optimizer(
+        model, cfg.learning_rate, cfg.weight_decay, kind="torch_adamw", on_gpu=device.type == "cuda"
+    )
+    scheduler = build_scheduler(optimizer, total, warmup=int(cfg.warmup_ratio * total))
+    engine = None
+    if use_ds:
+        import deepspeed
+
+        ds_cfg = deepspeed_config(cfg.deepspeed_config, cfg, info.world, precision)
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg
+        )
+    module = engine.module if engine is not None else model
+    # DeepSpeed casts the model itself; a single process gets bf16 autocast (fp32 master weights).
+    autocast = torch.autocast(
+        device.type, dtype=torch.bfloat16, enabled=engine is None and precision == "bf16"
+    )
+
+    result = FitResult(best_metrics={}, best_epoch=-1, steps_per_epoch=len(loader))
+    best_value, best_state, stale, step = -math.inf, None, 0, 0
+    bar = progress_bar(total, desc, unit="step", leave=False)
+    for epoch in range(cfg.epochs):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        module.train()
+        running, seen = 0.0, 0
+        started = time.perf_counter()
+        for batch in loader:
+            batch = move(batch, device)
+            with autocast:
+                loss = (engine or model)(**batch).loss
+            if engine is not None:
+                engine.backward(loss)
+                engine.step()
+            else:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            step += 1
+            running += loss.item()
+            seen += 1
+            bar.update(1)
+            if log_metrics and info.is_main and (step % 50 == 0 or step == total):
+                log_metrics({"train/loss": running / seen, "train/lr": scheduler.get_last_lr()[0]}, step)
+                running, seen = 0.0, 0
+            if step >= total:
+                break
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the epoch's kernels belong to its training time
+        result.train_seconds += time.perf_counter() - started
+        started = time.perf_counter()
+        module.eval()
+        with torch.no_grad():
+            metrics = evaluate(module)
+        result.eval_seconds += time.perf_counter() - started
+        metrics["epoch"] = float(epoch)
+        result.history.append(metrics)
+        if log_metrics and info.is_main:
+            log_metrics(
+                {f"dev/{k}": v for k, v in metrics.items() if k != "epoch" and not math.isnan(v)}, step
+            )
+        bar.set_postfix({select: f"{metrics[select]:.4f}", "epoch": epoch})
+        value = selection_value(metrics[select])
+        if best_state is None or value > best_value:
+            best_value, best_state, stale = value, _state_on_cpu(module), 0
+            result.best_metrics, result.best_epoch = dict(metrics), epoch
+        else:
+            stale += 1
+        log.info(
+            "epoch %d step %d: %s=%.4f (best %.4f at epoch %d)",
+            epoch,
+            step,
+            select,
+            metrics[select],
+            best_value,
+            result.best_epoch,
+        )
+        if step >= total or (cfg.patience and stale >= cfg.patience):
+            break
+    bar.close()
+    result.steps = step
+    if best_state is not None:
+        module.load_state_dict(best_state)
+    if engine is not None:
+        # drop the engine's gradient hooks: a stepped learning-rate plan fits the same model again
+        engine.destroy()
+    return result
