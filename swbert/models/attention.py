@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swbert.models.plugins import ENTRY_POINT_GROUP, load_installed
-from swbert.models.varlen import SeqLens, varlen_attention
+from swbert.models.varlen import SeqLens, per_sequence_attention, varlen_attention
 
 if TYPE_CHECKING:  # a type only: config.py imports this module to validate `attention_type`
     from swbert.models.config import SWBertConfig
@@ -104,11 +104,7 @@ class EagerKernel(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
         if isinstance(mask, SeqLens):
-            bounds = mask.bounds()
-            outs = [
-                self.dense(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None) for a, b in zip(bounds, bounds[1:])
-            ]
-            return torch.cat(outs, dim=2)  # (1, H, T, Dh)
+            return per_sequence_attention(q, k, v, mask, self.dense)  # (1, H, T, Dh)
         return self.dense(q, k, v, mask)
 
     def dense(

@@ -188,6 +188,13 @@ def varlen_attention(
     if half and varlen_kernel(q.device, dropout_p) is not None:
         out = _fused(*(t[0].transpose(0, 1) for t in (q, k, v)), seqlens, dropout_p)  # (T, H, Dh)
         return out.transpose(0, 1)[None]
+    return per_sequence_attention(q, k, v, seqlens, dense)
+
+
+def per_sequence_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: SeqLens, dense: DenseAttention
+) -> torch.Tensor:
+    """The reference: `dense` (unmasked) on each sequence's slice of the (1, H, T, Dh) stream."""
     bounds = seqlens.bounds()
     outs = []
     for a, b in zip(bounds[:-1], bounds[1:]):
