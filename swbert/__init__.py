@@ -1,5 +1,6 @@
 """swbert: BERT-style encoders whose self-attention shares one weight matrix for Q, K and V."""
 
+import swbert._startup  # noqa: F401  (first: keeps imports a job does not use out of every rank)
 from swbert.models import (
     ATTENTION_TYPES,
     SIZES,

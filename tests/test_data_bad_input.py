@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 from pydoc_data.topics import topics
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -24,7 +25,7 @@ from data_prep.sources import Chunk, InputError, ReadOptions, Source
 from data_prep.train_tokenizer import train_tokenizer
 from swbert.cli import field_descriptions, parse_cli
 from swbert.data import open_corpus
-from swbert.data._megatron import indexed_dataset
+from swbert.data._megatron import indexed_dataset, read_index
 
 TEXTS = [topics[name] for name in sorted(topics)[:12]]
 
@@ -133,6 +134,19 @@ def test_an_enormous_line_is_one_document_tokenized_in_pieces(tok: Path, tmp_pat
     corpus = open_corpus(out)
     pieces = len(line.encode()) // 4096 + 9000 // 4096  # the two long lines, a sequence per piece
     assert len(indexed_dataset().IndexedDataset(corpus.prefixes[0]).sequence_lengths) >= 2 + pieces
+    # A job reads the index without megatron-core (swbert/data/_megatron.py): the same arrays.
+    reference = indexed_dataset()._IndexReader(f"{corpus.prefixes[0]}.idx", multimodal=False)
+    lengths, doc_index, dtype = read_index(f"{corpus.prefixes[0]}.idx")
+    np.testing.assert_array_equal(lengths, reference.sequence_lengths)
+    np.testing.assert_array_equal(doc_index, reference.document_indices)
+    assert dtype == np.dtype(reference.dtype) and len(doc_index) == 4 + 1 < len(lengths)
+    idx = Path(f"{corpus.prefixes[0]}.idx")
+    (tmp_path / "short.idx").write_bytes(idx.read_bytes()[:-9])
+    with pytest.raises(ValueError, match="header counts"):
+        read_index(str(tmp_path / "short.idx"))
+    (tmp_path / "bad.idx").write_bytes(b"MMIDIDX\x00\x01" + idx.read_bytes()[9:])
+    with pytest.raises(ValueError, match="bad header"):
+        read_index(str(tmp_path / "bad.idx"))
 
     json_path = tmp_path / "huge.jsonl"
     json_path.write_text("\n".join(json.dumps({"text": t}) for t in ["before", line, "after"]) + "\n")

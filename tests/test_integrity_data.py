@@ -87,9 +87,7 @@ def _two_ranks(data_dir: Path, run_dir: Path) -> dict[int, tuple]:
     import multiprocessing
 
     import swbert.training.data  # noqa: F401  (imported once, before the fork)
-    from swbert.data._megatron import indexed_dataset
 
-    indexed_dataset()
     context = multiprocessing.get_context("fork")  # no re-import of torch: two ranks in seconds
     results, port = context.Queue(), free_port()
     ranks = [

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from swbert.data._megatron import indexed_dataset
+from swbert.data._megatron import read_index
 from swbert.data.manifest import (
     PREPROCESS_HINT,
     SPLITS,
@@ -24,9 +24,9 @@ class Corpus:
 
     Only the per-document index (length, shard, offset: 20 bytes a document) lives in memory;
     token ids are read from the memory-mapped `.bin` files on demand. Pickles cheaply for
-    DataLoader workers: the shard files are reopened in each process. megatron-core parses the
-    `.idx` files once, here; reading maps each `.bin` (a flat array of token ids) with numpy
-    alone, so a spawned loader worker need not import megatron-core.
+    DataLoader workers: the shard files are reopened in each process. The `.idx` files are parsed
+    once, here (`read_index`); reading maps each `.bin` (a flat array of token ids) with numpy
+    alone. Neither imports megatron-core, which writes and verifies the shards offline.
     """
 
     def __init__(self, data_dir: Path, split: Split, manifest: dict[str, Any]) -> None:
@@ -128,21 +128,18 @@ def _read_index(
 ) -> tuple[np.ndarray, np.ndarray, np.dtype, int]:
     """(document lengths, document offsets, token dtype, tokens) of one shard's `.idx`.
 
-    A damaged index of the right size parses into nonsense or fails deep inside megatron-core
-    ("mmap length is greater than file size"); either way the error names the file here."""
+    A damaged index of the right size parses into nonsense or fails its checks; either way the
+    error names the file here."""
     idx = f"{prefix}.idx"
     try:
-        # the index alone (megatron's IndexedDataset would also map the .bin, which `tokens` does)
-        index = indexed_dataset()._IndexReader(idx, multimodal=False)
-        seq_lengths = index.sequence_lengths.astype(np.int64)
-        doc_index = np.array(index.document_indices)
-        dtype = np.dtype(index.dtype)
+        seq_lengths, doc_index, dtype = read_index(idx)
+        seq_lengths = seq_lengths.astype(np.int64)
         # A long document is stored as several sequences; they are contiguous in `.bin`,
         # so a document is the token span from its first sequence to its last.
         ends = np.concatenate(([0], np.cumsum(seq_lengths)))
         doc_lengths = ends[doc_index[1:]] - ends[doc_index[:-1]]
         doc_offsets = ends[doc_index[:-1]]
-    except Exception as err:  # megatron-core asserts on a bad header; numpy fails on a bad count
+    except Exception as err:  # a bad header or short file (read_index), or nonsense counts (numpy)
         raise ValueError(
             f"{idx} is not a readable index ({type(err).__name__}: {err}): the shard is corrupt. "
             f"Check the folder with: python -m data_prep.verify {data_dir}"

@@ -40,6 +40,7 @@ import re
 import resource
 import shutil
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -90,11 +91,8 @@ def rng_state() -> dict[str, Any]:
 
 def _tp_rng_tracker():
     """swbert.parallel when tensor parallelism is active (megatron's per-rank RNG streams), else None."""
-    try:
-        from megatron.core import parallel_state
-    except ImportError:
-        return None
-    if not parallel_state.model_parallel_is_initialized():
+    parallel_state = sys.modules.get("megatron.core.parallel_state")  # never imported: never active
+    if parallel_state is None or not parallel_state.model_parallel_is_initialized():
         return None
     from swbert import parallel
 
