@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import random
+import runpy
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -112,17 +116,131 @@ def torchrun_cmd(nproc: int, args: list[str], script: str = "launchers/pretrain.
     ]
 
 
+# What every rank of a job imports (about 12 s of CPU a process, most of a tiny job's cost); the
+# fork server imports it once per test worker and forks each rank from there.
+RANK_PRELOAD = [
+    "swbert.training.trainer",
+    "swbert.training.loop",
+    "swbert.training.cli",
+    "deepspeed.runtime.zero.muon.muon_optimizer",  # imported by every ZeRO optimizer; it imports inductor
+]
+# SWBERT_TEST_LAUNCHER=torchrun starts every `launch` under torchrun instead.
+LAUNCHER = os.environ.get("SWBERT_TEST_LAUNCHER", "fork")
+
+
 def launch(
     nproc: int,
     args: list[str],
     timeout: float = 300,
     env: dict[str, str] | None = None,
     script: str = "launchers/pretrain.py",
+    torchrun: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run a real multi-process job to completion; its output is returned, not raised.
 
-    A job past `timeout` is killed whole (launcher and workers, as `kill_group`), so a hung test
-    leaves no orphaned rank behind to load the machine for the tests after it."""
+    The ranks are real processes on gloo, each running `script` as `python script args` would, with
+    the environment a launcher gives (RANK, WORLD_SIZE, MASTER_ADDR, ...), but forked from a server
+    that has imported the job's modules (`RANK_PRELOAD`), as DeepSpeed's own tests run theirs. Like
+    torchrun, a rank that fails stops the others (SIGTERM, then SIGKILL). `torchrun=True` (or
+    SWBERT_TEST_LAUNCHER=torchrun) launches under torchrun, for the tests of launching itself.
+    A job past `timeout` is killed whole, so a hung test leaves no orphaned rank behind."""
+    if torchrun or LAUNCHER == "torchrun":
+        return _launch_torchrun(nproc, args, timeout, env, script)
+    env = dict(env or job_env())
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc))
+    env.update(LOCAL_WORLD_SIZE=str(nproc))
+    logs = Path(tempfile.mkdtemp(prefix="ranks-"))
+    context = _rank_context()
+    start_method = multiprocessing.get_start_method()  # a fresh `python script`'s, not the server's
+    ranks = []
+    for rank in range(nproc):
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        log = str(logs / str(rank))
+        ranks.append(context.Process(target=_run_rank, args=(script, args, rank_env, log, start_method)))
+        ranks[-1].start()
+    try:
+        returncode = _wait_ranks(ranks, timeout)
+    except subprocess.TimeoutExpired:
+        _stop_ranks(ranks, signal.SIGKILL)
+        raise
+    out, err = (_read_logs(logs, nproc, suffix) for suffix in ("out", "err"))
+    return subprocess.CompletedProcess([script, *args], returncode, out, err)
+
+
+def _read_logs(logs: Path, nproc: int, suffix: str) -> str:
+    files = [logs / f"{rank}.{suffix}" for rank in range(nproc)]
+    return "".join(f.read_text(errors="replace") for f in files if f.exists())
+
+
+def _rank_context() -> multiprocessing.context.BaseContext:
+    """The fork server, started once per test process with a job's environment and imports."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(RANK_PRELOAD)
+    saved = dict(os.environ)
+    os.environ.update(job_env())  # read at import (OMP threads, the DeepSpeed accelerator)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return context
+
+
+def _run_rank(script: str, args: list[str], env: dict[str, str], log: str, start_method: str) -> None:
+    """One rank, in a process forked from the server: `python script args` with `env`."""
+    multiprocessing.set_start_method(start_method, force=True)
+    for fd, suffix in ((1, "out"), (2, "err")):
+        os.dup2(os.open(f"{log}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO)
+    path = str(REPO / script)
+    sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(path))
+    runpy.run_path(path, run_name="__main__")
+
+
+def _wait_ranks(ranks: list, timeout: float) -> int:
+    """0 once every rank exited 0; else the first failure's code, once the others are stopped."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        failed = [r.exitcode for r in ranks if r.exitcode not in (None, 0)]
+        if failed:
+            _stop_ranks(ranks, signal.SIGTERM)
+            return failed[0]
+        if all(r.exitcode == 0 for r in ranks):
+            return 0
+        time.sleep(0.1)
+    raise subprocess.TimeoutExpired([r.name for r in ranks], timeout)
+
+
+def _stop_ranks(ranks: list, sig: int, grace: float = 30) -> None:
+    """`sig` to every rank still running and its children; SIGKILL to those left after `grace`."""
+    family = []
+    for rank in ranks:
+        if rank.exitcode is None:
+            try:
+                family += [psutil.Process(rank.pid), *psutil.Process(rank.pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+    for p in family:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(family, timeout=grace)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    for rank in ranks:
+        rank.join(timeout=30)
+
+
+def _launch_torchrun(
+    nproc: int, args: list[str], timeout: float, env: dict[str, str] | None, script: str
+) -> subprocess.CompletedProcess:
     proc = subprocess.Popen(
         torchrun_cmd(nproc, args, script),
         cwd=REPO,

@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import logging
 import math
+import multiprocessing
 import os
 import signal
 import sys
@@ -261,7 +262,9 @@ def batch_loader(
         raise ValueError(f"num_workers={num_workers} must be 0 (batches on the training thread) or more")
     workers = num_workers
     # a forkserver's workers are its children, not this process's: they keep DataLoader's watchdog
-    parent = None if multiprocessing_context == "forkserver" else os.getpid()
+    # (forkserver is also the default start method from Python 3.14 on, and in a forkserver's child)
+    method = multiprocessing_context or multiprocessing.get_start_method()
+    parent = None if method == "forkserver" else os.getpid()
     dataset = MicroBatches(stream, start_sample, micro_bs, dp_rank, dp_size)
     loader = torch.utils.data.DataLoader(
         dataset,
