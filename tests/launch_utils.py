@@ -8,6 +8,7 @@ import multiprocessing.forkserver
 import os
 import random
 import runpy
+import shutil
 import signal
 import socket
 import subprocess
@@ -149,21 +150,32 @@ def launch(
     env = dict(env or job_env())
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc))
     env.update(LOCAL_WORLD_SIZE=str(nproc))
+    return _forked(
+        script, args, [{**env, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)], timeout
+    )
+
+
+def _forked(
+    script: str, args: list[str], envs: list[dict[str, str]], timeout: float
+) -> subprocess.CompletedProcess:
+    """`python script args` in one process per environment of `envs`, forked from the server;
+    their outputs joined in order."""
     logs = Path(tempfile.mkdtemp(prefix="ranks-"))
     context = _rank_context()
     start_method = multiprocessing.get_start_method()  # a fresh `python script`'s, not the server's
     ranks = []
-    for rank in range(nproc):
-        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    for rank, env in enumerate(envs):
         log = str(logs / str(rank))
-        ranks.append(context.Process(target=_run_rank, args=(script, args, rank_env, log, start_method)))
+        ranks.append(context.Process(target=_run_rank, args=(script, args, env, log, start_method)))
         ranks[-1].start()
     try:
         returncode = _wait_ranks(ranks, timeout)
+        out, err = (_read_logs(logs, len(envs), suffix) for suffix in ("out", "err"))
     except subprocess.TimeoutExpired:
         _stop_ranks(ranks, signal.SIGKILL)
         raise
-    out, err = (_read_logs(logs, nproc, suffix) for suffix in ("out", "err"))
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
     return subprocess.CompletedProcess([script, *args], returncode, out, err)
 
 
@@ -200,12 +212,17 @@ def _run_rank(script: str, args: list[str], env: dict[str, str], log: str, start
     runpy.run_path(path, run_name="__main__")
 
 
-def _wait_ranks(ranks: list, timeout: float) -> int:
-    """0 once every rank exited 0; else the first failure's code, once the others are stopped."""
+def _wait_ranks(ranks: list, timeout: float, grace: float = 10) -> int:
+    """0 once every rank exited 0; else the first failure's code, once the others are stopped (a
+    rank that fails alone leaves the rest `grace` seconds to finish on their own: several ranks
+    that stop on one error each report it)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         failed = [r.exitcode for r in ranks if r.exitcode not in (None, 0)]
         if failed:
+            for rank in ranks:
+                rank.join(timeout=max(0.0, min(grace, deadline - time.monotonic())))
+                grace = 0.0 if rank.exitcode is None else grace
             _stop_ranks(ranks, signal.SIGTERM)
             return failed[0]
         if all(r.exitcode == 0 for r in ranks):
@@ -261,15 +278,18 @@ def _launch_torchrun(
 def run_single(
     args: list[str], timeout: float = 300, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """`python launchers/pretrain.py ...`: one process, no launcher (start-up errors, small runs)."""
-    return subprocess.run(
-        [sys.executable, "launchers/pretrain.py", *args],
-        cwd=REPO,
-        env=env or job_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """`python launchers/pretrain.py ...`: one process, no launcher (start-up errors, small runs),
+    forked from the server as `launch` forks ranks (`torchrun` launches: a new interpreter)."""
+    if LAUNCHER == "torchrun":
+        return subprocess.run(
+            [sys.executable, "launchers/pretrain.py", *args],
+            cwd=REPO,
+            env=env or job_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    return _forked("launchers/pretrain.py", args, [dict(env or job_env())], timeout)
 
 
 def start(
