@@ -53,6 +53,8 @@ def write_rules(path: Path) -> int:
         if code == 0 or 0xD800 <= code <= 0xDFFF:  # NUL is no key SentencePiece accepts; surrogates
             continue
         char = chr(code)
+        if unicodedata.category(char) in ("Cn", "Co"):  # unassigned and private use: nothing to map
+            continue
         target = uncase(char)
         if target != char:
             lines.append(f"{code:04X}\t{' '.join(f'{ord(c):04X}' for c in target)}\n")
