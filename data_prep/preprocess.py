@@ -121,9 +121,12 @@ def _plan(
     info_path = tokenizer_dir / TOKENIZER_INFO_NAME
     info = json.loads(info_path.read_text()) if info_path.is_file() else {}
     vocab_size = spm.SentencePieceProcessor(model_file=str(tokenizer_dir / SPM_MODEL_NAME)).get_piece_size()
+    tokenizer = {"hash": tok_hash, "vocab_size": vocab_size, "model_type": info.get("model_type")}
+    if info.get("lowercase"):  # recorded only when set, so cased shard folders keep their plan id
+        tokenizer["lowercase"] = True
     return {
         "format": FORMAT,
-        "tokenizer": {"hash": tok_hash, "vocab_size": vocab_size, "model_type": info.get("model_type")},
+        "tokenizer": tokenizer,
         "dtype": _token_dtype(vocab_size),
         "inputs": [source.describe() for source in sources],
         "config": {"shard_bytes": shard_bytes, "valid_fraction": valid_fraction, **asdict(options)},

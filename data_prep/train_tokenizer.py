@@ -26,6 +26,7 @@ from data_prep import cli
 from data_prep.documents import DocumentReader, split_text
 from data_prep.hf_tokenizer import build_fast_tokenizer, save_hf_folder
 from data_prep.sources import InputError, ReadOptions, Source, plan_chunks, refuse_non_utf8, resolve_inputs
+from data_prep.uncased import LOWERCASE_DESCRIPTION, write_rules
 from swbert.cli import parse_or_exit
 from swbert.data.tokenizer import (
     PAD_ID,
@@ -72,6 +73,9 @@ class TokenizerConfig(cli.InputOptions):
     # (default: CPUs, at most 16)
     threads: int | None = None
     overwrite: bool = False  # replace an existing tokenizer in --output
+    # lower-case and strip accents as BERT-uncased does (NFD, combining marks dropped), inside the
+    # tokenizer itself: preprocessing and fine-tuning see the same text (off: cased, as before)
+    lowercase: bool = False
 
 
 def iter_sentences(sources: list[Source], options: ReadOptions, stats: Counter) -> Iterator[str]:
@@ -115,14 +119,14 @@ def train_tokenizer(
     hf_split: str = "train",
     overwrite: bool = False,
     check_encoding: bool = True,
+    lowercase: bool = False,
 ) -> dict[str, Any]:
     """Train and save the tokenizer folder; returns what `swbert_tokenizer.json` records.
 
     `byte_fallback=None` turns byte fallback on from `BYTE_FALLBACK_MIN_VOCAB` pieces: below,
     256 byte pieces would crowd out the vocabulary of the tiny tokenizers tests and toy runs use.
+    `lowercase` puts BERT-uncased normalization in the model's own rules (data_prep.uncased).
     """
-    import sentencepiece as spm
-
     started = time.perf_counter()
     options = options or ReadOptions()
     output_dir = Path(output_dir)
@@ -155,34 +159,17 @@ def train_tokenizer(
     )
 
     threads = threads or min(os.cpu_count() or 1, 16)
-    model = io.BytesIO()
-    try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sample),
-            model_writer=model,
-            vocab_size=vocab_size,
-            model_type=model_type,
-            character_coverage=character_coverage,
-            byte_fallback=byte_fallback,  # rare characters become byte pieces instead of [UNK]
-            pad_id=PAD_ID,
-            unk_id=UNK_ID,
-            bos_id=-1,
-            eos_id=-1,
-            pad_piece=SPECIAL_TOKENS[PAD_ID],
-            unk_piece=SPECIAL_TOKENS[UNK_ID],
-            # Control symbols take the next ids (2, 3, 4) and are never produced from raw text.
-            control_symbols=list(SPECIAL_TOKENS[2:]),
-            max_sentence_length=4 * SENTENCE_CHARS + 16,
-            num_threads=threads,
-            minloglevel=2,
-        )
-    except RuntimeError as err:
-        raise InputError(f"SentencePiece could not train (--vocab-size {vocab_size}?): {err}") from err
-
     tmp = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    (tmp / SPM_MODEL_NAME).write_bytes(model.getvalue())
+    try:
+        model = _train_spm(
+            sample, tmp, vocab_size, model_type, character_coverage, byte_fallback, threads, lowercase
+        )
+    except InputError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    (tmp / SPM_MODEL_NAME).write_bytes(model)
     save_hf_folder(tmp / SPM_MODEL_NAME, tmp)
     identical, checked = _parity(tmp / SPM_MODEL_NAME, sample, seed)
     info = {
@@ -191,6 +178,8 @@ def train_tokenizer(
         "model_type": model_type,
         "character_coverage": character_coverage,
         "byte_fallback": byte_fallback,
+        "lowercase": lowercase,
+        "normalization": LOWERCASE_DESCRIPTION if lowercase else "nmt_nfkc (SentencePiece's default, cased)",
         "sentences_seen": seen,
         "sentences_sampled": len(sample),
         "max_sentences": max_sentences,
@@ -218,6 +207,53 @@ def train_tokenizer(
             "the HF tokenizer differs from SentencePiece on %d lines: please report this", checked - identical
         )
     return info
+
+
+def _train_spm(
+    sample: list[str],
+    tmp: Path,
+    vocab_size: int,
+    model_type: str,
+    character_coverage: float,
+    byte_fallback: bool,
+    threads: int,
+    lowercase: bool,
+) -> bytes:
+    """The trained SentencePiece model; with `lowercase`, BERT-uncased normalization compiled into it
+    (its rule table is written to `tmp` for training only)."""
+    import sentencepiece as spm
+
+    rules: dict[str, str] = {}
+    if lowercase:
+        write_rules(tmp / "uncased_rules.tsv")
+        rules["normalization_rule_tsv"] = str(tmp / "uncased_rules.tsv")
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sample),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            byte_fallback=byte_fallback,  # rare characters become byte pieces instead of [UNK]
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=-1,
+            eos_id=-1,
+            pad_piece=SPECIAL_TOKENS[PAD_ID],
+            unk_piece=SPECIAL_TOKENS[UNK_ID],
+            # Control symbols take the next ids (2, 3, 4) and are never produced from raw text.
+            control_symbols=list(SPECIAL_TOKENS[2:]),
+            max_sentence_length=4 * SENTENCE_CHARS + 16,
+            num_threads=threads,
+            minloglevel=2,
+            **rules,
+        )
+    except RuntimeError as err:
+        raise InputError(f"SentencePiece could not train (--vocab-size {vocab_size}?): {err}") from err
+    finally:
+        (tmp / "uncased_rules.tsv").unlink(missing_ok=True)
+    return model.getvalue()
 
 
 def _parity(spm_model: Path, sample: list[str], seed: int, count: int = 1000) -> tuple[int, int]:
@@ -258,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_split=args.hf_split,
         overwrite=args.overwrite,
         check_encoding=args.invalid_utf8 is None,  # an explicit --invalid-utf8 reads any file
+        lowercase=args.lowercase,
     )
     return 0
 

@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(2) from None
     runs = cfg.pretrain_curves()
     collected = collect(uri, cfg.experiment, cfg.parent_run, missing_ok=bool(runs)) if uri else Collected()
-    tables = build_report(collected, cfg.out, cfg.stsb_metric, runs, cfg.timing_batch_size, cfg.baseline)
+    tables = build_report(
+        collected, cfg.out, cfg.stsb_metric, runs, cfg.timing_batch_size, cfg.baseline, cfg.column_order
+    )
     if not tables and not runs:
         print(f"no finished fine-tuning runs in experiment {cfg.experiment!r} at {uri}", file=sys.stderr)
         return 1

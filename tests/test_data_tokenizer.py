@@ -112,3 +112,31 @@ def test_help_documents_every_flag() -> None:
     for f in dataclasses.fields(TokenizerConfig):
         assert f.name in described, f.name
     assert f"--vocab-size {BYTE_FALLBACK_MIN_VOCAB}" in described["byte_fallback"]
+
+
+def test_lowercase_tokenizer_is_uncased_everywhere(corpus: Path, tmp_path: Path) -> None:
+    """--lowercase: BERT-uncased's lower-casing and accent stripping live in spm.model itself, so the
+    shard writer's SentencePiece, the HF folder (what fine-tuning and exports load) and the identity
+    agree; the manifest of shards built with it says so. The default stays cased."""
+    from data_prep.preprocess import preprocess
+    from data_prep.train_tokenizer import main
+
+    args = ["--input", str(corpus), "--vocab-size", "300", "--threads", "1"]
+    assert main([*args, "--output", str(tmp_path / "uncased"), "--lowercase"]) == 0
+    cased = train_tokenizer([str(corpus)], tmp_path / "cased", vocab_size=300, threads=1)
+    info = json.loads((tmp_path / "uncased" / "swbert_tokenizer.json").read_text())
+    assert info["lowercase"] is True and cased["lowercase"] is False
+    assert info["hash"] == tokenizer_hash(tmp_path / "uncased") != cased["hash"]
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "uncased" / "spm.model"))
+    hf = load_tokenizer(tmp_path / "uncased")
+    for text in ("Héllo World", "He\u0301llo\tWORLD", "ＨＥＬＬＯ World"):  # composed, combining, full-width
+        assert sp.encode(text) == sp.encode("hello world") == hf(text, add_special_tokens=False)["input_ids"]
+    assert 4 in hf("x [MASK] y", add_special_tokens=False)["input_ids"]  # a typed [MASK] stays special
+    cased_sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "cased" / "spm.model"))
+    assert cased_sp.encode("Héllo World") != cased_sp.encode("hello world")
+    lines = [line for line in fuzz_lines() if line.strip()]
+    assert [hf(x, add_special_tokens=False)["input_ids"] for x in lines] == sp.encode(lines)
+    out = tmp_path / "shards"
+    preprocess([str(corpus)], tmp_path / "uncased", out, workers=1)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["tokenizer"] == {**manifest["tokenizer"], "lowercase": True, "hash": info["hash"]}

@@ -14,6 +14,7 @@ def test_paper_base_holds_the_papers_values():
     cfg = build_config("paper_base", [])
     assert (cfg.size, cfg.attention_type, cfg.seq_len, cfg.global_batch_size) == ("base", "shared", 512, 528)
     assert (cfg.adam_beta2, cfg.mlm_probability, cfg.hidden_dropout) == (0.999, 0.15, 0.1)
+    assert (cfg.adam_beta1, cfg.attention_dropout) == (0.9, 0.1)  # section 2.5 states both too
     # four GPUs at 132 sequences each make the global batch with no accumulation
     assert cfg.batch_layout(4) == (528, 132, 1)
     # 20 epochs of the estimated corpus (3.3e9 tokens) as the trainer counts steps

@@ -56,8 +56,8 @@ class GlueSweep(SweepConfig):
     noise: bool = False  # evaluate kept models under embedding noise at the default levels (Table 5)
     noise_levels: list[float] = field(default_factory=list)  # custom noise levels (implies --noise)
     noise_seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # one noise draw per seed
-    # what a noise level means (both by default, each its own table): unit = the paper's standard
-    # deviation 1 times the level; norm = the level times the mean embedding norm (ours)
+    # what a noise level means (both by default, each its own table): norm = the level times the mean
+    # embedding norm (the paper's levels, section 3); unit = a standard-deviation-1 draw times the level (ours)
     noise_scales: list[Literal["unit", "norm"]] = field(default_factory=lambda: list(NOISE_SCALES))
     cross_domain: bool = False  # evaluate kept MNLI/QNLI/QQP/MRPC models on each other's dev sets (Table 6)
     # --checkpoint folders are already fine-tuned GLUE models: only run --noise / --cross-domain

@@ -2,17 +2,19 @@
 
 Each table follows the paper's definition (docs/paper.md says where we had to read it):
 
-* Table 1 (GLUE): variants as rows; per task the paper's metric, in its column order (MNLI-m, MNLI-mm,
-  QQP, QNLI, SST-2, CoLA, STS-B, MRPC, RTE; WNLI last, only when it was run), and ``Avg``, the paper's:
-  the mean over its eight tasks with MNLI matched and accuracy for MRPC and QQP
-  (:data:`swbert.finetune.tasks.PAPER_AVG_METRIC`). The CSV adds every metric and, labelled as ours,
-  the mean of GLUE's task scores over every task run.
-* Table 2 (SQuAD): EM/F1 per version; a checkpoint fine-tuned on TriviaQA first is its own row,
-  ``NAME + TriviaQA`` (the paper's "single + TriviaQA").
+* Table 1 (GLUE): variants as rows; per task the paper's metric with two decimals, in the paper's
+  column order (MRPC, CoLA, MNLI m/mm as one cell, QQP, RTE, STS-B, QNLI, SST-2; WNLI last, only when
+  it was run; ``--column-order glue`` for GLUE's), and ``Avg``, the mean over the paper's eight tasks
+  with MNLI matched and accuracy for MRPC and QQP (:data:`swbert.finetune.tasks.PAPER_AVG_METRIC`; it
+  reproduces the paper's printed averages where they are arithmetic). The CSV adds every metric and,
+  labelled as ours, the mean of GLUE's task scores over every task run.
+* Table 2 (SQuAD): EM/F1 per version and their average over v1.1 and v2.0 (the paper's "Average"
+  column); a checkpoint fine-tuned on TriviaQA first is its own row, ``NAME + TriviaQA`` (the paper's
+  "single + TriviaQA").
 * Table 5 (robustness): accuracy (the task's own metric where it has no accuracy: CoLA, STS-B) at
-  each noise level, mean over noise seeds; one table per noise definition: ``table5_noise`` (the
-  paper's standard-deviation-1 noise) and ``table5_noise_relative`` (ours, relative to the embedding
-  norm).
+  each noise level, mean over noise seeds; one table per noise definition: ``table5_noise_relative``
+  (the paper's levels, a percentage of the input embedding norm) and ``table5_noise`` (ours: a
+  standard-deviation-1 draw times the level).
 * Table 6 (cross-domain): per variant a trained-on x evaluated-on matrix; the diagonal with the task's
   own labels, the rest with the binary mapping of :mod:`swbert.finetune.cross_domain`.
 * Figures 2 and 3 (:mod:`swbert.finetune.figures`): pretraining loss curves, fine-tuning time per epoch.
@@ -36,7 +38,7 @@ import numpy as np
 
 from swbert.finetune.cross_domain import CROSS_DOMAIN_TASKS
 from swbert.finetune.results import Summary, Trial, summarize
-from swbert.finetune.tasks import PAPER_AVG_METRIC, TABLE1_COLUMNS, GlueTask, get_task, split_label
+from swbert.finetune.tasks import COLUMN_ORDERS, PAPER_AVG_METRIC, GlueTask, get_task, split_label
 from swbert.finetune.tracking import DEFAULT_EXPERIMENT, KIND, TASK, VARIANT
 
 log = logging.getLogger(__name__)
@@ -46,10 +48,10 @@ METRIC_ABBREV = {"accuracy": "Acc", "f1": "F1", "matthews": "MCC", "pearson": "P
 TRIVIAQA_SUFFIX = "+triviaqa"  # a variant fine-tuned on TriviaQA before SQuAD (swbert.finetune.squad)
 NOISE_TABLES = {"unit": "table5_noise", "norm": "table5_noise_relative"}
 NOISE_TITLES = {
-    "unit": "Table 5: dev accuracy under Gaussian embedding noise of standard deviation 1 x level "
-    "(the paper's noise; how the level scales it is our reading)",
-    "norm": "Table 5 (ours, relative noise): dev accuracy under Gaussian embedding noise of RMS norm "
-    "level x the mean embedding norm",
+    "norm": "Table 5: dev accuracy under Gaussian embedding noise of RMS norm level x the mean input "
+    "embedding norm (the paper's levels, a percentage of the input embedding norm)",
+    "unit": "Table 5 (ours, std-1 noise): dev accuracy under Gaussian embedding noise of standard "
+    "deviation 1 x level (the level as a multiplier, not a share of the norm)",
 }
 
 
@@ -67,6 +69,8 @@ class ReportConfig:
     pretrain_runs: list[str] = field(default_factory=list)
     # Table 1's STS-B number (and its share of Avg): the paper's metric is not known to us; Pearson is our reading
     stsb_metric: Literal["pearson", "spearman"] = "pearson"
+    # Table 1's columns: the paper's order (MRPC, CoLA, MNLI m/mm, QQP, RTE, STS-B, QNLI, SST-2) or GLUE's
+    column_order: Literal["paper", "glue"] = "paper"
     # Figure 3: only trials fine-tuned at this global batch size (the paper's 16); none: every trial
     timing_batch_size: int | None = 16
     baseline: str = "standard"  # Figure 3: the variant whose time the others' savings are relative to
@@ -175,6 +179,7 @@ def variant_label(name: str) -> str:
 
 
 def _pct(value: float | None, digits: int = 1) -> str:
+    """``value`` (a fraction) in percent with ``digits`` decimals; '–' for a missing value."""
     return "–" if value is None or math.isnan(value) else f"{100 * value:.{digits}f}"
 
 
@@ -256,9 +261,14 @@ def collect(
 # ------------------------------------------------------------------------------------------- tables
 
 
-def _columns(summaries: list[Summary]) -> list[tuple[str, str]]:
+def _columns(summaries: list[Summary], order: str = "paper") -> list[tuple[str, list[str]]]:
+    """Table 1's cells in ``order``: (task, its dev splits run); MNLI's two splits share one cell."""
     tasks = {s.task for s in summaries}
-    return [(t, sp) for t, sp in TABLE1_COLUMNS if t in tasks]
+    cells: dict[str, list[str]] = {}
+    for t, sp in COLUMN_ORDERS[order]:
+        if t in tasks:
+            cells.setdefault(t, []).append(sp)
+    return list(cells.items())
 
 
 def paper_metric(task: str, split: str, stsb_metric: str = "pearson") -> str:
@@ -279,81 +289,111 @@ def paper_average(by_task: dict[str, Summary], stsb_metric: str = "pearson") -> 
     return float("nan") if any(math.isnan(v) for v in values) else float(np.mean(values))
 
 
-def glue_table(summaries: list[Summary], stsb_metric: str = "pearson") -> Table:
-    """Table 1 from GLUE summaries (see :func:`swbert.finetune.glue.glue_summaries`)."""
+def _cell_label(task: str, splits: list[str]) -> str:
+    """``MNLI m/mm`` for MNLI's one cell of two splits (Table 1's "MNLI (m/mm)"), else the split's label."""
+    t = get_task(task)
+    if len(splits) == 1:
+        return split_label(t, splits[0])
+    short = "/".join(split_label(t, sp).rpartition("-")[2] for sp in splits)  # m/mm
+    return f"{split_label(t, 'validation')} {short}"
+
+
+def glue_table(summaries: list[Summary], stsb_metric: str = "pearson", order: str = "paper") -> Table:
+    """Table 1 from GLUE summaries (see :func:`swbert.finetune.glue.glue_summaries`), two decimals as
+    the paper prints it, columns in the paper's order (or GLUE's: ``order="glue"``)."""
     by = {(s.variant, s.task): s for s in summaries}
-    present = _columns(summaries)
+    cells = _columns(summaries, order)
     header, csv_header = ["Model"], ["variant"]
-    for t, sp in present:
-        label = split_label(get_task(t), sp)
+    for t, splits in cells:
         extra = " (not in Avg)" if t not in PAPER_AVG_METRIC else ""
-        header.append(f"{label} ({METRIC_ABBREV[paper_metric(t, sp, stsb_metric)]}){extra}")
-        csv_header += [f"{label} {m}" for m in get_task(t).metrics]
+        metric = METRIC_ABBREV[paper_metric(t, splits[0], stsb_metric)]
+        header.append(f"{_cell_label(t, splits)} ({metric}){extra}")
+        csv_header += [f"{split_label(get_task(t), sp)} {m}" for sp in splits for m in get_task(t).metrics]
     header.append("Avg")
     csv_header += ["avg", "avg_glue_score_ours", "learning_rates", "seeds"]
     rows, csv_rows = [], []
     for variant in sorted({v for v, _ in by}, key=variant_key):
         row, csv_row, scores, lrs, seeds = [variant_label(variant)], [variant], [], [], set()
         mine = {t: s for (v, t), s in by.items() if v == variant}
-        for t, sp in present:
+        for t, splits in cells:
             s = mine.get(t)
-            med = s.median.get(sp, {}) if s else {}
-            row.append(_pct(med.get(paper_metric(t, sp, stsb_metric), float("nan"))))
-            csv_row += [_csv(med.get(m, float("nan"))) for m in get_task(t).metrics]
+            meds = [s.median.get(sp, {}) if s else {} for sp in splits]
+            metric = paper_metric(t, splits[0], stsb_metric)
+            row.append("/".join(_pct(med.get(metric, float("nan")), 2) for med in meds))
+            csv_row += [_csv(med.get(m, float("nan"))) for med in meds for m in get_task(t).metrics]
+            scores += [m["score"] for m in meds if not math.isnan(m.get("score", float("nan")))]
             if s:
-                score = med.get("score", float("nan"))
-                if not math.isnan(score):
-                    scores.append(score)
                 lrs.append(f"{t}={s.lr_label}")
                 seeds.add(len(s.seeds))
         avg = paper_average(mine, stsb_metric)
-        row.append(_pct(avg))
+        row.append(_pct(avg, 2))
         ours = float(np.mean(scores)) if scores else float("nan")
         csv_row += [_csv(avg), _csv(ours), " ".join(dict.fromkeys(lrs)), "/".join(map(str, sorted(seeds)))]
         rows.append(row)
         csv_rows.append(csv_row)
     note = (
-        "Avg: the paper's, the mean over its eight tasks (MNLI-m, QQP, QNLI, SST-2, CoLA, STS-B, MRPC, RTE) "
-        f"of the metric shown, STS-B as {stsb_metric.capitalize()}; '–' unless all eight were run. The CSV's "
-        "avg_glue_score_ours is the mean of GLUE's task scores over every task run (ours). Each number: the "
-        "median over seeds at the best learning-rate setting (ours)."
+        "Avg: the mean over the paper's eight tasks (MRPC, CoLA, MNLI-m, QQP, RTE, STS-B, QNLI, SST-2) "
+        f"of the metric shown, MNLI matched only, STS-B as {stsb_metric.capitalize()}; '–' unless all eight "
+        "were run. The CSV's avg_glue_score_ours is the mean of GLUE's task scores over every task run "
+        "(ours). Each number: the median over seeds at the best learning-rate setting (ours)."
     )
     return Table(
         "Table 1: GLUE dev (median over seeds, best learning rate)", header, rows, csv_header, csv_rows, note
     )
 
 
+def squad_average(em_f1: list[tuple[float, float]]) -> tuple[float, float]:
+    """Table 2's "Average": the mean EM and the mean F1 over the SQuAD versions, nan unless both v1.1
+    and v2.0 are there (the paper averages its two columns)."""
+    if len(em_f1) < 2:
+        return float("nan"), float("nan")
+    return float(np.mean([em for em, _ in em_f1])), float(np.mean([f1 for _, f1 in em_f1]))
+
+
+def _em_f1(em: float, f1: float) -> str:
+    return f"{_pct(em / 100, 2)}/{_pct(f1 / 100, 2)}"
+
+
 def squad_table(summaries: list[Summary]) -> Table:
-    """Table 2: EM/F1 per SQuAD version; ``NAME+triviaqa`` rows are the paper's "single + TriviaQA"."""
+    """Table 2: EM/F1 per SQuAD version and their average over v1.1 and v2.0, two decimals as the paper
+    prints it; ``NAME+triviaqa`` rows are the paper's "single + TriviaQA"."""
     by = {(s.variant, s.task): s for s in summaries}
     versions = [v for v in ("1.1", "2.0") if any(t == f"squad{v}" for _, t in by)]
-    header = ["Model"] + [f"SQuAD v{v} (EM/F1)" for v in versions]
+    both = len(versions) == 2
+    header = ["Model"] + [f"SQuAD v{v} (EM/F1)" for v in versions] + (["Average (EM/F1)"] if both else [])
     csv_header = (
-        ["variant"] + [f"v{v} {m}" for v in versions for m in ("exact", "f1")] + ["learning_rates", "seeds"]
+        ["variant"]
+        + [f"v{v} {m}" for v in versions for m in ("exact", "f1")]
+        + (["average exact", "average f1"] if both else [])
+        + ["learning_rates", "seeds"]
     )
     rows, csv_rows = [], []
-    squad_variants = {v for v, t in by if t.startswith("squad")}
-    for variant in sorted(squad_variants, key=variant_key):
-        row, csv_row, lrs, seeds = [variant_label(variant)], [variant], [], set()
+    squad_variants = sorted({v for v, t in by if t.startswith("squad")}, key=variant_key)
+    for variant in squad_variants:
+        row, csv_row, lrs, seeds, pairs = [variant_label(variant)], [variant], [], set(), []
         for v in versions:
             s = by.get((variant, f"squad{v}"))
             med = s.median.get("validation", {}) if s else {}
             em, f1 = med.get("exact", float("nan")), med.get("f1", float("nan"))
-            row.append(f"{_pct(em / 100)}/{_pct(f1 / 100)}")
+            row.append(_em_f1(em, f1))
             csv_row += [em, f1]
             if s:
+                pairs.append((em, f1))
                 lrs.append(f"v{v}={s.lr_label}")
                 seeds.add(len(s.seeds))
+        if both:
+            avg = squad_average(pairs)
+            row.append(_em_f1(*avg))
+            csv_row += list(avg)
         rows.append(row)
         csv_rows.append(csv_row + [" ".join(lrs), "/".join(map(str, sorted(seeds)))])
-    return Table(
-        "Table 2: SQuAD dev (median over seeds, best learning rate)",
-        header,
-        rows,
-        csv_header,
-        csv_rows,
-        "A '+ TriviaQA' row was fine-tuned on TriviaQA reading comprehension first, then on SQuAD.",
-    )
+    notes = ["Average: the mean of v1.1 and v2.0 (the paper's Average column)."] if both else []
+    if any(v.endswith(TRIVIAQA_SUFFIX) for v in squad_variants):
+        notes.append(
+            "A '+ TriviaQA' row was fine-tuned on TriviaQA reading comprehension first, then on SQuAD."
+        )
+    title = "Table 2: SQuAD dev (median over seeds, best learning rate)"
+    return Table(title, header, rows, csv_header, csv_rows, " ".join(notes))
 
 
 def noise_table(noise: dict[tuple[str, str, str], dict[int, dict[float, float]]], scale: str) -> Table:
@@ -420,6 +460,7 @@ def build_report(
     pretrain_runs: dict[str, Path] | None = None,
     timing_batch_size: int | None = 16,
     baseline: str = "standard",
+    column_order: str = "paper",
 ) -> dict[str, Table]:
     """Write every table and figure that has data: ``table1_glue``, ``table2_squad``, ``table5_noise``
     (+ ``_relative``, with their plots), ``table6_cross_domain``, ``figure2_pretrain_loss`` (from
@@ -434,6 +475,7 @@ def build_report(
                 collected.glue, {n: get_task(n).main_split for n in tasks}, dict.fromkeys(tasks, "score")
             ),
             stsb_metric,
+            column_order,
         )
     if any(t.task.startswith("squad") for t in collected.squad):
         tasks = {t.task for t in collected.squad}
