@@ -292,6 +292,35 @@ def run_single(
     return _forked("launchers/pretrain.py", args, [dict(env or job_env())], timeout)
 
 
+class Forked:
+    """`python launchers/pretrain.py args` forked from the server and left running: the handle a
+    test signals, polls and waits on as it would a `subprocess.Popen` (`kill_group` included)."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
+        start_method = multiprocessing.get_start_method()
+        target_args = ("launchers/pretrain.py", args, env, str(log), start_method)
+        self.process = _rank_context().Process(target=_run_rank, args=target_args)
+        self.process.start()
+        self.pid, self.args = self.process.pid, args
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self.process.exitcode is None:
+            os.kill(self.pid, sig)
+
+
 def start(
     nproc: int, args: list[str], env: dict[str, str] | None = None, log: Path | None = None
 ) -> subprocess.Popen:

@@ -8,8 +8,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +15,16 @@ from types import SimpleNamespace
 import pytest
 
 from swbert.training import checkpoint as ckpt
-from tests.launch_utils import REPO, job_env, kill_group, launch, read_metrics, run_single, start, wait_for
+from tests.launch_utils import (
+    Forked,
+    job_env,
+    kill_group,
+    launch,
+    read_metrics,
+    run_single,
+    start,
+    wait_for,
+)
 
 
 def fake_checkpoint(root, step: int, complete: bool = True):
@@ -93,14 +100,7 @@ def interrupted(data_dir, tmp_path_factory) -> SimpleNamespace:
         "--train-steps", "16", "--save-interval", "4", "--keep-checkpoints", "4", "--log-interval", "1",
         "--eval-interval", "100", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
     ]  # fmt: skip
-    killed = subprocess.Popen(
-        [sys.executable, "launchers/pretrain.py", *args],
-        cwd=REPO,
-        env=job_env(SWBERT_FAULT_KILL_AFTER_STEP="14"),
-        stdout=open(out.parent / "killed.log", "w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    killed = Forked(args, job_env(SWBERT_FAULT_KILL_AFTER_STEP="14"), out.parent / "killed")
     try:
         # metrics.jsonl is made in set-up, with the lock held, seconds before the first step
         wait_for(lambda: (out / "metrics.jsonl").is_file(), timeout=240, proc=killed)
