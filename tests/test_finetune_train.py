@@ -133,6 +133,25 @@ def test_evaluate_finetuned_reproduces_the_clean_score(glue_run, store, tmp_path
         assert float(csv[1].split(",")[3]) == pytest.approx(expected)
 
 
+def test_evaluate_finetuned_groups_several_folders_under_one_variant(glue_run, store, tmp_path):
+    """docs/finetuning.md's Table 6 from fine-tuned folders: one name for every folder of a variant
+    (and bare paths, named by their attention type) gives the sweep's own cross-domain table."""
+    from swbert.finetune.glue import GlueSweep
+
+    out, _ = glue_run
+    mrpc, qnli = (next((out / "tiny" / task).iterdir()) for task in ("mrpc", "qnli"))
+    bare = GlueSweep(checkpoint=[str(mrpc), str(qnli)], output_dir=tmp_path, evaluate_finetuned=True)
+    assert [c.name for c in bare.checkpoints()] == ["shared", "shared"]
+    argv = ["--evaluate-finetuned", "--cross-domain", "--checkpoint", f"shared={mrpc}", f"shared={qnli}",
+            "--data-dir", str(out.parent / "glue"), "--output-dir", str(tmp_path), "--max-seq-length", "32",
+            "--tracking-uri", store, "--experiment", "evaluate-cross"]  # fmt: skip
+    assert launcher("finetune_glue")(argv) == 0
+    ours = (tmp_path / "report" / "table6_cross_domain.md").read_text().splitlines()
+    sweeps = (out / "report" / "table6_cross_domain.md").read_text().splitlines()
+    assert ours[2:] == [line.replace("| tiny |", "| shared |") for line in sweeps[2:]]
+    assert {line[:20] for line in ours[4:]} == {"| shared | QNLI | ", "| shared | MRPC | "}
+
+
 @pytest.mark.slow
 def test_squad_v11_and_v20_end_to_end(tmp_path, store):
     """Both versions, the stepped learning-rate plan (two stages of one epoch), and the "+ TriviaQA"

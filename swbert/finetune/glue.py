@@ -25,6 +25,7 @@ from swbert.finetune.checkpoint import (
     Checkpoint,
     CheckpointError,
     load_tokenizer,
+    parse_checkpoints,
     tokenizer_fingerprint,
     uses_token_types,
 )
@@ -62,6 +63,10 @@ class GlueSweep(SweepConfig):
     cross_domain: bool = False  # evaluate kept MNLI/QNLI/QQP/MRPC models on each other's dev sets (Table 6)
     # --checkpoint folders are already fine-tuned GLUE models: only run --noise / --cross-domain
     evaluate_finetuned: bool = False
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """The `--checkpoint` folders; fine-tuned ones share a name per variant (one folder per task)."""
+        return parse_checkpoints(self.checkpoint, unique=not self.evaluate_finetuned)
 
     def check(self) -> None:
         super().check()
