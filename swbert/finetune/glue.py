@@ -50,9 +50,9 @@ class GlueSweep(SweepConfig):
     attention_dropout: float = 0.1  # the appendix's GLUE attention dropout
     # GLUE tasks (mnli: matched and mismatched); the paper's eight by default, WNLI only when named
     tasks: list[str] = field(default_factory=lambda: list(PAPER_GLUE_TASKS))
-    data_dir: Path | None = (
-        None  # GLUE TSV root (CoLA/train.tsv, MNLI/dev_matched.tsv, ...); default: the Hub
-    )
+    # GLUE's TSV files, GLUE's layout (CoLA/train.tsv, MNLI/dev_matched.tsv, ...): offline data;
+    # default: the Hub's nyu-mll/glue (or the local datasets cache)
+    data_dir: Path | None = None
     max_seq_length: int = 128  # tokens per example, pairs as [CLS] a [SEP] b [SEP] (ours)
     noise: bool = False  # evaluate kept models under embedding noise at the default levels (Table 5)
     noise_levels: list[float] = field(default_factory=list)  # custom noise levels (implies --noise)

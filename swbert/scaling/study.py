@@ -36,9 +36,8 @@ class StudyConfig:
     """What to sweep and how: the flags of `launchers/scaling_study.py` (see its --help)."""
 
     output_dir: Path = Path("runs/scaling")  # scaling.csv, plots/, mlflow.db and the measured runs
-    sizes: list[str] = field(
-        default_factory=lambda: ["tiny", "mini", "small", "base", "large", "xl"]
-    )  # named sizes
+    # named sizes
+    sizes: list[str] = field(default_factory=lambda: ["tiny", "mini", "small", "base", "large", "xl"])
     # attention variants to compare
     attentions: list[str] = field(
         default_factory=lambda: ["standard", "shared"], metadata={"aliases": ("attention",)}
@@ -60,15 +59,13 @@ class StudyConfig:
     measure_max_params: float = math.inf  # measure only points up to this many parameters
     steps: int = 5  # optimizer steps of a measured run
     data_dir: str | None = None  # shards of measured runs (default: the embedded default corpus)
-    vocab_size: int | None = (
-        None  # vocabulary of the closed forms (default: the data's when measuring, else BERT's)
-    )
+    # vocabulary of the closed forms (default: the data's when measuring, else BERT's)
+    vocab_size: int | None = None
     # seconds per measured run
     point_timeout_s: float = field(default=1800, metadata={"aliases": ("point_timeout",)})
     memory_limit_gib: float | None = None  # host memory measured runs may use (default: what is available)
-    nvme_path: Path | None = (
-        None  # swap folder of *-nvme layouts, on a fast local disk (default: output_dir/nvme)
-    )
+    # swap folder of *-nvme layouts, on a fast local disk (default: output_dir/nvme)
+    nvme_path: Path | None = None
     keep_checkpoints: bool = False  # keep the measured runs' checkpoints
     experiment: str = "swbert-scaling"  # MLflow experiment
     emit_slurm: bool = False  # write the grid as a SLURM job array instead of running it
