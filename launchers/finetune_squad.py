@@ -24,7 +24,8 @@ def parse_args(argv: list[str] | None = None) -> SquadSweep:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_sweep(parse_args(argv), "squad", run_squad)
+    """Exit status: 0 done; 2 bad input (flags, data files, checkpoints), with a one-line error."""
+    return cli.exit_on_bad_input(lambda: run_sweep(parse_args(argv), "squad", run_squad))
 
 
 if __name__ == "__main__":

@@ -26,12 +26,14 @@ USAGE = (
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 done; 1 nothing to report; 2 bad input, with a one-line error."""
     cfg = cli.parse_or_exit(ReportConfig, argv, USAGE)
-    try:
-        uri = cfg.uri()
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    return cli.exit_on_bad_input(lambda: report(cfg))
+
+
+def report(cfg: ReportConfig) -> int:
+    """Collect, build, print and log the report `cfg` asks for."""
+    uri = cfg.uri()
     runs = cfg.pretrain_curves()
     collected = collect(uri, cfg.experiment, cfg.parent_run, missing_ok=bool(runs)) if uri else Collected()
     tables = build_report(

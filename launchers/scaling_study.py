@@ -21,26 +21,27 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
+from typing import Any
 
 from swbert import cli
-from swbert.scaling.study import StudyConfig, collect, emit_slurm, run_study
+from swbert.scaling.study import StudyConfig, collect, emit_slurm, exit_status, run_study
 
 USAGE = "usage: launchers/scaling_study.py [--config FILE] [--key value ...]"
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0; 1 when --collect finds nothing measured; 2 bad input; 3 every measured run failed."""
     cfg = cli.parse_or_exit(StudyConfig, argv, USAGE)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if cfg.collect is not None:
-            rows = collect(cfg.collect)
-            print(f"{len(rows)} point(s) -> {cfg.collect / 'scaling.csv'}")
-            return
+            return report_collected(cfg.collect, collect(cfg.collect))
         if cfg.emit_slurm:
             sweep, command = emit_slurm(cfg, cfg.nodes, cfg.gpus_per_node)
             print(f"grid written to {sweep}; submit from the repository root with:\n  {command}\n"
                   f"then: python launchers/scaling_study.py --collect {cfg.output_dir}")  # fmt: skip
-            return
+            return 0
         if cfg.measure and cfg.data_dir is None:  # measured runs read the embedded default corpus
             from data_prep.default_corpus import ensure_default_data
 
@@ -55,7 +56,24 @@ def main(argv: list[str] | None = None) -> None:
     summary = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
     print(f"{len(rows)} grid point(s): {summary}\n  table: {cfg.output_dir / 'scaling.csv'}\n"
           f"  plots: {cfg.output_dir / 'plots'}")  # fmt: skip
+    status = exit_status(rows)
+    if status:
+        print(f"error: every measured run failed; see the reasons in {cfg.output_dir / 'scaling.csv'}",
+              file=sys.stderr)  # fmt: skip
+    return status
+
+
+def report_collected(folder: Path, rows: list[dict[str, Any]]) -> int:
+    """What --collect found: the table, or that no point has been measured yet (and where it looked)."""
+    measured = sum(row["status"] == "measured" for row in rows)
+    if not measured:
+        print(f"nothing measured: none of the {len(rows)} point(s) of {folder / 'grid.json'} has a "
+              f"metrics.jsonl under {folder / 'points'}/; run the job array first ({folder / 'submit.sh'})",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    print(f"{measured} of {len(rows)} point(s) measured -> {folder / 'scaling.csv'}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

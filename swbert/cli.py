@@ -29,7 +29,7 @@ import json
 import re
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -387,6 +387,18 @@ def parse_or_exit(cls: type[T], argv: Sequence[str] | None, usage: str, **kwargs
         return parse_cli(cls, sys.argv[1:] if argv is None else argv, usage, **kwargs)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def exit_on_bad_input(work: Callable[[], T]) -> T:
+    """`work()`, an entry point's whole job; bad input it finds late (a data file, a checkpoint:
+    ValueError and FileNotFoundError, their subclasses included) prints `error: <message>` on one
+    line and exits with status 2, as a bad flag does. The message names the file or flag and what
+    to do; a chained traceback would only bury it."""
+    try:
+        return work()
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -279,3 +279,19 @@ def test_hub_splits_map_columns_and_refuse_unlabelled_rows(monkeypatch):
     squad = read_squad_hub("2.0", "validation")
     assert calls[-1] == ("rajpurkar/squad_v2", None, "validation")
     assert [(e.qid, e.answers, e.answer_starts) for e in squad] == [("a", ["y"], [2]), ("b", [], [])]
+
+
+def test_every_flag_of_the_fine_tuning_and_study_launchers_has_a_help_line():
+    """`--help` reads each flag's words from the comment beside its field; a field whose default is
+    wrapped in parentheses hid its comment there (GLUE's --data-dir)."""
+    import dataclasses
+
+    from swbert.cli import field_descriptions
+    from swbert.finetune.glue import GlueSweep
+    from swbert.finetune.report import ReportConfig
+    from swbert.finetune.squad import SquadSweep
+    from swbert.scaling.study import StudyConfig
+
+    for cls in (GlueSweep, SquadSweep, ReportConfig, StudyConfig):
+        described = field_descriptions(cls)
+        assert [f.name for f in dataclasses.fields(cls) if not described.get(f.name)] == [], cls.__name__

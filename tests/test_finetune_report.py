@@ -272,7 +272,10 @@ def test_empty_experiment_and_missing_store(store, tmp_path, capsys):
     Tracker(tracking_uri(root), "empty")  # an experiment with no runs
     assert report_main(["--runs-dir", str(root), "--experiment", "empty", "--out", str(tmp_path)]) == 1
     assert "no finished fine-tuning runs in experiment 'empty'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="no MLflow experiment 'nope'"):
+    with pytest.raises(SystemExit) as exit_:  # one line, no traceback
         report_main(["--runs-dir", str(root), "--experiment", "nope", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("error: no MLflow experiment 'nope' at sqlite:///")
+    assert err.count("\n") == 1, err
     with pytest.raises(SystemExit):
         report_main(["--runs-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path)])

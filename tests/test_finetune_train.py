@@ -133,6 +133,83 @@ def test_evaluate_finetuned_reproduces_the_clean_score(glue_run, store, tmp_path
         assert float(csv[1].split(",")[3]) == pytest.approx(expected)
 
 
+def test_evaluate_finetuned_groups_several_folders_under_one_variant(glue_run, store, tmp_path):
+    """docs/finetuning.md's Table 6 from fine-tuned folders: one name for every folder of a variant
+    (and bare paths, named by their attention type) gives the sweep's own cross-domain table."""
+    from swbert.finetune.glue import GlueSweep
+
+    out, _ = glue_run
+    mrpc, qnli = (next((out / "tiny" / task).iterdir()) for task in ("mrpc", "qnli"))
+    bare = GlueSweep(checkpoint=[str(mrpc), str(qnli)], output_dir=tmp_path, evaluate_finetuned=True)
+    assert [c.name for c in bare.checkpoints()] == ["shared", "shared"]
+    argv = ["--evaluate-finetuned", "--cross-domain", "--checkpoint", f"shared={mrpc}", f"shared={qnli}",
+            "--data-dir", str(out.parent / "glue"), "--output-dir", str(tmp_path), "--max-seq-length", "32",
+            "--tracking-uri", store, "--experiment", "evaluate-cross"]  # fmt: skip
+    assert launcher("finetune_glue")(argv) == 0
+    ours = (tmp_path / "report" / "table6_cross_domain.md").read_text().splitlines()
+    sweeps = (out / "report" / "table6_cross_domain.md").read_text().splitlines()
+    assert ours[2:] == [line.replace("| tiny |", "| shared |") for line in sweeps[2:]]
+    assert sorted(line.split(" | ")[1] for line in ours if line.startswith("| shared |")) == ["MRPC", "QNLI"]
+
+
+# ------------------------------------------------------------------------- launchers: one-line errors
+
+
+def _error_line(main, argv: list[str], capsys) -> str:
+    """The launcher's last stderr line, after checking it exits with status 2 and no traceback."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: "), err
+    return last
+
+
+def test_fine_tuning_launchers_report_bad_input_on_one_line(tmp_path, capsys, store):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    glue = write_glue_fixture(tmp_path / "glue", ["sst2"], n_train=4, n_dev=4)
+    train = glue / "SST-2" / "train.tsv"
+    lines = train.read_text().splitlines()
+    train.write_text("\n".join([*lines[:-1], lines[-1].rsplit("\t", 1)[0] + "\t7"]) + "\n")
+    glue_main = launcher("finetune_glue")
+    common = ["--output-dir", str(tmp_path / "out"), "--tracking-uri", store, "--experiment", "errors"]
+    line = _error_line(glue_main, ["--checkpoint", str(tmp_path / "nowhere"), *common], capsys)
+    assert line.startswith("error: --checkpoint ") and line.endswith("pass an exported model folder")
+    argv = ["--checkpoint", str(ckpt), "--tasks", "sst2", "--data-dir", str(glue), *common]
+    assert "train.tsv, line 5: label '7' is not one of" in _error_line(glue_main, argv, capsys)
+    (tmp_path / "bad.json").write_text("not json")
+    argv = ["--checkpoint", str(ckpt), "--version", "1.1", "--train-file", str(tmp_path / "bad.json"),
+            "--dev-file", str(tmp_path / "bad.json"), *common]  # fmt: skip
+    assert "bad.json: not a readable SQuAD JSON file" in _error_line(launcher("finetune_squad"), argv, capsys)
+
+
+def test_offline_hub_data_fails_at_once_naming_the_local_files(tmp_path, capsys, monkeypatch, store):
+    import time
+
+    import datasets
+    import huggingface_hub.constants
+
+    from swbert.finetune.squad_data import SquadDataError, read_squad_hub
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")  # nothing cached
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    was_offline = datasets.config.HF_HUB_OFFLINE
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # after `datasets` read it: the launcher must see it
+    argv = ["--checkpoint", str(make_checkpoint(tmp_path / "ckpt")), "--tasks", "sst2",
+            "--output-dir", str(tmp_path / "out"), "--tracking-uri", store, "--experiment", "errors"]  # fmt: skip
+    start = time.perf_counter()
+    line = _error_line(launcher("finetune_glue"), argv, capsys)
+    assert line.startswith("error: could not load nyu-mll/glue/sst2:train (offline mode is set and"), line
+    assert "pass --data-dir DIR with GLUE's TSV files (SST-2/train.tsv, SST-2/dev.tsv" in line
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a Hub that does not answer
+    with pytest.raises(SquadDataError, match=r"the Hub is unreachable .* --train-file 1.1=train-v1.1.json"):
+        read_squad_hub("1.1", "validation")
+    assert time.perf_counter() - start < 10  # not the Hub client's half minute of retries
+    assert datasets.config.HF_HUB_OFFLINE == was_offline  # offline only for that call
+
+
 @pytest.mark.slow
 def test_squad_v11_and_v20_end_to_end(tmp_path, store):
     """Both versions, the stepped learning-rate plan (two stages of one epoch), and the "+ TriviaQA"

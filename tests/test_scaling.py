@@ -331,3 +331,60 @@ def test_failed_points_report_the_workers_error_not_the_launchers_summary(tmp_pa
         "launchers/pretrain.py FAILED\n"
     )
     assert _last_error(log) == "AssertionError: Not enough buffers 0 for swapping 1"
+
+
+def test_a_relative_output_dir_from_another_folder_reaches_the_runs_as_absolute_paths(tmp_path, monkeypatch):
+    """docs/scaling.md's measured grid with `--output-dir runs/scaling-tiny`: the runs start in the
+    checkout, so every path they get must name the caller's folder, not one under the checkout."""
+    from pathlib import Path
+
+    from swbert.scaling.measure import point_command
+    from swbert.scaling.study import StudyConfig, absolute_paths
+
+    caller = tmp_path / "caller"
+    caller.mkdir()
+    monkeypatch.chdir(caller)
+    cfg = StudyConfig(output_dir=Path("runs/scaling-tiny"), data_dir="data", nvme_path=Path("swap"),
+                      plugins=["my_variant.py", "pkg.variant"])  # fmt: skip
+    absolute_paths(cfg)
+    assert cfg.output_dir == caller / "runs" / "scaling-tiny" and cfg.data_dir == str(caller / "data")
+    assert cfg.nvme_path == caller / "swap" and cfg.plugins == [str(caller / "my_variant.py"), "pkg.variant"]
+    point = build_grid(["tiny"], ["shared"], ["z2"])[0]
+    cmd, cwd = point_command(point, Path("runs/s/ds_configs/tp1-z2.json"), Path("runs/s/points/p"), 2, 3,
+                             "data", ["my_variant.py", "pkg.variant"])  # fmt: skip
+    assert cwd == REPO != caller
+    for flag in ("--deepspeed-config", "--output-dir", "--data-dir", "--plugins"):
+        path = Path(cmd[cmd.index(flag) + 1])
+        assert path.is_absolute() and path.is_relative_to(caller), (flag, path)
+    assert cmd[-1] == "pkg.variant" and Path(cmd[cmd.index("--nproc-per-node") + 2]).is_absolute()
+
+
+def test_a_study_whose_every_measured_run_failed_exits_non_zero(tmp_path, monkeypatch, capsys):
+    import swbert.scaling.study as study
+
+    assert study.exit_status([{"status": "failed"}, {"status": "measured"}, {"status": "skipped"}]) == 0
+    assert study.exit_status([{"status": "skipped"}, {"status": "estimated"}]) == 0  # nothing was run
+    monkeypatch.setattr(study, "run_study", lambda cfg: [{"status": "failed"}, {"status": "failed"}])
+    main = runpy.run_path(str(REPO / "launchers" / "scaling_study.py"), run_name="launcher")["main"]
+    assert main(["--output-dir", str(tmp_path), "--data-dir", str(tmp_path)]) == 3
+    captured = capsys.readouterr()
+    assert "2 grid point(s): 2 failed" in captured.out
+    assert captured.err.startswith("error: every measured run failed") and captured.err.count("\n") == 1
+
+
+def test_collect_with_nothing_run_says_so_and_where_it_looked(tmp_path, capsys):
+    from swbert.scaling.study import StudyConfig, emit_slurm
+
+    out = tmp_path / "array"
+    emit_slurm(
+        StudyConfig(output_dir=out, sizes=["tiny"], attentions=["standard", "shared"], layouts=["z2"]), 1, 0
+    )
+    main = runpy.run_path(str(REPO / "launchers" / "scaling_study.py"), run_name="launcher")["main"]
+    assert main(["--collect", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "point(s) ->" not in captured.out
+    assert (
+        captured.err.startswith("nothing measured: none of the 2 point(s)")
+        and str(out / "points") in captured.err
+    )
+    assert not (out / "scaling.csv").exists() and not (out / "mlflow.db").exists()

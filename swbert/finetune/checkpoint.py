@@ -32,10 +32,12 @@ class Checkpoint:
         return SWBertConfig.from_pretrained(self.path)
 
 
-def parse_checkpoints(specs: list[str]) -> list[Checkpoint]:
+def parse_checkpoints(specs: list[str], unique: bool = True) -> list[Checkpoint]:
     """``PATH`` or ``NAME=PATH`` arguments -> checkpoints; a bare path is named by its attention type.
 
-    Two checkpoints may not share a name (e.g. two ``shared`` runs): name them ``NAME=PATH``.
+    With ``unique``, two checkpoints may not share a name (two ``shared`` runs would write the same
+    table rows and output folders): name them ``NAME=PATH``. Already fine-tuned folders pass
+    ``unique=False``: there a name is a variant grouping one folder per task.
     """
     out: list[Checkpoint] = []
     for spec in specs:
@@ -53,6 +55,8 @@ def parse_checkpoints(specs: list[str]) -> list[Checkpoint]:
             raise CheckpointError(f"--checkpoint {spec}: name {name!r} may only use letters, digits and _.+-")
         out.append(Checkpoint(name, folder))
     names = [c.name for c in out]
+    if not unique:
+        return out
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise CheckpointError(

@@ -25,6 +25,7 @@ from swbert.finetune.checkpoint import (
     Checkpoint,
     CheckpointError,
     load_tokenizer,
+    parse_checkpoints,
     tokenizer_fingerprint,
     uses_token_types,
 )
@@ -49,9 +50,9 @@ class GlueSweep(SweepConfig):
     attention_dropout: float = 0.1  # the appendix's GLUE attention dropout
     # GLUE tasks (mnli: matched and mismatched); the paper's eight by default, WNLI only when named
     tasks: list[str] = field(default_factory=lambda: list(PAPER_GLUE_TASKS))
-    data_dir: Path | None = (
-        None  # GLUE TSV root (CoLA/train.tsv, MNLI/dev_matched.tsv, ...); default: the Hub
-    )
+    # GLUE's TSV files, GLUE's layout (CoLA/train.tsv, MNLI/dev_matched.tsv, ...): offline data;
+    # default: the Hub's nyu-mll/glue (or the local datasets cache)
+    data_dir: Path | None = None
     max_seq_length: int = 128  # tokens per example, pairs as [CLS] a [SEP] b [SEP] (ours)
     noise: bool = False  # evaluate kept models under embedding noise at the default levels (Table 5)
     noise_levels: list[float] = field(default_factory=list)  # custom noise levels (implies --noise)
@@ -62,6 +63,10 @@ class GlueSweep(SweepConfig):
     cross_domain: bool = False  # evaluate kept MNLI/QNLI/QQP/MRPC models on each other's dev sets (Table 6)
     # --checkpoint folders are already fine-tuned GLUE models: only run --noise / --cross-domain
     evaluate_finetuned: bool = False
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """The `--checkpoint` folders; fine-tuned ones share a name per variant (one folder per task)."""
+        return parse_checkpoints(self.checkpoint, unique=not self.evaluate_finetuned)
 
     def check(self) -> None:
         super().check()

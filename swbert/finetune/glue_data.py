@@ -159,14 +159,16 @@ def _parse_label(task: GlueTask, raw: str, path: Path, line: int) -> float:
 
 def read_glue_hub(task: GlueTask, split: str) -> GlueExamples:
     """Load a split of ``nyu-mll/glue`` (from the Hub when online, else from the local ``datasets`` cache)."""
-    import datasets
+    from swbert.finetune.hub import load_hub_dataset
 
     source = f"{HUB_DATASET}/{task.name}:{split}"
     try:
-        ds = datasets.load_dataset(HUB_DATASET, task.name, split=split)
+        ds = load_hub_dataset(HUB_DATASET, task.name, split)
     except Exception as e:  # datasets raises many types: offline, missing config, network
+        dev = next(iter(task.dev_splits.values()))
         raise GlueDataError(
-            f"could not load {source} ({e}); pass --data-dir with GLUE's TSV files when offline"
+            f"could not load {source} ({' '.join(str(e).split())}); offline, pass --data-dir DIR with "
+            f"GLUE's TSV files ({task.tsv_dir}/train.tsv, {task.tsv_dir}/{dev}, ...; docs/finetuning.md)"
         ) from e
     a, b = task.hub_text_columns
     missing = [c for c in (a, b, "label") if c is not None and c not in ds.column_names]

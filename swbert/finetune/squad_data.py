@@ -82,14 +82,16 @@ def read_squad_json(path: str | Path, version: str | None = None) -> list[SquadE
 
 def read_squad_hub(version: str, split: str) -> list[SquadExample]:
     """Load ``rajpurkar/squad`` (v1.1) or ``rajpurkar/squad_v2`` (v2.0) from the Hub or the local cache."""
-    import datasets
+    from swbert.finetune.hub import load_hub_dataset
 
     name = HUB_DATASETS[version]
     try:
-        ds = datasets.load_dataset(name, split=split)
+        ds = load_hub_dataset(name, None, split)
     except Exception as e:
+        official = "train-v1.1.json" if version == "1.1" else "train-v2.0.json"
         raise SquadDataError(
-            f"could not load {name}:{split} ({e}); pass --train-file/--dev-file when offline"
+            f"could not load {name}:{split} ({' '.join(str(e).split())}); offline, pass the official "
+            f"JSON files: --train-file {version}={official} --dev-file {version}={official.replace('train', 'dev')}"
         ) from e
     out = []
     for row in ds:

@@ -141,14 +141,14 @@ def load_triviaqa_hub(
     split: str, config: str = DEFAULT_HUB_CONFIG, context_words: int = 400
 ) -> list[SquadExample]:
     """``mandarjoshi/trivia_qa`` (``split``: train or validation) from the Hub or the local cache."""
-    import datasets
+    from swbert.finetune.hub import load_hub_dataset
 
     try:
-        ds = datasets.load_dataset(HUB_DATASET, config, split=split)
+        ds = load_hub_dataset(HUB_DATASET, config, split)
     except Exception as e:
         raise SquadDataError(
-            f"could not load {HUB_DATASET}:{config}:{split} ({e}); pass --triviaqa-train-file/"
-            "--triviaqa-dev-file (the official RC JSON) when offline"
+            f"could not load {HUB_DATASET}:{config}:{split} ({' '.join(str(e).split())}); offline, pass "
+            "--triviaqa-train-file/--triviaqa-dev-file (the official RC JSON)"
         ) from e
     examples = from_hub_rows(ds, context_words)
     if not examples:

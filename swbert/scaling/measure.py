@@ -206,6 +206,33 @@ def _last_error(log: Path) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
+def point_command(
+    point: GridPoint,
+    ds_config: Path,
+    output_dir: Path,
+    ranks: int,
+    steps: int,
+    data_dir: str | None = None,
+    plugins: Sequence[str] = (),
+) -> tuple[list[str], Path | None]:
+    """The torchrun command of a measured run of `point`, and the folder it starts in.
+
+    A run starts in the checkout (where the launchers are), not in the caller's folder, so every
+    path it is given is made absolute here, relative to the caller's working directory."""
+    dp = ranks // point.layout.tp
+    output_dir, ds_config = Path(output_dir).resolve(), Path(ds_config).resolve()
+    args = pretrain_args(point, ds_config, output_dir, steps, dp)
+    if data_dir:
+        args += ["--data-dir", str(Path(data_dir).resolve())]
+    if plugins:  # a .py file by its absolute path; a dotted module name as given
+        args += ["--plugins", *(str(Path(p).resolve()) if p.endswith(".py") else p for p in plugins)]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", str(ranks), str(launcher_path("pretrain").resolve()), *args,
+    ]  # fmt: skip
+    return cmd, REPO if (REPO / "launchers").is_dir() else None
+
+
 def run_point(
     point: GridPoint,
     ds_config: Path,
@@ -219,17 +246,9 @@ def run_point(
 ) -> Measurement:
     """Run `steps` optimizer steps of `point` with `hardware.ranks` processes and measure them
     (`plugins`: the modules that register its attention variant, imported by every rank)."""
+    output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
-    dp = hardware.ranks // point.layout.tp
-    args = pretrain_args(point, ds_config, output_dir, steps, dp)
-    if data_dir:
-        args += ["--data-dir", data_dir]
-    if plugins:
-        args += ["--plugins", *plugins]
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(hardware.ranks), str(launcher_path("pretrain")), *args,
-    ]  # fmt: skip
+    cmd, cwd = point_command(point, ds_config, output_dir, hardware.ranks, steps, data_dir, plugins)
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
     env.pop("MLFLOW_TRACKING_URI", None)  # the study records the point; the run keeps no store
     if hardware.accelerator == "cpu":
@@ -238,12 +257,7 @@ def run_point(
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            cmd,
-            cwd=REPO if (REPO / "launchers").is_dir() else None,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
         limit = hardware.headroom * hardware.host_bytes if hardware.accelerator == "cpu" else None
         sampler = MemorySampler(proc.pid, limit)
@@ -273,7 +287,7 @@ def run_point(
         killed = f"killed by signal {-rc} (out of memory?)" if rc < 0 else f"exit status {rc}"
         m.reason = f"{killed}: {_last_error(log)}; log: {log}"
         return m
-    return parse_metrics(output_dir, point, m, dp)
+    return parse_metrics(output_dir, point, m, hardware.ranks // point.layout.tp)
 
 
 def parse_metrics(output_dir: Path, point: GridPoint, m: Measurement, dp: int) -> Measurement:

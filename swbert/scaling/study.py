@@ -36,9 +36,8 @@ class StudyConfig:
     """What to sweep and how: the flags of `launchers/scaling_study.py` (see its --help)."""
 
     output_dir: Path = Path("runs/scaling")  # scaling.csv, plots/, mlflow.db and the measured runs
-    sizes: list[str] = field(
-        default_factory=lambda: ["tiny", "mini", "small", "base", "large", "xl"]
-    )  # named sizes
+    # named sizes
+    sizes: list[str] = field(default_factory=lambda: ["tiny", "mini", "small", "base", "large", "xl"])
     # attention variants to compare
     attentions: list[str] = field(
         default_factory=lambda: ["standard", "shared"], metadata={"aliases": ("attention",)}
@@ -60,15 +59,13 @@ class StudyConfig:
     measure_max_params: float = math.inf  # measure only points up to this many parameters
     steps: int = 5  # optimizer steps of a measured run
     data_dir: str | None = None  # shards of measured runs (default: the embedded default corpus)
-    vocab_size: int | None = (
-        None  # vocabulary of the closed forms (default: the data's when measuring, else BERT's)
-    )
+    # vocabulary of the closed forms (default: the data's when measuring, else BERT's)
+    vocab_size: int | None = None
     # seconds per measured run
     point_timeout_s: float = field(default=1800, metadata={"aliases": ("point_timeout",)})
     memory_limit_gib: float | None = None  # host memory measured runs may use (default: what is available)
-    nvme_path: Path | None = (
-        None  # swap folder of *-nvme layouts, on a fast local disk (default: output_dir/nvme)
-    )
+    # swap folder of *-nvme layouts, on a fast local disk (default: output_dir/nvme)
+    nvme_path: Path | None = None
     keep_checkpoints: bool = False  # keep the measured runs' checkpoints
     experiment: str = "swbert-scaling"  # MLflow experiment
     emit_slurm: bool = False  # write the grid as a SLURM job array instead of running it
@@ -158,8 +155,28 @@ def _prepare_data(cfg: StudyConfig) -> tuple[str, int]:
     return str(path), int(manifest["tokenizer"]["vocab_size"])
 
 
+def absolute_paths(cfg: StudyConfig) -> None:
+    """Make the study's paths absolute, relative to the caller's working directory.
+
+    Measured runs start in the checkout (where the launchers are), so a relative path given on the
+    command line would name another folder there, or none."""
+    cfg.output_dir = cfg.output_dir.resolve()
+    if cfg.data_dir is not None:
+        cfg.data_dir = str(Path(cfg.data_dir).resolve())
+    if cfg.nvme_path is not None:
+        cfg.nvme_path = Path(cfg.nvme_path).resolve()
+    cfg.plugins = [str(Path(p).resolve()) if p.endswith(".py") else p for p in cfg.plugins]
+
+
+def exit_status(rows: list[dict[str, Any]]) -> int:
+    """0, or 3 when measured runs were started and every one failed: such a study measured nothing."""
+    statuses = {row["status"] for row in rows}
+    return 3 if "failed" in statuses and "measured" not in statuses else 0
+
+
 def run_study(cfg: StudyConfig) -> list[dict[str, Any]]:
     """Every grid point: closed forms, then a measured run if it fits; rows as written to the CSV."""
+    absolute_paths(cfg)
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
     hardware = Hardware.detect(cfg.nproc, cfg.memory_limit_gib, _nvme(cfg))
@@ -326,7 +343,9 @@ def emit_slurm(
 
 
 def collect(output_dir: Path) -> list[dict[str, Any]]:
-    """Rows for a grid run as a job array (see `emit_slurm`): closed forms plus each point's metrics."""
+    """Rows for a grid run as a job array (see `emit_slurm`): closed forms plus each point's metrics.
+
+    The CSV, plots and MLflow runs are written only when at least one point was measured."""
     spec = json.loads((output_dir / "grid.json").read_text())
     study = spec["study"]
     cfg = StudyConfig(**{**study, "output_dir": output_dir})
@@ -334,13 +353,18 @@ def collect(output_dir: Path) -> list[dict[str, Any]]:
     world = spec["nodes"] * max(spec["gpus_per_node"], 1)
     grid = {p.name: p for p in grid_of(cfg, spec["precision"])}
     vocab = cfg.vocab_size or _data_vocab(cfg.data_dir) or BERT_VOCAB
+    found = {
+        name: parse_metrics(output_dir / "points" / name, grid[name], Measurement(status="failed"),
+                            world // grid[name].layout.tp)
+        for name in spec["points"]
+    }  # fmt: skip
+    if not any(m.status == "measured" for m in found.values()):
+        # the array has not run yet: no table, no MLflow runs of nothing (nor the closed forms' imports)
+        return [{"name": name, **m.row()} for name, m in found.items()]
     recorder = Recorder(cfg)
     rows = []
-    for name in spec["points"]:
-        point = grid[name]
-        row = estimate(point, world, vocab)
-        point_dir = output_dir / "points" / name
-        m = parse_metrics(point_dir, point, Measurement(status="failed"), world // point.layout.tp)
+    for name, m in found.items():
+        row = estimate(grid[name], world, vocab)
         row.update(m.row())
         rows.append(row)
         recorder.point(row, m.records)
@@ -350,4 +374,4 @@ def collect(output_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-__all__ = ["Layout", "StudyConfig", "collect", "emit_slurm", "run_study"]
+__all__ = ["Layout", "StudyConfig", "absolute_paths", "collect", "emit_slurm", "exit_status", "run_study"]
