@@ -33,7 +33,7 @@ STATUS = "swbert.status"
 status = logging.getLogger(STATUS)
 
 # libraries whose per-shard or per-migration chatter drowns the progress
-QUIET = ("megatron", "mlflow.store.db.utils", "alembic")
+QUIET = ("megatron", "mlflow.store.db.utils", "alembic", "sqlalchemy.engine")
 
 # libraries that install console handlers of their own; their records go through ours instead
 ROUTED = ("DeepSpeed", "transformers", "mlflow", "alembic", "sqlalchemy.engine", "huey")
@@ -112,6 +112,9 @@ KNOWN_NOISE: tuple[Noise, ...] = (
     Noise("bars", "Loading weights", HF_BAR),
     Noise("bars", "Writing model shards", HF_BAR),
 )
+
+
+_ON_GPU = False  # set by `drop_known_warnings`: GPU hints (`Noise.cpu_only`) show on GPU machines
 
 
 def is_noise(source: str, message: str) -> bool:
@@ -218,9 +221,6 @@ def route_library_loggers() -> None:
         for handler in list(logger.handlers):
             logger.removeHandler(handler)
         logger.propagate = True
-
-
-_ON_GPU = False  # set by `drop_known_warnings`: GPU hints (`Noise.cpu_only`) show on GPU machines
 
 
 def drop_known_warnings() -> None:
