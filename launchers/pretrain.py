@@ -20,13 +20,19 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> None:
+    from swbert.logs import setup_logging, status
     from swbert.training.cli import closing_summary, parse_args
 
+    setup_logging()  # first: the default corpus's build below says what it does
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
         if config.data_dir is None:  # offline preprocessing, before any process group or thread
-            from data_prep.default_corpus import ensure_default_data
+            from data_prep.default_corpus import default_root, ensure_default_data
 
+            status.info(
+                "data: the embedded default corpus under %s (no --data-dir; built on first use)",
+                default_root(),
+            )
             config.data_dir = str(ensure_default_data())
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -46,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError, RunFolderBusy) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    if "export_dir" in summary:
+    if summary.get("is_main") and summary.get("status") == "FINISHED":  # exported or not
         print(closing_summary(summary), flush=True)
     if summary.get("status") == "KILLED":  # pre-empted: checkpointed on request, not finished
         from swbert.training.stopping import PREEMPTED_EXIT

@@ -185,8 +185,9 @@ def open_tracker(sweep: SweepConfig) -> Tracker:
     if info.is_main:
         sweep.output_dir.mkdir(parents=True, exist_ok=True)
         text = json.dumps(dataclasses.asdict(sweep), indent=2, default=str)
-        log.info("resolved arguments:\n%s", text)
-        (sweep.output_dir / f"args-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(text + "\n")
+        path = sweep.output_dir / f"args-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        path.write_text(text + "\n")
+        log.info("resolved arguments: %s", path)  # a line, not the ~80 of the file
     uri = sweep.tracking_uri or tracking_uri(sweep.output_dir)
     return Tracker(uri, sweep.experiment, enabled=info.is_main)
 

@@ -242,6 +242,8 @@ def run_record(
         },
         "model_config": model_config.to_dict(),
         "tensor_parallel": cfg.tensor_parallel,
+        # the LR schedule's length: a resume may change it (a longer run), and says how the LR goes on
+        "train_steps": total_steps(cfg),
         "run": {
             "data": hashlib.sha256((data.data_dir / "manifest.json").read_bytes()).hexdigest()[:16],
             "seed": cfg.seed,
@@ -418,13 +420,18 @@ def write_run_files(
     is_main: bool,
     resume_from: tuple[Path, str] | None = None,
 ) -> None:
-    """Rank 0 saves the resolved config and the filled DeepSpeed config, moves cut-off saves aside
+    """Rank 0 saves the resolved config and the filled DeepSpeed config (one line names the file: the
+    whole config on the console drowned what the run says), moves cut-off saves aside
     and, when resuming from an older step (a rewind), the newer checkpoints; every rank waits."""
     if is_main:
         folder.output_dir.mkdir(parents=True, exist_ok=True)
         (folder.output_dir / "resolved_config.yaml").write_text(dump_config(cfg))
         (folder.output_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
-        status.info("resolved config (%s):\n%s", folder.output_dir / "resolved_config.yaml", dump_config(cfg))
+        status.info(
+            "resolved config (%s): size %s, %s attention, %d steps of %d x %d tokens, ZeRO-%d",
+            folder.output_dir / "resolved_config.yaml", cfg.size, cfg.attention_type, total_steps(cfg),
+            cfg.global_batch_size, cfg.seq_len, zero_stage(ds_config),
+        )  # fmt: skip
         folder.ckpt_root.mkdir(parents=True, exist_ok=True)
         ckpt.set_aside_incomplete(folder.ckpt_root)
         if resume_from is not None:  # a rewind is a branch: the abandoned line is kept aside

@@ -14,7 +14,7 @@ USAGE = "\n".join(
         "usage: deepspeed [--num_gpus N] launchers/pretrain.py [--config RECIPE] [--key value ...]",
         "       torchrun --nproc_per_node N launchers/pretrain.py [--config RECIPE] [--key value ...]",
         "       swbert-pretrain [--config RECIPE] [--key value ...]   (one process, or under srun)",
-        "The resolved config is printed and saved as <output_dir>/resolved_config.yaml.",
+        "The resolved config is saved as <output_dir>/resolved_config.yaml (one line names it).",
     ]
 )
 
@@ -29,7 +29,8 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
 
 
 def closing_summary(summary: dict) -> str:
-    """What rank 0 prints at the end: how the loss went, and where the model, metrics and MLflow run are."""
+    """What rank 0 prints at the end of a finished run, exported or not: how the loss went, and where
+    the model, metrics and MLflow run are."""
     out = summary["output_dir"]
     lines = [f"\ndone: {summary['step']} steps"]
     if "first_logged" in summary:
@@ -43,8 +44,13 @@ def closing_summary(summary: dict) -> str:
     if summary.get("step_s"):
         wait = summary["data_wait_s"] / summary["step_s"]
         lines.append(f"  waiting for data:            {100 * wait:.2f}% of the training time")
+    export = summary.get("export_dir")
+    if export is None:  # --export false
+        export = (
+            f"not written (--export false); python -m swbert.training.export {out}/checkpoints --output DIR"
+        )
     lines += [
-        f"  model (Hugging Face folder): {summary['export_dir']}",
+        f"  model (Hugging Face folder): {export}",
         f"  metrics:                     {out}/metrics.jsonl",
         f"  checkpoints:                 {out}/checkpoints",
     ]

@@ -19,6 +19,8 @@ from contextlib import contextmanager
 
 import torch
 
+from swbert.logs import known_prints_dropped
+
 log = logging.getLogger(__name__)
 
 
@@ -128,11 +130,12 @@ def init_distributed(timeout_minutes: float | None = None) -> tuple[int, int, in
         torch.cuda.set_device(local_rank)
     else:
         load_shm_comm()
-    deepspeed.init_distributed(
-        dist_backend="nccl" if on_gpu else "gloo",
-        timeout=_timeout,
-        auto_mpi_discovery=False,
-    )
+    with known_prints_dropped():  # on CPU, a line per rank that the op it just loaded was built
+        deepspeed.init_distributed(
+            dist_backend="nccl" if on_gpu else "gloo",
+            timeout=_timeout,
+            auto_mpi_discovery=False,
+        )
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     global _heartbeat
     if world > 1 and _heartbeat is None:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from swbert import cli
+from swbert.logs import known_prints_dropped
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.attention import attention_class
 from swbert.models.remote_code import add_remote_code
@@ -37,7 +38,7 @@ def _full_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
     ):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        with weights_only_loads():
+        with weights_only_loads(), known_prints_dropped(stderr=True):  # its progress (swbert.logs)
             return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     model_file = tag_dir / "mp_rank_00_model_states.pt"
     if not model_file.is_file():

@@ -20,6 +20,7 @@ from swbert.logs import status
 from swbert.training import checkpoint as ckpt
 from swbert.training.faults import kill_point
 from swbert.training.metrics import MetricsWriteError, memory_gib
+from swbert.training.stopping import PREEMPTED_EXIT
 
 if TYPE_CHECKING:
     from swbert.training.trainer import Trainer
@@ -124,7 +125,10 @@ class Loop:
             kill_point("after_step", t.step, t.dims.rank)
             if result.stop:
                 last_saved = t._checkpoint_now(last_saved)
-                status.info("pre-empted: checkpoint saved at step %d", t.step)
+                status.info(
+                    "pre-empted: checkpoint saved at step %d (exit status %d); to continue, run the same "
+                    "command with --resume auto", t.step, PREEMPTED_EXIT,
+                )  # fmt: skip
                 return "KILLED", last_saved
         return "FINISHED", t._checkpoint_now(last_saved)
 
@@ -200,6 +204,8 @@ class Loop:
             self.first_logged = self.first_logged or self.last_logged
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        elif t.is_main:  # without the bar (logs, batch jobs), a line per logged step says it trains
+            status.info(window_line(t.step, t.total_steps, record))
         self.window = Window(Counts.zeros(t.device))
 
     def summary(self) -> dict[str, Any]:
@@ -211,3 +217,17 @@ class Loop:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def window_line(step: int, total: int, record: dict[str, Any]) -> str:
+    """The status line of a logged step when no progress bar shows: where the run is and how it
+    goes, in one line (every value is in metrics.jsonl too)."""
+    line = (
+        f"step {step}/{total}: loss {record['loss']:.4f}, MLM accuracy {record['mlm_acc']:.3f}, "
+        f"lr {record['lr']:.3g}, {record['tokens_per_s']:,.0f} tokens/s"
+    )
+    if record.get("skipped_steps"):
+        line += f", {record['skipped_steps']} step(s) skipped"
+    if "val_loss" in record:
+        line += f"; validation loss {record['val_loss']:.4f} (perplexity {record['val_ppl']:.2f})"
+    return line

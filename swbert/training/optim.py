@@ -156,6 +156,27 @@ def lr_factor(
     return factor
 
 
+def schedule_change(
+    old_total: int, new_total: int, step: int, lr: float, warmup: int, schedule: Schedule, floor: float
+) -> str:
+    """What a resume that changes the run's length (`--train-steps`, `--train-tokens`) does to the LR,
+    in words: the schedule is a function of the total, so from the checkpoint's step on the LR follows
+    the new one. The schedule does not restart; but a finished linear run resumed to go longer had
+    decayed to its floor and is lifted back to where the longer schedule stands at that step."""
+    if step >= new_total:
+        return f"{new_total} steps instead of {old_total}, and the checkpoint is at step {step}: no step runs"
+    before = lr * lr_factor(old_total, warmup, schedule, floor)(step)
+    after = lr * lr_factor(new_total, warmup, schedule, floor)(step)
+    decay = {"linear": "decays linearly", "cosine": "follows the cosine"}.get(schedule)
+    then = (
+        f"then {decay} to {lr * floor:.3g} at step {new_total}" if decay else "then stays (constant schedule)"
+    )
+    return (
+        f"the LR schedule now spans {new_total} steps instead of {old_total}: step {step + 1} runs at LR "
+        f"{after:.3g} (the saved schedule's {before:.3g}), {then}"
+    )
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer,
     total: int,

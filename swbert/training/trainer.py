@@ -33,7 +33,7 @@ from swbert.training.dist import lost_ranks_named, stop_watching
 from swbert.training.faults import kill_point, nonfinite_faults
 from swbert.training.loop import Counts, Loop, StepResult
 from swbert.training.metrics import MetricsWriteError, device_peak_tflops
-from swbert.training.optim import apply_hyperparameters
+from swbert.training.optim import apply_hyperparameters, schedule_change
 from swbert.training.run_tokenizer import keep_in_run
 from swbert.training.stopping import acknowledge_at_once, acknowledgement
 
@@ -116,6 +116,23 @@ class Trainer:
         self.skipped_total = state.get("skipped_total", 0)  # saved since checkpoint format 2
         status.info("resumed from %s at step %d", load_dir / tag, self.step)
         self._apply_optimizer_settings(tag)
+        self._say_schedule_change(load_dir / tag)
+
+    def _say_schedule_change(self, tag_dir: Path) -> None:
+        """A resume with another run length follows the new LR schedule from the checkpoint's step:
+        said (the LR can jump: a finished linear run had decayed to min_lr) and tagged in MLflow.
+        Checkpoints that do not record their length (saved before it was) say nothing."""
+        saved = json.loads((tag_dir / ckpt.META).read_text()).get("train_steps")
+        if saved is None or saved == self.total_steps:
+            return
+        cfg = self.config
+        note = schedule_change(
+            saved, self.total_steps, self.step, cfg.lr, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr / cfg.lr
+        )
+        if self.is_main:
+            log.warning("resume changes the run's length: %s", note)
+        if self.metrics is not None:
+            self.metrics.tag(f"resume_schedule.{tag_dir.name}", note)
 
     def _apply_optimizer_settings(self, tag: str) -> None:
         """The config's optimizer settings, in effect from the first resumed step: the checkpoint
@@ -331,7 +348,13 @@ class Trainer:
                 build.release(self.folder)
                 if self.metrics is not None:
                     self.metrics.close(status_)
-        summary = {"step": self.step, "output_dir": str(self.output_dir), "status": status_, **loop.summary()}
+        summary = {
+            "step": self.step,
+            "output_dir": str(self.output_dir),
+            "status": status_,
+            "is_main": self.is_main,  # rank 0 prints the closing summary
+            **loop.summary(),
+        }
         if status_ == "FINISHED":
             summary.update(self._finish(last_saved))
             build.release(self.folder)
