@@ -127,7 +127,7 @@ def classify(cmd: Command) -> Command:
 FENCE = re.compile(r"^\s*(```+|~~~+)\s*([\w+-]*)")
 SHELL = {"bash", "sh", "shell", "console"}
 # an unlabelled block's line that is a command, not example output
-COMMAND_START = re.compile(r"^(python3?|make|deepspeed|torchrun|swbert-[\w-]+|hf|sbatch|export|[A-Z_]+=\S*) ")
+COMMAND_START = re.compile(r"^(python3?|make|deepspeed|torchrun|swbert-[\w-]+|hf download|sbatch|export|[A-Z_]+=\S*) ")
 
 
 def fenced_blocks(path: Path) -> list[tuple[int, str, list[str]]]:

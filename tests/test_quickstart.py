@@ -4,6 +4,7 @@ classified by an explicit rule, the quick start's among those that run."""
 
 from __future__ import annotations
 
+import re
 import shlex
 
 import pytest
@@ -59,8 +60,21 @@ def test_every_documented_command_has_a_class_and_the_quick_start_runs():
     order = [c.text for c in commands]
     assert order.index("make pretrain") < order.index("make finetune")  # the export it fine-tunes
     assert by_text["make test-gpu"].kind == "gpu" and by_text["make test"].kind == "suite"
-    skipped = [c for c in commands if c.kind != "cpu"]
-    assert skipped and all(c.why != "runs offline on a CPU" for c in skipped)
+    gpu_node = {c.kind for c in commands if "--num_gpus 8" in c.text}
+    assert "gpu" in gpu_node and "cpu" not in gpu_node
+
+
+def test_the_scripts_and_modules_the_runnable_commands_name_exist():
+    """What the walk would find first, without running anything: a renamed file or module."""
+    for cmd in docs_commands.documented_commands(REPO):
+        if cmd.kind != "cpu" or cmd.lang != "sh":
+            continue
+        for path in re.findall(r"(?<![\w/])((?:launchers|benchmarks|data_prep)/[\w/]+\.(?:py|sh))", cmd.text):
+            assert (REPO / path).is_file(), f"{cmd.source}: {path} does not exist"
+        for module in re.findall(r"python3? -m ([\w.]+)", cmd.text):
+            base = REPO / module.replace(".", "/")  # a file check: importing would cost seconds
+            found = [base.with_suffix(".py"), base / "__main__.py"]
+            assert any(f.is_file() for f in found), f"{cmd.source}: no module {module}"
 
 
 def test_a_block_joins_continuations_loops_and_background_jobs(tmp_path):
