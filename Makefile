@@ -50,9 +50,10 @@ finetune: setup
 
 # Every shell command of README.md and docs/*.md that runs offline on CPU, run as written in a
 # scratch copy of the checkout, in order; one table (benchmarks/docs_commands.py). Not part of
-# `make test`: it pretrains and fine-tunes, about ten minutes on 2 CPU cores.
+# `make test`: it pretrains and fine-tunes, about ten minutes on 2 CPU cores. DOCS_CHECK_FLAGS: the
+# script's flags (--list, --only WORD, --scratch DIR, --report FILE ...).
 docs-check: setup
-	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python benchmarks/docs_commands.py --venv $(VENV)
+	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python benchmarks/docs_commands.py --venv $(VENV) $(DOCS_CHECK_FLAGS)
 
 test: setup
 	$(BIN)/ruff check .
