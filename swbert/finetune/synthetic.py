@@ -185,7 +185,8 @@ class SyntheticData:
     output: Path  # folder to write: glue/ (GLUE's TSV layout) and squad/ (SQuAD's JSON files)
     # GLUE tasks to imitate (each in its real file layout, e.g. mnli with matched/mismatched dev files)
     glue_tasks: list[str] = field(default_factory=lambda: ["sst2"])
-    squad_versions: list[Literal["1.1", "2.0"]] = field(default_factory=lambda: ["1.1"])  # SQuAD formats
+    # SQuAD versions to write, each its own train and dev file (2.0 adds unanswerable questions)
+    squad_versions: list[Literal["1.1", "2.0"]] = field(default_factory=lambda: ["1.1"])
     train_examples: int = 256  # training examples per task
     dev_examples: int = 64  # dev examples per task (and per dev split: MNLI has two)
     seed: int = 0  # the examples' random draw
