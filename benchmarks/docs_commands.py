@@ -127,7 +127,9 @@ def classify(cmd: Command) -> Command:
 FENCE = re.compile(r"^\s*(```+|~~~+)\s*([\w+-]*)")
 SHELL = {"bash", "sh", "shell", "console"}
 # an unlabelled block's line that is a command, not example output
-COMMAND_START = re.compile(r"^(python3?|make|deepspeed|torchrun|swbert-[\w-]+|hf download|sbatch|export|[A-Z_]+=\S*) ")
+COMMAND_START = re.compile(
+    r"^(python3?|make|deepspeed|torchrun|swbert-[\w-]+|hf download|sbatch|export|[A-Z_]+=\S*) "
+)
 
 
 def fenced_blocks(path: Path) -> list[tuple[int, str, list[str]]]:
@@ -297,7 +299,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--only", nargs="+", default=[], help="run only commands whose text holds one of these"
     )
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per command (default 900)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per command (default 1800)")
     parser.add_argument("--venv", type=Path, default=Path(sys.prefix), help="environment the commands use")
     parser.add_argument(
         "--scratch", type=Path, help="folder to run in (kept; default: a temporary one, removed)"
