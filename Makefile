@@ -8,7 +8,7 @@ CONSTRAINTS ?= constraints-cpu.txt
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/swbert/torch_extensions/$(shell echo $(abspath $(VENV)) | cksum | cut -d' ' -f1)
 BIN := $(VENV)/bin
 
-.PHONY: setup pretrain test test-fast test-long test-faults test-gpu lint golden clean
+.PHONY: setup pretrain finetune docs-check test test-fast test-long test-faults test-gpu lint golden clean
 
 $(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,37 @@ NPROC ?= 2
 pretrain: setup
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=$${DS_ACCELERATOR:-$$($(BIN)/python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")} \
 	  $(BIN)/deepspeed --num_gpus $(NPROC) launchers/pretrain.py --output-dir runs/default-$$(date +%Y%m%d-%H%M%S)
+
+# The fine-tuning half, offline: the newest `make pretrain` export (or CHECKPOINT=DIR) fine-tuned on
+# small embedded GLUE-style and SQuAD-style tasks (swbert.finetune.synthetic: a check that the
+# pipeline runs and learns, not a benchmark), one seed and one rate each, then the report. A small
+# classifier head needs 1e-3 to learn in 3 short epochs; the span head learns at 1e-4 (both seen here).
+CHECKPOINT ?= $(lastword $(sort $(wildcard runs/default-*/export)))
+ifndef FINETUNE_DIR
+FINETUNE_DIR := runs/finetune-$(shell date +%Y%m%d-%H%M%S)
+endif
+FINETUNE_FLAGS ?= --seeds 1 --batch-size 16
+finetune: setup
+	@test -n "$(CHECKPOINT)" || { echo "error: no runs/default-*/export: run make pretrain first, or name an export: make finetune CHECKPOINT=DIR" >&2; exit 2; }
+	@test -f "$(CHECKPOINT)/config.json" || { echo "error: CHECKPOINT=$(CHECKPOINT) holds no config.json: name an exported model folder (RUN/export)" >&2; exit 2; }
+	$(BIN)/python -m swbert.finetune.synthetic --output $(FINETUNE_DIR)/data
+	$(BIN)/python launchers/finetune_glue.py --checkpoint $(CHECKPOINT) --data-dir $(FINETUNE_DIR)/data/glue --tasks sst2 \
+	  --learning-rates 1e-3 --epochs 3 \
+	  $(FINETUNE_FLAGS) --tracking-uri sqlite:///$(abspath $(FINETUNE_DIR))/mlflow.db --output-dir $(FINETUNE_DIR)/glue
+	$(BIN)/python launchers/finetune_squad.py --checkpoint $(CHECKPOINT) --versions 1.1 \
+	  --train-file 1.1=$(FINETUNE_DIR)/data/squad/train-v1.1.json --dev-file 1.1=$(FINETUNE_DIR)/data/squad/dev-v1.1.json \
+	  --max-seq-length 128 --doc-stride 32 --learning-rates 1e-4 --epochs 2 \
+	  $(FINETUNE_FLAGS) --tracking-uri sqlite:///$(abspath $(FINETUNE_DIR))/mlflow.db --output-dir $(FINETUNE_DIR)/squad
+	$(BIN)/python launchers/report.py --runs-dir $(FINETUNE_DIR) --out $(FINETUNE_DIR)/report \
+	  $(if $(wildcard $(CHECKPOINT)/../metrics.jsonl),--pretrain-runs pretrain=$(CHECKPOINT)/..)
+	@echo "fine-tuned $(CHECKPOINT): the models, the MLflow store and the report are in $(FINETUNE_DIR)"
+
+# Every shell command of README.md and docs/*.md that runs offline on CPU, run as written in a
+# scratch copy of the checkout, in order; one table (benchmarks/docs_commands.py). Not part of
+# `make test`: it pretrains and fine-tunes, 15-30 minutes on 2 CPU cores (more when loaded). DOCS_CHECK_FLAGS: the
+# script's flags (--list, --only WORD, --scratch DIR, --report FILE ...).
+docs-check: setup
+	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python benchmarks/docs_commands.py --venv $(VENV) $(DOCS_CHECK_FLAGS)
 
 # Test workers: one more than the 2 cores CI has. A worker spends much of its time waiting on the
 # jobs it launched (rendezvous and collective timeouts, SLURM scheduling, a stalled store); the

@@ -1,9 +1,12 @@
 """Tiny synthetic tasks in GLUE's TSV and SQuAD's JSON formats, plus a tiny checkpoint.
 
-For tests and smoke runs that must not download anything: the files have the exact layouts of the
-real ones (CoLA without a header, MNLI with matched/mismatched dev files, SQuAD's nested JSON), and the
-tasks are trivially learnable (a marker word decides the label), so a working pipeline beats chance
-by a wide margin within a few hundred steps of a tiny model.
+For tests, smoke runs and the offline quick start (`make finetune`), which must not download
+anything: the files have the exact layouts of the real ones (CoLA without a header, MNLI with
+matched/mismatched dev files, SQuAD's nested JSON), and the tasks are trivially learnable (a marker
+word decides the label), so a working pipeline beats chance by a wide margin within a few hundred
+steps of a tiny model. They check the pipeline; they measure nothing about a model.
+
+    python -m swbert.finetune.synthetic --output runs/quickstart/data   # glue/ and squad/ for the launchers
 """
 
 from __future__ import annotations
@@ -11,11 +14,14 @@ from __future__ import annotations
 import csv
 import json
 import random
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from transformers import BertTokenizer
 
-from swbert import SWBertConfig, SWBertForMaskedLM
+from swbert import SWBertConfig, SWBertForMaskedLM, cli
 from swbert.finetune.tasks import GlueTask, get_task
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -162,3 +168,67 @@ def write_triviaqa_fixture(root: str | Path, split: str = "train", n: int = 32, 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"Data": items, "Domain": "Wikipedia", "Version": 1.0}), encoding="utf-8")
     return path
+
+
+USAGE = """usage: python -m swbert.finetune.synthetic --output DIR [--key value ...]
+
+Writes a small embedded GLUE-style task (GLUE's TSV layout, under DIR/glue) and a SQuAD-style one
+(SQuAD's JSON files, under DIR/squad) for the fine-tuning launchers' offline data flags, and prints
+those flags. Each task is decided by one marker word: it checks that the pipeline runs and learns
+(`make finetune`); it is not a benchmark, and its scores say nothing about a model's quality."""
+
+
+@dataclass
+class SyntheticData:
+    """The flags of ``python -m swbert.finetune.synthetic``: what to write, and where."""
+
+    output: Path  # folder to write: glue/ (GLUE's TSV layout) and squad/ (SQuAD's JSON files)
+    # GLUE tasks to imitate (each in its real file layout, e.g. mnli with matched/mismatched dev files)
+    glue_tasks: list[str] = field(default_factory=lambda: ["sst2"])
+    # SQuAD versions to write, each its own train and dev file (2.0 adds unanswerable questions)
+    squad_versions: list[Literal["1.1", "2.0"]] = field(default_factory=lambda: ["1.1"])
+    train_examples: int = 256  # training examples per task
+    dev_examples: int = 64  # dev examples per task (and per dev split: MNLI has two)
+    seed: int = 0  # the examples' random draw
+
+    def check(self) -> None:
+        for name in ("train_examples", "dev_examples"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        for name in self.glue_tasks:
+            get_task(name)
+        if self.output.exists() and not self.output.is_dir():
+            raise ValueError(f"--output {self.output} is a file: name a folder")
+
+
+def write_quickstart(cfg: SyntheticData) -> list[str]:
+    """Write the tasks ``cfg`` asks for; return one line per task naming the launcher flags that read
+    it (what a user passes next, so the printed flags and the files cannot drift apart)."""
+    glue = cfg.output / "glue"
+    names = [get_task(t).name for t in cfg.glue_tasks]
+    write_glue_fixture(glue, names, cfg.train_examples, cfg.dev_examples, cfg.seed)
+    lines = [
+        f"GLUE-style ({' '.join(names)}): launchers/finetune_glue.py --data-dir {glue} --tasks {' '.join(names)}"
+    ]
+    for v in cfg.squad_versions:
+        train = write_squad_fixture(
+            cfg.output / "squad" / f"train-v{v}.json", cfg.train_examples, v, cfg.seed
+        )
+        dev = write_squad_fixture(cfg.output / "squad" / f"dev-v{v}.json", cfg.dev_examples, v, cfg.seed + 1)
+        lines.append(
+            f"SQuAD-style (v{v}): launchers/finetune_squad.py --versions {v} "
+            f"--train-file {v}={train} --dev-file {v}={dev}"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 written; 2 bad input (a flag), with a one-line error."""
+    cfg = cli.parse_or_exit(SyntheticData, argv, USAGE, recipes=False)
+    for line in cli.exit_on_bad_input(lambda: write_quickstart(cfg)):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
