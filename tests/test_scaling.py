@@ -259,7 +259,7 @@ def test_closed_form_tensor_parallel_shards_match_parallelized_models():
     run_ranks(_tensor_parallel_command_line_prints_the_closed_forms, 2, deepspeed=True)
 
 
-@pytest.mark.slow
+@pytest.mark.long  # CI: the same grid as a SLURM job array (test_slurm.py); the fit rule: unit tests here
 def test_driver_runs_a_small_grid_end_to_end(data_dir, tmp_path_factory):
     """Tiny points measured with the real trainer; an xl point that cannot fit is skipped, not run.
     One process per point: the driver is under test here, the engines on 2 ranks above."""
