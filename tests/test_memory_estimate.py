@@ -223,3 +223,21 @@ def test_estimate_per_rank_with_and_without_sequence_parallelism():
     """Two ranks on gloo, TP=2: the bytes each rank keeps, with and without sequence parallelism,
     with and without full checkpointing, against the estimate for that rank."""
     run_ranks(_tensor_parallel_rank, 2)
+
+
+def test_the_attention_trace_counts_every_storage_however_addresses_are_reused():
+    """The trace keys storages by address; a storage freed mid-forward may hand its address to the
+    next one. Traced again and again between allocations that shift the addresses, the count is one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from swbert.scaling.activations import _trace_once
+
+    config = tiny("shared", attention_probs_dropout_prob=0.1)
+    counts, junk = set(), []
+    for i in range(60):
+        with FakeTensorMode():
+            junk.append([torch.empty(3) for _ in range(i % 5)])
+        counts.add(_trace_once(config, torch.bfloat16, B, S, None))
+        if i % 3 == 0:
+            junk.pop(0)
+    assert len(counts) == 1, counts

@@ -143,8 +143,14 @@ def _trace_once(
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
+    # Every storage seen is held until the count is done: a freed storage's address (its key) may
+    # be reused by the next one, which would then overwrite the first's entry (fake storages cost
+    # nothing to hold).
+    held: list[torch.UntypedStorage] = []
+
     def key(t: torch.Tensor) -> int:
-        return t.untyped_storage()._cdata
+        held.append(t.untyped_storage())
+        return held[-1]._cdata
 
     saved: dict[int, int] = {}
     kept: dict[int, int] = {}
