@@ -219,12 +219,13 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:  # a model that cannot be converted: say why, without a traceback
         print(f"error: {args.input}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    args.output.mkdir(parents=True, exist_ok=True)
-    converted.save_pretrained(args.output)
-    if args.direction == "from-hf":  # loadable without swbert too, with trust_remote_code
-        from swbert.models.remote_code import add_remote_code
+    if args.direction == "from-hf":  # loadable without swbert too (trust_remote_code), a README.md
+        from swbert.models.remote_code import save_loadable
 
-        add_remote_code(args.output)
+        save_loadable(converted, args.output)
+    else:
+        args.output.mkdir(parents=True, exist_ok=True)
+        converted.save_pretrained(args.output)
     copy_tokenizer(args.input, args.output)  # tokenizer files only (the export's allow-list)
     print(f"wrote {type(converted).__name__} to {args.output}")
 

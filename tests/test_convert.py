@@ -149,7 +149,7 @@ def test_cli_copies_the_tokenizer_files_and_nothing_else(tmp_path):
     (tmp_path / "hf" / "notes_on_tokens.txt").write_text("private")
     main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "sw")])
     names = {p.name for p in (tmp_path / "sw").iterdir()}
-    assert {"tokenizer.json", "tokenizer_config.json"} <= names
+    assert {"tokenizer.json", "tokenizer_config.json", "README.md"} <= names  # README: how to load it
     assert not names & {"swbert_tokenizer.json", "notes_on_tokens.txt"}, names
     before = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")("w3 w7 w11")["input_ids"]
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "sw")("w3 w7 w11")["input_ids"] == before

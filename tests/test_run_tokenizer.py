@@ -79,7 +79,9 @@ def test_a_trained_run_exports_its_own_tokenizer_and_nothing_else(data_dir, tmp_
     """A real run: its checkpoints record the tokenizer relative to the run folder, which holds the
     tokenizer files; the export (and so the MLflow model) gets those and no training record. The
     export of the same checkpoint with the absolute path older runs recorded still works."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, pipeline
+
+    from swbert.parallel.convert import main as convert_main
 
     out = tmp_path / "run"
     args = [
@@ -101,6 +103,13 @@ def test_a_trained_run_exports_its_own_tokenizer_and_nothing_else(data_dir, tmp_
     exported = {p.name for p in (out / "export").iterdir()}
     assert TOKENIZER <= exported and "swbert_tokenizer.json" not in exported
     assert len(AutoTokenizer.from_pretrained(out / "export")) == 96
+    # the tensor-parallel merge writes the export's folder: tokenizer and README.md too
+    convert_main(["hf", str(out / "checkpoints"), str(tmp_path / "merged"), "--tag", tag.name])
+    assert {p.name for p in (tmp_path / "merged").iterdir()} == exported - {
+        "swbert_export.json"
+    }  # the run's stamp
+    fill = pipeline("fill-mask", model=str(tmp_path / "merged"), top_k=2)
+    assert len(fill(f"the {fill.tokenizer.mask_token} of")) == 2
 
     (tag / "swbert_meta.json").write_text(json.dumps({**meta, "tokenizer_dir": str(data_dir / "tokenizer")}))
     old = export(tag, tmp_path / "old-export")

@@ -1,5 +1,6 @@
 """Make a saved swbert folder load in plain transformers, as Hugging Face custom models do.
 
+`save_loadable(model, folder)` writes a masked-LM folder this way, with a README.md on loading it.
 `add_remote_code(folder)` copies the source files that define the model classes into the folder,
 with their `swbert` imports rewritten as relative ones, and writes `auto_map` into config.json, so
 
@@ -18,6 +19,12 @@ import ast
 import importlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from swbert.models import SWBertConfig
 
 PACKAGE = "swbert"
 
@@ -132,3 +139,65 @@ def add_remote_code(folder: str | Path) -> dict[str, str]:
     config["auto_map"] = auto_map
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return auto_map
+
+
+def save_loadable(model: PreTrainedModel, folder: str | Path) -> Path:
+    """Every masked-LM folder swbert writes (an export, a merged tensor-parallel checkpoint, a
+    converted BERT): the weights as safetensors, the model's code and `auto_map`, and a README.md
+    on loading it. The caller adds the tokenizer."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    add_remote_code(folder)
+    (folder / "README.md").write_text(model_card(model.config))
+    return folder
+
+
+def model_card(config: SWBertConfig) -> str:
+    """README.md of an exported folder: what the model is and how to load it, with or without swbert."""
+    lines = [
+        f"# swbert masked language model ({config.attention_type} attention)",
+        "",
+        f"{config.num_hidden_layers} layers, hidden size {config.hidden_size}, "
+        f"{config.num_attention_heads} heads, vocabulary {config.vocab_size}; trained with swbert.",
+        "",
+        "## Loading",
+        "",
+        "Anywhere transformers is installed (the model code is in this folder):",
+        "",
+        "```python",
+        "from transformers import AutoModelForMaskedLM, pipeline",
+        'model = AutoModelForMaskedLM.from_pretrained("THIS_FOLDER", trust_remote_code=True)',
+        'fill = pipeline("fill-mask", model="THIS_FOLDER", trust_remote_code=True)',
+        "```",
+        "",
+        "With swbert installed, `import swbert` first: its registered classes are used and",
+        "`trust_remote_code` is not needed.",
+        "",
+    ]
+    from swbert.models.attention import attention_class
+
+    if attention_class(config.attention_type).bert_equivalent:
+        lines += [
+            "## As transformers' BertForMaskedLM",
+            "",
+            f"The `{config.attention_type}` variant is numerically BERT. Convert it once, then load it with",
+            "transformers alone:",
+            "",
+            "```bash",
+            "swbert-convert to-hf THIS_FOLDER bert/   # or: python -m swbert.convert to-hf THIS_FOLDER bert/",
+            "```",
+            "",
+            "```python",
+            "from transformers import BertForMaskedLM",
+            'model = BertForMaskedLM.from_pretrained("bert/")',
+            "```",
+            "",
+        ]
+    else:
+        lines += [
+            f"The `{config.attention_type}` attention has no transformers equivalent, so this model has",
+            "no BertForMaskedLM conversion; the code in this folder is the reference.",
+            "",
+        ]
+    return "\n".join(lines)

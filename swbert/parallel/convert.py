@@ -4,8 +4,9 @@ python -m swbert.parallel.convert universal CKPT_DIR OUT_DIR [--tag T] [--config
     Any TP / DP size and ZeRO stage -> a universal checkpoint, with optimizer state, that resumes at
     any tensor- and data-parallel size (DeepSpeed config: "checkpoint": {"load_universal": true}).
     A checkpoint saved before the attention projections were fused comes out in today's layout.
-python -m swbert.parallel.convert hf CKPT_DIR OUT_DIR [--tag T] [--config config.json]
-    A TP=k checkpoint (any ZeRO stage, or a universal one) -> a merged Hugging Face folder.
+python -m swbert.parallel.convert hf CKPT_DIR OUT_DIR [--tag T] [--config config.json] [--tokenizer DIR]
+    A TP=k checkpoint (any ZeRO stage, or a universal one) -> a merged Hugging Face folder, the
+    export's: with the model code, a README.md and the run's tokenizer (or --tokenizer DIR).
 python -m swbert.parallel.convert reshard CKPT_DIR OUT_DIR --tensor-parallel K [--tag T]
     Weights only, for a checkpoint saved without swbert's client state: TP=k -> TP=K DeepSpeed
     files; load with engine.load_checkpoint(OUT_DIR, load_module_only=True).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse  # DeepSpeed's universal-checkpoint converter takes its arguments as a Namespace
 import json
+import logging
 import shutil
 import sys
 import tempfile
@@ -41,6 +43,8 @@ from swbert.parallel.checkpoint import (
     universal_checkpoint_info,
 )
 from swbert.safe_load import UnsafeCheckpointError, load, weights_only_loads
+
+log = logging.getLogger("swbert.convert")
 
 
 def _load(path: Path) -> dict:
@@ -96,9 +100,19 @@ def full_state_dict(
 
 
 def to_hf(
-    ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = None, config: SWBertConfig | None = None
+    ckpt_dir: str | Path,
+    out_dir: str | Path,
+    tag: str | None = None,
+    config: SWBertConfig | None = None,
+    tokenizer: str | Path | None = None,
 ) -> Path:
-    """Write a Hugging Face folder (config.json, model.safetensors, the model code) with the merged weights."""
+    """Write the Hugging Face folder an export writes (config.json, model.safetensors, the model code,
+    README.md and the tokenizer: `tokenizer`, else the run's, as `swbert.training.export` finds it)
+    with the merged weights."""
+    from swbert.models.remote_code import save_loadable
+    from swbert.training.run_tokenizer import copy_tokenizer, tokenizer_for_export
+
+    tag = resolve_tag(ckpt_dir, tag)
     state, config = full_state_dict(ckpt_dir, tag, config)
     model = SWBertForMaskedLM(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -106,10 +120,15 @@ def to_hf(
     if set(missing) - tied or unexpected:
         raise ValueError(f"checkpoint does not match the config: missing {missing}, unexpected {unexpected}")
     model.trim_vocab_padding()  # the folder's tables match the tokenizer (vocab_size rows)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    from swbert.models.remote_code import add_remote_code
-
-    add_remote_code(out_dir)  # loadable without swbert too, with trust_remote_code
+    save_loadable(model, out_dir)  # loadable without swbert too, with trust_remote_code
+    meta_file = Path(ckpt_dir) / tag / "swbert_meta.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    if tokenizer is None:
+        tokenizer = tokenizer_for_export(Path(ckpt_dir) / tag, meta)
+    if tokenizer is None:
+        log.warning("%s: no tokenizer found for the checkpoint: pass --tokenizer DIR to add one", out_dir)
+    else:
+        copy_tokenizer(Path(tokenizer), Path(out_dir), meta.get("model", {}).get("tokenizer_hash"))
     return Path(out_dir)
 
 
@@ -229,10 +248,13 @@ class CheckpointConvertConfig:
     tag: str | None = None  # checkpoint tag (default: the one in CKPT_DIR/latest)
     config: str | None = None  # config.json, if the checkpoint lacks it
     tensor_parallel: int | None = None  # reshard (required there): the tensor-parallel size to write
+    tokenizer: str | None = None  # hf: the tokenizer folder to add (default: the run's tokenizer/)
 
     def check(self) -> None:
         if (self.command == "reshard") != (self.tensor_parallel is not None):
             raise ValueError("--tensor-parallel K goes with reshard, and only with it")
+        if self.tokenizer is not None and self.command != "hf":
+            raise ValueError("--tokenizer DIR goes with hf, and only with it")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -250,7 +272,7 @@ def _convert(args: CheckpointConvertConfig, config: SWBertConfig | None) -> Path
     if args.command == "universal":
         return to_universal(args.ckpt_dir, args.out_dir, args.tag, config)
     if args.command == "hf":
-        return to_hf(args.ckpt_dir, args.out_dir, args.tag, config)
+        return to_hf(args.ckpt_dir, args.out_dir, args.tag, config, args.tokenizer)
     assert args.tensor_parallel is not None  # check()
     return reshard(args.ckpt_dir, args.out_dir, args.tensor_parallel, args.tag, config)
 

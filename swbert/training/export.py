@@ -25,7 +25,7 @@ from swbert import cli
 from swbert.logs import known_prints_dropped
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.attention import attention_class
-from swbert.models.remote_code import add_remote_code
+from swbert.models.remote_code import save_loadable
 from swbert.safe_load import UnsafeCheckpointError, load, weights_only_loads
 from swbert.training.checkpoint import newest_complete, read_latest
 from swbert.training.run_tokenizer import copy_tokenizer, tokenizer_for_export
@@ -81,61 +81,10 @@ def export(tag_dir: Path, output: Path, tokenizer_dir: Path | None = None) -> Pa
     if tokenizer_dir is not None and not tokenizer_dir.is_dir():
         raise FileNotFoundError(f"--tokenizer {tokenizer_dir} is not a folder")
     tokenizer = tokenizer_dir if tokenizer_dir is not None else tokenizer_for_export(tag_dir, meta)
-    output.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(output, safe_serialization=True)
-    add_remote_code(output)
-    (output / "README.md").write_text(model_card(model.config))
+    save_loadable(model, output)
     if tokenizer is not None:
         copy_tokenizer(tokenizer, output, meta.get("model", {}).get("tokenizer_hash"))
     return output
-
-
-def model_card(config: SWBertConfig) -> str:
-    """README.md of an exported folder: what the model is and how to load it, with or without swbert."""
-    lines = [
-        f"# swbert masked language model ({config.attention_type} attention)",
-        "",
-        f"{config.num_hidden_layers} layers, hidden size {config.hidden_size}, "
-        f"{config.num_attention_heads} heads, vocabulary {config.vocab_size}; trained with swbert.",
-        "",
-        "## Loading",
-        "",
-        "Anywhere transformers is installed (the model code is in this folder):",
-        "",
-        "```python",
-        "from transformers import AutoModelForMaskedLM, pipeline",
-        'model = AutoModelForMaskedLM.from_pretrained("THIS_FOLDER", trust_remote_code=True)',
-        'fill = pipeline("fill-mask", model="THIS_FOLDER", trust_remote_code=True)',
-        "```",
-        "",
-        "With swbert installed, `import swbert` first: its registered classes are used and",
-        "`trust_remote_code` is not needed.",
-        "",
-    ]
-    if attention_class(config.attention_type).bert_equivalent:
-        lines += [
-            "## As transformers' BertForMaskedLM",
-            "",
-            f"The `{config.attention_type}` variant is numerically BERT. Convert it once, then load it with",
-            "transformers alone:",
-            "",
-            "```bash",
-            "swbert-convert to-hf THIS_FOLDER bert/   # or: python -m swbert.convert to-hf THIS_FOLDER bert/",
-            "```",
-            "",
-            "```python",
-            "from transformers import BertForMaskedLM",
-            'model = BertForMaskedLM.from_pretrained("bert/")',
-            "```",
-            "",
-        ]
-    else:
-        lines += [
-            f"The `{config.attention_type}` attention has no transformers equivalent, so this model has",
-            "no BertForMaskedLM conversion; the code in this folder is the reference.",
-            "",
-        ]
-    return "\n".join(lines)
 
 
 @dataclass
