@@ -17,12 +17,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from swbert.dist import ParallelDims
 from swbert.finetune.batching import train_loader
@@ -139,23 +139,40 @@ def _state_on_cpu(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
-def fit(
-    model: nn.Module,
-    train_set: Dataset,
-    collate: Callable,
-    evaluate: Callable[[nn.Module], dict[str, float]],
-    select: str,
-    cfg: FinetuneConfig,
-    log_metrics: Callable[[dict[str, float], int], None] | None = None,
-    desc: str = "fine-tune",
-) -> FitResult:
-    """Fine-tune ``model`` in place; on return it holds the weights of the best dev epoch.
+@dataclass
+class _Setup:
+    """What `fit` trains with, set up once: the loader, the step's optimiser (DeepSpeed's engine when
+    launched with more than one rank) and the precision context."""
 
-    ``evaluate(model)`` returns dev metrics; ``select`` names the one to maximise. ``log_metrics``
-    (rank 0 only) receives the training loss and learning rate every few steps and the dev metrics
-    after every epoch (keys prefixed ``dev/``), with the optimiser step as ``step``. Rank 0 shows a
-    progress bar over the steps, labelled ``desc``.
-    """
+    info: ParallelDims
+    device: torch.device
+    loader: DataLoader
+    sampler: Any
+    total: int  # optimiser steps of the whole fit
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    engine: Any  # deepspeed.DeepSpeedEngine, or None in a single process
+    module: nn.Module  # the bare model: evaluation, state dicts
+    autocast: torch.autocast
+
+    def train_step(self, batch: dict, max_grad_norm: float) -> float:
+        """One optimiser step on `batch`; its loss."""
+        batch = move(batch, self.device)
+        with self.autocast:
+            loss = (self.engine or self.module)(**batch).loss
+        if self.engine is not None:
+            self.engine.backward(loss)
+            self.engine.step()
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_grad_norm)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+
+def _set_up(model: nn.Module, train_set: Dataset, collate: Callable, cfg: FinetuneConfig) -> _Setup:
     info = ParallelDims.from_env()
     if info.world > 1 and not cfg.deepspeed_config:
         raise ValueError(
@@ -194,80 +211,102 @@ def fit(
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg
         )
-    module = engine.module if engine is not None else model
     # DeepSpeed casts the model itself; a single process gets bf16 autocast (fp32 master weights).
     autocast = torch.autocast(
         device.type, dtype=torch.bfloat16, enabled=engine is None and precision == "bf16"
     )
+    module = engine.module if engine is not None else model
+    return _Setup(info, device, loader, sampler, total, optimizer, scheduler, engine, module, autocast)
 
-    result = FitResult(best_metrics={}, best_epoch=-1, steps_per_epoch=len(loader))
-    best_value, best_state, stale, step = -math.inf, None, 0, 0
-    bar = progress_bar(total, desc, unit="step", leave=False)
+
+def _train_epoch(
+    run: _Setup, cfg: FinetuneConfig, epoch: int, step: int, bar: Any, log_metrics: Callable | None
+) -> int:
+    """One pass (or what is left of `run.total`) over the training set; the step count after it."""
+    if run.sampler is not None:
+        run.sampler.set_epoch(epoch)
+    run.module.train()
+    running, seen = 0.0, 0
+    for batch in run.loader:
+        running += run.train_step(batch, cfg.max_grad_norm)
+        step, seen = step + 1, seen + 1
+        bar.update(1)
+        if log_metrics and run.info.is_main and (step % 50 == 0 or step == run.total):
+            log_metrics({"train/loss": running / seen, "train/lr": run.scheduler.get_last_lr()[0]}, step)
+            running, seen = 0.0, 0
+        if step >= run.total:
+            break
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)  # the epoch's kernels belong to its training time
+    return step
+
+
+@dataclass
+class _Best:
+    """The best dev epoch so far, its weights on the CPU, and the epochs since it."""
+
+    value: float = -math.inf
+    state: dict[str, torch.Tensor] | None = None
+    stale: int = 0
+
+    def update(self, module: nn.Module, metrics: dict[str, float], select: str, result: FitResult) -> None:
+        value = selection_value(metrics[select])
+        if self.state is None or value > self.value:
+            self.value, self.state, self.stale = value, _state_on_cpu(module), 0
+            result.best_metrics, result.best_epoch = dict(metrics), int(metrics["epoch"])
+        else:
+            self.stale += 1
+
+
+def fit(
+    model: nn.Module,
+    train_set: Dataset,
+    collate: Callable,
+    evaluate: Callable[[nn.Module], dict[str, float]],
+    select: str,
+    cfg: FinetuneConfig,
+    log_metrics: Callable[[dict[str, float], int], None] | None = None,
+    desc: str = "fine-tune",
+) -> FitResult:
+    """Fine-tune ``model`` in place; on return it holds the weights of the best dev epoch.
+
+    ``evaluate(model)`` returns dev metrics; ``select`` names the one to maximise. ``log_metrics``
+    (rank 0 only) receives the training loss and learning rate every few steps and the dev metrics
+    after every epoch (keys prefixed ``dev/``), with the optimiser step as ``step``. Rank 0 shows a
+    progress bar over the steps, labelled ``desc``.
+    """
+    run = _set_up(model, train_set, collate, cfg)
+    result = FitResult(best_metrics={}, best_epoch=-1, steps_per_epoch=len(run.loader))
+    best, step = _Best(), 0
+    bar = progress_bar(run.total, desc, unit="step", leave=False)
     for epoch in range(cfg.epochs):
-        if sampler is not None:
-            sampler.set_epoch(epoch)
-        module.train()
-        running, seen = 0.0, 0
         started = time.perf_counter()
-        for batch in loader:
-            batch = move(batch, device)
-            with autocast:
-                loss = (engine or model)(**batch).loss
-            if engine is not None:
-                engine.backward(loss)
-                engine.step()
-            else:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            step += 1
-            running += loss.item()
-            seen += 1
-            bar.update(1)
-            if log_metrics and info.is_main and (step % 50 == 0 or step == total):
-                log_metrics({"train/loss": running / seen, "train/lr": scheduler.get_last_lr()[0]}, step)
-                running, seen = 0.0, 0
-            if step >= total:
-                break
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the epoch's kernels belong to its training time
+        step = _train_epoch(run, cfg, epoch, step, bar, log_metrics)
         result.train_seconds += time.perf_counter() - started
         started = time.perf_counter()
-        module.eval()
+        run.module.eval()
         with torch.no_grad():
-            metrics = evaluate(module)
+            metrics = evaluate(run.module)
         result.eval_seconds += time.perf_counter() - started
         metrics["epoch"] = float(epoch)
         result.history.append(metrics)
-        if log_metrics and info.is_main:
+        if log_metrics and run.info.is_main:
             log_metrics(
                 {f"dev/{k}": v for k, v in metrics.items() if k != "epoch" and not math.isnan(v)}, step
             )
         bar.set_postfix({select: f"{metrics[select]:.4f}", "epoch": epoch})
-        value = selection_value(metrics[select])
-        if best_state is None or value > best_value:
-            best_value, best_state, stale = value, _state_on_cpu(module), 0
-            result.best_metrics, result.best_epoch = dict(metrics), epoch
-        else:
-            stale += 1
+        best.update(run.module, metrics, select, result)
         log.info(
             "epoch %d step %d: %s=%.4f (best %.4f at epoch %d)",
-            epoch,
-            step,
-            select,
-            metrics[select],
-            best_value,
-            result.best_epoch,
-        )
-        if step >= total or (cfg.patience and stale >= cfg.patience):
+            epoch, step, select, metrics[select], best.value, result.best_epoch,
+        )  # fmt: skip
+        if step >= run.total or (cfg.patience and best.stale >= cfg.patience):
             break
     bar.close()
     result.steps = step
-    if best_state is not None:
-        module.load_state_dict(best_state)
-    if engine is not None:
+    if best.state is not None:
+        run.module.load_state_dict(best.state)
+    if run.engine is not None:
         # drop the engine's gradient hooks: a stepped learning-rate plan fits the same model again
-        engine.destroy()
+        run.engine.destroy()
     return result
