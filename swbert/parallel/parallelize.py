@@ -11,8 +11,10 @@ import functools
 
 import torch
 import torch.distributed as dist
+from megatron.core import ModelParallelConfig
 from torch import nn
 
+from swbert.dist import ParallelDims
 from swbert.models import SWBertForMaskedLM
 from swbert.parallel import plan, sequence
 from swbert.parallel.layers import (
@@ -42,23 +44,9 @@ def parallelize(model: SWBertForMaskedLM, tp_size: int, sequence_parallel: bool 
     if tp_size == 1:
         log_rank0("tensor parallel 1: model unchanged")
         return model
-    if not isinstance(model, SWBertForMaskedLM):
-        raise TypeError(f"parallelize supports SWBertForMaskedLM, got {type(model).__name__}")
-    if isinstance(model, TensorParallelMaskedLM):
-        raise RuntimeError("this model is already tensor-parallel")
-    d = dims()
-    if d.tp_size != tp_size:
-        raise ValueError(
-            f"parallelize(tp_size={tp_size}) but the process groups were made for {d.tp_size}; "
-            f"call swbert.parallel.initialize({tp_size}) first"
-        )
+    d = _check(model, tp_size)
     config = model.config
-    plan.check_divisible(config, tp_size)
-    attention_plan = plan.attention_plan(model.bert.encoder.layers[0].attn)  # every layer: one class
     step = _Step(tp_size)
-    layers = model.bert.encoder.layers
-    sp = sequence_parallel
-
     step("broadcast TP rank 0's weights over the tensor-parallel group")
     _broadcast(model, d.tp_group)
 
@@ -70,21 +58,7 @@ def parallelize(model: SWBertForMaskedLM, tp_size: int, sequence_parallel: bool 
     _fill(word, {"weight": old.weight}, d.tp_rank, tp_size, dims_={"weight": 0})
     embeddings.word_embeddings = word.to(old.weight.device)
 
-    step(
-        "%d layers: %s attention by heads (%d per rank), out_proj row; MLP fc1 column, fc2 row",
-        len(layers),
-        config.attention_type,
-        config.num_attention_heads // tp_size,
-    )
-    for layer in layers:
-        _split_by_plan(layer.attn, attention_plan, mcfg, d.tp_rank, tp_size, region_entry=True, seq=sp)
-        _split_by_plan(layer.mlp, plan.MLP_PLAN, mcfg, d.tp_rank, tp_size, region_entry=sp, seq=sp)
-
-    step("attention: one input-gradient all-reduce for all projections; kernel forks the per-rank RNG")
-    for layer in layers:
-        if not sp:  # with sequence parallelism the region entry is the all-gather of step 7
-            layer.attn.register_forward_pre_hook(functools.partial(copy_input_to_tp_region, group=d.tp_group))
-        layer.attn.kernel = ForkedRNG(layer.attn.kernel)  # independent dropout per head
+    _split_layers(model, step, mcfg, d, sequence_parallel)
 
     step("MLM decoder -> vocab-parallel, tied to the word-embedding shard; loss -> vocab-parallel CE")
     head = model.mlm_head
@@ -100,16 +74,61 @@ def parallelize(model: SWBertForMaskedLM, tp_size: int, sequence_parallel: bool 
         if dim is not None:
             mark_tensor_parallel(param, dim)
 
-    if not sp:
+    if not sequence_parallel:
         step("sequence parallelism: off")
         return model
     step("sequence parallelism: LayerNorm/dropout/residual on S/%d tokens per rank", tp_size)
-    group = d.tp_group
+    _sequence_parallel(model, d.tp_group)
+    return model
+
+
+def _check(model: SWBertForMaskedLM, tp_size: int) -> ParallelDims:
+    """The process groups' dims, once `model` and `tp_size` are known to fit them."""
+    if not isinstance(model, SWBertForMaskedLM):
+        raise TypeError(f"parallelize supports SWBertForMaskedLM, got {type(model).__name__}")
+    if isinstance(model, TensorParallelMaskedLM):
+        raise RuntimeError("this model is already tensor-parallel")
+    d = dims()
+    if d.tp_size != tp_size:
+        raise ValueError(
+            f"parallelize(tp_size={tp_size}) but the process groups were made for {d.tp_size}; "
+            f"call swbert.parallel.initialize({tp_size}) first"
+        )
+    plan.check_divisible(model.config, tp_size)
+    return d
+
+
+def _split_layers(
+    model: SWBertForMaskedLM, step: _Step, mcfg: ModelParallelConfig, d: ParallelDims, sp: bool
+) -> None:
+    """Each encoder layer's attention by heads and its MLP, then the attention's region entry."""
+    config, layers = model.config, model.bert.encoder.layers
+    attention_plan = plan.attention_plan(layers[0].attn)  # every layer: one class
+    step(
+        "%d layers: %s attention by heads (%d per rank), out_proj row; MLP fc1 column, fc2 row",
+        len(layers),
+        config.attention_type,
+        config.num_attention_heads // d.tp_size,
+    )
+    for layer in layers:
+        _split_by_plan(layer.attn, attention_plan, mcfg, d.tp_rank, d.tp_size, region_entry=True, seq=sp)
+        _split_by_plan(layer.mlp, plan.MLP_PLAN, mcfg, d.tp_rank, d.tp_size, region_entry=sp, seq=sp)
+
+    step("attention: one input-gradient all-reduce for all projections; kernel forks the per-rank RNG")
+    for layer in layers:
+        if not sp:  # with sequence parallelism the region entry is the all-gather of step 7
+            layer.attn.register_forward_pre_hook(functools.partial(copy_input_to_tp_region, group=d.tp_group))
+        layer.attn.kernel = ForkedRNG(layer.attn.kernel)  # independent dropout per head
+
+
+def _sequence_parallel(model: SWBertForMaskedLM, group: dist.ProcessGroup) -> None:
+    """Scatter the embeddings' output over the sequence, gather it around each tensor-parallel
+    region and at the encoder's end; the norms' and row-parallel biases' gradients summed."""
     # the split region holds whole sequence chunks: the last layer computes every position
     model.last_layer_on_labels = False
-    embeddings.register_forward_hook(sequence.scatter_output_hook(group))
+    model.bert.embeddings.register_forward_hook(sequence.scatter_output_hook(group))
     model.bert.encoder.register_forward_hook(sequence.gather_encoder_output_hook(group))
-    for layer in layers:
+    for layer in model.bert.encoder.layers:
         layer.attn.register_forward_pre_hook(sequence.gather_seq_pre_hook(group))
         layer.mlp.register_forward_pre_hook(sequence.gather_seq_pre_hook(group))
         layer.dropout = ForkedRNG(layer.dropout)  # each rank drops out its own tokens
@@ -121,7 +140,6 @@ def parallelize(model: SWBertForMaskedLM, tp_size: int, sequence_parallel: bool 
         ):
             if param is not None:
                 sequence.sum_grad_over_group(param, group)
-    return model
 
 
 class _Step:
