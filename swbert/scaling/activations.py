@@ -143,10 +143,7 @@ def _trace_once(
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    # Every storage seen is held until the count is done: a freed storage's address (its key) may
-    # be reused by the next one, which would then overwrite the first's entry (fake storages cost
-    # nothing to hold).
-    held: list[torch.UntypedStorage] = []
+    held: list[torch.UntypedStorage] = []  # every storage seen: a freed one's address (key) may be reused
 
     def key(t: torch.Tensor) -> int:
         held.append(t.untyped_storage())
@@ -291,9 +288,13 @@ def activation_memory(
     embeddings = T * (p * d + stats + m * d) + INDEX_BYTES * S
     if tp > 1:  # the vocab-parallel lookup keeps its local ids and the mask of other ranks' ids
         embeddings += T * (INDEX_BYTES + 1)
-    vocab, padded = config.vocab_size, config.padded_vocab_size
+    return ActivationMemory(embeddings, blocks, _head_bytes(config, N, p, stats, tp), full_recompute)
+
+
+def _head_bytes(config: SWBertConfig, rows: int, p: int, stats: int, tp: int) -> float:
+    """The MLM head's activations on its `rows` predicted positions, the logits and the loss's."""
+    d, vocab, padded = config.hidden_size, config.vocab_size, config.padded_vocab_size
     # dense, GELU and LayerNorm inputs, the decoder input; LayerNorm stats; the row indices
-    head = N * (4 * p * d + stats + INDEX_BYTES)
-    head += N * p * padded  # the logits the model returns (gathered over the vocabulary under TP)
-    head += N * 4 * (vocab if tp == 1 else padded / tp)  # fp32 log-probabilities (softmax) of the loss
-    return ActivationMemory(embeddings, blocks, head, full_recompute)
+    head = rows * (4 * p * d + stats + INDEX_BYTES)
+    head += rows * p * padded  # the logits the model returns (gathered over the vocabulary under TP)
+    return head + rows * 4 * (vocab if tp == 1 else padded / tp)  # fp32 log-probabilities of the loss
