@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -293,44 +293,20 @@ def run_glue(sweep: GlueSweep, tracker: Tracker) -> tuple[list[Trial], list[Summ
     bar = progress_bar(runs, "GLUE sweep", unit="run")
     for ckpt in checkpoints:
         tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer)
-        token_types = uses_token_types(ckpt.config)
         kept: dict[str, Path] = {}
         datas: dict[str, TaskData] = {}
         for name in sweep.tasks:
-            task = get_task(name)
             data = load_task_data(
-                task,
+                get_task(name),
                 tokenizer,
                 sweep.data_dir,
                 sweep.max_seq_length,
-                token_types,
+                uses_token_types(ckpt.config),
                 sweep.max_train_samples,
                 sweep.max_eval_samples,
             )
-            datas[task.name] = data
-            task_trials = []
-            for lrs in sweep.lr_settings():
-                for seed in sweep.seeds:
-                    task_trials.append(glue_trial(sweep, ckpt, data, tokenizer, lrs, seed, tracker))
-                    bar.update(1)
-            trials += task_trials
-            (summary,) = glue_summaries(task_trials)
-            log.info("%s %s: lr %s, median %s", ckpt.name, task.name, summary.lr_label, summary.median)
-            if sweep.keep == "median" and ParallelDims.from_env().is_main:
-                prune_models(task_trials, summary.median_trial)
-            if sweep.keep != "none":
-                kept[task.name] = Path(summary.median_trial.model_dir)
-            if sweep.noise_levels:
-                noise_evaluation(
-                    ckpt.name,
-                    kept[task.name],
-                    data,
-                    sweep.noise_levels,
-                    sweep.noise_seeds,
-                    tracker,
-                    sweep.eval_batch_size,
-                    sweep.noise_scales,
-                )
+            datas[data.task.name] = data
+            trials += _task_trials(sweep, ckpt, data, tokenizer, tracker, bar, kept)
         if sweep.cross_domain:
             sources = {t: kept[t] for t in cross_domain.CROSS_DOMAIN_TASKS if t in kept}
             cross_domain_evaluation(
@@ -338,6 +314,60 @@ def run_glue(sweep: GlueSweep, tracker: Tracker) -> tuple[list[Trial], list[Summ
             )
     bar.close()
     return trials, glue_summaries(trials)
+
+
+def _task_trials(
+    sweep: GlueSweep,
+    ckpt: Checkpoint,
+    data: TaskData,
+    tokenizer: Any,
+    tracker: Tracker,
+    bar: Any,
+    kept: dict[str, Path],
+) -> list[Trial]:
+    """One checkpoint on one task: a trial per rate setting and seed; the median trial's folder kept
+    (in `kept`) and its noise evaluation run when asked."""
+    task_trials = []
+    for lrs in sweep.lr_settings():
+        for seed in sweep.seeds:
+            task_trials.append(glue_trial(sweep, ckpt, data, tokenizer, lrs, seed, tracker))
+            bar.update(1)
+    (summary,) = glue_summaries(task_trials)
+    task = data.task.name
+    log.info("%s %s: lr %s, median %s", ckpt.name, task, summary.lr_label, summary.median)
+    if sweep.keep == "median" and ParallelDims.from_env().is_main:
+        prune_models(task_trials, summary.median_trial)
+    if sweep.keep != "none":
+        kept[task] = Path(summary.median_trial.model_dir)
+    if sweep.noise_levels:
+        noise_evaluation(
+            ckpt.name,
+            kept[task],
+            data,
+            sweep.noise_levels,
+            sweep.noise_seeds,
+            tracker,
+            sweep.eval_batch_size,
+            sweep.noise_scales,
+        )
+    return task_trials
+
+
+def _by_variant(models: list[Checkpoint]) -> dict[str, dict[str, Path]]:
+    """variant name -> task -> fine-tuned folder (the task read from each folder's config.json)."""
+    by_variant: dict[str, dict[str, Path]] = {}
+    for m in models:
+        task_name = getattr(m.config, "glue_task", None)
+        if not task_name or task_name not in GLUE_TASKS:
+            raise CheckpointError(
+                f"{m.path}/config.json names no glue_task; is it a GLUE model fine-tuned by swbert?"
+            )
+        if task_name in by_variant.setdefault(m.name, {}):
+            raise CheckpointError(
+                f"two {task_name} models for variant {m.name!r}: {by_variant[m.name][task_name]} and {m.path}"
+            )
+        by_variant[m.name][task_name] = m.path
+    return by_variant
 
 
 def evaluate_finetuned(
@@ -356,19 +386,7 @@ def evaluate_finetuned(
 
     Models of one variant are grouped by their ``NAME`` (``NAME=PATH``, one folder per task).
     """
-    by_variant: dict[str, dict[str, Path]] = {}
-    for m in models:
-        task_name = getattr(m.config, "glue_task", None)
-        if not task_name or task_name not in GLUE_TASKS:
-            raise CheckpointError(
-                f"{m.path}/config.json names no glue_task; is it a GLUE model fine-tuned by swbert?"
-            )
-        if task_name in by_variant.setdefault(m.name, {}):
-            raise CheckpointError(
-                f"two {task_name} models for variant {m.name!r}: {by_variant[m.name][task_name]} and {m.path}"
-            )
-        by_variant[m.name][task_name] = m.path
-    for name, paths in by_variant.items():
+    for name, paths in _by_variant(models).items():
         datas, fingerprints = {}, {}
         for task_name, path in paths.items():
             tok = load_tokenizer(path)

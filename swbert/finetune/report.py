@@ -32,7 +32,7 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -195,6 +195,27 @@ def noise_metric(task: GlueTask) -> str:
 # ---------------------------------------------------------------------------------------- collecting
 
 
+def _trial(run: Any, kind: str) -> tuple[tuple, Trial, Timing | None]:
+    """A trial run's identity (kind, variant, task, rates, seed), its best metrics, and its timing
+    when it recorded one."""
+    tags, params = run.data.tags, run.data.params
+    variant, task = tags.get(VARIANT), tags.get(TASK)
+    metrics: dict[str, dict[str, float]] = defaultdict(dict)
+    for name, value in run.data.metrics.items():
+        if name.startswith("best/"):
+            split, _, metric = name[5:].rpartition("/")
+            metrics[split][metric] = value
+    lr, seed = float(params["learning_rate"]), int(params["seed"])
+    later = tuple(float(x) for x in params.get("later_learning_rates", "").split())
+    key = (kind, variant, task, lr, later, seed)
+    timing = None
+    seconds = run.data.metrics.get("seconds_per_epoch")
+    if seconds and "batch_size" in params:
+        facts = (params.get("attention_type", ""), params.get("batching", "padded"))
+        timing = Timing(variant, task, int(params["batch_size"]), seconds, *facts)
+    return key, Trial(variant, task, lr, seed, dict(metrics), later_lrs=later), timing
+
+
 def collect(
     tracking_uri: str, experiment: str, parent_runs: list[str] | None = None, missing_ok: bool = False
 ) -> Collected:
@@ -226,19 +247,10 @@ def collect(
         tags, params, kind = r.data.tags, r.data.params, r.data.tags.get(KIND)
         variant, task = tags.get(VARIANT), tags.get(TASK)
         if kind in ("glue_trial", "squad_trial"):
-            metrics: dict[str, dict[str, float]] = defaultdict(dict)
-            for key, value in r.data.metrics.items():
-                if key.startswith("best/"):
-                    split, _, metric = key[5:].rpartition("/")
-                    metrics[split][metric] = value
-            lr, seed = float(params["learning_rate"]), int(params["seed"])
-            later = tuple(float(x) for x in params.get("later_learning_rates", "").split())
-            key = (kind, variant, task, lr, later, seed)
-            trials[key] = Trial(variant, task, lr, seed, dict(metrics), later_lrs=later)
-            seconds = r.data.metrics.get("seconds_per_epoch")
-            if seconds and "batch_size" in params:
-                facts = (params.get("attention_type", ""), params.get("batching", "padded"))
-                timings[key] = Timing(variant, task, int(params["batch_size"]), seconds, *facts)
+            key, trial, timing = _trial(r, kind)
+            trials[key] = trial
+            if timing is not None:
+                timings[key] = timing
         elif kind == "noise":
             t = get_task(task)
             seed = int(params.get("noise_seed", 0))
