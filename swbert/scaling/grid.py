@@ -184,6 +184,24 @@ def build_grid(
     ]
 
 
+def _point_columns(point: GridPoint, gpus: int, dp: int) -> dict[str, Any]:
+    """The columns that name a point: its fields and its layout's, the devices."""
+    layout = point.layout
+    return {
+        "name": point.name,
+        "size": point.size,
+        **{k: v for k, v in asdict(point).items() if k not in ("size", "layout")},
+        "layout": layout.name,
+        "tp": layout.tp,
+        "zero": layout.zero,
+        "offload": layout.offload,
+        "sequence_parallel": layout.sequence_parallel,
+        "activation_checkpointing": layout.checkpointing,
+        "gpus": gpus,
+        "dp": dp,
+    }
+
+
 def estimate(
     point: GridPoint,
     gpus: int,
@@ -215,17 +233,7 @@ def estimate(
     acts = acts_by_part.peak  # kept for the backward, plus one block recomputed
     tokens = TOKENS_PER_PARAM * params
     row: dict[str, Any] = {
-        "name": point.name,
-        "size": point.size,
-        **{k: v for k, v in asdict(point).items() if k not in ("size", "layout")},
-        "layout": layout.name,
-        "tp": layout.tp,
-        "zero": layout.zero,
-        "offload": layout.offload,
-        "sequence_parallel": layout.sequence_parallel,
-        "activation_checkpointing": layout.checkpointing,
-        "gpus": gpus,
-        "dp": dp,
+        **_point_columns(point, gpus, dp),
         "vocab_size": vocab_size,
         "params": params,
         "params_per_rank": params_per_rank(config, layout.tp),
