@@ -30,10 +30,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from swbert.models import SWBertConfig, SWBertForMaskedLM
+from swbert.runtime.optim import build_optimizer
 from swbert.training import checkpoint as ckpt
+from swbert.training.build import pretraining_ds_config
 from swbert.training.config import TrainConfig
-from swbert.training.ds_config import pretraining_ds_config
-from swbert.training.optim import build_optimizer
 
 
 def _engine(size: str, vocab: int):

@@ -43,7 +43,7 @@ from swbert.finetune.batching import LengthGroupedBatchSampler, unpad_collate
 from swbert.finetune.glue_data import EncodedDataset, pad_collate
 from swbert.models import SWBertConfig, SWBertForSequenceClassification
 from swbert.models.varlen import varlen_kernel
-from swbert.training.optim import build_optimizer
+from swbert.runtime.optim import build_optimizer
 
 MODES: tuple[str, ...] = ("padded", "grouped", "unpadded")
 # name -> (median tokens, log-normal sigma, shortest, longest): see the module docstring

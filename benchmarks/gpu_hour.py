@@ -337,7 +337,7 @@ def mfu(ctx: Context, compiled: bool) -> Outcome:
 def mfu_of(result: dict) -> Outcome:
     """MFU per variant against the device's bf16 peak (TFLOP/s where the peak is unknown), and shared's
     throughput over standard's."""
-    from swbert.training.metrics import peak_tflops_of
+    from swbert.runtime.monitor import peak_tflops_of
 
     peak = peak_tflops_of(result["machine"]) if result["args"].get("device", "").startswith("cuda") else None
     models = result["models"]

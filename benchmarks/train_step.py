@@ -24,7 +24,7 @@ default set) is that swbert variant with `last_layer_on_labels = False`: its las
 every position, not only the masked ones. `standard-separate` is standard attention as it was before
 its projections were fused: three d x d GEMMs (q_proj, k_proj, v_proj) instead of one 3d x d.
 
-On a CPU every swbert model runs with the CPU kernels (`swbert.cpu.optimize_for_cpu`), as the
+On a CPU every swbert model runs with the CPU kernels (`swbert.runtime.cpu.optimize_for_cpu`), as the
 trainer does by default there. `<model>-plain` runs it without them, exactly the model path a GPU
 runs; `<model>+dropout+decoder` with only those kernels, so one run measures what each is worth:
 
@@ -49,11 +49,11 @@ import torch
 import transformers
 from torch import nn
 
-from swbert.cpu import CPU_KERNELS, keep_freed_memory, optimize_for_cpu
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.attention import SelfAttention, StandardAttention, attention_types, unpack_heads
 from swbert.models.flops import masked_lm_flops
-from swbert.training.metrics import peak_tflops_of
+from swbert.runtime.cpu import CPU_KERNELS, keep_freed_memory, optimize_for_cpu
+from swbert.runtime.monitor import peak_tflops_of
 
 MODELS: tuple[str, ...] = ("hf", "standard", "shared", "symmetric", "pairwise")
 # Opt-in: a variant without the masked-positions-only last layer, e.g. "shared-full".

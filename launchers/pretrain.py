@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    from swbert.runtime.dist import LostRanks
     from swbert.training.checkpoint import CheckpointSaveError
-    from swbert.training.dist import LostRanks
     from swbert.training.loop import NonFiniteStop
     from swbert.training.metrics import MetricsWriteError
     from swbert.training.runlock import RunFolderBusy

@@ -92,6 +92,10 @@ def parse_value(name: str, raw: Any, tp: Any, split: bool = True) -> Any:
     optional = get_origin(tp) in (Union, types.UnionType) and type(None) in get_args(tp)
     if isinstance(raw, str) and optional and raw.lower() in ("none", "null"):
         return None
+    if {"on", "off"} <= set(literal_choices(tp)) and str(raw).lower() in ("true", "false"):
+        # a switch with more than two settings: YAML reads an unquoted on/off as a boolean, and
+        # true/false on the command line mean the same
+        return "on" if str(raw).lower() == "true" else "off"
     base = _base(tp)
     if get_origin(base) is list:
         item = get_args(base)[0]

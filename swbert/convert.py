@@ -26,7 +26,7 @@ from swbert.models import (
     SWBertModel,
 )
 from swbert.models.attention import StandardAttention, attention_class, attention_types, unpack_state_dict
-from swbert.training.run_tokenizer import copy_tokenizer
+from swbert.runtime.run_tokenizer import copy_tokenizer
 
 # (transformers name, swbert name) for every parameter, the attention's those of `StandardAttention`
 # in their separate form (q_proj, k_proj, v_proj), which its load hook packs into `in_proj`.

@@ -52,6 +52,60 @@ def test_no_trainer_method_is_over_60_lines():
                 assert length <= 60, f"{name}:{node.lineno} {node.name} is {length} lines"
 
 
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _targets(path: Path, modules: set[str]) -> set[str]:
+    """Every module `path` imports, at any depth: `from a import b` is `a.b` when that is a module."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = {f"{node.module}.{a.name}" for a in node.names} & modules
+            found |= subs or {node.module}
+    return found
+
+
+def _layers() -> list[list[set[str]]]:
+    """docs/architecture.md's `layers` block, lowest first: per layer, its groups of units (peers
+    apart)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = text.split("```layers\n", 1)[1].split("```", 1)[0]
+    rows = [line.split(None, 1) for line in block.strip().splitlines()]
+    rows.sort(key=lambda row: int(row[0]))
+    return [[set(group.split()) for group in units.split("|")] for _, units in rows]
+
+
+def test_imports_run_down_the_layers_the_architecture_page_states():
+    """Pretraining, fine-tuning and scaling share swbert.runtime and import neither each other nor
+    anything above them; the offline tools and launchers sit on top."""
+    layers = _layers()
+    where = {
+        unit: (n, g) for n, groups in enumerate(layers) for g, units in enumerate(groups) for unit in units
+    }
+
+    def unit_of(module: str) -> str | None:
+        matches = [u for u in where if module == u or (module.startswith(u + ".") and u != "swbert")]
+        return max(matches, key=len, default=None)
+
+    files = [p for d in ("swbert", "data_prep", "launchers") for p in (REPO / d).rglob("*.py")]
+    modules = {_module_name(p) for p in files}
+    wrong = []
+    for path in files:
+        source = unit_of(_module_name(path))
+        assert source is not None, f"{path.relative_to(REPO)} is in no layer of docs/architecture.md"
+        for target in map(unit_of, _targets(path, modules)):
+            if target is None or target == source:
+                continue
+            (n, g), (m, h) = where[source], where[target]
+            if m > n or (m == n and g != h):
+                wrong.append(f"{path.relative_to(REPO)} ({source}, layer {n}) imports {target} (layer {m})")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
 @pytest.mark.slow
 def test_build_steps_run_alone_before_any_process_group(data_dir, tmp_path, monkeypatch):
     """The steps before the process group, called one by one as a reader (or a test) would."""

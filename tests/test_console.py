@@ -16,7 +16,7 @@ from unittest import mock
 import pytest
 
 from swbert import logs
-from swbert.training.optim import lr_factor
+from swbert.runtime.optim import lr_factor
 from tests.launch_utils import REPO, launch, read_metrics
 
 PRETRAIN_BUDGET = 40  # lines of a tiny pretraining run on 2 ranks, besides the progress bar

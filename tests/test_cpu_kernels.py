@@ -1,4 +1,4 @@
-"""The CPU kernels of `swbert.cpu` compute what the plain model path computes (outputs and every
+"""The CPU kernels of `swbert.runtime.cpu` compute what the plain model path computes (outputs and every
 gradient), swap in and out without touching a parameter, and stay out of the plain path."""
 
 import os
@@ -12,7 +12,8 @@ from torch import nn
 from torch.testing import assert_close
 
 from swbert import ATTENTION_TYPES, SWBertForMaskedLM
-from swbert.cpu import (
+from swbert.models.attention import SDPAKernel
+from swbert.runtime.cpu import (
     CPU_KERNELS,
     CPUAttentionKernel,
     bool_mask_dropout,
@@ -20,7 +21,6 @@ from swbert.cpu import (
     resolve_cpu_kernels,
     unfused_attention,
 )
-from swbert.models.attention import SDPAKernel
 from tests.test_perf_optimisations import batch, grads, randomise, tiny
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -115,7 +115,7 @@ STEPS = """
 import resource
 import torch
 from swbert import SWBertConfig, SWBertForMaskedLM
-from swbert.cpu import keep_freed_memory
+from swbert.runtime.cpu import keep_freed_memory
 took = keep_freed_memory()
 torch.manual_seed(0)
 # a BERT-sized vocabulary: the (vocab, d) gradients and logits are blocks above glibc's mmap threshold

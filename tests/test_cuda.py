@@ -17,7 +17,7 @@ from torch.testing import assert_close
 
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.attention import attention_types
-from swbert.training.optim import build_optimizer, param_groups
+from swbert.runtime.optim import build_optimizer, param_groups
 from swbert.training.wrappers import wrap_model
 from tests.launch_utils import job_env, launch, read_metrics
 from tests.test_static_shapes import static_batch

@@ -17,9 +17,10 @@ import torch
 
 from swbert.models import SWBertConfig
 from swbert.models.flops import masked_lm_params
+from swbert.runtime.ds_config import BatchShape, build_ds_config, load_ds_config
+from swbert.runtime.optim import build_optimizer
+from swbert.training.build import pretraining_ds_config
 from swbert.training.config import TrainConfig
-from swbert.training.ds_config import BatchShape, build_ds_config, load_ds_config, pretraining_ds_config
-from swbert.training.optim import build_optimizer
 from tests.launch_utils import REPO, job_env
 from tests.test_parallel_harness import mlm_batch, reference_model, run_ranks, tiny_config
 
@@ -86,7 +87,7 @@ def test_zero_0_and_1_accumulate_bf16_in_bf16(tmp_path, caplog):
     for stage in (0, 1):
         template = tmp_path / f"zero{stage}.json"
         template.write_text(json.dumps({"zero_optimization": {"stage": stage}}))
-        with caplog.at_level("INFO", logger="swbert.training.ds_config"):
+        with caplog.at_level("INFO", logger="swbert.runtime.ds_config"):
             ds = _build(template, "bf16")  # 32 = 2 ranks x 4 x accumulation 4
         assert "data_types" not in ds and ds["communication_data_type"] == "fp32"
         assert f"ZeRO stage {stage} in bf16 sums the 4 micro-batches of each step in bf16" in caplog.text
@@ -166,7 +167,7 @@ def test_the_optimizer_auto_builds():
 def test_a_fused_adam_that_cannot_be_built_is_one_line_naming_the_fix(tmp_path):
     """A real failed build: an empty extension cache and no working C++ compiler (CXX=false)."""
     code = (
-        "import torch\nfrom swbert.training.optim import build_optimizer\n"
+        "import torch\nfrom swbert.runtime.optim import build_optimizer\n"
         "build_optimizer(torch.nn.Linear(4, 4), 1e-3, 0.01, kind='fused_adam')\n"
     )
     env = job_env(CXX="false", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from swbert.training import extensions
-from swbert.training.extensions import SIDE_FILE, StaleBuildLock, build_dir, load_op
+from swbert.runtime import extensions
+from swbert.runtime.extensions import SIDE_FILE, StaleBuildLock, build_dir, load_op
 from tests.launch_utils import REPO, job_env
 
 
@@ -39,7 +39,7 @@ def folder(tmp_path, monkeypatch):
 def test_a_lock_left_by_a_killed_swbert_build_is_removed(folder):
     """A real process takes the flock, creates torch's lock as a build does, and is killed -9."""
     code = (
-        "import sys, time\nfrom pathlib import Path\nfrom swbert.training.extensions import _holding\n"
+        "import sys, time\nfrom pathlib import Path\nfrom swbert.runtime.extensions import _holding\n"
         f"folder = Path({str(folder)!r})\n"
         f"with _holding(folder / {SIDE_FILE!r}):\n"
         "    (folder / 'lock').touch()\n    print('building', flush=True)\n    time.sleep(120)\n"

@@ -43,7 +43,7 @@ import psutil, torch
 
 # dist.py needs torch alone: loaded from its file, a rank starts in the time torch takes to import,
 # not the whole package's (transformers and the models)
-spec = importlib.util.spec_from_file_location("dist", "swbert/training/dist.py")
+spec = importlib.util.spec_from_file_location("dist", "swbert/runtime/dist.py")
 dist = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(dist)
 Heartbeat = dist.Heartbeat

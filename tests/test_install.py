@@ -212,7 +212,7 @@ def test_pretrain_help_describes_every_key():
 
 
 def test_deepspeed_config_names_resolve_but_a_given_path_wins(tmp_path, monkeypatch):
-    from swbert.training.ds_config import find_ds_config
+    from swbert.runtime.ds_config import find_ds_config
 
     monkeypatch.chdir(tmp_path)  # no ds_configs/ in the working directory
     assert find_ds_config("ds_configs/zero1.json").parent.name == "ds_configs"

@@ -133,7 +133,7 @@ def test_optimizer_settings_given_on_resume_are_applied_to_the_restored_state():
     silently over the resumed run's --lr, --weight-decay and --adam-* flags."""
     import torch
 
-    from swbert.training.optim import apply_hyperparameters, build_optimizer, build_scheduler
+    from swbert.runtime.optim import apply_hyperparameters, build_optimizer, build_scheduler
 
     def build(lr: float, wd: float, betas: tuple[float, float], eps: float):
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))

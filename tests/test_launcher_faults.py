@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from swbert.runtime.dist import Heartbeat
 from swbert.training import checkpoint as ckpt
-from swbert.training.dist import Heartbeat
 from swbert.training.runlock import RunLock
 from tests.launch_utils import REPO, free_port, job_env, kill_group, read_metrics, wait_for
 
@@ -190,7 +190,7 @@ def test_signals_under_the_deepspeed_launcher_checkpoint_and_the_run_resumes(dat
 
 
 def test_the_lost_rank_minutes_are_checked(monkeypatch):
-    from swbert.training.dist import watch_for_lost_ranks
+    from swbert.runtime.dist import watch_for_lost_ranks
 
     for bad in ("soon", "-1"):
         monkeypatch.setenv("SWBERT_LOST_RANK_MIN", bad)

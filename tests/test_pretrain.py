@@ -98,8 +98,8 @@ def test_zero_stage_trains_exports_and_resumes_exactly(stage, data_dir, tmp_path
         check_ok(resumed)
     if stage >= 2:
         assert "model path: plain PyTorch ops, the path a GPU runs" in result.stderr
-    else:  # on a CPU the default swaps in swbert.cpu's kernels
-        assert "model path: CPU kernels from swbert.cpu (attention)" in result.stderr
+    else:  # on a CPU the default swaps in swbert.runtime.cpu's kernels
+        assert "model path: CPU kernels from swbert.runtime.cpu (attention)" in result.stderr
     check_golden(f"tiny_cpu-zero{stage}-2ranks", metrics)  # every logged loss, bit for bit
     losses = [metrics[s]["loss"] for s in sorted(metrics) if s != 7]
     assert losses[-1] < losses[0] - 0.5, losses
@@ -287,6 +287,21 @@ def test_config_typos_and_recipes():
     )
     assert config.lr == 5e-4 and config.size == "tiny" and config.allow_resume_change == ["seed", "data"]
     assert (REPO / "swbert" / "recipes" / "default.yaml").is_file()
+    # compile was a boolean once, and YAML reads `on` as one: true/false mean on/off everywhere
+    assert [parse_args(["--compile", v]).compile for v in ("true", "False", "on", "auto")] == [
+        "on",
+        "off",
+        "on",
+        "auto",
+    ]
+
+
+def test_a_yaml_recipe_compile_on_is_on(tmp_path):
+    from swbert.training.cli import parse_args
+
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text("size: tiny\ncompile: on\n")  # YAML 1.1: `on` is true
+    assert parse_args(["--config", str(recipe)]).compile == "on"
 
 
 def test_config_typos_in_a_toml_recipe(tmp_path):
@@ -306,13 +321,9 @@ def test_config_typos_in_a_toml_recipe(tmp_path):
 def test_deepspeed_configs_take_batch_lr_and_precision_from_the_training_config(tmp_path):
     """Every shipped JSON is filled from TrainConfig; a hard-coded value that disagrees with it, or an
     optimizer/scheduler section (its own LR), is an error naming the flag, never a silent override."""
+    from swbert.runtime.ds_config import load_ds_config, offloads_optimizer, zero_stage
+    from swbert.training.build import pretraining_ds_config
     from swbert.training.config import TrainConfig
-    from swbert.training.ds_config import (
-        load_ds_config,
-        offloads_optimizer,
-        pretraining_ds_config,
-        zero_stage,
-    )
 
     shipped = {p.name for p in (REPO / "ds_configs").glob("*.json")}
     assert shipped == {"zero1.json", "zero2.json", "zero3.json", "zero2_fp16.json", "zero3_offload.json"}

@@ -11,9 +11,9 @@ import shutil
 import pytest
 
 from swbert.data.tokenizer import tokenizer_hash
+from swbert.runtime.run_tokenizer import keep_in_run, tokenizer_for_export
 from swbert.training import checkpoint as ckpt
 from swbert.training.export import export
-from swbert.training.run_tokenizer import keep_in_run, tokenizer_for_export
 from tests.launch_utils import run_single
 
 TOKENIZER = {"spm.model", "tokenizer.json", "tokenizer_config.json"}

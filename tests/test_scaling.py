@@ -184,8 +184,8 @@ def test_checkpointing_and_sequence_parallelism_let_a_point_fit():
 def test_generated_deepspeed_configs_are_filled_by_the_trainer(tmp_path):
     """Batch sizes and precision stay "auto": the trainer fills them from its own config."""
     from swbert.scaling.grid import write_ds_config
+    from swbert.training.build import pretraining_ds_config
     from swbert.training.config import TrainConfig
-    from swbert.training.ds_config import pretraining_ds_config
 
     for layout in ("z0", "z1", "z2", "z3", "z3-offload", "z3-offload-params", "z3-offload-params-nvme"):
         path = write_ds_config(Layout.parse(layout), tmp_path / "ds", tmp_path / "swap")

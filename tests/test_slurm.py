@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from swbert.cpu import set_cpu_threads
 from swbert.data import loader
+from swbert.runtime.cpu import set_cpu_threads
 from swbert.scaling.report import read_csv
 from tests.launch_utils import REPO, job_env, read_metrics
 
@@ -365,9 +365,9 @@ from pathlib import Path
 
 import torch
 
-from swbert.cpu import set_cpu_threads
+from swbert.runtime.cpu import set_cpu_threads
 from swbert.data.loader import resolve_num_workers
-from swbert.training.dist import map_launcher_env
+from swbert.runtime.dist import map_launcher_env
 
 map_launcher_env()  # srun mode: RANK from SLURM_PROCID, as the trainer does
 set_cpu_threads(None)

@@ -8,7 +8,6 @@ import torch
 from torch.testing import assert_close
 
 from swbert import SWBertConfig, SWBertForQuestionAnswering, SWBertForSequenceClassification
-from swbert.cpu import optimize_for_cpu
 from swbert.models.attention import (
     ATTENTION_CLASSES,
     SelfAttention,
@@ -16,6 +15,7 @@ from swbert.models.attention import (
     unregister_attention,
 )
 from swbert.models.varlen import SeqLens, pad_output, unpad_input, unpad_like
+from swbert.runtime.cpu import optimize_for_cpu
 
 VARIANTS = ("standard", "symmetric", "pairwise", "shared")
 LENGTHS = (1, 12, 5, 9)  # ragged: a length-1 sequence and a full-length one (S = 12)

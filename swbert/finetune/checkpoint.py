@@ -111,8 +111,8 @@ def save_finetuned(model, tokenizer, folder: str | Path) -> None:
 
     Every rank waits until the folder is complete, so any rank may load it afterwards.
     """
-    from swbert.dist import ParallelDims
     from swbert.finetune.trainer import barrier
+    from swbert.runtime.ranks import ParallelDims
 
     if ParallelDims.from_env().is_main:
         model.config.tokenizer_sha256 = tokenizer_fingerprint(tokenizer)

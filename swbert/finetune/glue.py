@@ -19,7 +19,6 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from swbert import SWBertConfig, SWBertForSequenceClassification
-from swbert.dist import ParallelDims
 from swbert.finetune import cross_domain, robustness
 from swbert.finetune.checkpoint import (
     Checkpoint,
@@ -37,6 +36,7 @@ from swbert.finetune.sweep import SweepConfig, TrialSpec, run_trial
 from swbert.finetune.tasks import GLUE_TASKS, PAPER_GLUE_TASKS, GlueTask, get_task
 from swbert.finetune.tracking import CHECKPOINT, KIND, TASK, VARIANT, Tracker
 from swbert.finetune.trainer import default_device, move, progress_bar
+from swbert.runtime.ranks import ParallelDims
 
 log = logging.getLogger(__name__)
 

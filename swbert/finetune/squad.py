@@ -22,7 +22,6 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from swbert import SWBertForQuestionAnswering
-from swbert.dist import ParallelDims
 from swbert.finetune.checkpoint import Checkpoint, load_tokenizer, uses_token_types
 from swbert.finetune.glue_data import EncodedDataset
 from swbert.finetune.metrics import best_null_threshold, squad_scores
@@ -40,6 +39,7 @@ from swbert.finetune.sweep import SweepConfig, TrialSpec, run_trial
 from swbert.finetune.tracking import Tracker
 from swbert.finetune.trainer import move, progress_bar
 from swbert.finetune.triviaqa import load_triviaqa_hub, read_triviaqa_json
+from swbert.runtime.ranks import ParallelDims
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ from typing import Any, Literal
 
 from torch import nn
 
-from swbert.dist import ParallelDims
 from swbert.finetune.batching import resolve_unpad, unpad_collate
 from swbert.finetune.checkpoint import Checkpoint, parse_checkpoints, save_finetuned
 from swbert.finetune.glue_data import pad_collate
@@ -38,6 +37,7 @@ from swbert.finetune.resume import (
 from swbert.finetune.tracking import DEFAULT_EXPERIMENT, Tracker, tracking_uri
 from swbert.finetune.trainer import FinetuneConfig, default_device, fit, set_seed
 from swbert.models.plugins import load_plugins
+from swbert.runtime.ranks import ParallelDims
 
 log = logging.getLogger("swbert.finetune")
 

@@ -88,7 +88,7 @@ class Tracker:
         self.parent_id = run_id
         monitor = None
         if run_id is not None and self.system_metrics:
-            from swbert.training.metrics import start_system_metrics
+            from swbert.runtime.monitor import start_system_metrics
 
             monitor = start_system_metrics(run_id, self.uri)
         try:
@@ -104,7 +104,7 @@ class Tracker:
 
     @staticmethod
     def _stop(monitor: object) -> None:
-        from swbert.training.metrics import stop_system_metrics
+        from swbert.runtime.monitor import stop_system_metrics
 
         stop_system_metrics(monitor)
 

@@ -24,11 +24,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from swbert.dist import ParallelDims
 from swbert.finetune.batching import train_loader
 from swbert.finetune.metrics import selection_value
-from swbert.training.ds_config import BatchShape, Flags, build_ds_config, resolve_precision
-from swbert.training.optim import build_optimizer, build_scheduler
+from swbert.runtime.ds_config import BatchShape, Flags, build_ds_config, resolve_precision
+from swbert.runtime.optim import build_optimizer, build_scheduler
+from swbert.runtime.ranks import ParallelDims
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ def _set_up(model: nn.Module, train_set: Dataset, collate: Callable, cfg: Finetu
         )
     use_ds = info.world > 1
     if use_ds:
-        from swbert.training.dist import init_distributed
+        from swbert.runtime.dist import init_distributed
 
         init_distributed()  # NCCL on GPU, gloo on CPU; sets this rank's GPU; a no-op when already up
     device = default_device(info)

@@ -10,12 +10,3 @@ from pathlib import Path
 _checkout = Path(__file__).resolve().parents[2] / "launchers"
 if _checkout.is_dir() and (_checkout / "pretrain.py").is_file():
     __path__.append(str(_checkout))  # noqa: F821 - a package's __path__ is set by the import system
-
-
-def launcher_path(name: str) -> Path:
-    """The file of launcher `name` (e.g. "pretrain"), for commands that start it in new processes."""
-    for folder in __path__:  # noqa: F821
-        candidate = Path(folder) / f"{name}.py"
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(f"launcher {name}.py is missing from {', '.join(__path__)}: reinstall swbert")  # noqa: F821

@@ -19,7 +19,7 @@ with the separate projections (q_proj, k_proj, v_proj: saved before the fusion, 
 BERT) load unchanged: a load hook packs them (`SelfAttention.packed`).
 
 One path for every device: PyTorch's own ops, the fused `scaled_dot_product_attention` kernel.
-Device-specific kernels are swapped in from outside (`swbert.cpu`), never chosen here.
+Device-specific kernels are swapped in from outside (`swbert.runtime.cpu`), never chosen here.
 
 A variant is one class that knows itself: `@register_attention(name)` makes its name a valid
 `attention_type`, and the class carries every fact the rest of swbert needs (its tensor-parallel

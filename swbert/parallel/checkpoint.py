@@ -24,6 +24,7 @@ from torch import nn
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.parallel import plan
 from swbert.parallel.state import dims
+from swbert.runtime.checkpoint_format import LATEST, LATEST_UNIVERSAL, is_universal, read_latest
 
 # DeepSpeed's per-TP-rank module files: <dir>/<tag>/mp_rank_00_model_states.pt, mp_rank_01_...; under
 # ZeRO-3 one per data- and tensor-parallel rank, zero_pp_rank_<dp>_mp_rank_<tp>_model_states.pt.
@@ -112,19 +113,15 @@ def checkpoint_client_state(config: SWBertConfig) -> dict[str, object]:
     }
 
 
-def is_universal(ckpt_dir: str | Path) -> bool:
-    """Whether `ckpt_dir` holds a universal checkpoint (loads at any size with `load_universal`)."""
-    return (Path(ckpt_dir) / "latest_universal").is_file()
-
-
 def resolve_tag(ckpt_dir: str | Path, tag: str | None = None) -> str:
     """`tag`, or the one DeepSpeed's `latest` file names."""
     if tag is not None:
         return tag
-    latest = Path(ckpt_dir) / ("latest_universal" if is_universal(ckpt_dir) else "latest")
-    if not latest.is_file():
-        raise FileNotFoundError(f"{ckpt_dir} has no 'latest' file; pass the checkpoint tag (--tag)")
-    return latest.read_text().strip()
+    for pointer in (LATEST_UNIVERSAL, LATEST):  # a folder a universal conversion wrote names its own
+        named = read_latest(Path(ckpt_dir), pointer, step_tags=False)
+        if named is not None:
+            return named
+    raise FileNotFoundError(f"{ckpt_dir} has no 'latest' file naming a folder in it; pass the tag (--tag)")
 
 
 def model_state_files(ckpt_dir: str | Path, tag: str | None = None) -> list[Path]:
@@ -155,7 +152,7 @@ def check_checkpoint(ckpt_dir: str | Path, tp_size: int, tag: str | None = None)
     merge/split heuristics, which do not know this model's layout, or fail on a missing file.
     Universal checkpoints load at any size and pass.
     """
-    if is_universal(ckpt_dir):
+    if is_universal(Path(ckpt_dir) / resolve_tag(ckpt_dir, tag)):
         return
     saved = checkpoint_tp_size(ckpt_dir, tag)
     if saved != tp_size:

@@ -42,6 +42,7 @@ from swbert.parallel.checkpoint import (
     shard_state_dict,
     universal_checkpoint_info,
 )
+from swbert.runtime.checkpoint_format import COMPLETE, LATEST, META
 from swbert.safe_load import UnsafeCheckpointError, load, weights_only_loads
 
 log = logging.getLogger("swbert.convert")
@@ -51,18 +52,15 @@ def _load(path: Path) -> dict:
     return load(path, map_location="cpu")
 
 
-# The pretraining job keeps the model config in a metadata file next to DeepSpeed's.
-_JOB_META = "swbert_meta.json"
-
-
 def _config(saved: dict, config: SWBertConfig | None, tag_dir: Path) -> SWBertConfig:
-    """`config`, else the one recorded in the checkpoint (client state, or the job's metadata)."""
+    """`config`, else the one recorded in the checkpoint (client state, or the job's metadata file
+    next to DeepSpeed's)."""
     if config is not None:
         return config
     if CONFIG_KEY in saved:
         return SWBertConfig.from_dict(saved[CONFIG_KEY])
-    if (tag_dir / _JOB_META).is_file():
-        return SWBertConfig.from_dict(json.loads((tag_dir / _JOB_META).read_text())[CONFIG_KEY])
+    if (tag_dir / META).is_file():
+        return SWBertConfig.from_dict(json.loads((tag_dir / META).read_text())[CONFIG_KEY])
     raise ValueError(
         f"{tag_dir} does not record the model config (save with client_state="
         "swbert.parallel.checkpoint_client_state(config)); pass --config path/to/config.json"
@@ -110,7 +108,7 @@ def to_hf(
     README.md and the tokenizer: `tokenizer`, else the run's, as `swbert.training.export` finds it)
     with the merged weights."""
     from swbert.models.remote_code import save_loadable
-    from swbert.training.run_tokenizer import copy_tokenizer, tokenizer_for_export
+    from swbert.runtime.run_tokenizer import copy_tokenizer, tokenizer_for_export
 
     tag = resolve_tag(ckpt_dir, tag)
     state, config = full_state_dict(ckpt_dir, tag, config)
@@ -121,7 +119,7 @@ def to_hf(
         raise ValueError(f"checkpoint does not match the config: missing {missing}, unexpected {unexpected}")
     model.trim_vocab_padding()  # the folder's tables match the tokenizer (vocab_size rows)
     save_loadable(model, out_dir)  # loadable without swbert too, with trust_remote_code
-    meta_file = Path(ckpt_dir) / tag / "swbert_meta.json"
+    meta_file = Path(ckpt_dir) / tag / META
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
     if tokenizer is None:
         tokenizer = tokenizer_for_export(Path(ckpt_dir) / tag, meta)
@@ -160,7 +158,7 @@ def to_universal(
         with weights_only_loads():
             ds_to_universal.main(args)  # also writes OUT_DIR/latest_universal
     for meta in (Path(ckpt_dir) / tag).glob("*.json"):  # the trainer's metadata travels along
-        if meta.name != "complete.json":  # the source's marker: it lists the source's files
+        if meta.name != COMPLETE:  # the source's marker: it lists the source's files
             shutil.copy2(meta, Path(out_dir) / tag / meta.name)
     pack_universal(Path(out_dir) / tag, _config(first, config, Path(ckpt_dir) / tag))
     return Path(out_dir)
@@ -232,7 +230,7 @@ def reshard(
             {**meta, "module": shard, "mp_world_size": tp_size},
             folder / f"mp_rank_{rank:02d}_model_states.pt",
         )
-    (Path(out_dir) / "latest").write_text(tag)
+    (Path(out_dir) / LATEST).write_text(tag)
     return Path(out_dir)
 
 

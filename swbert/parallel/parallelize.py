@@ -14,7 +14,6 @@ import torch.distributed as dist
 from megatron.core import ModelParallelConfig
 from torch import nn
 
-from swbert.dist import ParallelDims
 from swbert.models import SWBertForMaskedLM
 from swbert.parallel import plan, sequence
 from swbert.parallel.layers import (
@@ -29,6 +28,7 @@ from swbert.parallel.layers import (
     megatron_config,
 )
 from swbert.parallel.state import dims, log_rank0
+from swbert.runtime.ranks import ParallelDims
 
 _STEPS = 7
 

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as mcore_random
 
-from swbert.dist import ParallelDims
 from swbert.parallel import cpu_compat
+from swbert.runtime.ranks import ParallelDims
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,6 @@ from typing import Any
 
 import psutil
 
-from swbert.launchers import launcher_path
 from swbert.scaling.grid import GridPoint, activation_args
 from swbert.scaling.memory import GIB
 
@@ -228,7 +227,8 @@ def point_command(
         args += ["--plugins", *(str(Path(p).resolve()) if p.endswith(".py") else p for p in plugins)]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(ranks), str(launcher_path("pretrain").resolve()), *args,
+        # the launcher as a module (swbert.launchers: the checkout's launchers/ or the wheel's copy)
+        "--nproc-per-node", str(ranks), "-m", "swbert.launchers.pretrain", *args,
     ]  # fmt: skip
     return cmd, REPO if (REPO / "launchers").is_dir() else None
 

@@ -148,7 +148,7 @@ class Recorder:
 def _prepare_data(cfg: StudyConfig) -> tuple[str, int]:
     """The shards measured runs read (the entry point builds the default corpus when none is given)
     and their vocabulary."""
-    from swbert.training.data import prepare_data
+    from swbert.data.folder import prepare_data
 
     path = prepare_data(cfg.data_dir)
     manifest = json.loads((Path(path) / "manifest.json").read_text())

@@ -32,34 +32,40 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from swbert.cpu import keep_freed_memory, optimize_for_cpu, resolve_cpu_kernels, set_cpu_threads
-from swbert.dist import ParallelDims
 from swbert.logs import status
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.config import SIZES
 from swbert.models.flops import masked_lm_params
-from swbert.training import checkpoint as ckpt
-from swbert.training.config import OPTIMIZER_SETTINGS, TrainConfig, dump_config
-from swbert.training.data import TrainingData, prepare_data, resolve_num_workers, verify_data
-from swbert.training.dist import (
+from swbert.runtime.cpu import keep_freed_memory, optimize_for_cpu, resolve_cpu_kernels, set_cpu_threads
+from swbert.runtime.dist import (
     bound_every_group,
     init_distributed,
     map_launcher_env,
     watch_for_lost_ranks,
 )
-from swbert.training.ds_config import (
+from swbert.runtime.ds_config import (
     BatchShape,
+    build_ds_config,
     offloads_optimizer,
-    pretraining_ds_config,
     resolve_precision,
     zero_stage,
 )
+from swbert.runtime.optim import build_optimizer, build_scheduler, resolve_optimizer
+from swbert.runtime.ranks import ParallelDims
+from swbert.training import checkpoint as ckpt
+from swbert.training.config import OPTIMIZER_SETTINGS, TrainConfig, dump_config
+from swbert.training.data import TrainingData, prepare_data, resolve_num_workers, verify_data
 from swbert.training.metrics import MetricsLogger
-from swbert.training.optim import build_optimizer, build_scheduler, resolve_optimizer
 from swbert.training.runlock import RunLock
 from swbert.training.wrappers import wrap_model
 
 log = logging.getLogger("swbert.train")
+
+
+def pretraining_ds_config(config: TrainConfig, dp_size: int, precision: str) -> dict[str, Any]:
+    """The pretraining run's DeepSpeed config: batch shape, clipping and precision from `config`."""
+    batch = BatchShape(*config.batch_layout(dp_size))
+    return build_ds_config(config.deepspeed_config, batch, config.grad_clip, precision)
 
 
 @dataclass
@@ -336,7 +342,7 @@ def build_model(
 ) -> tuple[SWBertForMaskedLM, list[str]]:
     """The model every rank builds from the same seed, with the run's wrappers applied in their one
     order (`swbert.training.wrappers`: tensor parallelism, checkpointing, compile, ZeRO-3 units)
-    and (CPU eager runs only) swbert.cpu's kernels swapped in; returns it and the kernels applied."""
+    and (CPU eager runs only) swbert.runtime.cpu's kernels swapped in; returns it and the kernels applied."""
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = wrap_model(
         SWBertForMaskedLM(model_config),
@@ -352,7 +358,7 @@ def build_model(
     applied = optimize_for_cpu(model) if plan.cpu_kernels else []
     if dims.is_main:
         if applied:
-            log.info("model path: CPU kernels from swbert.cpu (%s)", ", ".join(applied))
+            log.info("model path: CPU kernels from swbert.runtime.cpu (%s)", ", ".join(applied))
         else:
             log.info("model path: plain PyTorch ops, the path a GPU runs (no CPU kernels)")
     return model, applied

@@ -32,11 +32,9 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
 import pickle
 import random
-import re
 import resource
 import shutil
 import socket
@@ -55,25 +53,31 @@ import xxhash
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from swbert.fsutil import fsync_path
+from swbert.runtime.checkpoint_format import (  # noqa: F401 - the format, re-exported for callers
+    CHECKPOINT_FORMAT,
+    COMPLETE,
+    DAMAGED_DIR,
+    HASH,
+    INCOMPLETE_DIR,
+    LATEST,
+    LATEST_UNIVERSAL,
+    META,
+    PARTIAL,
+    PARTIAL_RE,
+    TAG_RE,
+    checkpoint_tags,
+    file_hash,
+    is_complete,
+    is_universal,
+    marker_hashes,
+    newest_complete,
+    read_latest,
+    tag_for,
+)
 from swbert.safe_load import weights_only_loads
 from swbert.training.faults import kill_point, kill_requested
 
 log = logging.getLogger(__name__)
-LATEST = "latest"
-LATEST_UNIVERSAL = "latest_universal"  # written by `python -m swbert.parallel.convert universal`
-COMPLETE = "complete.json"  # the completeness marker, written last
-META = "swbert_meta.json"
-INCOMPLETE_DIR = "incomplete"  # where cut-off saves are moved
-DAMAGED_DIR = "damaged"  # where checkpoints whose files do not match their hashes are moved
-PARTIAL = ".partial"  # the suffix of a step folder being written
-HASH = "xxh3_128"  # the marker's file hash: fast (GB/s per core), not a security measure
-CHECKPOINT_FORMAT = 2  # 2: completeness markers; 1 (no key in the meta): `latest` written after the meta
-TAG_RE = re.compile(r"^step_(\d{8})$")
-PARTIAL_RE = re.compile(r"^step_(\d{8})\.partial$")
-
-
-def tag_for(step: int) -> str:
-    return f"step_{step:08d}"
 
 
 def rng_state() -> dict[str, Any]:
@@ -138,49 +142,6 @@ def _fsync_tree(root: Path) -> None:
             fsync_path(path)
     for folder in [root, *(p for p in root.rglob("*") if p.is_dir())]:
         fsync_path(folder)
-
-
-def is_complete(tag_dir: Path) -> bool:
-    """Whether a checkpoint folder holds a finished save: its marker lists files that are all there
-    with their sizes (or, saved before markers existed, its meta file was written)."""
-    marker = tag_dir / COMPLETE
-    if marker.is_file():
-        try:
-            files = json.loads(marker.read_text())["files"]
-            return all(
-                (tag_dir / name).is_file() and (tag_dir / name).stat().st_size == size
-                for name, size in files.items()
-            )
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return False
-    meta = tag_dir / META
-    if not meta.is_file():
-        return False
-    try:  # format 1 wrote the meta after every rank's shards; format 2 writes the marker after it
-        return "checkpoint_format" not in json.loads(meta.read_text())
-    except (OSError, ValueError):
-        return False
-
-
-def checkpoint_tags(ckpt_root: Path) -> list[str]:
-    """step_* folders directly under `ckpt_root`, oldest first."""
-    if not ckpt_root.is_dir():
-        return []
-    return sorted(p.name for p in ckpt_root.iterdir() if p.is_dir() and TAG_RE.match(p.name))
-
-
-def newest_complete(ckpt_root: Path) -> str | None:
-    return next((t for t in reversed(checkpoint_tags(ckpt_root)) if is_complete(ckpt_root / t)), None)
-
-
-def read_latest(ckpt_root: Path, name: str = LATEST) -> str | None:
-    """The tag a pointer file names, if it is a step_* folder inside `ckpt_root` (nothing else)."""
-    pointer = ckpt_root / name
-    try:
-        tag = pointer.read_text().strip() if pointer.is_file() else ""
-    except (OSError, UnicodeDecodeError):
-        return None
-    return tag if TAG_RE.match(tag) and (ckpt_root / tag).is_dir() else None
 
 
 class CheckpointSaveError(RuntimeError):
@@ -248,15 +209,6 @@ def _into_place(ckpt_root: Path, partial: Path, tag: str) -> None:
         log.warning("moved %s to %s before saving that step again (nothing deleted)", target, moved)
     os.replace(partial, target)
     fsync_path(ckpt_root)
-
-
-def file_hash(path: Path) -> str:
-    """xxh3-128 of a file's bytes, read through a memory map (no copy into Python buffers)."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return xxhash.xxh3_128().hexdigest()
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            return xxhash.xxh3_128(mapped).hexdigest()
 
 
 def hash_files(tag_dir: Path, paths: list[Path]) -> dict[str, str]:
@@ -478,16 +430,6 @@ def abandon_newer(ckpt_root: Path, tag: str) -> Path | None:
         tag, ", ".join(newer), ckpt_root / folder,
     )  # fmt: skip
     return ckpt_root / folder
-
-
-def marker_hashes(tag_dir: Path) -> dict[str, str]:
-    """The file hashes a checkpoint's marker records ({} for one saved before hashes)."""
-    try:
-        marker = json.loads((tag_dir / COMPLETE).read_text())
-    except (OSError, ValueError):
-        return {}
-    hashes = marker.get("hashes") if isinstance(marker, dict) and marker.get("hash") == HASH else None
-    return hashes if isinstance(hashes, dict) else {}
 
 
 def mismatched(tag_dir: Path, rank: int = 0, world: int = 1) -> list[str]:
@@ -723,12 +665,6 @@ def _check_run_settings(
     for change in allowed:
         log.warning("resume changes %s (--allow-resume-change)", change)
     return allowed
-
-
-def is_universal(tag_dir: Path) -> bool:
-    """Whether `tag_dir` is a universal checkpoint (one folder per parameter): it loads at any
-    tensor- and data-parallel size, with DeepSpeed's `checkpoint.load_universal`."""
-    return (tag_dir / "zero").is_dir()
 
 
 def load(engine, load_dir: Path, tag: str) -> dict[str, Any]:

@@ -24,17 +24,6 @@ from swbert.models.plugins import load_plugins
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
-def ds_config_dirs() -> list[Path]:
-    """Where shipped DeepSpeed configs are looked up by name, first match wins.
-
-    A checkout's (or editable install's) top-level `ds_configs/`, the folder users edit, comes first;
-    a wheel carries a copy of it as `swbert/ds_configs/` (see setup.py), found from any directory.
-    """
-    package = Path(__file__).resolve().parents[1]
-    candidates = [package.parent / "ds_configs", package / "ds_configs"]
-    return [d for d in candidates if d.is_dir() and any(d.glob("*.json"))]
-
-
 # The optimizer's settings a checkpoint records (see build.run_record and optim.apply_hyperparameters).
 OPTIMIZER_SETTINGS = (
     "lr",
@@ -133,7 +122,7 @@ class TrainConfig:
     # eager with the CPU kernels is faster)
     compile: Literal["auto", "on", "off"] = "auto"
     compile_backend: str = "inductor"  # torch.compile's backend (a name torch._dynamo.list_backends() gives)
-    # CPU kernels from swbert.cpu (dropout, attention, decoder; same results, faster on a CPU):
+    # CPU kernels from swbert.runtime.cpu (dropout, attention, decoder; same results, faster on a CPU):
     # auto = on for CPU runs in eager mode; off = exactly the model path a GPU runs; on = required
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
     # what a resume may change on purpose (comma-separated): data, seed, seq_len, mlm_probability,
@@ -141,10 +130,6 @@ class TrainConfig:
     # lr_schedule, warmup_steps, weight_decay, adam_beta1, adam_beta2, adam_eps (applied to the
     # restored optimizer); a change of any other recorded setting (the optimizer kind too) is refused
     allow_resume_change: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.compile, bool):  # recipes written when it was a boolean
-            self.compile = "on" if self.compile else "off"
 
     def check(self) -> None:
         """Raise a ValueError naming the field when a value cannot work."""

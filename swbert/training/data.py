@@ -14,36 +14,12 @@ from pathlib import Path
 import torch
 
 from swbert.data import MaskingCollator, PackedSequences, open_corpus
+from swbert.data.folder import prepare_data
 from swbert.data.integrity import CACHE_NAME, VerifyResult, verify_shards
 from swbert.data.loader import BatchLoader, batch_loader, resolve_num_workers
-from swbert.data.manifest import TOKENIZER_SUBDIR
 from swbert.data.stream import VALID_STREAM_OFFSET, MaskedStream, check_layout
-from swbert.data.tokenizer import SPM_MODEL_NAME
 
 __all__ = ["TrainingData", "prepare_data", "resolve_num_workers", "verify_data"]
-
-
-def prepare_data(data_dir: str | Path | None) -> Path:
-    """The folder of shards to train on, checked to hold a manifest. Building data is the offline
-    tools' job (`data_prep`; the pretraining entry point builds the embedded default corpus)."""
-    if data_dir is None:
-        raise ValueError(
-            "no --data-dir: make shards with `python -m data_prep.preprocess --input FILES --tokenizer "
-            "TOK_DIR --output DIR`, or run launchers/pretrain.py, which builds the embedded default corpus"
-        )
-    path = Path(data_dir)
-    if not (path / "manifest.json").is_file():
-        raise FileNotFoundError(
-            f"--data-dir {path} holds no manifest.json: make shards with "
-            f"`python -m data_prep.preprocess --input FILES --tokenizer TOK_DIR --output {path}`"
-        )
-    if not (path / TOKENIZER_SUBDIR / SPM_MODEL_NAME).is_file():  # else the export has no tokenizer
-        raise FileNotFoundError(
-            f"--data-dir {path} has no {TOKENIZER_SUBDIR}/{SPM_MODEL_NAME} (the copy of the tokenizer the "
-            f"shards were made with, which checkpoints and exports carry): copy that tokenizer folder to "
-            f"{path / TOKENIZER_SUBDIR}, then check it with python -m data_prep.verify {path}"
-        )
-    return path
 
 
 def _all_gather(obj: object) -> list[object]:

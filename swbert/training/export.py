@@ -26,9 +26,9 @@ from swbert.logs import known_prints_dropped
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.attention import attention_class
 from swbert.models.remote_code import save_loadable
+from swbert.runtime.checkpoint_format import META, newest_complete, read_latest
+from swbert.runtime.run_tokenizer import copy_tokenizer, tokenizer_for_export
 from swbert.safe_load import UnsafeCheckpointError, load, weights_only_loads
-from swbert.training.checkpoint import newest_complete, read_latest
-from swbert.training.run_tokenizer import copy_tokenizer, tokenizer_for_export
 
 
 def _full_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
@@ -47,7 +47,7 @@ def _full_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model_from_checkpoint(tag_dir: Path) -> SWBertForMaskedLM:
-    meta_file = tag_dir / "swbert_meta.json"
+    meta_file = tag_dir / META
     if not meta_file.is_file():
         raise FileNotFoundError(f"{tag_dir} has no swbert_meta.json: not a complete swbert checkpoint")
     meta = json.loads(meta_file.read_text())
@@ -72,12 +72,12 @@ def load_model_from_checkpoint(tag_dir: Path) -> SWBertForMaskedLM:
 
 def export(tag_dir: Path, output: Path, tokenizer_dir: Path | None = None) -> Path:
     """Write the HF folder for one checkpoint, with its tokenizer's files (only those): from
-    `tokenizer_dir`, else from the run folder's `tokenizer/` (see swbert.training.run_tokenizer).
+    `tokenizer_dir`, else from the run folder's `tokenizer/` (see swbert.runtime.run_tokenizer).
 
     A vocabulary padded for training (pad_vocab_multiple) is trimmed back to the tokenizer's size:
     the folder loads as a model of vocab_size ids, in swbert and in plain transformers alike."""
     model = load_model_from_checkpoint(tag_dir).trim_vocab_padding()
-    meta = json.loads((tag_dir / "swbert_meta.json").read_text())
+    meta = json.loads((tag_dir / META).read_text())
     if tokenizer_dir is not None and not tokenizer_dir.is_dir():
         raise FileNotFoundError(f"--tokenizer {tokenizer_dir} is not a folder")
     tokenizer = tokenizer_dir if tokenizer_dir is not None else tokenizer_for_export(tag_dir, meta)
@@ -100,7 +100,7 @@ class ExportConfig:
 
 def _tag_dir(args: ExportConfig) -> Path:
     tag_dir = args.checkpoints
-    if args.tag or not (tag_dir / "swbert_meta.json").is_file():  # a checkpoints/ folder
+    if args.tag or not (tag_dir / META).is_file():  # a checkpoints/ folder
         tag = args.tag or read_latest(tag_dir) or newest_complete(tag_dir)
         if tag is None:
             raise ValueError(f"{tag_dir} holds no complete checkpoint; pass a step_* folder or --tag")

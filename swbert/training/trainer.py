@@ -26,15 +26,16 @@ import torch.distributed as dist
 from swbert.logs import setup_logging, status
 from swbert.models.flops import masked_lm_flops
 from swbert.models.modeling import IGNORE_INDEX
+from swbert.runtime.dist import lost_ranks_named, stop_watching
+from swbert.runtime.monitor import device_peak_tflops
+from swbert.runtime.optim import apply_hyperparameters, schedule_change
+from swbert.runtime.run_tokenizer import keep_in_run
 from swbert.training import build
 from swbert.training import checkpoint as ckpt
 from swbert.training.config import TrainConfig
-from swbert.training.dist import lost_ranks_named, stop_watching
 from swbert.training.faults import kill_point, nonfinite_faults
 from swbert.training.loop import Counts, Loop, StepResult
-from swbert.training.metrics import MetricsWriteError, device_peak_tflops
-from swbert.training.optim import apply_hyperparameters, schedule_change
-from swbert.training.run_tokenizer import keep_in_run
+from swbert.training.metrics import MetricsWriteError
 from swbert.training.stopping import acknowledge_at_once, acknowledgement
 
 log = logging.getLogger("swbert.train")

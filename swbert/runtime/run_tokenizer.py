@@ -86,7 +86,7 @@ def keep_in_run(source: Path | None, output_dir: Path, write: bool) -> str | Non
         if _same_files(staging, target):
             shutil.rmtree(staging)
             return RUN_TOKENIZER_DIR
-        from swbert.training.checkpoint import newest_complete
+        from swbert.runtime.checkpoint_format import newest_complete
 
         trained = newest_complete(output_dir / "checkpoints")
         if trained is not None:

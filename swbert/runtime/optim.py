@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from swbert.training.extensions import StaleBuildLock, load_op
+from swbert.runtime.extensions import StaleBuildLock, load_op
 
 OptimizerKind = Literal["auto", "torch_adamw", "fused_adam", "cpu_adam"]
 Schedule = Literal["linear", "cosine", "constant"]

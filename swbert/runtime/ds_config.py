@@ -1,7 +1,8 @@
-"""DeepSpeed configs are filled from the training config, never silently disagreeing with it.
+"""DeepSpeed configs are filled from a run's own settings, never silently disagreeing with them.
 
 The JSON files in ds_configs/ choose the ZeRO stage, offload and communication settings; batch
-sizes, accumulation, clipping and precision come from `TrainConfig`. A field left "auto" (or
+sizes, accumulation, clipping and precision come from the run (pretraining's `TrainConfig`,
+fine-tuning's flags), through `BatchShape` and `Flags`. A field left "auto" (or
 absent) is filled; a hard-coded value that disagrees with the training config is an error.
 
 Two settings are swbert's on every config it writes (`run_settings`), since DeepSpeed's defaults
@@ -21,9 +22,18 @@ from typing import Any
 
 import torch
 
-from swbert.training.config import TrainConfig, ds_config_dirs
-
 log = logging.getLogger(__name__)
+
+
+def ds_config_dirs() -> list[Path]:
+    """Where shipped DeepSpeed configs are looked up by name, first match wins.
+
+    A checkout's (or editable install's) top-level `ds_configs/`, the folder users edit, comes first;
+    a wheel carries a copy of it as `swbert/ds_configs/` (see setup.py), found from any directory.
+    """
+    package = Path(__file__).resolve().parents[1]
+    candidates = [package.parent / "ds_configs", package / "ds_configs"]
+    return [d for d in candidates if d.is_dir() and any(d.glob("*.json"))]
 
 
 def resolve_precision(requested: str, on_gpu: bool) -> str:
@@ -200,12 +210,6 @@ def run_settings(
             )
     if not data_types:
         del ds["data_types"]
-
-
-def pretraining_ds_config(config: TrainConfig, dp_size: int, precision: str) -> dict[str, Any]:
-    """The pretraining run's DeepSpeed config: batch shape, clipping and precision from `config`."""
-    batch = BatchShape(*config.batch_layout(dp_size))
-    return build_ds_config(config.deepspeed_config, batch, config.grad_clip, precision)
 
 
 def zero_stage(ds: dict[str, Any]) -> int:

@@ -158,7 +158,7 @@ def load_shm_comm() -> None:
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
-    from swbert.training.extensions import load_op
+    from swbert.runtime.extensions import load_op
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
