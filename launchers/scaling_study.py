@@ -21,6 +21,7 @@ checkpointing with it) are refused before anything runs.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,9 @@ def quality_main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def work() -> list:
+        # SIGTERM (a scheduler's stop, `kill`) unwinds like Ctrl-C: the point in flight is told to stop
+        # (it checkpoints) before the study exits, so a re-run resumes it and finds no run still going
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         if cfg.data_dir is None:  # the embedded default corpus (it has a validation split)
             from data_prep.default_corpus import ensure_default_data
 

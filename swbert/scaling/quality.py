@@ -215,7 +215,7 @@ def check_data(data_dir: str) -> int:
 class PointResult:
     """What a point's run left: `done` with its held-out loss, or `failed` with the reason."""
 
-    status: str  # "done" or "failed"
+    status: str  # "done", "failed", or "stopped" (on request, checkpointed: resumes on a re-run)
     reason: str = ""
     val_loss: float | None = None  # held-out MLM loss at the final step
     train_loss: float | None = None  # training loss of the last logged window
@@ -281,6 +281,7 @@ def train_point(point: Point, cfg: QualityConfig, run_dir: Path, data_dir: str) 
     from swbert.scaling.grid import write_ds_config
     from swbert.scaling.measure import REPO, _last_error
     from swbert.scaling.memory import Layout
+    from swbert.training.stopping import PREEMPTED_EXIT
 
     run_dir.mkdir(parents=True, exist_ok=True)
     ds_config = write_ds_config(Layout(zero=cfg.zero), cfg.output_dir / "ds_configs")
@@ -310,6 +311,10 @@ def train_point(point: Point, cfg: QualityConfig, run_dir: Path, data_dir: str) 
             "failed",
             f"timed out after {cfg.point_timeout_s:.0f} s (--point-timeout); log: {log_path}",
             wall_s=wall,
+        )
+    if rc == PREEMPTED_EXIT:  # stopped on request after a checkpoint: not a failure, resumes next time
+        return PointResult(
+            "stopped", f"stopped on request (exit status {rc}); re-run to resume it", wall_s=wall
         )
     if rc != 0:
         error = _last_error(log_path)
@@ -348,6 +353,8 @@ def point_result(
         result, trained = finished, False  # the study stopped after the run ended, before recording it
     else:
         result, trained = trainer(point, cfg, run_dir, data_dir), True
+    if result.status == "stopped":
+        return result, trained  # nothing recorded: the next run resumes it
     saved.parent.mkdir(parents=True, exist_ok=True)
     tmp = saved.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"point": asdict(point), "result": asdict(result)}, indent=2))
