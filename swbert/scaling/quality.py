@@ -58,7 +58,7 @@ class QualityConfig:
         default_factory=lambda: ["standard", "shared"], metadata={"aliases": ("attention",)}
     )
     seeds: list[int] = field(default_factory=lambda: [1234])  # one run per seed at every size and variant
-    tokens_per_param: float = 2.0  # budget: tokens = this x non-embedding parameters (Kaplan et al.)
+    tokens_per_param: float = 1.0  # budget: tokens = this x non-embedding parameters (Kaplan et al.)
     lr_scale: float = 1.0  # times LR(N) = 0.003239 - 0.0001395 ln N (Kaplan et al.'s fit)
     warmup_fraction: float = 0.05  # warm-up steps as a share of each point's steps (ours)
     seq_len: int = 128  # tokens per sequence
