@@ -129,6 +129,7 @@ def _profile(xs: np.ndarray, Y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     z = xs[None, :] ** -alpha[:, None]  # (B, n)
     zc = z - z.mean(axis=1, keepdims=True)
     a = (zc * Yc).sum(axis=1) / (zc**2).sum(axis=1)
+    a = np.where(np.isfinite(sse[best, cols]), a, 0.0)  # no falling curve at all: the flat one, A = 0
     e = Y.mean(axis=1) - a * z.mean(axis=1)
     return e, a, alpha, at_edge
 
