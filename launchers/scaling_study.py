@@ -7,6 +7,7 @@ sizes x attention variants x parallel layouts, with measured short runs where th
     python launchers/scaling_study.py --collect runs/scaling            # after the job array
     python launchers/scaling_study.py --no-measure --gpus 8 --layouts tp2-z1 tp4-z1 \
         --sequence-parallel false true --activation-checkpointing none full   # how activations are kept
+    python launchers/scaling_study.py --quality      # held-out loss of a ladder, fitted (see --quality --help)
 
 Writes OUTPUT_DIR/scaling.csv, OUTPUT_DIR/plots/*.png and one MLflow run per grid point under a
 parent run (MLFLOW_TRACKING_URI, else sqlite:///OUTPUT_DIR/mlflow.db). Layouts: z0..z3, optionally
@@ -20,18 +21,22 @@ checkpointing with it) are refused before anything runs.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 from swbert import cli
-from swbert.scaling.study import StudyConfig, collect, emit_slurm, exit_status, run_study
+from swbert.scaling.study import StudyConfig, collect, emit_slurm, exit_status, quality_requested, run_study
 
 USAGE = "usage: launchers/scaling_study.py [--config FILE] [--key value ...]"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0; 1 when --collect finds nothing measured; 2 bad input; 3 every measured run failed."""
+    argv = sys.argv[1:] if argv is None else argv
+    if quality_requested(argv):
+        return quality_main(argv)
     cfg = cli.parse_or_exit(StudyConfig, argv, USAGE)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -72,6 +77,34 @@ def report_collected(folder: Path, rows: list[dict[str, Any]]) -> int:
               file=sys.stderr)  # fmt: skip
         return 1
     print(f"{measured} of {len(rows)} point(s) measured -> {folder / 'scaling.csv'}")
+    return 0
+
+
+def quality_main(argv: list[str]) -> int:
+    """The quality study. Exit status: 0; 2 bad input (before anything trains); 3 every point failed."""
+    from swbert.scaling.quality import QualityConfig, run_quality
+
+    cfg = cli.parse_or_exit(QualityConfig, argv, USAGE.replace("[--config", "--quality [--config"))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def work() -> list:
+        # SIGTERM (a scheduler's stop, `kill`) unwinds like Ctrl-C: the point in flight is told to stop
+        # (it checkpoints) before the study exits, so a re-run resumes it and finds no run still going
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        if cfg.data_dir is None:  # the embedded default corpus (it has a validation split)
+            from data_prep.default_corpus import ensure_default_data
+
+            cfg.data_dir = str(ensure_default_data())
+        return run_quality(cfg)
+
+    rows = cli.exit_on_bad_input(work)
+    done = sum(r["status"] == "done" for r in rows)
+    out = cfg.output_dir
+    print(f"{done} of {len(rows)} point(s) done\n  fits: {out / 'fits.json'}\n  table: {out / 'points.csv'}\n"
+          f"  plots: {out / 'plots'}")  # fmt: skip
+    if rows and not done:
+        print(f"error: every point failed; see the reasons in {out / 'points.csv'}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -17,6 +17,37 @@ AttentionKernel = Literal["sdpa", "eager"]
 ATTENTION_TYPES: tuple[str, ...] = get_args(AttentionType)
 ATTENTION_KERNELS: tuple[str, ...] = get_args(AttentionKernel)
 
+HEAD_DIM = 64  # head width of the layers x width sizes below (BERT's)
+
+
+class SizeTable(dict):
+    """The named sizes, and any `LxW` name (L layers of width W, a multiple of 64: W/64 heads of
+    64 dimensions, a 4W MLP) for ladders of a scaling study (ours). Iterating lists the named
+    sizes only; `"4x256" in SIZES` and `SIZES["4x256"]` accept the pattern."""
+
+    def __missing__(self, name: str) -> dict[str, int]:
+        shape = layers_by_width(name)
+        if shape is None:
+            raise KeyError(name)
+        return shape
+
+    def __contains__(self, name: object) -> bool:
+        return super().__contains__(name) or (isinstance(name, str) and layers_by_width(name) is not None)
+
+
+def layers_by_width(name: str) -> dict[str, int] | None:
+    """The shape `LxW` names (e.g. "4x256"), or None when `name` is not of that form."""
+    layers, sep, width = name.partition("x")
+    if not (sep and layers.isdigit() and width.isdigit()):
+        return None
+    L, W = int(layers), int(width)
+    if L < 1 or W < HEAD_DIM or W % HEAD_DIM:
+        return None
+    return dict(
+        hidden_size=W, num_hidden_layers=L, num_attention_heads=W // HEAD_DIM, intermediate_size=4 * W
+    )
+
+
 # Named sizes in one table: (hidden, layers, heads, intermediate). The vocabulary, sequence length
 # and attention variant are independent of the size and come from the config defaults or overrides.
 SIZES: dict[str, dict[str, int]] = {
@@ -29,6 +60,7 @@ SIZES: dict[str, dict[str, int]] = {
     # ~1.27B parameters with the standard attention at BERT's vocabulary: the scaling-study top end.
     "xl": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, intermediate_size=8192),
 }
+SIZES = SizeTable(SIZES)  # and the LxW sizes (see SizeTable)
 
 
 class SWBertConfig(PretrainedConfig):

@@ -75,6 +75,9 @@ class StudyConfig:
     # modules that register attention variants to compare (ours; see swbert.models.plugins): dotted
     # module names or .py files, imported here and passed on to every measured run
     plugins: list[str] = field(default_factory=list)
+    # the quality study instead: train a ladder of sizes x variants x seeds to a token budget and fit
+    # held-out loss against size and compute (its own flags: --quality --help; docs/scaling.md)
+    quality: bool = False
 
     def check(self) -> None:
         load_plugins(self.plugins)
@@ -374,4 +377,24 @@ def collect(output_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-__all__ = ["Layout", "StudyConfig", "absolute_paths", "collect", "emit_slurm", "exit_status", "run_study"]
+def quality_requested(argv: list[str]) -> bool:
+    """Whether a command line asks for the quality study (`--quality`, `--quality true`), whose flags
+    are its own (`swbert.scaling.quality.QualityConfig`)."""
+    for i, arg in enumerate(argv):
+        if arg == "--quality":
+            return i + 1 >= len(argv) or argv[i + 1].lower() not in ("false", "no", "0", "off")
+        if arg.startswith("--quality="):
+            return arg.split("=", 1)[1].lower() not in ("false", "no", "0", "off")
+    return False
+
+
+__all__ = [
+    "Layout",
+    "quality_requested",
+    "StudyConfig",
+    "absolute_paths",
+    "collect",
+    "emit_slurm",
+    "exit_status",
+    "run_study",
+]

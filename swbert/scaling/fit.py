@@ -1,0 +1,209 @@
+"""Power-law fits of held-out loss, L(x) = E + A x^-alpha, with bootstrap intervals.
+
+x is a size (non-embedding parameters, as Kaplan et al., 2020) or training compute (FLOPs). The
+fit is non-linear least squares by variable projection: for a fixed alpha the best E and A are a
+linear least-squares solution in closed form, so the fit is a one-dimensional search over alpha
+(a log-spaced grid, refined by a parabola through the best three grid points). The search has no
+starting point to get wrong and runs for a thousand bootstrap replicates at once as matrix
+products, which is why it is done this way rather than with a general optimizer (ours).
+
+Intervals (ours): a residual bootstrap. Each replicate adds residuals drawn with replacement from
+all points (every seed at every size), divided by sqrt(1 - leverage) so that they are as large as
+the noise they estimate, to the fitted curve, and refits; an interval is the replicates' percentile range.
+Resampling whole points instead would often leave fewer than three distinct sizes in a short
+ladder, where the curve is not identified. A ≥ 0 (loss falls with size) is enforced; E is not
+bounded (a short ladder may put the floor below zero: the interval shows it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+MIN_SIZES = 3  # three parameters: E, A, alpha
+MIN_POINTS = 4  # at least one residual degree of freedom, for the bootstrap's residuals
+ALPHAS = np.geomspace(1e-3, 4.0, 512)  # the exponents searched; one at either end: not converged
+
+
+class FitError(ValueError):
+    """The points cannot determine the curve (too few, or the loss does not fall with x)."""
+
+
+@dataclass(frozen=True)
+class PowerLaw:
+    """L(x) = E + A x^-alpha."""
+
+    E: float
+    A: float
+    alpha: float
+
+    def loss(self, x: Any) -> Any:
+        return self.E + self.A * np.asarray(x, dtype=float) ** -self.alpha
+
+    def reach(self, loss: Any) -> Any:
+        """The x at which the curve reaches `loss`; inf where it never does (loss at or below E)."""
+        gap = np.asarray(loss, dtype=float) - self.E
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out = (self.A / gap) ** (1.0 / self.alpha)
+        return np.where(gap > 0, out, np.inf)
+
+
+@dataclass
+class Fit:
+    """A fitted power law, its bootstrap replicates and percentile intervals at `level`."""
+
+    law: PowerLaw
+    replicates: np.ndarray  # (draws, 3): E, A, alpha of each bootstrap replicate
+    level: float
+    x: np.ndarray
+    y: np.ndarray
+    converged: bool  # the best exponent lies inside the searched range, not at an end
+    intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for i, name in enumerate(("E", "A", "alpha")):
+            self.intervals[name] = percentile_interval(self.replicates[:, i], self.level)
+
+    def replicate_laws(self) -> list[PowerLaw]:
+        return [PowerLaw(*map(float, row)) for row in self.replicates]
+
+    def band(self, x: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The pointwise interval of the fitted curve at `x`, from the replicates."""
+        x = np.asarray(x, dtype=float)
+        curves = self.replicates[:, :1] + self.replicates[:, 1:2] * x[None, :] ** -self.replicates[:, 2:3]
+        tail = (1 - self.level) / 2 * 100
+        return np.percentile(curves, tail, axis=0), np.percentile(curves, 100 - tail, axis=0)
+
+    def to_json(self) -> dict[str, Any]:
+        law = self.law
+        return {
+            "E": law.E,
+            "A": law.A,
+            "alpha": law.alpha,
+            "intervals": {k: list(v) for k, v in self.intervals.items()},
+            "level": self.level,
+            "bootstrap_draws": int(len(self.replicates)),
+            "converged": self.converged,
+            "rmse": float(np.sqrt(np.mean((law.loss(self.x) - self.y) ** 2))),
+        }
+
+
+def percentile_interval(values: np.ndarray, level: float) -> tuple[float, float]:
+    """The central `level` range of `values` (inf allowed: sorted, not interpolated, so an
+    interval reaching an infinite replicate says inf rather than nan)."""
+    v = np.sort(np.asarray(values, dtype=float))
+    tail = (1 - level) / 2
+    lo = int(np.floor(tail * (len(v) - 1)))
+    hi = int(np.ceil((1 - tail) * (len(v) - 1)))
+    return float(v[lo]), float(v[hi])
+
+
+def _profile(xs: np.ndarray, Y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Best (E, A', alpha, at_edge) of each row of `Y` against scaled sizes `xs` (A' is for xs).
+
+    For each alpha on the grid the closed-form least squares of y on [1, xs^-alpha] gives the
+    residual sum of squares; A' <= 0 is ruled out; a parabola in log alpha through the best grid
+    point and its neighbours refines the exponent."""
+    Z = xs[None, :] ** -ALPHAS[:, None]  # (G, n)
+    Zc = Z - Z.mean(axis=1, keepdims=True)
+    Yc = Y - Y.mean(axis=1, keepdims=True)  # (B, n)
+    cov = Zc @ Yc.T  # (G, B)
+    var = (Zc**2).sum(axis=1)[:, None]
+    sse = (Yc**2).sum(axis=1)[None, :] - cov**2 / var
+    sse = np.where(cov > 0, sse, np.inf)
+    best = np.argmin(sse, axis=0)  # (B,)
+    cols = np.arange(Y.shape[0])
+    at_edge = (best == 0) | (best == len(ALPHAS) - 1) | ~np.isfinite(sse[best, cols])
+    u = np.log(ALPHAS)
+    step = u[1] - u[0]
+    inner = np.clip(best, 1, len(ALPHAS) - 2)
+    s0, s1, s2 = sse[inner - 1, cols], sse[inner, cols], sse[inner + 1, cols]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        offset = 0.5 * (s0 - s2) / (s0 - 2 * s1 + s2)
+    offset = np.where(np.isfinite(offset) & ~at_edge, np.clip(offset, -1, 1), 0.0)
+    alpha = np.exp(u[inner] + offset * step)
+    alpha = np.where(at_edge, ALPHAS[best], alpha)
+    z = xs[None, :] ** -alpha[:, None]  # (B, n)
+    zc = z - z.mean(axis=1, keepdims=True)
+    a = (zc * Yc).sum(axis=1) / (zc**2).sum(axis=1)
+    a = np.where(np.isfinite(sse[best, cols]), a, 0.0)  # no falling curve at all: the flat one, A = 0
+    e = Y.mean(axis=1) - a * z.mean(axis=1)
+    return e, a, alpha, at_edge
+
+
+def check_points(x: np.ndarray, y: np.ndarray, what: str = "the fit") -> None:
+    """Raise FitError unless `x`, `y` can determine a three-parameter curve."""
+    if len(x) != len(y):
+        raise FitError(f"{what}: {len(x)} sizes but {len(y)} losses")
+    if not (np.all(np.isfinite(x)) and np.all(x > 0) and np.all(np.isfinite(y))):
+        raise FitError(f"{what}: sizes must be positive and losses finite")
+    distinct = len(np.unique(x))
+    if distinct < MIN_SIZES or len(x) < MIN_POINTS:
+        raise FitError(
+            f"{what}: {len(x)} point(s) at {distinct} distinct size(s); L = E + A x^-alpha needs at least "
+            f"{MIN_POINTS} points at {MIN_SIZES} or more sizes: add sizes (or seeds)"
+        )
+
+
+def _leverage(xs: np.ndarray, a: float, alpha: float) -> np.ndarray:
+    """Each point's leverage in the linearised fit: residuals shrink by sqrt(1 - h) on average, so
+    the bootstrap divides them by it (Davison and Hinkley, 1997, eq. 6.9), capped below 1."""
+    z = xs**-alpha
+    J = np.stack([np.ones_like(xs), z, -a * z * np.log(xs)], axis=1)  # d/d(E, A', alpha)
+    h = np.einsum("ij,jk,ik->i", J, np.linalg.pinv(J.T @ J), J)
+    return np.clip(h, 0.0, 0.99)
+
+
+def fit_power_law(
+    x: Sequence[float], y: Sequence[float], draws: int = 1000, level: float = 0.95, seed: int = 0
+) -> Fit:
+    """Fit L = E + A x^-alpha to the points and bootstrap `draws` replicates (see the module doc)."""
+    x_arr, y_arr = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    check_points(x_arr, y_arr)
+    scale = float(np.exp(np.mean(np.log(x_arr))))  # sizes near 1 keep x^-alpha well conditioned
+    xs = x_arr / scale
+    e, a, alpha, edge = _profile(xs, y_arr[None, :])
+    if not np.isfinite(e[0]) or a[0] <= 0:
+        raise FitError("the fit: the loss does not fall with size at these points; no power law fits")
+    law = PowerLaw(float(e[0]), float(a[0] * scale ** alpha[0]), float(alpha[0]))
+    n = len(x_arr)
+    fitted = e[0] + a[0] * xs ** -alpha[0]
+    residuals = (y_arr - fitted) / np.sqrt(1 - _leverage(xs, a[0], alpha[0]))
+    residuals -= residuals.mean()
+    rng = np.random.default_rng(seed)
+    noise = np.sqrt((n - 3) / rng.chisquare(n - 3, size=(draws, 1)))  # the noise level's own spread
+    Y = fitted[None, :] + noise * residuals[rng.integers(0, n, size=(draws, n))]
+    be, ba, balpha, _ = _profile(xs, Y)
+    replicates = np.stack([be, ba * scale**balpha, balpha], axis=1)
+    return Fit(law, replicates, level, x_arr, y_arr, converged=not bool(edge[0]))
+
+
+def equivalent_size(target: Fit, reference: Fit, x: Any) -> dict[str, Any]:
+    """The reference-variant size that reaches the target variant's loss at size `x`, with its
+    interval: target replicate b against reference replicate b (independent experiments, so any
+    pairing is fair). Returns the equivalent size and the ratio (equivalent / x), each with its
+    interval; inf where the reference curve never gets that low (its floor E is above the loss)."""
+    x_arr = np.atleast_1d(np.asarray(x, dtype=float))
+    point = reference.law.reach(target.law.loss(x_arr))
+    t, r = target.replicates, reference.replicates
+    draws = min(len(t), len(r))
+    t_loss = t[:draws, :1] + t[:draws, 1:2] * x_arr[None, :] ** -t[:draws, 2:3]  # (draws, k)
+    gap = t_loss - r[:draws, :1]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        rep = (r[:draws, 1:2] / gap) ** (1.0 / r[:draws, 2:3])
+    rep = np.where(gap > 0, rep, np.inf)
+    out = []
+    for j, size in enumerate(x_arr):
+        lo, hi = percentile_interval(rep[:, j], target.level)
+        out.append({
+            "size": float(size),
+            "equivalent": float(point[j]),
+            "equivalent_interval": [lo, hi],
+            "ratio": float(point[j] / size),
+            "ratio_interval": [lo / size, hi / size],
+            "unreached_share": float(np.mean(~np.isfinite(rep[:, j]))),
+        })  # fmt: skip
+    return {"level": target.level, "at": out}

@@ -1,0 +1,405 @@
+"""The quality scaling study: a ladder of sizes x attention variants x seeds, each trained by the
+real trainer to a token budget, held-out MLM loss along the way and at the end, then power-law
+fits per variant (`swbert.scaling.quality_report`).
+
+Budget (Kaplan et al., 2020): tokens = k x non-embedding parameters (`--tokens-per-param`), where
+non-embedding parameters are the encoder layers and the MLM head's transform, without the word,
+position and segment tables and the tied decoder with its bias.
+
+Learning rate per size: Kaplan et al.'s fit for their models, LR(N) = 0.003239 - 0.0001395 ln N
+(N non-embedding), times `--lr-scale`; using it for encoders is ours. Warm-up: `--warmup-fraction`
+of the point's steps (at least one), then cosine decay to a tenth of the peak (both ours).
+
+Each point is one training run in OUTPUT_DIR/points/NAME (launched as `launchers/pretrain.py`
+under torchrun, as the systems study's measured runs are, with `--resume auto`): a re-run of the
+study never retrains a finished point (its metrics.jsonl reached the last step with a validation
+loss) and resumes a point that was in flight from its newest checkpoint. A point that fails (out
+of memory, diverged, killed, timed out) is recorded in its point.json with the reason, and the
+study goes on; `--retry-failed` runs such points again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from swbert.models.config import SIZES, SWBertConfig
+from swbert.models.flops import layer_params, masked_lm_flops, masked_lm_params
+from swbert.models.plugins import load_plugins
+from swbert.scaling.fit import MIN_POINTS, MIN_SIZES
+
+log = logging.getLogger("swbert.scaling.quality")
+
+# Named or layers x width (64-dim heads) sizes small enough for 2 CPU cores: with the default budget,
+# 4 sizes x 2 variants finish in about 20 minutes (docs/scaling.md).
+CPU_LADDER = ["1x64", "2x64", "2x128", "3x128"]
+
+
+@dataclass
+class QualityConfig:
+    """The flags of `launchers/scaling_study.py --quality` (see its --help and docs/scaling.md)."""
+
+    quality: bool = True  # the quality study (train a ladder to a budget and fit held-out loss)
+    output_dir: Path = Path("runs/quality")  # points/, fits.json, points.csv, plots/, mlflow.db
+    # named sizes (swbert.models.config.SIZES) or LxW: L layers of width W with 64-dim heads
+    sizes: list[str] = field(default_factory=lambda: list(CPU_LADDER))
+    # attention variants (any registered, plugins included)
+    attentions: list[str] = field(
+        default_factory=lambda: ["standard", "shared"], metadata={"aliases": ("attention",)}
+    )
+    seeds: list[int] = field(default_factory=lambda: [1234])  # one run per seed at every size and variant
+    tokens_per_param: float = 1.0  # budget: tokens = this x non-embedding parameters (Kaplan et al.)
+    lr_scale: float = 1.0  # times LR(N) = 0.003239 - 0.0001395 ln N (Kaplan et al.'s fit)
+    warmup_fraction: float = 0.05  # warm-up steps as a share of each point's steps (ours)
+    seq_len: int = 128  # tokens per sequence
+    global_batch: int = 32  # sequences per optimizer step
+    micro_batch: int = 16  # sequences per rank per forward pass
+    evaluations: int = 4  # held-out evaluations along each run (the last at its final step)
+    eval_batches: int = 8  # validation micro-batches per evaluation (always the same ones)
+    nproc: int = 1  # processes per point (torchrun); on 2 CPU cores one is fastest
+    zero: int = 1  # ZeRO stage of the runs
+    data_dir: str | None = None  # shards with a validation split (default: the embedded default corpus)
+    plugins: list[str] = field(default_factory=list)  # modules that register attention variants
+    reference: str = "standard"  # the variant the others' parameter efficiency is measured against
+    # sizes (named or LxW, or a parameter count) the efficiency ratio is extrapolated to
+    extrapolate_to: list[str] = field(default_factory=lambda: ["base"])
+    bootstrap: int = 1000  # bootstrap replicates of each fit
+    level: float = 0.95  # confidence level of the intervals
+    retry_failed: bool = False  # run points that failed before again (default: keep their reason)
+    point_timeout_s: float = field(default=7200, metadata={"aliases": ("point_timeout",)})  # per run
+    mlflow: bool = True  # a parent MLflow run with a nested run per point
+    experiment: str = "swbert-quality"  # MLflow experiment
+
+    def check(self) -> None:
+        """Bad input stops here, one line naming the flag, before anything trains."""
+        load_plugins(self.plugins)
+        from swbert.models.attention import attention_types
+
+        for name in self.attentions:
+            if name not in attention_types():
+                raise ValueError(
+                    f"--attentions {name}: not a registered attention variant; registered: "
+                    f"{', '.join(attention_types())} (add one with --plugins)"
+                )
+        for size in self.sizes:
+            if size not in SIZES:
+                raise ValueError(
+                    f"--sizes {size}: not a named size ({', '.join(SIZES)}) nor LxW (layers x a width "
+                    "that is a multiple of 64)"
+                )
+        distinct = len(set(self.sizes))
+        if distinct < MIN_SIZES or distinct * len(set(self.seeds)) < MIN_POINTS:
+            raise ValueError(
+                f"--sizes: {distinct} size(s) x {len(set(self.seeds))} seed(s) per variant; the fit "
+                f"L = E + A N^-alpha needs at least {MIN_SIZES} sizes and {MIN_POINTS} points: add sizes "
+                "(or --seeds)"
+            )
+        for name in (
+            "tokens_per_param",
+            "lr_scale",
+            "global_batch",
+            "micro_batch",
+            "evaluations",
+            "bootstrap",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be positive")
+        if not 0 <= self.warmup_fraction < 1:
+            raise ValueError(f"--warmup-fraction {self.warmup_fraction}: must be in [0, 1)")
+        if not 0 < self.level < 1:
+            raise ValueError(f"--level {self.level}: must be between 0 and 1 (e.g. 0.95)")
+
+
+@dataclass
+class Point:
+    """One run of the ladder and the plan it trains to."""
+
+    name: str
+    size: str
+    attention: str
+    seed: int
+    params: int  # all parameters of the masked-LM model
+    non_embedding_params: int  # what the budget and the fits count
+    tokens: int  # the budget
+    steps: int
+    lr: float
+    warmup_steps: int
+    train_flops_per_token: float
+
+    @property
+    def train_flops(self) -> float:
+        return self.train_flops_per_token * self.tokens
+
+
+def non_embedding_params(config: SWBertConfig) -> int:
+    """Encoder layers and the MLM transform (dense + LayerNorm): Kaplan et al.'s N for an encoder."""
+    d = config.hidden_size
+    return config.num_hidden_layers * layer_params(config) + d * d + 3 * d
+
+
+def kaplan_lr(n: int) -> float:
+    """Kaplan et al. (2020), eq. D.1: LR(N) = 0.003239 - 0.0001395 ln N, floored at 1e-5 (ours) so
+    that a very large N still trains."""
+    return max(0.003239 - 0.0001395 * math.log(n), 1e-5)
+
+
+def plan_point(cfg: QualityConfig, size: str, attention: str, seed: int, vocab: int) -> Point:
+    """The point's parameters, budget, steps and schedule; ValueError naming the flag when the
+    budget is smaller than one optimizer step."""
+    config = SWBertConfig.from_size(size, attention_type=attention, vocab_size=vocab)
+    n = non_embedding_params(config)
+    tokens = int(round(cfg.tokens_per_param * n))
+    per_step = cfg.global_batch * cfg.seq_len
+    if tokens < per_step:
+        raise ValueError(
+            f"--tokens-per-param {cfg.tokens_per_param}: {size} {attention} has {n:,} non-embedding "
+            f"parameters, a budget of {tokens:,} tokens, less than one optimizer step of {per_step:,} "
+            "(--global-batch x --seq-len); raise --tokens-per-param or lower --global-batch"
+        )
+    steps = math.ceil(tokens / per_step)
+    return Point(
+        name=f"{size}-{attention}-s{seed}",
+        size=size,
+        attention=attention,
+        seed=seed,
+        params=masked_lm_params(config),
+        non_embedding_params=n,
+        tokens=tokens,
+        steps=steps,
+        lr=kaplan_lr(n) * cfg.lr_scale,
+        warmup_steps=max(1, round(cfg.warmup_fraction * steps)),
+        train_flops_per_token=masked_lm_flops(config, cfg.seq_len).training,
+    )
+
+
+def plan(cfg: QualityConfig, vocab: int) -> list[Point]:
+    """Every point, smallest sizes first (so a study cut short still has its cheap end)."""
+    points = [
+        plan_point(cfg, size, attention, seed, vocab)
+        for size in dict.fromkeys(cfg.sizes)
+        for seed in dict.fromkeys(cfg.seeds)
+        for attention in dict.fromkeys(cfg.attentions)
+    ]
+    return sorted(points, key=lambda p: p.non_embedding_params)
+
+
+def check_data(data_dir: str) -> int:
+    """The data's vocabulary; a ValueError naming --data-dir unless it has a validation split."""
+    from swbert.training.data import prepare_data
+
+    path = prepare_data(data_dir)
+    manifest = json.loads((Path(path) / "manifest.json").read_text())
+    valid = sum(int(s.get("valid", {}).get("documents", 0)) for s in manifest.get("shards", []))
+    if valid == 0:
+        raise ValueError(
+            f"--data-dir {data_dir}: no validation split (its manifest.json counts 0 validation documents); "
+            "the study's held-out loss needs one: preprocess with a validation share (data_prep.preprocess)"
+        )
+    return int(manifest["tokenizer"]["vocab_size"])
+
+
+# ---- one point: the real trainer -----------------------------------------------------------------
+
+
+@dataclass
+class PointResult:
+    """What a point's run left: `done` with its held-out loss, or `failed` with the reason."""
+
+    status: str  # "done", "failed", or "stopped" (on request, checkpointed: resumes on a re-run)
+    reason: str = ""
+    val_loss: float | None = None  # held-out MLM loss at the final step
+    train_loss: float | None = None  # training loss of the last logged window
+    curve: list[dict[str, float]] = field(default_factory=list)  # step, tokens, loss, val_loss
+    wall_s: float = 0.0
+
+
+def pretrain_command(
+    point: Point, cfg: QualityConfig, run_dir: Path, data_dir: str, ds_config: Path
+) -> list[str]:
+    """The torchrun command of `point`: the real launcher, `--resume auto` so a point in flight
+    continues from its newest checkpoint, a validation (and a checkpoint) every 1/evaluations."""
+    from swbert.launchers import launcher_path
+
+    interval = max(1, point.steps // cfg.evaluations)
+    args = [
+        "--size", point.size, "--attention-type", point.attention, "--seed", str(point.seed),
+        "--seq-len", str(cfg.seq_len), "--micro-batch-size", str(cfg.micro_batch),
+        "--global-batch-size", str(cfg.global_batch), "--train-tokens", str(point.tokens),
+        "--lr", f"{point.lr:.6g}", "--min-lr", f"{point.lr / 10:.6g}", "--lr-schedule", "cosine",
+        "--warmup-steps", str(point.warmup_steps), "--log-interval", str(interval),
+        "--eval-interval", str(interval), "--eval-batches", str(cfg.eval_batches),
+        "--save-interval", str(interval), "--keep-checkpoints", "1", "--deepspeed-config", str(ds_config),
+        "--export", "false", "--mlflow", "false", "--progress-bar", "false", "--resume", "auto",
+        "--output-dir", str(run_dir), "--data-dir", data_dir,
+    ]  # fmt: skip
+    if cfg.plugins:
+        args += ["--plugins", *cfg.plugins]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cfg.nproc),
+        str(launcher_path("pretrain").resolve()), *args,
+    ]  # fmt: skip
+
+
+def read_run(run_dir: Path, point: Point) -> PointResult | None:
+    """The finished run's result from its metrics.jsonl (the last record of each step: a resumed
+    run logs the steps after its checkpoint again), or None when it has not reached the end."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line of a killed run
+        by_step[int(record["step"])] = record
+    curve = [
+        {k: float(r[k]) for k in ("step", "tokens_seen", "loss", "val_loss") if r.get(k) is not None}
+        for _, r in sorted(by_step.items())
+    ]
+    last = by_step.get(point.steps)
+    if last is None or last.get("val_loss") is None:
+        return None
+    val = float(last["val_loss"])
+    if not math.isfinite(val):
+        return PointResult("failed", f"diverged: held-out loss {val} at step {point.steps}", curve=curve)
+    return PointResult("done", val_loss=val, train_loss=float(last["loss"]), curve=curve)
+
+
+def train_point(point: Point, cfg: QualityConfig, run_dir: Path, data_dir: str) -> PointResult:
+    """Run (or continue) `point` with the real trainer; a failure becomes a result with its reason."""
+    from swbert.scaling.grid import write_ds_config
+    from swbert.scaling.measure import REPO, _last_error
+    from swbert.scaling.memory import Layout
+    from swbert.training.stopping import PREEMPTED_EXIT
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ds_config = write_ds_config(Layout(zero=cfg.zero), cfg.output_dir / "ds_configs")
+    cmd = pretrain_command(point, cfg, run_dir, data_dir, ds_config)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("MLFLOW_TRACKING_URI", None)  # the study records the point; the run keeps no store
+    start = time.perf_counter()
+    log_path = run_dir / "run.log"
+    with open(log_path, "a") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO if (REPO / "launchers").is_dir() else None, env=env, stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        try:
+            rc = proc.wait(timeout=cfg.point_timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+        except BaseException:  # the study itself stopped: the point resumes on the next run
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+            raise
+    wall = time.perf_counter() - start
+    if rc is None:
+        return PointResult(
+            "failed",
+            f"timed out after {cfg.point_timeout_s:.0f} s (--point-timeout); log: {log_path}",
+            wall_s=wall,
+        )
+    if rc == PREEMPTED_EXIT:  # stopped on request after a checkpoint: not a failure, resumes next time
+        return PointResult(
+            "stopped", f"stopped on request (exit status {rc}); re-run to resume it", wall_s=wall
+        )
+    if rc != 0:
+        error = _last_error(log_path)
+        kind = (
+            "diverged"
+            if "non-finite" in error
+            else (f"killed by signal {-rc} (out of memory?)" if rc < 0 else f"exit status {rc}")
+        )
+        return PointResult("failed", f"{kind}: {error}; log: {log_path}", wall_s=wall)
+    result = read_run(run_dir, point) or PointResult(
+        "failed", f"the run ended without a held-out loss at step {point.steps}; log: {log_path}"
+    )
+    result.wall_s = wall
+    return result
+
+
+# ---- the study -----------------------------------------------------------------------------------
+
+Trainer = Callable[[Point, QualityConfig, Path, str], PointResult]
+
+
+def point_result(
+    point: Point, cfg: QualityConfig, data_dir: str, trainer: Trainer
+) -> tuple[PointResult, bool]:
+    """The point's result and whether it was trained now: a finished point is read back, never
+    retrained; a failed one keeps its reason unless --retry-failed; anything else (new, or in flight
+    when a study stopped) is run, resuming from its newest checkpoint."""
+    run_dir = cfg.output_dir / "points" / point.name
+    saved = run_dir / "point.json"
+    if saved.is_file():
+        previous = PointResult(**json.loads(saved.read_text())["result"])
+        if previous.status == "done" or not cfg.retry_failed:
+            return previous, False
+    finished = read_run(run_dir, point)
+    if finished is not None and finished.status == "done":
+        result, trained = finished, False  # the study stopped after the run ended, before recording it
+    else:
+        result, trained = trainer(point, cfg, run_dir, data_dir), True
+    if result.status == "stopped":
+        return result, trained  # nothing recorded: the next run resumes it
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    tmp = saved.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"point": asdict(point), "result": asdict(result)}, indent=2))
+    os.replace(tmp, saved)  # whole or not at all
+    return result, trained
+
+
+def run_quality(cfg: QualityConfig, trainer: Trainer = train_point) -> list[dict[str, Any]]:
+    """Every point of the ladder (trained, resumed or read back), then fits, table, plots and
+    MLflow; returns the points' rows."""
+    from swbert.scaling.quality_report import Recorder, write_outputs
+
+    cfg.output_dir = cfg.output_dir.resolve()
+    cfg.plugins = [str(Path(p).resolve()) if p.endswith(".py") else p for p in cfg.plugins]
+    if cfg.data_dir is None:
+        raise ValueError("--data-dir: no data folder (the launcher builds the embedded default corpus)")
+    cfg.data_dir = str(Path(cfg.data_dir).resolve())
+    vocab = check_data(cfg.data_dir)
+    points = plan(cfg, vocab)  # every budget checked before the first point trains
+    cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    recorder = Recorder(cfg) if cfg.mlflow else None
+    rows: list[dict[str, Any]] = []
+    try:
+        for i, point in enumerate(points):
+            result, trained = point_result(point, cfg, cfg.data_dir, trainer)
+            rows.append(point_row(point, result, trained))
+            log.info("[%d/%d] %s: %s %s", i + 1, len(points), point.name, result.status, result.reason)
+            if recorder is not None:
+                recorder.point(rows[-1], result.curve)
+        write_outputs(cfg, rows, recorder)
+    finally:
+        if recorder is not None:
+            recorder.close()
+    return rows
+
+
+def point_row(point: Point, result: PointResult, trained: bool) -> dict[str, Any]:
+    """The point's row of points.csv (and of fits.json's points)."""
+    return {
+        **{k: v for k, v in asdict(point).items()},
+        "train_flops": point.train_flops,
+        "status": result.status,
+        "reason": result.reason,
+        "val_loss": result.val_loss,
+        "train_loss": result.train_loss,
+        "wall_s": result.wall_s,
+        "trained_now": trained,
+    }
