@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     if summary.get("is_main") and summary.get("status") == "FINISHED":  # exported or not
         print(closing_summary(summary), flush=True)
     if summary.get("status") == "KILLED":  # pre-empted: checkpointed on request, not finished
-        from swbert.training.stopping import PREEMPTED_EXIT
+        from swbert.runtime.exits import PREEMPTED_EXIT
 
         sys.exit(PREEMPTED_EXIT)
 

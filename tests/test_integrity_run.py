@@ -279,7 +279,7 @@ def test_a_preempted_run_exits_75_distinct_from_finished_and_failed(tmp_path, ca
 
     from swbert.launchers.pretrain import main
 
-    from swbert.training.stopping import PREEMPTED_EXIT
+    from swbert.runtime.exits import PREEMPTED_EXIT
     from tests.test_pretrain import tiny_args
 
     assert PREEMPTED_EXIT == 75

@@ -195,7 +195,7 @@ def plan(cfg: QualityConfig, vocab: int) -> list[Point]:
 
 def check_data(data_dir: str) -> int:
     """The data's vocabulary; a ValueError naming --data-dir unless it has a validation split."""
-    from swbert.training.data import prepare_data
+    from swbert.data.folder import prepare_data
 
     path = prepare_data(data_dir)
     manifest = json.loads((Path(path) / "manifest.json").read_text())
@@ -228,8 +228,6 @@ def pretrain_command(
 ) -> list[str]:
     """The torchrun command of `point`: the real launcher, `--resume auto` so a point in flight
     continues from its newest checkpoint, a validation (and a checkpoint) every 1/evaluations."""
-    from swbert.launchers import launcher_path
-
     interval = max(1, point.steps // cfg.evaluations)
     args = [
         "--size", point.size, "--attention-type", point.attention, "--seed", str(point.seed),
@@ -246,7 +244,7 @@ def pretrain_command(
         args += ["--plugins", *cfg.plugins]
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cfg.nproc),
-        str(launcher_path("pretrain").resolve()), *args,
+        "-m", "swbert.launchers.pretrain", *args,  # the checkout's launchers/ or the wheel's copy
     ]  # fmt: skip
 
 
@@ -278,10 +276,10 @@ def read_run(run_dir: Path, point: Point) -> PointResult | None:
 
 def train_point(point: Point, cfg: QualityConfig, run_dir: Path, data_dir: str) -> PointResult:
     """Run (or continue) `point` with the real trainer; a failure becomes a result with its reason."""
+    from swbert.runtime.exits import PREEMPTED_EXIT
     from swbert.scaling.grid import write_ds_config
     from swbert.scaling.measure import REPO, _last_error
     from swbert.scaling.memory import Layout
-    from swbert.training.stopping import PREEMPTED_EXIT
 
     run_dir.mkdir(parents=True, exist_ok=True)
     ds_config = write_ds_config(Layout(zero=cfg.zero), cfg.output_dir / "ds_configs")

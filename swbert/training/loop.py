@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swbert.logs import status
+from swbert.runtime.exits import PREEMPTED_EXIT
 from swbert.runtime.monitor import memory_gib
 from swbert.training import checkpoint as ckpt
 from swbert.training.faults import kill_point
 from swbert.training.metrics import MetricsWriteError
-from swbert.training.stopping import PREEMPTED_EXIT
 
 if TYPE_CHECKING:
     from swbert.training.trainer import Trainer

@@ -18,7 +18,7 @@ import signal
 import socket
 import threading
 
-PREEMPTED_EXIT = 75  # EX_TEMPFAIL: checkpointed on request, resume with --resume auto
+from swbert.runtime.exits import PREEMPTED_EXIT
 
 
 def acknowledgement(signum: int) -> str:
