@@ -278,6 +278,33 @@ def _remove_tree(path: Path) -> None:
 # ---- SLURM job array -----------------------------------------------------------------------------
 
 
+def _sweep_line(cfg: StudyConfig, point: GridPoint, world: int, precision: str) -> tuple[str, bool]:
+    """A sweep file's line for `point` on `world` ranks: its launcher flags (True), or a comment
+    saying why it is skipped (False)."""
+    if world % point.layout.tp:
+        return f"# skipped {point.name}: tensor-parallel size does not divide {world} GPUs", False
+    if point.layout.sequence_parallel and point.seq_len % point.layout.tp:
+        return (
+            f"# skipped {point.name}: tensor-parallel size does not divide --seq-len {point.seq_len}",
+            False,
+        )
+    out = cfg.output_dir
+    ds_config = write_ds_config(point.layout, out / "ds_configs", _nvme(cfg))
+    dp = world // point.layout.tp
+    args = [
+        "--size", point.size, "--attention-type", point.attention,
+        "--tensor-parallel", str(point.layout.tp), "--deepspeed-config", str(ds_config),
+        "--seq-len", str(point.seq_len), "--micro-batch-size", str(point.micro_batch),
+        "--global-batch-size", str(point.micro_batch * dp), "--precision", precision,
+        "--output-dir", str(out / "points" / point.name), *activation_args(point.layout),
+    ]  # fmt: skip
+    if any(ch.isspace() for arg in args for ch in arg):
+        raise ValueError(
+            f"{point.name}: a path with spaces cannot go in a sweep file ({args}); use another --output-dir"
+        )
+    return " ".join(args), True
+
+
 def emit_slurm(
     cfg: StudyConfig, nodes: int, gpus_per_node: int, extra: list[str] | None = None
 ) -> tuple[Path, str]:
@@ -294,29 +321,10 @@ def emit_slurm(
     world = nodes * max(gpus_per_node, 1)
     lines, names = [f"# scaling grid: {nodes} node(s) x {gpus_per_node} GPU(s); one line per array task"], []
     for point in grid:
-        if world % point.layout.tp:
-            lines.append(f"# skipped {point.name}: tensor-parallel size does not divide {world} GPUs")
-            continue
-        if point.layout.sequence_parallel and point.seq_len % point.layout.tp:
-            lines.append(
-                f"# skipped {point.name}: tensor-parallel size does not divide --seq-len {point.seq_len}"
-            )
-            continue
-        ds_config = write_ds_config(point.layout, out / "ds_configs", _nvme(cfg))
-        dp = world // point.layout.tp
-        args = [
-            "--size", point.size, "--attention-type", point.attention,
-            "--tensor-parallel", str(point.layout.tp), "--deepspeed-config", str(ds_config),
-            "--seq-len", str(point.seq_len), "--micro-batch-size", str(point.micro_batch),
-            "--global-batch-size", str(point.micro_batch * dp), "--precision", precision,
-            "--output-dir", str(out / "points" / point.name), *activation_args(point.layout),
-        ]  # fmt: skip
-        if any(ch.isspace() for arg in args for ch in arg):
-            raise ValueError(
-                f"{point.name}: a path with spaces cannot go in a sweep file ({args}); use another --output-dir"
-            )
-        lines.append(" ".join(args))
-        names.append(point.name)
+        line, ok = _sweep_line(cfg, point, world, precision)
+        lines.append(line)
+        if ok:
+            names.append(point.name)
     sweep = out / "sweep.txt"
     sweep.write_text("\n".join(lines) + "\n")
     (out / "grid.json").write_text(
