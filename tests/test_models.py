@@ -97,7 +97,7 @@ def test_shared_scores_are_symmetric_in_the_tokens():
             attn.dq.normal_()
             attn.dk.copy_(torch.randn(config.hidden_size))
         x = torch.randn(3, 9, config.hidden_size)
-        q, k, _ = attn.qkv(x)
+        q, k, _ = attn.paper_qkv(x)
         scores = q @ k.transpose(-1, -2)  # (B, H, S, S)
         assert_close(scores, scores.transpose(-1, -2), rtol=1e-5, atol=1e-5)
         assert not torch.allclose(q, k)  # symmetric although Q != K
@@ -105,7 +105,7 @@ def test_shared_scores_are_symmetric_in_the_tokens():
         with torch.no_grad():
             attn.dq.mul_(2.0)
             attn.dk.div_(2.0)
-        q2, k2, _ = attn.qkv(x)
+        q2, k2, _ = attn.paper_qkv(x)
         assert_close(q2 @ k2.transpose(-1, -2), scores, rtol=1e-5, atol=1e-5)
 
 

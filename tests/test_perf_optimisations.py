@@ -49,12 +49,18 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def paper_forward(attn: SelfAttention, x: torch.Tensor, mask=None, rows=None) -> torch.Tensor:
+    """The reference: the paper's Q, K, V materialised (`paper_qkv`), the kernel, the projection."""
+    q, k, v = attn.paper_qkv(x)
+    return attn.out_proj(attn.merge_heads(attn.kernel(q, k, v, mask), rows))
+
+
 @pytest.fixture
 def plain_shared(monkeypatch):
-    """Switches SharedAttention to the paper's path: Q, K, V materialised, then the common forward."""
+    """Switches SharedAttention to the paper's path: Q, K, V materialised, no output scale."""
 
     def use_plain() -> None:
-        monkeypatch.setattr(SharedAttention, "forward", SelfAttention.forward)
+        monkeypatch.setattr(SharedAttention, "forward", paper_forward)
 
     return use_plain
 
@@ -75,7 +81,7 @@ def test_shared_layer_fast_path_equals_plain_path(kernel, padded, dropout):
     mask = mask[:, None, None, :]
     w = torch.randn(3, 12, 64)  # a loss that weighs every output differently
     results = []
-    for forward in (SelfAttention.forward, SharedAttention.forward):
+    for forward in (paper_forward, SharedAttention.forward):
         xi = x.clone().requires_grad_()
         attn.zero_grad()
         torch.manual_seed(2)  # the same dropout mask on both paths
@@ -160,7 +166,7 @@ def test_optimize_for_inference_keeps_outputs(variant, signs, tmp_path):
     assert_close(reloaded(**inputs).logits[valid], expected[valid], **TOL)
     if variant == "shared":
         attn = folded.bert.encoder.layers[0].attn
-        assert attn.folded == {"mixed": "query", "positive": "projection"}[signs]
+        assert type(attn).__name__ == {"mixed": "_FoldedQuery", "positive": "_FoldedProjection"}[signs]
         assert torch.equal(attn.dk, torch.ones_like(attn.dk))
         assert torch.equal(attn.dv, torch.ones_like(attn.dv))
         assert torch.equal(attn.dq, torch.ones_like(attn.dq)) == (signs == "positive")

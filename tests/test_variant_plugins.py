@@ -30,13 +30,12 @@ PLUGIN = '''
 import torch
 from torch import nn
 
-from swbert.models.attention import SelfAttention, SharedAttention, register_attention
+from swbert.models.attention import SharedAttention, register_attention
 
 
 @register_attention("{name}")
 class DoubleGainAttention(SharedAttention):
     qkv_plan = {{**SharedAttention.qkv_plan, "extra_gain": "heads"}}
-    forward = SelfAttention.forward  # the reference attention on qkv (SharedAttention's skips qkv)
 
     def __init__(self, config):
         super().__init__(config)
@@ -138,15 +137,26 @@ def test_the_weight_conversions_follow_the_registry(tmp_path, forget_plugins):
         assert torch.equal(loaded.state_dict()[key], value), key
 
 
-def test_plugin_errors_are_clear(tmp_path, forget_plugins):
-    class Ignored(SharedAttention):  # its qkv would never run: SharedAttention.forward skips it
+def test_a_subclass_of_shared_that_changes_qkv_computes_with_its_change():
+    """Every variant runs the one forward on `qkv`: a subclass's change is never skipped."""
+
+    class Doubled(SharedAttention):
         def qkv(self, x):
             q, k, v = super().qkv(x)
             return q, k, 2 * v
 
-    with pytest.raises(TypeError, match="redefines qkv but inherits SharedAttention.forward"):
-        register_attention("test_ignored")(Ignored)
-    assert "test_ignored" not in attention_types()
+    config = tiny("shared")
+    config.attention_probs_dropout_prob = 0.0
+    torch.manual_seed(0)
+    doubled = Doubled(config).eval()
+    plain = SharedAttention(config).eval()
+    plain.load_state_dict(doubled.state_dict())
+    x = torch.randn(2, 5, config.hidden_size)
+    bias = plain.out_proj.bias
+    torch.testing.assert_close(doubled(x) - bias, 2 * (plain(x) - bias))
+
+
+def test_plugin_errors_are_clear(tmp_path, forget_plugins):
     with pytest.raises(ValueError, match="plugins: nope.py is not a file"):
         plugin_loader.import_plugin("nope.py")
     with pytest.raises(ValueError, match="no module named 'swbert_no_such_plugin'"):

@@ -138,8 +138,10 @@ class SelfAttention(nn.Module):
 
     A variant subclasses this, implements `qkv`, declares the class facts below and registers
     with `@register_attention(name)`. What it must declare: `qkv_plan`. What it may override:
-    `packed`, `activation_units`, `table_forms`, `bert_equivalent`, `init_parameters`, `extra_flops_per_token`,
-    `closed_form_qkv_params`, `fold_for_inference`. Parameter and GEMM counts are derived.
+    `output_scale` and `paper_qkv` (a cheaper computed form), `packed`, `activation_units`,
+    `table_forms`, `bert_equivalent`, `init_parameters`, `extra_flops_per_token`,
+    `closed_form_qkv_params`, `fold_for_inference`. Parameter and GEMM counts are derived; every
+    variant runs the one `forward`.
     """
 
     attention_type: ClassVar[str] = ""  # the registered name, set by `register_attention`
@@ -172,8 +174,20 @@ class SelfAttention(nn.Module):
             self.register_load_state_dict_pre_hook(_pack_separate_projections)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys and values, each (B, H, S, Dh)."""
+        """The queries, keys and values the kernel reads, each (B, H, S, Dh). A variant may compute
+        them in a cheaper form than its paper writes them, moving a per-feature scale of the values
+        to `output_scale` (`paper_qkv` then gives the literal form)."""
         raise NotImplementedError
+
+    def output_scale(self) -> torch.Tensor | None:
+        """A per-feature scale of the attention output (of the values, which it commutes with),
+        applied through the output projection's d x d weight instead of every token (None: none)."""
+        return None
+
+    def paper_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q, K and V as the variant's paper writes them, with the values scaled: the reference the
+        tests hold `forward` to (the same as `qkv` unless the variant computes a cheaper form)."""
+        return self.qkv(x)
 
     @torch.no_grad()
     def init_parameters(self) -> None:
@@ -229,10 +243,11 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: Mask = None, rows: Rows | None = None) -> torch.Tensor:
         """x: (B, S, d) -> (B, S, d). With `rows`, only those positions come out, (N, d): every
-        position is still a key and a value, but the output projection runs on N rows."""
+        position is still a key and a value, but the output projection runs on N rows. Every
+        variant runs this forward; it differs only in `qkv` and `output_scale`."""
         q, k, v = self.qkv(x)
         y = self.kernel(q, k, v, mask)  # (B, H, S, Dh)
-        return self.out_proj(self.merge_heads(y, rows))
+        return self.out_proj(self.merge_heads(y, rows), input_scale=self.output_scale())
 
 
 def pack_state_dict(
@@ -300,7 +315,6 @@ def register_attention(name: str) -> Callable[[A], A]:
                 f"attention_type {name!r} is already registered to {_REGISTRY[name].__qualname__}; "
                 f"unregister_attention({name!r}) first or choose another name"
             )
-        _check_forward_reads_qkv(cls)
         bad = {attr: split for attr, split in cls.tp_plan().items() if split not in get_args(Split)}
         if bad:
             raise ValueError(f"{cls.__qualname__}.qkv_plan: {bad} are not among {get_args(Split)}")
@@ -311,19 +325,6 @@ def register_attention(name: str) -> Callable[[A], A]:
         return cls
 
     return register
-
-
-def _check_forward_reads_qkv(cls: type[SelfAttention]) -> None:
-    """A class that redefines `qkv` below a class with its own `forward` (SharedAttention's computes
-    the same attention without calling `qkv`) would train without its change: refused."""
-    owner = {name: next(k for k in cls.__mro__ if name in vars(k)) for name in ("forward", "qkv")}
-    if owner["forward"] is not SelfAttention and owner["qkv"] is not owner["forward"]:
-        if issubclass(owner["qkv"], owner["forward"]):
-            raise TypeError(
-                f"{cls.__qualname__} redefines qkv but inherits {owner['forward'].__qualname__}.forward, "
-                "which does not call qkv: the change would be ignored. Add `forward = "
-                "SelfAttention.forward` to the class (the reference attention on qkv) or write its own forward"
-            )
 
 
 def unregister_attention(name: str) -> None:
@@ -402,7 +403,7 @@ class SharedAttention(SelfAttention):
 
     # rank r holds the rows of Ws, bs, dq, dk, dv for its heads: Q, K, V with no communication
     qkv_plan = {"proj": "column", "dq": "heads", "dk": "heads", "dv": "heads"}
-    # `forward` keeps S and Q = S * (dq*dk) for backward: the keys and values are S itself
+    # keeps S and Q = S * (dq*dk) for backward (see `qkv`): the keys and values are S itself
     activation_units = 32
     table_forms = {"shared, no bs": {"shared_bias": False}}  # the paper's Table 3: d^2 + 3d per layer
 
@@ -420,7 +421,6 @@ class SharedAttention(SelfAttention):
         self.dq = nn.Parameter(torch.empty(d))
         self.dk = nn.Parameter(torch.empty(d))
         self.dv = nn.Parameter(torch.empty(d))
-        self.folded = ""  # set by fold_for_inference(): "query" or "projection"
         self.init_parameters()
 
     @torch.no_grad()
@@ -429,36 +429,35 @@ class SharedAttention(SelfAttention):
         for p in (self.dq, self.dk, self.dv):
             p.fill_(1.0)
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Q, K, V as the paper writes them (`SelfAttention.forward` on these is the reference)."""
+    def paper_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q, K, V as the paper writes them: S = X Ws + bs, Q = S diag(dq), K = S diag(dk), V = S diag(dv)."""
         s = self.proj(x)  # (B, S, d): one GEMM instead of three
         return self.split_heads(s * self.dq), self.split_heads(s * self.dk), self.split_heads(s * self.dv)
 
-    def forward(self, x: torch.Tensor, mask: Mask = None, rows: Rows | None = None) -> torch.Tensor:
-        """The paper's attention on `qkv`, computed with less work. Two identities, both exact:
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The paper's attention computed with less work. Two identities, both exact:
             Q K^T = S diag(dq) diag(dk) S^T = (S diag(dq * dk)) S^T  -> keys are S, queries S * (dq * dk)
-            A V   = A S diag(dv)            = (A S) diag(dv)        -> values are S, dv scales out_proj
+            A V   = A S diag(dv)            = (A S) diag(dv)        -> values are S, dv the output scale
         so one (B, S, d) product S serves as keys and values, and dv costs a d x d pass, not a
-        (B, S, d) one. After `fold_for_inference` the scales already live in the projections."""
+        (B, S, d) one."""
         s = self.split_heads(self.proj(x))  # (B, H, S, Dh)
-        qk = self.dq if self.folded else self.dq * self.dk  # folded: dq holds dq * dk
-        q = s if self.folded == "projection" else s * qk.view(-1, 1, self.head_dim)  # (H, 1, Dh)
-        y = self.merge_heads(self.kernel(q, s, s, mask), rows)  # (B, S, d), or (N, d)
-        return self.out_proj(y, input_scale=None if self.folded else self.dv)
+        return s * (self.dq * self.dk).view(-1, 1, self.head_dim), s, s  # scales: (H, 1, Dh)
+
+    def output_scale(self) -> torch.Tensor:
+        return self.dv
 
     @torch.no_grad()
     def fold_for_inference(self) -> None:
-        """Fold the diagonals into the projections; the layer computes the same function.
+        """Fold the diagonals into the projections and become a class that computes the same
+        function with less work (`_FoldedQuery` or `_FoldedProjection`).
 
-        dv moves into the output projection (the second identity of `forward`). When every entry of
+        dv moves into the output projection (the second identity of `qkv`). When every entry of
         p = dq*dk is positive, S diag(p) S^T = S' S'^T with S' = S diag(sqrt(p)), so sqrt(p) moves
         into `proj` (and 1/sqrt(p) into the output projection): Q = K = V = S', no elementwise work
         at all. Otherwise p stays on the query side. Afterwards the diagonals that moved are ones, so
         the parameters still describe a valid shared layer (a saved state dict loads into an unfolded
         model with the same outputs). Meant for inference: a folded layer leaves them unused.
         """
-        if self.folded:
-            return
         # the scales in fp32, so a 16-bit model rounds each rewritten weight once
         p = self.dq.float() * self.dk.float()
         out_scale = self.dv.float()
@@ -473,13 +472,37 @@ class SharedAttention(SelfAttention):
                 scale_(self.proj.bias, root)
             out_scale = out_scale / root
             self.dq.fill_(1.0)
-            self.folded = "projection"
+            self.__class__ = _FoldedProjection
         else:
             self.dq.copy_(p)
-            self.folded = "query"
+            self.__class__ = _FoldedQuery
         scale_(self.out_proj.weight, out_scale)  # (out, in): scales the input columns
         self.dk.fill_(1.0)
         self.dv.fill_(1.0)
+
+
+class _FoldedQuery(SharedAttention):
+    """A shared layer after `fold_for_inference` with dq*dk in dq (some entry not positive) and dv
+    in the output projection: queries S * dq, keys and values S. Not registered: its config is
+    `shared`, and its parameters load into one."""
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.split_heads(self.proj(x))  # (B, H, S, Dh)
+        return s * self.dq.view(-1, 1, self.head_dim), s, s
+
+    def output_scale(self) -> None:
+        return None
+
+    def fold_for_inference(self) -> None:
+        """Already folded."""
+
+
+class _FoldedProjection(_FoldedQuery):
+    """A shared layer after `fold_for_inference` with every scale in the projections: Q = K = V = S'."""
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.split_heads(self.proj(x))  # (B, H, S, Dh)
+        return s, s, s
 
 
 @register_attention("symmetric")
