@@ -146,6 +146,23 @@ def growth(data_dir: Path, seq_len: int, micro_bs: int, sizes: list[float]) -> l
     return rows
 
 
+def report_rates(results: dict[str, list[dict[str, float]]], seq_len: int) -> tuple[dict, dict[str, float]]:
+    """Print the median of each path's repetitions beside what an H100 consumes; return both."""
+    median = {
+        name: {key: statistics.median(rep[key] for rep in reps) for key in reps[0]}
+        for name, reps in results.items()
+    }
+    h100 = h100_samples_per_s(seq_len, 0.15)
+    for name, row in median.items():
+        print(f"{name:>10}: {row['samples_per_s']:>9,.0f} samples/s ({row['samples_per_cpu_s']:,.0f} per second of "
+              f"the builder's CPU time, which was on a CPU {row['builder_on_cpu']:.0%} of the time); main "
+              f"process {row['main_cpu_us_per_batch']:,.0f} us CPU a micro-batch")  # fmt: skip
+    print("H100 at 50% MFU, BERT-base: " + ", ".join(f"{k} {v:,.0f}" for k, v in h100.items()) + " samples/s")
+    print(f"one worker / H100 standard: {median['one_worker']['samples_per_s'] / h100['standard']:.2f}x "
+          f"(target: one worker >= 10,000 samples/s)")  # fmt: skip
+    return median, h100
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the results to this file")
@@ -155,11 +172,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--micro-batch-size", type=int, default=32, help="sequences per micro-batch")
     parser.add_argument("--seconds", type=float, default=3.0, help="measured time of each repetition")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each measurement (median kept)")
-    parser.add_argument("--growth-mb", type=float, default=2.0,
-                        help="smallest corpus of the start-up measurement (the others are 10x and 100x)")  # fmt: skip
+    parser.add_argument("--growth-mb", type=float, default=2.0, help="smallest corpus of the start-up runs")
     parser.add_argument("--smoke", action="store_true",
-                        help="a second-long run on a 0.1 MB corpus built in-process, and start-up at 0.01 / 0.1 / "
-                        "1 MB, to check that the script works (its figures mean little)")  # fmt: skip
+                        help="a second-long run on a 0.1 MB corpus built in-process, start-up at 0.01 / 0.1 / 1 MB, "
+                        "to check that the script works (its figures mean little)")  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.smoke:
@@ -174,20 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
     for _ in range(args.reps):  # interleaved, so both see the same load
         results["in_thread"].append(measure(data, args.micro_batch_size, 0, args.seconds, warmup=5))
         results["one_worker"].append(measure(data, args.micro_batch_size, 1, args.seconds, warmup=20))
-    median = {
-        name: {key: statistics.median(rep[key] for rep in reps) for key in reps[0]}
-        for name, reps in results.items()
-    }
-    h100 = h100_samples_per_s(args.seq_len, 0.15)
-    for name, row in median.items():
-        print(f"{name:>10}: {row['samples_per_s']:>9,.0f} samples/s ({row['samples_per_cpu_s']:,.0f} per second of "
-              f"the builder's CPU time, which was on a CPU {row['builder_on_cpu']:.0%} of the time); main "
-              f"process {row['main_cpu_us_per_batch']:,.0f} us CPU a micro-batch")  # fmt: skip
-    print("H100 at 50% MFU, BERT-base: " + ", ".join(f"{k} {v:,.0f}" for k, v in h100.items()) + " samples/s")
-    print(f"one worker / H100 standard: {median['one_worker']['samples_per_s'] / h100['standard']:.2f}x "
-          f"(target: one worker >= 10,000 samples/s)")  # fmt: skip
-    sizes = [args.growth_mb * 10**i for i in range(3)]
-    rows = growth(data_dir, args.seq_len, args.micro_batch_size, sizes)
+    median, h100 = report_rates(results, args.seq_len)
+    rows = growth(data_dir, args.seq_len, args.micro_batch_size, [args.growth_mb * 10**i for i in range(3)])
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     out = {
         "growth": rows,

@@ -211,13 +211,9 @@ def preprocess(
     check_output_dir(output_dir)
     tokenizer_dir = Path(tokenizer_dir)
     _check_settings(workers, valid_fraction, shard_bytes, tokenizer_dir)
-    sources, skipped_files = resolve_inputs(
-        inputs,
-        text_field=options.text_field,
-        txt_documents=options.txt_documents,
-        hf_config=hf_config,
-        hf_split=hf_split,
-    )
+    sources, skipped_files = resolve_inputs(inputs, text_field=options.text_field,
+                                            txt_documents=options.txt_documents, hf_config=hf_config,
+                                            hf_split=hf_split)  # fmt: skip
     if check_encoding:
         refuse_non_utf8(sources)
     plan = _plan(tokenizer_dir, sources, shard_bytes, valid_fraction, options)
@@ -231,11 +227,7 @@ def preprocess(
         log.info("%s is already complete (its manifest.json matches these inputs and settings)", output_dir)
         elapsed = time.perf_counter() - started
         return PreprocessResult(spm_model, output_dir, 0, len(spm_model["shards"]), elapsed, 0.0, 0, 0)
-    jobs = [
-        ShardJob(i, shard_name(i), chunk, sources[chunk.source], options, spm_model, plan["dtype"],
-                 valid_fraction, plan_id, str(output_dir))
-        for i, chunk in enumerate(plan_chunks(sources, shard_bytes, options))
-    ]  # fmt: skip
+    jobs = _jobs(run, spm_model, shard_bytes, valid_fraction)
     with OutputLock(output_dir, task_lock_name(task_index)) as task_lock:
         mine = [job for job in jobs if owns(job.index, num_tasks, task_index)]
         remove_stale_temporaries(output_dir, {job.name for job in mine})
@@ -245,6 +237,15 @@ def preprocess(
     result = PreprocessResult(manifest, output_dir, len(written), reused, elapsed, *counts)
     _log_summary(result)
     return result
+
+
+def _jobs(run: _Run, spm_model: str, shard_bytes: int, valid_fraction: float) -> list[ShardJob]:
+    """Every shard of the plan, whichever task writes it (the plan does not depend on the tasks)."""
+    return [
+        ShardJob(i, shard_name(i), chunk, run.sources[chunk.source], run.options, spm_model,
+                 run.plan["dtype"], valid_fraction, run.plan_id, str(run.output_dir))
+        for i, chunk in enumerate(plan_chunks(run.sources, shard_bytes, run.options))
+    ]  # fmt: skip
 
 
 def _set_up(run: _Run, overwrite: bool) -> str | dict[str, Any]:
