@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from data_prep import preprocess as preprocess_cli
+from data_prep.outdir import OutputLock, task_lock_name
 from data_prep.preprocess import preprocess
 from data_prep.sources import InputError
 from data_prep.train_tokenizer import train_tokenizer
@@ -123,3 +124,17 @@ def test_task_flags_are_checked_before_any_work(flags, message, tmp_path, capsys
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
     assert not (tmp_path / "o").exists()
+
+
+def test_overwrite_is_refused_while_a_task_writes_the_folder(corpus, tmp_path):
+    """--overwrite deletes another plan's shards: never under a task that is still writing them."""
+    out = tmp_path / "busy"
+    preprocess(corpus["inputs"], corpus["tok"], out, **ARGS, num_tasks=2, task_index=1)
+    other = {**ARGS, "valid_fraction": 0.2}
+    with OutputLock(out, task_lock_name(0)):  # task 0 at work
+        with pytest.raises(
+            InputError, match=r"^--overwrite: .* running preprocess \(.preprocess.task-0.lock"
+        ):
+            preprocess(corpus["inputs"], corpus["tok"], out, **other, overwrite=True)
+    assert len(list(out.glob("shard_*.json"))) == 12  # nothing deleted
+    assert preprocess(corpus["inputs"], corpus["tok"], out, **other, overwrite=True).manifest is not None
