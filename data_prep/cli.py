@@ -42,11 +42,11 @@ def size_text(value: int) -> str:
 class InputOptions:
     """--input and the flags that say how documents are found in it."""
 
-    # files (.txt, .jsonl, .parquet), folders (searched recursively, in sorted order), or a Hugging
-    # Face dataset name (e.g. wikimedia/wikipedia with --hf-config 20231101.en; prefix with hf: to
-    # force, also for a local folder in a Hub dataset's layout); Parquet datasets are streamed from
-    # the Hub, others loaded when online or from the local cache; several values, never split at
-    # commas (a file name may hold one)
+    # files (.txt, .jsonl, .parquet), folders (searched recursively, in sorted order), or Hugging
+    # Face datasets as NAME[@CONFIG][:SPLIT] (e.g. wikimedia/wikipedia@20231101.en
+    # SamuelYang/bookcorpus; prefix with hf: to force, also for a local folder in a Hub dataset's
+    # layout); Parquet datasets are streamed from the Hub, others loaded when online or from the
+    # local cache; several values, never split at commas (a file name may hold one)
     input: list[str] = field(metadata={"commas": False})
     # how .txt files delimit documents: blank lines between documents (BERT's format), one document
     # per line, or auto: blank if a file's first MiB holds a blank line, else line
@@ -60,9 +60,10 @@ class InputOptions:
     # JSON lines longer than this are skipped and counted, never held in memory (text lines of any
     # length are read in pieces)
     max_line_bytes: str = size_text(ReadOptions.max_line_bytes)
-    # configuration of a Hub dataset (e.g. 20231101.en: wikimedia/wikipedia's dump date and language)
+    # configuration of the Hub datasets that name none (NAME@CONFIG names its own; e.g. 20231101.en:
+    # wikimedia/wikipedia's dump date and language)
     hf_config: str | None = None
-    hf_split: str = "train"  # split of a Hub dataset
+    hf_split: str = "train"  # split of the Hub datasets that name none (NAME:SPLIT names its own)
 
     def check(self) -> None:
         if not self.input:

@@ -6,6 +6,7 @@ import fcntl
 import json
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -16,18 +17,25 @@ from swbert.data.manifest import MANIFEST_NAME, SPLITS, TOKENIZER_SUBDIR, read_m
 LOCK_NAME = ".preprocess.lock"
 WAIT_SECONDS = 10.0
 PLAN_NAME = "plan.json"
+TASKS_NAME = "tasks.json"  # how many tasks share the folder's shards (`--num-tasks`)
 
 
 class OutputLock:
-    """An exclusive `flock` on the output folder, released by the kernel even on `kill -9`."""
+    """An exclusive `flock` on the output folder, released by the kernel even on `kill -9`.
 
-    def __init__(self, output_dir: Path) -> None:
-        self.path = output_dir / LOCK_NAME
+    `name` picks the lock file: the folder's own (held while a run sets the folder up or writes the
+    manifest) or one task's (held while that task writes its shards, so a task started twice, as
+    after a requeue whose old run is still exiting, waits or stops). On a cluster the folder must be
+    on a file system that shares `flock` between nodes (NFS; Lustre mounted with `-o flock`)."""
+
+    def __init__(self, output_dir: Path, name: str = LOCK_NAME, wait: float = WAIT_SECONDS) -> None:
+        self.path = output_dir / name
+        self.wait = wait
         self.fd: int | None = None
 
     def __enter__(self) -> OutputLock:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + WAIT_SECONDS  # the processes of a killed run may still be exiting
+        deadline = time.monotonic() + self.wait  # the processes of a killed run may still be exiting
         while True:
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -36,14 +44,14 @@ class OutputLock:
                 if time.monotonic() < deadline:
                     time.sleep(0.1)
                     continue
-                holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                holder = os.pread(self.fd, 128, 0).decode(errors="replace").strip() or "unknown"
                 os.close(self.fd)
                 raise InputError(
                     f"another preprocess (pid {holder}) is writing {self.path.parent}; wait for it to "
                     "finish or stop it, then re-run this command to resume"
                 ) from None
         os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+        os.pwrite(self.fd, f"{os.getpid()} on {socket.gethostname()}".encode(), 0)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -66,9 +74,17 @@ def check_output_dir(output_dir: str | Path) -> None:
 def _is_ours(path: Path) -> bool:
     name = path.name
     return (
-        name in (MANIFEST_NAME, PLAN_NAME, TOKENIZER_SUBDIR)
+        name in (MANIFEST_NAME, PLAN_NAME, TASKS_NAME, TOKENIZER_SUBDIR)
         or (name.startswith("shard_") and name.endswith((".json", ".bin", ".idx")))
-        or name.startswith((".shard_", f".{TOKENIZER_SUBDIR}.tmp-", ".plan.json.tmp-", ".manifest.json.tmp-"))
+        or name.startswith(
+            (
+                ".shard_",
+                f".{TOKENIZER_SUBDIR}.tmp-",
+                ".plan.json.tmp-",
+                ".manifest.json.tmp-",
+                ".tasks.json.tmp-",
+            )
+        )
     )
 
 
@@ -79,10 +95,31 @@ def remove_outputs(output_dir: Path) -> None:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
-def remove_stale_temporaries(output_dir: Path) -> None:
-    """Remove the half-written files of a killed run (safe: we hold the folder's lock)."""
+def task_lock_name(task_index: int) -> str:
+    """The lock file of task `task_index` (`--task-index`; a run without tasks is task 0)."""
+    return f".preprocess.task-{task_index}.lock"
+
+
+def tasks_running(output_dir: Path) -> list[str]:
+    """The task locks of `output_dir` held now, by any process (on any node sharing `flock`)."""
+    busy = []
+    for path in sorted(output_dir.glob(".preprocess.task-*.lock")):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            busy.append(path.name)
+        finally:
+            os.close(fd)
+    return busy
+
+
+def remove_stale_temporaries(output_dir: Path, names: set[str]) -> None:
+    """Remove the half-written files that a killed run left of the shards `names` (safe: we hold
+    the lock of the task that writes them; other tasks' files are theirs)."""
     for path in output_dir.glob(".shard_*.tmp-*"):
-        path.unlink(missing_ok=True)
+        if path.name[1:].split(".", 1)[0] in names:
+            path.unlink(missing_ok=True)
 
 
 def _describe_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
@@ -123,6 +160,11 @@ def check_existing(
             manifest_path.unlink()  # damaged since: no longer complete until the rerun repairs it
         return None
     if overwrite:
+        if busy := tasks_running(output_dir):
+            raise InputError(
+                f"--overwrite: {output_dir} is being written by a running preprocess ({', '.join(busy)} "
+                "held); stop it first, or write to a new --output folder"
+            )
         remove_outputs(output_dir)
         return None
     old_hash = old_plan.get("tokenizer", {}).get("hash")

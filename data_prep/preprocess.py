@@ -1,11 +1,13 @@
 """Tokenize a corpus into megatron-core indexed-dataset shards, in parallel and resumably.
 
     python -m data_prep.preprocess --input PATH [PATH ...] --tokenizer DIR --output DIR --workers N
+        [--num-tasks N --task-index I]
 
 Each chunk of the input (cut at document boundaries every `--shard-size` bytes) becomes one
 shard, written by one worker; a shard counts as finished once its `.json` record exists, so a
 killed run redoes only unfinished shards. The documents and their order depend only on the
-inputs, the tokenizer and the settings recorded in the manifest, never on `--workers`.
+inputs, the tokenizer and the settings recorded in the manifest, never on `--workers` or
+`--num-tasks` (tasks on several nodes share one output folder: `data_prep.tasks`).
 """
 
 from __future__ import annotations
@@ -24,14 +26,17 @@ from typing import Any
 from data_prep import cli
 from data_prep.outdir import (
     PLAN_NAME,
+    WAIT_SECONDS,
     OutputLock,
     check_existing,
     check_output_dir,
     finished_record,
     remove_stale_temporaries,
+    task_lock_name,
 )
 from data_prep.shard_writer import ShardJob
 from data_prep.sources import InputError, ReadOptions, Source, plan_chunks, refuse_non_utf8, resolve_inputs
+from data_prep.tasks import check_task_flags, claim_tasks, owns, reject, verify_records
 from data_prep.workers import run_jobs
 from swbert.cli import parse_or_exit
 from swbert.data.manifest import (
@@ -66,10 +71,15 @@ class PreprocessConfig(cli.InputOptions):
     valid_fraction: float = 0.01
     overwrite: bool = False  # delete shards in --output that another tokenizer, input or setting made
     no_progress: bool = False  # no progress bar (the summary is still printed)
+    # processes sharing the work into one --output, e.g. one per node (launchers/slurm/preprocess.sbatch);
+    # the shards are those of a single run, and the task that finishes last writes the manifest
+    num_tasks: int = 1
+    task_index: int = 0  # which of the --num-tasks this process is (0..N-1): it writes shards I, I+N, ...
 
     def check(self) -> None:
         super().check()
         self.shard_bytes()
+        check_task_flags(self.num_tasks, self.task_index)
         check_output_dir(self.output)
 
     def shard_bytes(self) -> int:
@@ -80,7 +90,7 @@ class PreprocessConfig(cli.InputOptions):
 class PreprocessResult:
     """What a run did: the manifest plus run statistics that are deliberately not in it."""
 
-    manifest: dict[str, Any]
+    manifest: dict[str, Any] | None  # None: a task that left the manifest to the tasks still writing
     output_dir: Path
     shards_written: int
     shards_reused: int
@@ -133,6 +143,40 @@ def _plan(
     }
 
 
+def _check_settings(workers: int, valid_fraction: float, shard_bytes: int, tokenizer_dir: Path) -> None:
+    if workers < 1:
+        raise InputError(f"--workers must be at least 1, not {workers}")
+    if not 0.0 <= valid_fraction < 1.0:
+        raise InputError(f"--valid-fraction must be in [0, 1), not {valid_fraction}")
+    if shard_bytes < 1:
+        raise InputError(f"--shard-size must be positive, not {shard_bytes}")
+    try:
+        tokenizer_hash(tokenizer_dir)  # a missing tokenizer is reported before any input is read
+    except ValueError as err:
+        raise InputError(str(err)) from err
+
+
+@dataclass
+class _Run:
+    """One call's fixed facts, passed between its steps."""
+
+    output_dir: Path
+    tokenizer_dir: Path
+    sources: list[Source]
+    skipped_files: list[str]
+    plan: dict[str, Any]
+    plan_id: str
+    options: ReadOptions
+    workers: int
+    num_tasks: int
+    task_index: int
+    progress: bool
+
+    def lock_wait(self) -> float:
+        # Tasks of an array start together and each holds the folder's lock for a moment.
+        return WAIT_SECONDS if self.num_tasks == 1 else 300.0
+
+
 def preprocess(
     inputs: list[str],
     tokenizer_dir: str | Path,
@@ -147,92 +191,125 @@ def preprocess(
     overwrite: bool = False,
     progress: bool = True,
     check_encoding: bool = True,
+    num_tasks: int = 1,
+    task_index: int = 0,
 ) -> PreprocessResult:
     """Write (or finish writing) the shards and `manifest.json` of `output_dir`.
 
+    With `num_tasks` > 1 this call is task `task_index` of several writing `output_dir` (see
+    `data_prep.tasks`): it writes its share of the shards, and the manifest only if it finds every
+    shard finished (`PreprocessResult.manifest` is None otherwise).
+
     Raises `InputError` (a `ValueError`) for problems the user can fix: inputs (with
     `check_encoding`, a file that is not UTF-8 text), a tokenizer folder, an `output_dir` that is a
-    file, or an output folder holding shards of another tokenizer, inputs or settings.
+    file, an output folder holding shards of another tokenizer, inputs or settings, or one whose
+    tasks were started with another `num_tasks`.
     """
     started = time.perf_counter()
     options = options or ReadOptions()
-    if workers < 1:
-        raise InputError(f"--workers must be at least 1, not {workers}")
-    if not 0.0 <= valid_fraction < 1.0:
-        raise InputError(f"--valid-fraction must be in [0, 1), not {valid_fraction}")
-    if shard_bytes < 1:
-        raise InputError(f"--shard-size must be positive, not {shard_bytes}")
+    check_task_flags(num_tasks, task_index)
     check_output_dir(output_dir)
     tokenizer_dir = Path(tokenizer_dir)
-    try:
-        tokenizer_hash(tokenizer_dir)  # a missing tokenizer is reported before any input is read
-    except ValueError as err:
-        raise InputError(str(err)) from err
-    sources, skipped_files = resolve_inputs(
-        inputs,
-        text_field=options.text_field,
-        txt_documents=options.txt_documents,
-        hf_config=hf_config,
-        hf_split=hf_split,
-    )
+    _check_settings(workers, valid_fraction, shard_bytes, tokenizer_dir)
+    sources, skipped_files = resolve_inputs(inputs, text_field=options.text_field,
+                                            txt_documents=options.txt_documents, hf_config=hf_config,
+                                            hf_split=hf_split)  # fmt: skip
     if check_encoding:
         refuse_non_utf8(sources)
     plan = _plan(tokenizer_dir, sources, shard_bytes, valid_fraction, options)
     plan_id = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    with OutputLock(output_dir) as lock:
-        existing = check_existing(output_dir, plan, plan_id, tokenizer_dir, overwrite)
+    run = _Run(output_dir, tokenizer_dir, sources, skipped_files, plan, plan_id, options, workers,
+               num_tasks, task_index, progress)  # fmt: skip
+    spm_model = _set_up(run, overwrite)
+    if isinstance(spm_model, dict):  # already complete
+        log.info("%s is already complete (its manifest.json matches these inputs and settings)", output_dir)
+        elapsed = time.perf_counter() - started
+        return PreprocessResult(spm_model, output_dir, 0, len(spm_model["shards"]), elapsed, 0.0, 0, 0)
+    jobs = _jobs(run, spm_model, shard_bytes, valid_fraction)
+    with OutputLock(output_dir, task_lock_name(task_index)) as task_lock:
+        mine = [job for job in jobs if owns(job.index, num_tasks, task_index)]
+        remove_stale_temporaries(output_dir, {job.name for job in mine})
+        written, reused, counts = _write(run, mine, task_lock)
+        manifest = _finish(run, jobs, written, task_lock)
+    elapsed = time.perf_counter() - started
+    result = PreprocessResult(manifest, output_dir, len(written), reused, elapsed, *counts)
+    _log_summary(result)
+    return result
+
+
+def _jobs(run: _Run, spm_model: str, shard_bytes: int, valid_fraction: float) -> list[ShardJob]:
+    """Every shard of the plan, whichever task writes it (the plan does not depend on the tasks)."""
+    return [
+        ShardJob(i, shard_name(i), chunk, run.sources[chunk.source], run.options, spm_model,
+                 run.plan["dtype"], valid_fraction, run.plan_id, str(run.output_dir))
+        for i, chunk in enumerate(plan_chunks(run.sources, shard_bytes, run.options))
+    ]  # fmt: skip
+
+
+def _set_up(run: _Run, overwrite: bool) -> str | dict[str, Any]:
+    """Under the folder's lock: the manifest when the folder is already complete, else the path of
+    the tokenizer copy, after checking what the folder holds and recording the plan and the tasks."""
+    with OutputLock(run.output_dir, wait=run.lock_wait()):
+        existing = check_existing(run.output_dir, run.plan, run.plan_id, run.tokenizer_dir, overwrite)
         if existing is not None:
-            log.info(
-                "%s is already complete (its manifest.json matches these inputs and settings)", output_dir
-            )
-            elapsed = time.perf_counter() - started
-            return PreprocessResult(existing, output_dir, 0, len(existing["shards"]), elapsed, 0.0, 0, 0)
-        remove_stale_temporaries(output_dir)
-        write_json_atomic(output_dir / PLAN_NAME, {**plan, "plan_id": plan_id})
-        spm_model = str(
-            _copy_tokenizer(tokenizer_dir, output_dir, plan["tokenizer"]["hash"]) / SPM_MODEL_NAME
-        )
-        jobs = [
-            ShardJob(
-                i,
-                shard_name(i),
-                chunk,
-                sources[chunk.source],
-                options,
-                spm_model,
-                plan["dtype"],
-                valid_fraction,
-                plan_id,
-                str(output_dir),
-            )  # fmt: skip
-            for i, chunk in enumerate(plan_chunks(sources, shard_bytes, options))
-        ]
-        records = {job.index: rec for job in jobs if (rec := finished_record(output_dir, job.name, plan_id))}
-        pending = [job for job in jobs if job.index not in records]
-        reused = len(records)
-        log.info("%d shards planned, %d finished before, %d to write with %d worker(s)",
-                 len(jobs), reused, len(pending), min(workers, max(len(pending), 1)))  # fmt: skip
-        docs, tokens, work_seconds = run_jobs(
-            pending,
-            workers,
-            records,
-            progress=progress,
-            total=sum(job.chunk.weight for job in jobs),
-            done=sum(jobs[i].chunk.weight for i in records),
-            close_fds=(lock.fd,) if lock.fd is not None else (),
-        )
-        manifest = _assemble(plan, plan_id, [records[job.index] for job in jobs], skipped_files)
+            return existing
+        claim_tasks(run.output_dir, run.plan_id, run.num_tasks)
+        write_json_atomic(run.output_dir / PLAN_NAME, {**run.plan, "plan_id": run.plan_id})
+        tokenizer = _copy_tokenizer(run.tokenizer_dir, run.output_dir, run.plan["tokenizer"]["hash"])
+    return str(tokenizer / SPM_MODEL_NAME)
+
+
+def _write(run: _Run, jobs: list[ShardJob], lock: OutputLock) -> tuple[set[str], int, tuple[float, int, int]]:
+    """Write the shards of `jobs` not finished before: their names, how many were finished
+    before, and (seconds, documents, tokens) of the work."""
+    records = {
+        job.index: rec for job in jobs if (rec := finished_record(run.output_dir, job.name, run.plan_id))
+    }
+    pending = [job for job in jobs if job.index not in records]
+    task = f"task {run.task_index} of {run.num_tasks}: " if run.num_tasks > 1 else ""
+    log.info("%s%d shards planned, %d finished before, %d to write with %d worker(s)", task, len(jobs),
+             len(records), len(pending), min(run.workers, max(len(pending), 1)))  # fmt: skip
+    docs, tokens, seconds = run_jobs(
+        pending,
+        run.workers,
+        records,
+        progress=run.progress,
+        total=sum(job.chunk.weight for job in jobs),
+        done=sum(job.chunk.weight for job in jobs if job.index in records),
+        close_fds=(lock.fd,) if lock.fd is not None else (),
+    )
+    return {job.name for job in pending}, len(jobs) - len(pending), (seconds, docs, tokens)
+
+
+def _finish(run: _Run, jobs: list[ShardJob], written: set[str], lock: OutputLock) -> dict[str, Any] | None:
+    """Write the manifest if every shard is finished, after checking the sha256 of those this call
+    did not write (another task's, or an earlier run's); None while other tasks still write."""
+    records = {job.index: finished_record(run.output_dir, job.name, run.plan_id) for job in jobs}
+    missing = [job.name for job in jobs if records[job.index] is None]
+    if missing:
+        log.info("%d of %d shards are still being written by other tasks (%s, ...); the task that finishes "
+                 "last writes the manifest", len(missing), len(jobs), missing[0])  # fmt: skip
+        return None
+    others = [rec for job in jobs if job.name not in written and (rec := records[job.index])]
+    if bad := verify_records(run.output_dir, others, run.workers):
+        for name in bad:
+            reject(run.output_dir, name)
+        redo = [job for job in jobs if job.name in bad]
+        fixed: dict[int, dict[str, Any]] = {}
+        run_jobs(redo, run.workers, fixed, progress=False, total=0, done=0, close_fds=(lock.fd,))
+        records.update(fixed)
+    with OutputLock(run.output_dir, wait=run.lock_wait()):
+        if (run.output_dir / MANIFEST_NAME).is_file():  # another task finished at the same time
+            return json.loads((run.output_dir / MANIFEST_NAME).read_text())
+        manifest = _assemble(run.plan, run.plan_id, [records[job.index] for job in jobs], run.skipped_files)
         if sum(manifest["splits"][split]["documents"] for split in SPLITS) == 0:
             raise InputError(
                 f"the inputs hold no document ({_fmt_counts(manifest['counts']) or 'all empty'})"
             )
-        write_json_atomic(output_dir / MANIFEST_NAME, manifest)
-    elapsed = time.perf_counter() - started
-    result = PreprocessResult(manifest, output_dir, len(pending), reused, elapsed, work_seconds, docs, tokens)
-    _log_summary(result)
-    return result
+        write_json_atomic(run.output_dir / MANIFEST_NAME, manifest)
+    return manifest
 
 
 def _fmt_counts(counts: dict[str, int]) -> str:
@@ -265,6 +342,10 @@ def _assemble(
 
 def _log_summary(result: PreprocessResult) -> None:
     manifest, seconds = result.manifest, max(result.seconds, 1e-9)
+    if manifest is None:
+        log.info("wrote %d shards (%d finished before) in %.1f s: %s documents, %s tokens", result.shards_written,
+                 result.shards_reused, seconds, f"{result.documents_written:,}", f"{result.tokens_written:,}")  # fmt: skip
+        return
     train, valid = manifest["splits"]["train"], manifest["splits"]["valid"]
     reused = f" ({result.shards_reused} finished before)" if result.shards_reused else ""
     log.info(
@@ -312,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         overwrite=args.overwrite,
         check_encoding=args.invalid_utf8 is None,  # an explicit --invalid-utf8 reads any file
         progress=not args.no_progress,
+        num_tasks=args.num_tasks,
+        task_index=args.task_index,
     )
     return 0
 

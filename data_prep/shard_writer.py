@@ -42,7 +42,7 @@ def in_valid_split(text: str, valid_fraction: float) -> bool:
     return int.from_bytes(digest, "big") < valid_fraction * 2.0**64
 
 
-def _hash_and_size(path: Path) -> tuple[str, int]:
+def hash_and_size(path: Path) -> tuple[str, int]:
     digest = hashlib.sha256()
     with open(path, "rb") as stream:
         while block := stream.read(1 << 22):
@@ -85,7 +85,7 @@ class _SplitWriter:
         for suffix in ("bin", "idx"):
             tmp, final = Path(f"{self.tmp_prefix}.{suffix}"), Path(f"{self.prefix}.{suffix}")
             fsync_path(tmp)
-            record[f"{suffix}_sha256"], record[f"{suffix}_bytes"] = _hash_and_size(tmp)
+            record[f"{suffix}_sha256"], record[f"{suffix}_bytes"] = hash_and_size(tmp)
             os.replace(tmp, final)
         return record
 

@@ -116,7 +116,8 @@ def resolve_inputs(
 
     for item in inputs:
         if item.startswith(HF_PREFIX):
-            sources.extend(_hub_sources(item[len(HF_PREFIX) :], hf_config, hf_split, text_field))
+            hub = parse_hub_input(item[len(HF_PREFIX) :], hf_config, hf_split)
+            sources.extend(_hub_sources(hub.name, hub.config, hub.split, text_field))
             continue
         path = Path(item)
         if path.is_dir():
@@ -134,7 +135,8 @@ def resolve_inputs(
         elif _looks_like_path(item):
             raise InputError(f"input {item} does not exist")
         else:
-            sources.extend(_hub_sources(item, hf_config, hf_split, text_field))
+            hub = parse_hub_input(item, hf_config, hf_split)
+            sources.extend(_hub_sources(hub.name, hub.config, hub.split, text_field))
     if not sources:
         raise InputError(f"every input is empty: {', '.join(skipped)}")
     for source in sources:
@@ -199,12 +201,43 @@ def _txt_documents(path: Path, mode: str) -> str:
     return "blank" if BLANK_LINE.search(head) else "line"
 
 
-# A Hub dataset is named `name` or `org/name`; anything else that does not exist is a bad path.
+# A Hub dataset is named `name` or `org/name`, optionally with `@CONFIG` and `:SPLIT` (ours: the
+# Hub has no syntax for both in one string); anything else that does not exist is a bad path.
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+HUB_INPUT = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?(@[^@:/\s]+)?(:[^@:/\s]+)?")
+
+
+@dataclass(frozen=True)
+class HubInput:
+    """A Hub dataset input: its name (or a local folder in a Hub dataset's layout), configuration
+    and split."""
+
+    name: str
+    config: str | None
+    split: str
+
+
+def parse_hub_input(text: str, default_config: str | None = None, default_split: str = "train") -> HubInput:
+    """`NAME[@CONFIG][:SPLIT]`, e.g. `wikimedia/wikipedia@20231101.en` or `squad:validation`: each
+    input names its own configuration and split; `--hf-config` and `--hf-split` are the defaults of
+    those that do not. Only the last path component is parsed, so `hf:FOLDER@CONFIG` works too."""
+    cut = text.rfind("/") + 1
+    head, tail = text[:cut], text[cut:]
+    split = config = None
+    if ":" in tail:
+        tail, split = tail.rsplit(":", 1)
+    if "@" in tail:
+        tail, config = tail.rsplit("@", 1)
+    if not tail or config == "" or split == "":
+        raise InputError(
+            f"input {text!r}: a Hub dataset is NAME, NAME@CONFIG, NAME:SPLIT or NAME@CONFIG:SPLIT "
+            "(e.g. wikimedia/wikipedia@20231101.en), with nothing empty"
+        )
+    return HubInput(head + tail, config if config is not None else default_config, split or default_split)
 
 
 def _looks_like_path(item: str) -> bool:
-    return not HUB_NAME.fullmatch(item) or Path(item).suffix.lower() in SUFFIXES
+    return not HUB_INPUT.fullmatch(item) or Path(item).suffix.lower() in SUFFIXES
 
 
 def open_parquet(path: str) -> Any:  # -> pyarrow.parquet.ParquetFile
@@ -300,14 +333,14 @@ def _hub_sources(name: str, config: str | None, split: str, text_field: str) -> 
         raise InputError(
             f"input {name!r} is not a local file or folder, and reading it as a Hugging Face dataset "
             f"(config {config!r}) from {where} failed: {type(err).__name__}: {err}. Pass local "
-            ".txt/.jsonl/.parquet files, or check the name and --hf-config (e.g. wikimedia/wikipedia "
-            "--hf-config 20231101.en)."
+            ".txt/.jsonl/.parquet files, or check the name and its configuration (e.g. "
+            "wikimedia/wikipedia@20231101.en, or --hf-config for every input that names none)."
         ) from err
     files = list((builder.config.data_files or {}).get(split, []))
     if not files and builder.config.data_files:
         raise InputError(
             f"dataset {name!r} (config {config!r}) has no split {split!r}; its splits: "
-            f"{', '.join(builder.config.data_files)}. Pass --hf-split"
+            f"{', '.join(builder.config.data_files)}. Name one as {name}@CONFIG:SPLIT (or pass --hf-split)"
         )
     if not files or not all(str(f).endswith(".parquet") for f in files):
         return [_hub_source(name, config, split, text_field)]

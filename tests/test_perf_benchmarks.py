@@ -57,10 +57,13 @@ def test_data_prep_benchmark_smoke(tmp_path, capsys):
     measured `python -m data_prep.preprocess` processes importing megatron-core."""
     out = data_prep.main(["--smoke", "--root", str(tmp_path / "data")])
     assert out["tokens_per_s_1"] > 0 and out["tokens_per_s_2"] > 0
-    assert out["rss_small"] > 0 and out["rss_large"] > 0  # both real preprocess runs were measured
+    growth = out["growth"]  # three real preprocess runs, corpora 10x apart
+    assert [row["megabytes"] for row in growth] == pytest.approx([0.01, 0.1, 1.0])
+    assert all(row["rss"] > 0 and row["tokens_per_s"] > 0 for row in growth)
+    assert growth[0]["documents"] < growth[1]["documents"] < growth[2]["documents"]
     printed = capsys.readouterr().out
     assert f"ratio {out['worker_ratio']:.2f}x (target >= 1.8x)" in printed
-    assert f"ratio {out['rss_ratio']:.2f}x (target < 1.5x)" in printed
+    assert f"peak RSS {out['rss_ratio']:.2f}x for 100x the corpus" in printed
 
 
 def test_data_loader_benchmark_smoke(tmp_path, capsys):
@@ -71,7 +74,12 @@ def test_data_loader_benchmark_smoke(tmp_path, capsys):
     h100 = out["h100_samples_per_s_at_50pct_mfu"]
     assert 7300 < h100["standard"] < 7600 and 8800 < h100["shared"] < 9000 and h100.keys() >= {"symmetric"}
     assert json.loads((tmp_path / "r.json").read_text())["h100_samples_per_s_at_50pct_mfu"] == h100
-    assert "one worker / H100 standard" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "one worker / H100 standard" in printed and "loader start-up" in printed
+    growth = out["growth"]  # start-up measured at three corpora 10x apart
+    assert [row["megabytes"] for row in growth] == pytest.approx([0.01, 0.1, 1.0])
+    assert growth[0]["documents"] < growth[1]["documents"] < growth[2]["documents"]
+    assert all(row["seconds"] > 0 and row["worker_uss"] > 0 for row in growth)
 
 
 def test_finetune_step_benchmark_smoke(tmp_path, capsys):

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.slow
 
 CLUSTER_SCRIPT = REPO / "launchers" / "slurm" / "local_cluster.sh"
 PRETRAIN_SBATCH = "launchers/slurm/pretrain.sbatch"
+PREPROCESS_SBATCH = "launchers/slurm/preprocess.sbatch"
 
 
 def _skip_reason() -> str | None:
@@ -323,6 +324,53 @@ def test_scaling_grid_runs_as_a_job_array(cluster, data_dir, tmp_path):
         assert row["status"] == "measured" and float(row["tokens_per_s"]) > 0, row
         assert float(row["loss_last"]) > 0
     assert (out / "plots" / "throughput.png").stat().st_size > 0
+
+
+def _preprocess_array(cluster, data_dir: Path, tmp_path: Path, preempt: bool) -> tuple[str, str]:
+    """Submit preprocess.sbatch as an array of 2 tasks on the tiny corpus; with `preempt`, send task 1
+    SLURM's pre-emption warning (SIGUSR1) as it starts. Checks that the folder's manifest (shard
+    sha256s included) is a single run's; returns the two tasks' logs."""
+    from data_prep.preprocess import preprocess
+
+    corpus, tok = data_dir.parent / "corpus.txt", data_dir.parent / "tok"
+    settings = {"shard_bytes": 8 << 10, "valid_fraction": 0.1}
+    preprocess([str(corpus)], tok, tmp_path / "single", workers=1, progress=False, **settings)
+    out = tmp_path / "shards"
+    job = cluster.sbatch(
+        "--array=0-1",
+        f"--output={tmp_path}/slurm-%A_%a.out",
+        PREPROCESS_SBATCH,
+        *("--input", str(corpus), "--tokenizer", str(tok), "--output", str(out), "--no-progress"),
+        *("--shard-size", "8K", "--valid-fraction", "0.1"),
+    )
+    logs = [tmp_path / f"slurm-{job}_{task}.out" for task in (0, 1)]
+    if preempt:
+        deadline = time.time() + 60
+        while not (logs[1].is_file() and "preprocess task 1 of 2" in logs[1].read_text()):
+            assert time.time() < deadline, cluster.logs()
+            time.sleep(0.2)
+        signalled = cluster.run("scancel", "--signal=USR1", "--batch", f"{job}_1")
+        assert signalled.returncode == 0, signalled.stderr
+    cluster.wait(job, timeout=240)
+    first, second = (log.read_text() for log in logs)
+    assert "finished task 0 of 2" in first and "finished task 1 of 2" in second, first + second
+    assert (out / "manifest.json").read_text() == (tmp_path / "single" / "manifest.json").read_text()
+    assert json.loads((out / "tasks.json").read_text())["num_tasks"] == 2
+    return first, second
+
+
+def test_preprocess_job_array_writes_the_single_run_folder(cluster, data_dir, tmp_path):
+    """Two array tasks share one output folder: its manifest is a single run's."""
+    _preprocess_array(cluster, data_dir, tmp_path, preempt=False)
+
+
+@pytest.mark.long
+def test_a_preempted_preprocess_task_requeues_itself_and_resumes(cluster, data_dir, tmp_path):
+    """Task 1 gets SIGUSR1 as it starts: it stops, requeues itself and, run again, finishes; whichever
+    task finishes last writes the manifest. (Long: a third interpreter start, about 10 s of CPU.)"""
+    _, second = _preprocess_array(cluster, data_dir, tmp_path, preempt=True)
+    assert "SIGUSR1: stopping the task" in second and "requeueing job" in second, second
+    assert "restart 1: preprocess task 1 of 2" in second, second
 
 
 def test_finetune_job_on_one_node(cluster, tmp_path):
