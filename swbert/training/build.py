@@ -199,9 +199,10 @@ def check_shards(data: TrainingData, run_dir: Path) -> None:
     """Hash the shards against the manifest (in parallel over the ranks, remembered per file) before
     the first batch: same-size corruption keeps token ids valid and would otherwise train silently."""
     result = verify_data(data, run_dir)
+    manifests = ", ".join(str(s.data_dir / "manifest.json") for s in data.sources)  # a mix's every folder
     status.info(
         "shards verified against %s: %d files, %d hashed now (%.1f MB over all ranks), %.2f s",
-        data.data_dir / "manifest.json", result.files, result.hashed, result.hashed_bytes / 1e6, result.seconds,
+        manifests, result.files, result.hashed, result.hashed_bytes / 1e6, result.seconds,
     )  # fmt: skip
 
 
