@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()  # first: the default corpus's build below says what it does
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
-        if config.data_dir is None:  # offline preprocessing, before any process group or thread
+        if config.data_dir is None and not config.data_mix:  # offline preprocessing, before any process group
             from data_prep.default_corpus import default_root, ensure_default_data
 
             status.info(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import make_data_dir
+from tests.launch_utils import make_data_dir, make_second_folder
 
 # The environment's own tools first, as in an activated environment (CI does not activate it): the
 # launched jobs need its torchrun/deepspeed, and ranks forked inside the test process JIT-build
@@ -23,6 +23,17 @@ def data_dir(tmp_path_factory):
 
     Training only reads it, so every module's jobs share it."""
     return make_data_dir(tmp_path_factory.mktemp("tiny-data"))
+
+
+@pytest.fixture(scope="session")
+def mix_dirs(data_dir, tmp_path_factory):
+    """Two folders of one tokenizer for --data-mix: `data_dir` as `A`, and `B`, a smaller corpus of
+    its own (about 4 s); linked under those names, which name each folder's metrics."""
+    root = tmp_path_factory.mktemp("mix")
+    second = make_second_folder(data_dir, root / "books")
+    (root / "A").symlink_to(data_dir)
+    (root / "B").symlink_to(second)
+    return root / "A", root / "B"
 
 
 # The files that take longest in `make test` (wall time, longest first, measured with --durations on

@@ -80,6 +80,23 @@ def make_data_dir(root: Path, vocab_size: int = 96) -> Path:
     return root / "data"
 
 
+def make_second_folder(data_dir: Path, root: Path, documents: int = 200, own_tokenizer: bool = False) -> Path:
+    """Another data folder for mixes: a corpus of its own (another seed), through the same
+    preprocessing CLI as `make_data_dir` but in this process (a fraction of the CPU time of a new
+    interpreter), with the tokenizer trained for `data_dir`, or (`own_tokenizer`) one of its own."""
+    from data_prep.preprocess import preprocess
+    from data_prep.train_tokenizer import train_tokenizer
+
+    root.mkdir(parents=True, exist_ok=True)
+    text = str(write_corpus(root / "corpus.txt", documents=documents, seed=1))
+    tokenizer = data_dir.parent / "tok"
+    if own_tokenizer:
+        tokenizer = root / "tok"
+        train_tokenizer([text], tokenizer, vocab_size=80, threads=1)
+    preprocess([text], tokenizer, root / "data", workers=1, progress=False)
+    return root / "data"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,9 +8,10 @@ from swbert.data.manifest import TOKENIZER_SUBDIR
 from swbert.data.tokenizer import SPM_MODEL_NAME
 
 
-def prepare_data(data_dir: str | Path | None) -> Path:
-    """The folder of shards to train on, checked to hold a manifest. Building data is the offline
-    tools' job (`data_prep`; the pretraining entry point builds the embedded default corpus)."""
+def prepare_data(data_dir: str | Path | None, flag: str = "--data-dir") -> Path:
+    """A folder of shards to train on (given by `flag`), checked to hold a manifest and the tokenizer.
+    Building data is the offline tools' job (`data_prep`; the pretraining entry point builds the
+    embedded default corpus)."""
     if data_dir is None:
         raise ValueError(
             "no --data-dir: make shards with `python -m data_prep.preprocess --input FILES --tokenizer "
@@ -19,12 +20,12 @@ def prepare_data(data_dir: str | Path | None) -> Path:
     path = Path(data_dir)
     if not (path / "manifest.json").is_file():
         raise FileNotFoundError(
-            f"--data-dir {path} holds no manifest.json: make shards with "
+            f"{flag} {path} holds no manifest.json: make shards with "
             f"`python -m data_prep.preprocess --input FILES --tokenizer TOK_DIR --output {path}`"
         )
     if not (path / TOKENIZER_SUBDIR / SPM_MODEL_NAME).is_file():  # else the export has no tokenizer
         raise FileNotFoundError(
-            f"--data-dir {path} has no {TOKENIZER_SUBDIR}/{SPM_MODEL_NAME} (the copy of the tokenizer the "
+            f"{flag} {path} has no {TOKENIZER_SUBDIR}/{SPM_MODEL_NAME} (the copy of the tokenizer the "
             f"shards were made with, which checkpoints and exports carry): copy that tokenizer folder to "
             f"{path / TOKENIZER_SUBDIR}, then check it with python -m data_prep.verify {path}"
         )

@@ -22,7 +22,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from swbert.data.stream import MaskedStream, check_layout
+from swbert.data.stream import MaskedStream, MixedStream, check_layout
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class MicroBatches(torch.utils.data.IterableDataset):
     """
 
     def __init__(
-        self, stream: MaskedStream, start_sample: int, micro_bs: int, dp_rank: int, dp_size: int
+        self, stream: MaskedStream | MixedStream, start_sample: int, micro_bs: int, dp_rank: int, dp_size: int
     ) -> None:
         check_layout(start_sample, micro_bs, dp_rank, dp_size)
         self.stream = stream
@@ -239,7 +239,7 @@ class BatchLoader:
 
 
 def batch_loader(
-    stream: MaskedStream,
+    stream: MaskedStream | MixedStream,
     start_sample: int,
     micro_bs: int,
     dp_rank: int,

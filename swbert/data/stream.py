@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from swbert.data.masking import MaskingCollator, sample_keys
+from swbert.data.mix import MixSchedule
 from swbert.data.packing import PackedSequences
 from swbert.data.sampler import GlobalSampler
 
@@ -62,3 +63,51 @@ def check_layout(start_sample: int, micro_bs: int, dp_rank: int, dp_size: int) -
         raise ValueError(f"micro_bs must be positive, not {micro_bs}")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), not {dp_rank}")
+
+
+class MixedStream:
+    """The global sample stream of a weighted mix of folders (`swbert.data.mix`).
+
+    Position `p` draws from the folder `schedule` names at `p`, and takes the next sample of that
+    folder's own `GlobalSampler` order (epochs per folder); it is masked by its global position,
+    as in `MaskedStream`. A batch also says where each row came from: `source` (B,), the folder's
+    index in the mix, and `sample` (B,), the sample's index in that folder's packed sequences.
+    """
+
+    def __init__(
+        self,
+        folders: list[PackedSequences],
+        schedule: MixSchedule,
+        collator: MaskingCollator,
+        seed: int,
+        *,
+        stream_seed: int,
+    ) -> None:
+        if len(folders) != len(schedule.counts):
+            raise ValueError(f"{len(folders)} folders but a schedule of {len(schedule.counts)}")
+        self.folders = folders
+        self.schedule = schedule
+        self.collator = collator
+        self.stream_seed = stream_seed
+        self.samplers = [
+            GlobalSampler(len(f), seed=seed, micro_batch_size=1, dp_rank=0, dp_size=1) for f in folders
+        ]
+        self.seq_len = folders[0].seq_len
+        self.max_predictions = collator.max_predictions(self.seq_len)  # checked here, before any batch
+
+    def batch(self, position: int, count: int) -> dict[str, torch.Tensor]:
+        """The `count` masked samples at stream positions `[position, position + count)`, with their
+        `source` and `sample` (see the class docstring)."""
+        positions = np.arange(position, position + count, dtype=np.int64)  # (B,)
+        folder, draw = self.schedule.locate(positions)  # (B,), (B,)
+        sample = np.empty(count, dtype=np.int64)
+        input_ids = np.empty((count, self.seq_len), dtype=np.int64)  # (B, S)
+        for k in np.unique(folder).tolist():
+            rows = folder == k
+            # a folder's draws among consecutive positions are consecutive draws of that folder
+            sample[rows] = self.samplers[k].take(int(draw[rows][0]), int(rows.sum()))
+            input_ids[rows] = self.folders[k].get_batch(sample[rows])
+        out = self.collator.mask(input_ids, sample_keys(self.stream_seed, positions))
+        out["source"] = torch.from_numpy(folder)
+        out["sample"] = torch.from_numpy(sample)
+        return out

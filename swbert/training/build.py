@@ -19,7 +19,6 @@ flag fails at once on every rank instead of hanging a collective.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from swbert.data.mix import metric_name, parse_data_mix
 from swbert.logs import status
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.config import SIZES
@@ -189,19 +189,26 @@ def check_compiler(device: torch.device, backend: str = "inductor") -> None:
 
 
 def build_data(cfg: TrainConfig) -> TrainingData:
-    """The run's shards, found and checked (the entry point builds the default corpus beforehand)."""
-    return TrainingData(
-        prepare_data(cfg.data_dir), cfg.seq_len, cfg.mlm_probability, cfg.seed, cfg.max_predictions_per_seq
-    )
+    """The run's shards, found and checked (the entry point builds the default corpus beforehand):
+    one --data-dir, or the folders of a --data-mix."""
+    if cfg.data_mix:
+        entries = parse_data_mix(cfg.data_mix)
+        for entry in entries:
+            prepare_data(entry.path, "--data-mix")
+        data: Path | list = entries
+    else:
+        data = prepare_data(cfg.data_dir)
+    return TrainingData(data, cfg.seq_len, cfg.mlm_probability, cfg.seed, cfg.max_predictions_per_seq)
 
 
 def check_shards(data: TrainingData, run_dir: Path) -> None:
     """Hash the shards against the manifest (in parallel over the ranks, remembered per file) before
     the first batch: same-size corruption keeps token ids valid and would otherwise train silently."""
     result = verify_data(data, run_dir)
+    manifests = ", ".join(str(s.data_dir / "manifest.json") for s in data.sources)  # a mix's every folder
     status.info(
         "shards verified against %s: %d files, %d hashed now (%.1f MB over all ranks), %.2f s",
-        data.data_dir / "manifest.json", result.files, result.hashed, result.hashed_bytes / 1e6, result.seconds,
+        manifests, result.files, result.hashed, result.hashed_bytes / 1e6, result.seconds,
     )  # fmt: skip
 
 
@@ -251,7 +258,7 @@ def run_record(
         # the LR schedule's length: a resume may change it (a longer run), and says how the LR goes on
         "train_steps": total_steps(cfg),
         "run": {
-            "data": hashlib.sha256((data.data_dir / "manifest.json").read_bytes()).hexdigest()[:16],
+            "data": data.fingerprint(),
             "seed": cfg.seed,
             "seq_len": cfg.seq_len,
             "mlm_probability": cfg.mlm_probability,
@@ -265,6 +272,9 @@ def run_record(
             "optimizer": resolve_optimizer(cfg.optimizer, offloads_optimizer(plan.ds_config)),
             **{k: getattr(cfg, k) for k in OPTIMIZER_SETTINGS},
         },
+        # a mix's folders, weights, manifest hashes and planned epochs (the run's "data" above is
+        # what a resume checks; checkpoints add the epochs each folder went through so far)
+        **({"data_mix": data.mix_record(total_steps(cfg) * cfg.global_batch_size)} if data.mixed else {}),
     }
 
 
@@ -425,13 +435,15 @@ def write_run_files(
     ds_config: dict[str, Any],
     is_main: bool,
     resume_from: tuple[Path, str] | None = None,
+    mix: dict[str, Any] | None = None,
 ) -> None:
     """Rank 0 saves the resolved config and the filled DeepSpeed config (one line names the file: the
     whole config on the console drowned what the run says), moves cut-off saves aside
-    and, when resuming from an older step (a rewind), the newer checkpoints; every rank waits."""
+    and, when resuming from an older step (a rewind), the newer checkpoints; every rank waits. A
+    `mix` (`TrainingData.mix_record`) is written below the config as comments (`mix_note`)."""
     if is_main:
         folder.output_dir.mkdir(parents=True, exist_ok=True)
-        (folder.output_dir / "resolved_config.yaml").write_text(dump_config(cfg))
+        (folder.output_dir / "resolved_config.yaml").write_text(dump_config(cfg) + mix_note(mix))
         (folder.output_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
         status.info(
             "resolved config (%s): size %s, %s attention, %d steps of %d x %d tokens, ZeRO-%d",
@@ -445,6 +457,29 @@ def write_run_files(
     dist.barrier()
 
 
+def mix_note(mix: dict[str, Any] | None) -> str:
+    """A data mix as resolved, as YAML comments: the file stays a recipe that runs the same job."""
+    if not mix:
+        return ""
+    lines = [f"# data_mix, resolved: every window of {mix['window']} samples draws"]
+    for name, f in mix["folders"].items():
+        lines.append(
+            f"#   {f['per_window']} from {name} ({f['path']}, weight {f['weight']}, manifest sha256 "
+            f"{f['manifest_sha256']}): {f['epochs_planned']} epochs of it over the run"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def mix_params(mix: dict[str, Any] | None) -> dict[str, Any]:
+    """A data mix as resolved, as flat MLflow params: `data_mix.window`, `data_mix.<folder>.<key>`."""
+    if not mix:
+        return {}
+    out: dict[str, Any] = {"data_mix.window": mix["window"]}
+    for name, record in mix["folders"].items():
+        out.update(flatten(f"data_mix.{metric_name(name)}", record))
+    return out
+
+
 def build_tracking(
     cfg: TrainConfig,
     folder: RunFolder,
@@ -452,6 +487,7 @@ def build_tracking(
     plan: RunPlan,
     model_config: SWBertConfig,
     applied_kernels: list[str],
+    mix: dict[str, Any] | None = None,
 ) -> MetricsLogger | None:
     """metrics.jsonl and (with --mlflow) the MLflow run, on rank 0; None elsewhere."""
     if not dims.is_main:
@@ -466,6 +502,7 @@ def build_tracking(
         "cpu_kernels_applied": ",".join(applied_kernels) or "none",
         "parameters": masked_lm_params(model_config),
         **flatten("deepspeed", plan.ds_config),  # the filled DeepSpeed config, as run
+        **mix_params(mix),
     }
     metrics = MetricsLogger(folder.output_dir, folder.run_name, params, cfg.mlflow, cfg.system_metrics)
     metrics.artifact(folder.output_dir / "resolved_config.yaml")

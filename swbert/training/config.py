@@ -17,6 +17,7 @@ import yaml
 
 from swbert import cli
 from swbert.data.masking import resolve_max_predictions
+from swbert.data.mix import check_mix_folders, parse_data_mix
 from swbert.models.attention import attention_class
 from swbert.models.config import SIZES
 from swbert.models.plugins import load_plugins
@@ -66,6 +67,10 @@ class TrainConfig:
     attention_dropout: float = 0.1  # dropout on attention probabilities
     # data
     data_dir: str | None = None  # shards from data_prep.preprocess; None: the embedded default corpus
+    # several folders of shards with weights, DIR=WEIGHT each (--data-mix wiki=0.75 books=0.25), in
+    # place of data_dir: every aligned window of samples meets the weights exactly (docs/data.md,
+    # "Mixtures of corpora"); the folders must share the tokenizer
+    data_mix: list[str] = field(default_factory=list, metadata={"commas": False})
     seq_len: int = 128  # tokens per packed sequence, [CLS] and [SEP] included
     mlm_probability: float = 0.15  # fraction of tokens to predict (80% [MASK], 10% random, 10% kept)
     # predicted positions per sequence, a static shape (the model gathers this many rows); each
@@ -140,6 +145,7 @@ class TrainConfig:
         cli.check_choices(self)
         self._check_counts()
         self._check_optimisation()
+        self._check_data_mix()
         for key in self.allow_resume_change:
             if key not in RESUME_CHANGEABLE:
                 close = difflib.get_close_matches(key, RESUME_CHANGEABLE, n=1)
@@ -165,6 +171,18 @@ class TrainConfig:
             raise ValueError(
                 f"num_workers={self.num_workers} must be 0 (batches on the training thread) or more"
             )
+
+    def _check_data_mix(self) -> None:
+        """--data-mix: well-formed weights, each folder once, with a manifest, one tokenizer for all;
+        checked here so bad input fails before any work (reading the manifests is cheap)."""
+        if not self.data_mix:
+            return
+        if self.data_dir is not None:
+            raise ValueError(
+                f"--data-mix and --data-dir {self.data_dir} were both given: --data-dir trains on one folder, "
+                "--data-mix on several with weights; keep one (a recipe's data_dir: pass --data-dir none)"
+            )
+        check_mix_folders(parse_data_mix(self.data_mix))
 
     def _check_counts(self) -> None:
         """Counts that must be positive (None: derived or unset), and those that may be 0."""

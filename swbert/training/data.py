@@ -8,8 +8,12 @@ workers, and not on whether the run was interrupted and resumed.
 
 from __future__ import annotations
 
+import hashlib
 import os
+from dataclasses import dataclass, fields
+from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,7 +21,9 @@ from swbert.data import MaskingCollator, PackedSequences, open_corpus
 from swbert.data.folder import prepare_data
 from swbert.data.integrity import CACHE_NAME, VerifyResult, verify_shards
 from swbert.data.loader import BatchLoader, batch_loader, resolve_num_workers
-from swbert.data.stream import VALID_STREAM_OFFSET, MaskedStream, check_layout
+from swbert.data.manifest import MANIFEST_NAME
+from swbert.data.mix import MixEntry, MixSchedule, check_mix_folders, window_counts
+from swbert.data.stream import VALID_STREAM_OFFSET, MaskedStream, MixedStream, check_layout
 
 __all__ = ["TrainingData", "prepare_data", "resolve_num_workers", "verify_data"]
 
@@ -32,76 +38,139 @@ def _all_gather(obj: object) -> list[object]:
 
 
 def verify_data(data: TrainingData, run_dir: Path) -> VerifyResult:
-    """Every shard the run reads checked against the manifest's sha256, each rank hashing its share
-    (call after the process group starts, before the first batch). Verified files are remembered in
-    the data folder (`.shard_hashes.json`; shared by every run on that data) or, when the folder is
-    read-only, in the run folder, so a restart hashes only files changed since."""
-    cache_dir = data.data_dir if os.access(data.data_dir, os.W_OK) else run_dir
+    """Every shard the run reads (of every folder of a mix) checked against its manifest's sha256, each
+    rank hashing its share (call after the process group starts, before the first batch). Verified
+    files are remembered in each data folder (`.shard_hashes.json`; shared by every run on that data)
+    or, when a folder is read-only, in the run folder, so a restart hashes only files changed since."""
     dist = torch.distributed
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    return verify_shards(data.data_dir, data.manifest, cache_dir / CACHE_NAME, rank, world, _all_gather)
+    results = []
+    for source in data.sources:
+        cache_dir = source.data_dir if os.access(source.data_dir, os.W_OK) else run_dir
+        cache = cache_dir / CACHE_NAME
+        results.append(verify_shards(source.data_dir, source.manifest, cache, rank, world, _all_gather))
+    if len(results) == 1:
+        return results[0]
+    return VerifyResult(*(sum(getattr(r, f.name) for r in results) for f in fields(VerifyResult)))
+
+
+@dataclass
+class Source:
+    """One folder of the run's data: its weight in the mix (1 for a lone --data-dir) and its splits."""
+
+    name: str
+    data_dir: Path
+    weight: Fraction
+    manifest: dict[str, Any]
+    train: PackedSequences
+    valid: PackedSequences | None
+
+
+def _open_source(entry: MixEntry, seq_len: int, tokenizer: str | None) -> Source:
+    """A folder's train split and, when it holds at least one sequence, its validation split."""
+    corpus = open_corpus(entry.path, "train", tokenizer)
+    valid = None
+    if any(shard["valid"]["documents"] > 0 for shard in corpus.manifest["shards"]):
+        try:
+            valid = PackedSequences(open_corpus(entry.path, "valid", corpus.tokenizer_hash), seq_len)
+        except ValueError as err:
+            if "less than one sequence" not in str(err):
+                raise
+    train = PackedSequences(corpus, seq_len)
+    return Source(entry.name, Path(entry.path), entry.weight, corpus.manifest, train, valid)
 
 
 class TrainingData:
-    """Train and validation sequences of one data folder, served by global stream position.
+    """Train and validation sequences of one data folder, or of a weighted mix of folders, served
+    by global stream position.
 
     `batch()` builds one micro-batch on the calling thread; `loader()` streams consecutive ones
     from DataLoader workers. Both return the same dicts of CPU tensors (see
     `swbert.data.MaskingCollator`): `input_ids`, `labels` (B, S), `mlm_positions`, `mlm_labels`
     (B, P) with P = `max_predictions_per_seq`, and `attention_mask` only when a batch holds padding
-    (packed sequences never do).
+    (packed sequences never do); a mix adds `source` and `sample` (B,) (`MixedStream`). Validation
+    reads each folder's own split, in order (`batch(..., eval_split=True, source=k)`).
     """
 
     def __init__(
         self,
-        data_dir: Path,
+        data: str | Path | list[MixEntry],
         seq_len: int,
         mlm_probability: float,
         seed: int,
         max_predictions_per_seq: int | None = None,
     ) -> None:
-        self.data_dir = Path(data_dir)
-        corpus = open_corpus(data_dir, "train")
-        self.manifest = corpus.manifest
-        self.train = PackedSequences(corpus, seq_len)
-        self.vocab_size = corpus.vocab_size
-        self.tokenizer_hash = corpus.tokenizer_hash
-        self.tokenizer_dir = corpus.tokenizer_dir
-        self.valid = None
-        if any(shard["valid"]["documents"] > 0 for shard in corpus.manifest["shards"]):
-            try:
-                self.valid = PackedSequences(open_corpus(data_dir, "valid", corpus.tokenizer_hash), seq_len)
-            except ValueError as err:
-                if "less than one sequence" not in str(err):
-                    raise
+        self.mixed = isinstance(data, list)
+        entries = data if isinstance(data, list) else [MixEntry(Path(data), Fraction(1))]
+        if self.mixed:
+            check_mix_folders(entries)  # the tokenizers agree, naming both folders when not
+        self.sources = [_open_source(entries[0], seq_len, None)]
+        self.tokenizer_hash = self.sources[0].train.corpus.tokenizer_hash
+        self.sources += [_open_source(e, seq_len, self.tokenizer_hash) for e in entries[1:]]
+        first = self.sources[0]
+        self.data_dir, self.manifest, self.train, self.valid = (
+            first.data_dir,
+            first.manifest,
+            first.train,
+            first.valid,
+        )
+        self.vocab_size = first.train.corpus.vocab_size
+        self.tokenizer_dir = first.train.corpus.tokenizer_dir
         self.collator = MaskingCollator(
             self.vocab_size, mlm_probability=mlm_probability, max_predictions_per_seq=max_predictions_per_seq
         )
         self.max_predictions_per_seq = self.collator.max_predictions(seq_len)  # P, resolved and checked
         self.seed = seed
-        self._streams = {
-            False: MaskedStream(self.train, self.collator, seed, shuffle=True, stream_seed=seed),
-        }
-        if self.valid is not None:  # in order, and masked by another stream than training's
-            self._streams[True] = MaskedStream(
-                self.valid, self.collator, seed, shuffle=False, stream_seed=seed + VALID_STREAM_OFFSET
+        self.schedule = MixSchedule(window_counts([s.weight for s in self.sources]))
+        self._train: MaskedStream | MixedStream = MaskedStream(
+            self.train, self.collator, seed, shuffle=True, stream_seed=seed
+        )
+        if self.mixed:
+            trains = [s.train for s in self.sources]
+            self._train = MixedStream(trains, self.schedule, self.collator, seed, stream_seed=seed)
+        # each folder's validation split in order, masked by another stream than training's
+        self._valid = {
+            k: MaskedStream(
+                s.valid, self.collator, seed, shuffle=False, stream_seed=seed + VALID_STREAM_OFFSET
             )
+            for k, s in enumerate(self.sources)
+            if s.valid is not None
+        }
 
     @property
     def has_valid(self) -> bool:
-        return self.valid is not None
+        return bool(self._valid)
 
-    def _stream(self, eval_split: bool) -> MaskedStream:
-        if eval_split and self.valid is None:
-            raise ValueError(f"{self.data_dir} has no validation split large enough for one sequence")
-        return self._streams[eval_split]
+    @property
+    def names(self) -> list[str]:
+        """Each folder's name, in mix order."""
+        return [s.name for s in self.sources]
+
+    def valid_sources(self) -> list[int]:
+        """The folders (indices in the mix) whose validation split holds a sequence."""
+        return sorted(self._valid)
+
+    def _stream(self, eval_split: bool, source: int = 0) -> MaskedStream | MixedStream:
+        if not eval_split:
+            return self._train
+        if source not in self._valid:
+            folder = self.sources[source].data_dir
+            raise ValueError(f"{folder} has no validation split large enough for one sequence")
+        return self._valid[source]
 
     def batch(
-        self, samples_before: int, micro_bs: int, dp_rank: int, dp_size: int, eval_split: bool = False
+        self,
+        samples_before: int,
+        micro_bs: int,
+        dp_rank: int,
+        dp_size: int,
+        eval_split: bool = False,
+        source: int = 0,
     ) -> dict[str, torch.Tensor]:
-        """This rank's micro-batch of the global batch that starts at stream position `samples_before`."""
+        """This rank's micro-batch of the global batch that starts at stream position `samples_before`
+        (of the training stream, or of folder `source`'s validation split)."""
         check_layout(samples_before, micro_bs, dp_rank, dp_size)
-        return self._stream(eval_split).batch(samples_before + dp_rank * micro_bs, micro_bs)
+        return self._stream(eval_split, source).batch(samples_before + dp_rank * micro_bs, micro_bs)
 
     def loader(
         self,
@@ -131,6 +200,54 @@ class TrainingData:
             multiprocessing_context=multiprocessing_context,
         )
 
-    def sampler_state(self, samples_consumed: int) -> dict:
-        epoch, consumed = divmod(samples_consumed, len(self.train))
-        return {"epoch": epoch, "consumed": consumed, "seed": self.seed, "num_samples": len(self.train)}
+    def sampler_state(self, samples_consumed: int) -> dict[str, Any]:
+        """The data position after `samples_consumed` samples (a checkpoint records it; resume needs only
+        the count, since every position is a function of it). A mix says, for each folder, the samples it
+        gave, the epoch it is in and the epochs it went through (a fraction)."""
+        if not self.mixed:
+            epoch, consumed = divmod(samples_consumed, len(self.train))
+            return {"epoch": epoch, "consumed": consumed, "seed": self.seed, "num_samples": len(self.train)}
+        drawn = self.schedule.drawn(samples_consumed).tolist()
+        return {
+            "position": samples_consumed,
+            "seed": self.seed,
+            "window": self.schedule.window,
+            "folders": {
+                s.name: {"drawn": d, "epoch": d // len(s.train), "epochs": d / len(s.train)}
+                for s, d in zip(self.sources, drawn)
+            },
+        }
+
+    def mix_record(self, total_samples: int) -> dict[str, Any]:
+        """What a run records of its mix (checkpoint, MLflow, resolved config): the window, and for each
+        folder its path, weight, samples per window, manifest sha256, and the epochs of it that a run of
+        `total_samples` samples goes through."""
+        drawn = self.schedule.drawn(total_samples).tolist()
+        return {
+            "window": self.schedule.window,
+            "folders": {
+                s.name: {
+                    "path": str(s.data_dir),
+                    "weight": str(s.weight),
+                    "per_window": int(c),
+                    "manifest_sha256": manifest_sha256(s.data_dir),
+                    "epochs_planned": round(d / len(s.train), 6),
+                }
+                for s, c, d in zip(self.sources, self.schedule.counts, drawn)
+            },
+        }
+
+    def fingerprint(self) -> str:
+        """The data exact resume depends on, as a checkpoint records it: a lone folder's manifest hash
+        (16 hex digits, as before mixes); for a mix, each folder's samples per window and manifest hash."""
+        if not self.mixed:
+            return manifest_sha256(self.data_dir)[:16]
+        return " ".join(
+            f"{s.name}={c}/{self.schedule.window}@{manifest_sha256(s.data_dir)[:16]}"
+            for s, c in zip(self.sources, self.schedule.counts.tolist())
+        )
+
+
+def manifest_sha256(data_dir: Path) -> str:
+    """sha256 of a folder's manifest.json (it lists every shard's own sha256)."""
+    return hashlib.sha256((data_dir / MANIFEST_NAME).read_bytes()).hexdigest()

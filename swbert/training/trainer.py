@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from swbert.data.mix import metric_name
 from swbert.logs import setup_logging, status
 from swbert.models.flops import masked_lm_flops
 from swbert.models.modeling import IGNORE_INDEX
@@ -102,8 +103,9 @@ class Trainer:
         self.train_flops_per_token = flops.training
         self.peak_tflops = device_peak_tflops() if self.precision in ("bf16", "fp16") else None
 
-        build.write_run_files(cfg, folder, self.ds_config, self.is_main, self.resume_from)
-        self.metrics = build.build_tracking(cfg, folder, self.dims, plan, self.model_config, applied)
+        mix = self.meta.get("data_mix")
+        build.write_run_files(cfg, folder, self.ds_config, self.is_main, self.resume_from, mix)
+        self.metrics = build.build_tracking(cfg, folder, self.dims, plan, self.model_config, applied, mix)
         if self.metrics is not None and self.resume_changes:  # deliberate changes, kept with the run
             self.metrics.tag(f"resume_change.{self.resume_from[1]}", "; ".join(self.resume_changes))
         self._maybe_resume()  # last: it restores the RNG streams, so nothing after it may draw from them
@@ -168,10 +170,12 @@ class Trainer:
         self.stop_signal = self.stop_signal or signal.Signals(signum).name
 
     # ---- one step -----------------------------------------------------------------------------
-    def _batch(self, samples_before: int, eval_split: bool = False) -> dict[str, torch.Tensor]:
+    def _batch(
+        self, samples_before: int, eval_split: bool = False, source: int = 0
+    ) -> dict[str, torch.Tensor]:
         d = self.dims
         return self._to_device(
-            self.data.batch(samples_before, self.micro_bs, d.dp_rank, d.dp_size, eval_split)
+            self.data.batch(samples_before, self.micro_bs, d.dp_rank, d.dp_size, eval_split, source)
         )
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -289,20 +293,36 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Validation loss, perplexity and accuracy; nothing without a validation split or with
-        `eval_batches` 0 (a loss over no tokens would read 0.0, perplexity 1.0)."""
+        `eval_batches` 0 (a loss over no tokens would read 0.0, perplexity 1.0).
+
+        A mix evaluates `eval_batches` micro-batches of each folder's own validation split and
+        reports each (`val_loss/<folder>`, `val_mlm_acc/<folder>`); the overall `val_loss` and
+        `val_mlm_acc` are the means over the folders weighted by the mix (ours: the loss of the
+        distribution the run trains on), renormalised over the folders that have a split."""
         if not self.data.has_valid or self.config.eval_batches == 0:
             return {}
         self.engine.eval()
+        per_folder = {k: self._evaluate_folder(k) for k in self.data.valid_sources()}
+        out: dict[str, float] = {}
+        if self.data.mixed:
+            for k, (loss, acc) in per_folder.items():
+                name = metric_name(self.data.names[k])
+                out[f"val_loss/{name}"], out[f"val_mlm_acc/{name}"] = loss, acc
+        weights = {k: float(self.data.sources[k].weight) for k in per_folder}
+        total = sum(weights.values())
+        loss = sum(weights[k] * per_folder[k][0] for k in per_folder) / total
+        acc = sum(weights[k] * per_folder[k][1] for k in per_folder) / total
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_mlm_acc": acc, **out}
+
+    def _evaluate_folder(self, source: int) -> tuple[float, float]:
+        """(loss, accuracy) over `eval_batches` micro-batches of folder `source`'s validation split."""
         counts = Counts.zeros(self.device)
         for i in range(self.config.eval_batches):
-            counts += self.forward_and_count(self._batch(i * self.micro_bs * self.dims.dp_size, True))[1]
+            counts += self.forward_and_count(
+                self._batch(i * self.micro_bs * self.dims.dp_size, True, source)
+            )[1]
         loss_sum, predicted, correct = self._all_reduce(counts)
-        loss = loss_sum / max(predicted, 1)
-        return {
-            "val_loss": loss,
-            "val_ppl": math.exp(min(loss, 50.0)),
-            "val_mlm_acc": correct / max(predicted, 1),
-        }
+        return loss_sum / max(predicted, 1), correct / max(predicted, 1)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self) -> Path:
@@ -314,6 +334,8 @@ class Trainer:
             "skipped_total": self.skipped_total,
         }
         meta = {**self.meta, "step": self.step}
+        if self.data.mixed:  # the epochs each folder went through, recorded with the mix
+            meta["data_position"] = client_state["sampler"]
         return ckpt.save(
             self.engine, self.ckpt_root, self.step, client_state, meta, self.config.keep_checkpoints
         )
