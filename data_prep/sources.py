@@ -96,47 +96,26 @@ def resolve_inputs(
         raise InputError("no --input given")
     sources: list[Source] = []
     skipped: list[str] = []
-    seen: set[str] = set()
-
-    def add_file(path: Path, explicit: bool) -> None:
-        kind = SUFFIXES.get(path.suffix.lower())
-        if kind is None:
-            raise InputError(f"{path}: unsupported file type {path.suffix!r}; use .txt, .jsonl or .parquet")
-        stat = path.stat()
-        if stat.st_size == 0:
-            if explicit:
-                raise InputError(f"{path} is empty; remove it from --input")
-            skipped.append(str(path))
-            return
-        resolved = str(path.resolve())
-        if resolved not in seen:
-            seen.add(resolved)
-            documents = _txt_documents(path, txt_documents) if kind == "txt" else ""
-            sources.append(Source(kind, resolved, stat.st_size, stat.st_mtime_ns, documents))
-
+    seen: set[str] = set()  # local files, by their resolved path
     for item in inputs:
-        if item.startswith(HF_PREFIX):
-            hub = parse_hub_input(item[len(HF_PREFIX) :], hf_config, hf_split)
+        path = Path(item)
+        if item.startswith(HF_PREFIX) or not (path.is_dir() or path.is_file() or _looks_like_path(item)):
+            hub = parse_hub_input(item.removeprefix(HF_PREFIX), hf_config, hf_split)
             sources.extend(_hub_sources(hub.name, hub.config, hub.split, text_field))
             continue
-        path = Path(item)
         if path.is_dir():
-            files = sorted(
-                p
-                for p in path.rglob("*")
-                if p.is_file() and p.suffix.lower() in SUFFIXES and not p.name.startswith(".")
-            )
-            if not files:
-                raise InputError(f"folder {path} holds no .txt, .jsonl or .parquet file")
-            for file in files:
-                add_file(file, explicit=False)
+            files = [(file, False) for file in _folder_files(path)]
         elif path.is_file():
-            add_file(path, explicit=True)
-        elif _looks_like_path(item):
-            raise InputError(f"input {item} does not exist")
+            files = [(path, True)]
         else:
-            hub = parse_hub_input(item, hf_config, hf_split)
-            sources.extend(_hub_sources(hub.name, hub.config, hub.split, text_field))
+            raise InputError(f"input {item} does not exist")
+        for file, explicit in files:
+            source = _file_source(file, explicit, txt_documents)
+            if source is None:
+                skipped.append(str(file))
+            elif source.path not in seen:
+                seen.add(source.path)
+                sources.append(source)
     if not sources:
         raise InputError(f"every input is empty: {', '.join(skipped)}")
     for source in sources:
@@ -145,6 +124,32 @@ def resolve_inputs(
         elif source.kind == "jsonl":
             _check_jsonl(source, text_field)
     return sources, skipped
+
+
+def _folder_files(path: Path) -> list[Path]:
+    """The readable files under a folder, recursively and sorted (hidden ones left out)."""
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file() and p.suffix.lower() in SUFFIXES and not p.name.startswith(".")
+    )
+    if not files:
+        raise InputError(f"folder {path} holds no .txt, .jsonl or .parquet file")
+    return files
+
+
+def _file_source(path: Path, explicit: bool, txt_documents: str) -> Source | None:
+    """A local file as a source; None for an empty file found in a folder (one named is an error)."""
+    kind = SUFFIXES.get(path.suffix.lower())
+    if kind is None:
+        raise InputError(f"{path}: unsupported file type {path.suffix!r}; use .txt, .jsonl or .parquet")
+    stat = path.stat()
+    if stat.st_size == 0:
+        if explicit:
+            raise InputError(f"{path} is empty; remove it from --input")
+        return None
+    documents = _txt_documents(path, txt_documents) if kind == "txt" else ""
+    return Source(kind, str(path.resolve()), stat.st_size, stat.st_mtime_ns, documents)
 
 
 ENCODING_SAMPLE_BYTES = 1 << 20
@@ -312,6 +317,38 @@ def _hub_sources(name: str, config: str | None, split: str, text_field: str) -> 
     workers; nothing is downloaded ahead and no Arrow cache is written. Any other dataset is loaded
     with `datasets.load_dataset` (downloaded once into the Hugging Face cache) as before.
     """
+    builder = _dataset_builder(name, config)
+    files = list((builder.config.data_files or {}).get(split, []))
+    if not files and builder.config.data_files:
+        raise InputError(
+            f"dataset {name!r} (config {config!r}) has no split {split!r}; its splits: "
+            f"{', '.join(builder.config.data_files)}. Name one as {name}@CONFIG:SPLIT (or pass --hf-split)"
+        )
+    if not files or not all(str(f).endswith(".parquet") for f in files):
+        return [_hub_source(name, config, split, text_field)]
+    from tqdm.auto import tqdm
+
+    bar = tqdm(files, desc=f"reading the Parquet footers of {name}", unit="file", disable=len(files) < 4)
+    return [_parquet_source(str(path), name, config, split) for path in bar]
+
+
+def _parquet_source(path: str, name: str, config: str | None, split: str) -> Source:
+    """One Parquet file of a Hub dataset, sized by its footer (no download)."""
+    meta = open_parquet(path).metadata
+    return Source(
+        "parquet",
+        path,
+        meta.serialized_size + sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)),
+        hf_config=config,
+        hf_split=split,
+        # a Hub path names the revision (hf://datasets/NAME@SHA/...), so it changes with the data
+        hf_fingerprint=f"{name}:{meta.num_rows}",
+    )
+
+
+def _dataset_builder(name: str, config: str | None) -> Any:  # -> datasets.DatasetBuilder
+    """The dataset's builder, from a local folder, the Hub or (offline) the local cache; an
+    InputError saying where it looked otherwise."""
     local = Path(name).is_dir()
     online = local or _hub_reachable()
     if not online:
@@ -336,38 +373,7 @@ def _hub_sources(name: str, config: str | None, split: str, text_field: str) -> 
             ".txt/.jsonl/.parquet files, or check the name and its configuration (e.g. "
             "wikimedia/wikipedia@20231101.en, or --hf-config for every input that names none)."
         ) from err
-    files = list((builder.config.data_files or {}).get(split, []))
-    if not files and builder.config.data_files:
-        raise InputError(
-            f"dataset {name!r} (config {config!r}) has no split {split!r}; its splits: "
-            f"{', '.join(builder.config.data_files)}. Name one as {name}@CONFIG:SPLIT (or pass --hf-split)"
-        )
-    if not files or not all(str(f).endswith(".parquet") for f in files):
-        return [_hub_source(name, config, split, text_field)]
-    from tqdm.auto import tqdm
-
-    sources = []
-    for path in tqdm(
-        files, desc=f"reading the Parquet footers of {name}", unit="file", disable=len(files) < 4
-    ):
-        path = str(path)
-        parquet = open_parquet(path)
-        sources.append(
-            Source(
-                "parquet",
-                path,
-                parquet.metadata.serialized_size
-                + sum(
-                    parquet.metadata.row_group(g).total_byte_size
-                    for g in range(parquet.metadata.num_row_groups)
-                ),
-                hf_config=config,
-                hf_split=split,
-                # a Hub path names the revision (hf://datasets/NAME@SHA/...), so it changes with the data
-                hf_fingerprint=f"{name}:{parquet.metadata.num_rows}",
-            )
-        )
-    return sources
+    return builder
 
 
 def _hub_source(name: str, config: str | None, split: str, text_field: str) -> Source:

@@ -125,11 +125,64 @@ def train_tokenizer(
 
     `byte_fallback=None` turns byte fallback on from `BYTE_FALLBACK_MIN_VOCAB` pieces: below,
     256 byte pieces would crowd out the vocabulary of the tiny tokenizers tests and toy runs use.
-    `lowercase` puts BERT-uncased normalization in the model's own rules (data_prep.uncased).
-    """
+    `lowercase` puts BERT-uncased normalization in the model's own rules (data_prep.uncased)."""
     started = time.perf_counter()
     options = options or ReadOptions()
     output_dir = Path(output_dir)
+    byte_fallback = _check_request(output_dir, vocab_size, byte_fallback, overwrite)
+    sources, _ = resolve_inputs(
+        inputs,
+        text_field=options.text_field,
+        txt_documents=options.txt_documents,
+        hf_config=hf_config,
+        hf_split=hf_split,
+    )
+    if check_encoding:  # an explicit --invalid-utf8 reads any file
+        refuse_non_utf8(sources)
+    sample, seen, stats = _sample(sources, options, max_sentences, seed)
+    settings = {
+        "vocab_size": vocab_size, "model_type": model_type, "character_coverage": character_coverage,
+        "byte_fallback": byte_fallback, "lowercase": lowercase, "seed": seed,
+        "threads": threads or min(os.cpu_count() or 1, 16),
+    }  # fmt: skip
+    tmp = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
+    identical, checked = _train_into(tmp, sample, **settings)
+    info = {
+        "hash": tokenizer_hash(tmp),
+        **settings,
+        "normalization": LOWERCASE_DESCRIPTION if lowercase else "nmt_nfkc (SentencePiece's default, cased)",
+        "sentences_seen": seen,
+        "sentences_sampled": len(sample),
+        "max_sentences": max_sentences,
+        "inputs": [source.describe() for source in sources],
+        "read_options": {"txt_documents": options.txt_documents, "text_field": options.text_field},
+        "hf_parity": {"checked": checked, "identical": identical},
+        "input_counts": dict(sorted(stats.items())),
+    }
+    (tmp / TOKENIZER_INFO_NAME).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
+    _install(tmp, output_dir)
+    _report(output_dir, info, time.perf_counter() - started)
+    return info
+
+
+def _sample(
+    sources: list[Any], options: ReadOptions, max_sentences: int, seed: int
+) -> tuple[list[str], int, Counter]:
+    """Up to `max_sentences` lines drawn from the inputs, the lines seen, and the input counts."""
+    started = time.perf_counter()
+    stats: Counter = Counter()
+    sample, seen = sample_sentences(iter_sentences(sources, options, stats), max_sentences, seed)
+    if not sample:
+        raise InputError(f"the inputs hold no text to train on ({dict(stats) or 'all empty'})")
+    log.info(
+        "sampled %s of %s lines in %.1f s", f"{len(sample):,}", f"{seen:,}", time.perf_counter() - started
+    )
+    return sample, seen, stats
+
+
+def _check_request(output_dir: Path, vocab_size: int, byte_fallback: bool | None, overwrite: bool) -> bool:
+    """Whether to use byte fallback; an InputError for a tokenizer folder in the way or a vocabulary
+    too small for 256 byte pieces."""
     if (output_dir / SPM_MODEL_NAME).exists() and not overwrite:
         raise InputError(
             f"{output_dir / SPM_MODEL_NAME} exists; shards may have been made with it. "
@@ -141,25 +194,22 @@ def train_tokenizer(
         raise InputError(
             f"--vocab-size {vocab_size} leaves no room for 256 byte pieces; pass --byte-fallback no"
         )
-    sources, _ = resolve_inputs(
-        inputs,
-        text_field=options.text_field,
-        txt_documents=options.txt_documents,
-        hf_config=hf_config,
-        hf_split=hf_split,
-    )
-    if check_encoding:  # an explicit --invalid-utf8 reads any file
-        refuse_non_utf8(sources)
-    stats: Counter = Counter()
-    sample, seen = sample_sentences(iter_sentences(sources, options, stats), max_sentences, seed)
-    if not sample:
-        raise InputError(f"the inputs hold no text to train on ({dict(stats) or 'all empty'})")
-    log.info(
-        "sampled %s of %s lines in %.1f s", f"{len(sample):,}", f"{seen:,}", time.perf_counter() - started
-    )
+    return byte_fallback
 
-    threads = threads or min(os.cpu_count() or 1, 16)
-    tmp = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
+
+def _train_into(
+    tmp: Path,
+    sample: list[str],
+    vocab_size: int,
+    model_type: str,
+    character_coverage: float,
+    byte_fallback: bool,
+    threads: int,
+    lowercase: bool,
+    seed: int,
+) -> tuple[int, int]:
+    """Train the model into the fresh folder `tmp` with its Hugging Face files; (lines the HF
+    tokenizer encodes as SentencePiece does, lines checked)."""
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -171,42 +221,19 @@ def train_tokenizer(
         raise
     (tmp / SPM_MODEL_NAME).write_bytes(model)
     save_hf_folder(tmp / SPM_MODEL_NAME, tmp)
-    identical, checked = _parity(tmp / SPM_MODEL_NAME, sample, seed)
-    info = {
-        "hash": tokenizer_hash(tmp),
-        "vocab_size": vocab_size,
-        "model_type": model_type,
-        "character_coverage": character_coverage,
-        "byte_fallback": byte_fallback,
-        "lowercase": lowercase,
-        "normalization": LOWERCASE_DESCRIPTION if lowercase else "nmt_nfkc (SentencePiece's default, cased)",
-        "sentences_seen": seen,
-        "sentences_sampled": len(sample),
-        "max_sentences": max_sentences,
-        "seed": seed,
-        "threads": threads,
-        "inputs": [source.describe() for source in sources],
-        "read_options": {"txt_documents": options.txt_documents, "text_field": options.text_field},
-        "hf_parity": {"checked": checked, "identical": identical},
-        "input_counts": dict(sorted(stats.items())),
-    }
-    (tmp / TOKENIZER_INFO_NAME).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
-    _install(tmp, output_dir)
+    return _parity(tmp / SPM_MODEL_NAME, sample, seed)
+
+
+def _report(output_dir: Path, info: dict[str, Any], seconds: float) -> None:
+    identical, checked = info["hf_parity"]["identical"], info["hf_parity"]["checked"]
     log.info(
         "wrote %s (%s, %d pieces, hash %s) in %.1f s; the HF tokenizer agrees on %d of %d sampled lines",
-        output_dir,
-        model_type,
-        vocab_size,
-        info["hash"][:12],
-        time.perf_counter() - started,
-        identical,
-        checked,
-    )
-    if identical < checked and model_type == "bpe":
+        output_dir, info["model_type"], info["vocab_size"], info["hash"][:12], seconds, identical, checked,
+    )  # fmt: skip
+    if identical < checked and info["model_type"] == "bpe":
         log.warning(
             "the HF tokenizer differs from SentencePiece on %d lines: please report this", checked - identical
         )
-    return info
 
 
 def _train_spm(

@@ -63,42 +63,14 @@ def run_jobs(
     """
     if not jobs:
         return 0, 0, 0.0
-    from tqdm import tqdm
-
     indexed_dataset()  # import before forking, so the workers share it instead of each importing it
     context = _context()
-    queue = context.Queue()
-    tty = sys.stderr.isatty()
-    bar = tqdm(
-        total=total,
-        initial=done,
-        unit="B",
-        unit_scale=True,
-        disable=not progress,
-        mininterval=0.5 if tty else 30.0,
-        desc="preprocess",
-        file=sys.stderr,
-    )
-    docs = tokens = 0
-    started = time.perf_counter()
-
-    def drain() -> None:
-        nonlocal docs, tokens
-        while True:
-            try:
-                d, t, p = queue.get_nowait()
-            except Empty:
-                break
-            docs, tokens = docs + d, tokens + t
-            bar.update(p)
-        elapsed = max(time.perf_counter() - started, 1e-9)
-        bar.set_postfix_str(f"{docs / elapsed:,.0f} docs/s, {tokens / elapsed:,.0f} tokens/s", refresh=False)
-
+    progress_ = _Progress(context.Queue(), total, done, progress)
     pool = ProcessPoolExecutor(
         min(workers, len(jobs)),
         mp_context=context,
         initializer=_init_worker,
-        initargs=(queue, os.getpid(), close_fds),
+        initargs=(progress_.queue, os.getpid(), close_fds),
     )
     futures = {pool.submit(_run, job): job for job in jobs}
     remaining = set(futures)
@@ -106,7 +78,7 @@ def run_jobs(
     try:
         while remaining:
             finished, remaining = wait(remaining, timeout=0.2, return_when=FIRST_COMPLETED)
-            drain()
+            progress_.drain()
             for future in finished:
                 records[futures[future].index] = _result(future, futures[future])
         clean = True
@@ -119,9 +91,44 @@ def run_jobs(
             for process in list(processes.values()):
                 process.terminate()
         pool.shutdown(wait=True, cancel_futures=True)
-        drain()
-        bar.close()
-    return docs, tokens, time.perf_counter() - started
+        progress_.drain()
+        progress_.bar.close()
+    return progress_.docs, progress_.tokens, time.perf_counter() - progress_.started
+
+
+class _Progress:
+    """The workers' counts (documents, tokens, input bytes per message on `queue`) summed into a
+    bar of the input bytes."""
+
+    def __init__(self, queue: Any, total: int, done: int, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self.queue = queue
+        tty = sys.stderr.isatty()
+        self.bar = tqdm(
+            total=total,
+            initial=done,
+            unit="B",
+            unit_scale=True,
+            disable=not enabled,
+            mininterval=0.5 if tty else 30.0,
+            desc="preprocess",
+            file=sys.stderr,
+        )
+        self.docs = self.tokens = 0
+        self.started = time.perf_counter()
+
+    def drain(self) -> None:
+        while True:
+            try:
+                d, t, p = self.queue.get_nowait()
+            except Empty:
+                break
+            self.docs, self.tokens = self.docs + d, self.tokens + t
+            self.bar.update(p)
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        rate = f"{self.docs / elapsed:,.0f} docs/s, {self.tokens / elapsed:,.0f} tokens/s"
+        self.bar.set_postfix_str(rate, refresh=False)
 
 
 def _result(future: Any, job: ShardJob) -> dict[str, Any]:
