@@ -79,6 +79,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule("input", r"--collect\b", "the results of the SLURM array above"),
     Rule("input", r"(?<![\w/-])(corpus|shards|tok|data/wiki)/", "your corpus, tokenizer or shards"),
+    Rule("input", r"--data-mix\b", "your prepared corpora, mixed"),
     Rule("input", r"paper-(shards|tok)/", "the paper's corpus, built by the Hub commands above"),
     Rule(
         "long",
@@ -89,6 +90,11 @@ RULES: tuple[Rule, ...] = (
         "long",
         r"scaling_study\.py(?!.*--no-measure)(?!.*--emit-slurm).*--sizes",
         "measured runs up to BERT-large",
+    ),
+    Rule(
+        "long",
+        r"scaling_study\.py.*--quality",
+        "a quality study: a ladder of models trained, 20 minutes or more",
     ),
 )
 
