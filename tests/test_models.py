@@ -109,26 +109,63 @@ def test_shared_scores_are_symmetric_in_the_tokens():
         assert_close(q2 @ k2.transpose(-1, -2), scores, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
-def test_masked_only_mlm_loss_equals_full_head_loss(kernel):
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+@pytest.mark.parametrize("form", ["labels", "positions"])
+@pytest.mark.parametrize("masked_only", [True, False])
+@pytest.mark.parametrize("last_layer_on_labels", [True, False])
+def test_every_masked_lm_form_gives_the_full_models_loss_logits_and_gradients(
+    attention_type, form, masked_only, last_layer_on_labels
+):
+    """The one masked-LM path, every way in: labels (B, S) or static positions (B, P) with padding;
+    logits at the predicted rows or everywhere; the last layer on those rows or on all. Each gives the
+    loss, logits and every gradient of the full model's logits with the loss taken at the labelled
+    positions (transformers' BertForMaskedLM's convention)."""
     torch.manual_seed(0)
-    model = SWBertForMaskedLM(tiny(attention_kernel=kernel)).eval()
+    model = SWBertForMaskedLM(tiny(attention_type=attention_type)).eval()  # eval: no dropout
+    model.last_layer_on_labels = last_layer_on_labels
+    inputs = batch()
+    where = (torch.tensor([0, 0, 1]), torch.tensor([1, 6, 3]))  # labelled (sequence, position)
+    targets = torch.tensor([7, 50, 99])
+    full = model(**inputs).logits  # (B, S, V)
+    F.cross_entropy(full[where], targets).backward()
+    expected = _grads(model)
+    model.zero_grad()
+    if form == "labels":
+        labels = torch.full_like(inputs["input_ids"], -100)
+        labels[where] = targets
+        out = model(**inputs, labels=labels, masked_logits_only=masked_only)
+        predicted = out.logits
+    else:  # P = 2 per sequence, the second of sequence 1 padding
+        positions, padded_targets = torch.tensor([[1, 6], [3, 0]]), torch.tensor([[7, 50], [99, -100]])
+        out = model(
+            **inputs, mlm_positions=positions, mlm_targets=padded_targets, masked_logits_only=masked_only
+        )
+        predicted = out.logits[:3] if masked_only else out.logits
+    out.loss.backward()
+    assert_close(out.loss, F.cross_entropy(full[where], targets))
+    assert_close(predicted, full[where] if masked_only else full)
+    got = _grads(model)
+    assert got.keys() == expected.keys()
+    for name, grad in expected.items():
+        assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_masked_lm_defaults_follow_transformers_in_eval_and_the_rows_in_training():
+    """Without `masked_logits_only`: eval mode with labels returns every position's logits (pipelines,
+    Trainer.evaluate); training, or static positions in any mode, the predicted rows only."""
+    torch.manual_seed(0)
+    model = SWBertForMaskedLM(tiny()).eval()
     inputs = batch()
     labels = torch.full_like(inputs["input_ids"], -100)
-    labels[0, [0, 3, 7]] = inputs["input_ids"][0, [0, 3, 7]]
-    labels[1, 2] = 9
-    out = model(**inputs, labels=labels, masked_logits_only=True)
-    full = model(**inputs).logits  # (B, S, V)
-    expected = F.cross_entropy(full.view(-1, full.shape[-1]), labels.view(-1), ignore_index=-100)
-    assert out.logits.shape == (4, 101)
-    assert_close(out.loss, expected)
-    assert_close(out.logits, full[labels != -100])
-    # eval mode's default is transformers' convention (pipelines, Trainer.evaluate): every position
-    conventional = model(**inputs, labels=labels)
-    assert conventional.logits.shape == full.shape
-    assert_close(conventional.logits, full)
-    assert_close(conventional.loss, expected)
-    assert model.train()(**inputs, labels=labels).logits.shape == (4, 101)  # training: labelled rows only
+    labels[0, [0, 3, 7]] = 9
+    assert model(**inputs, labels=labels).logits.shape == (2, 10, 101)
+    positions, targets = torch.tensor([[1, 2], [3, 4]]), torch.tensor([[5, 6], [7, 8]])
+    assert model(**inputs, mlm_positions=positions, mlm_targets=targets).logits.shape == (4, 101)
+    assert model.train()(**inputs, labels=labels).logits.shape == (3, 101)
 
 
 def test_sdpa_and_eager_kernels_agree():

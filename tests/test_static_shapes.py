@@ -50,29 +50,6 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("attention_type", attention_types())
-def test_static_path_equals_the_label_mask_path(attention_type):
-    torch.manual_seed(0)
-    model = SWBertForMaskedLM(_config(attention_type)).train()
-    batch = static_batch()
-    dynamic = model(input_ids=batch["input_ids"], labels=batch["labels"], masked_logits_only=True)
-    dynamic.loss.backward()
-    expected = _grads(model)
-    model.zero_grad()
-    static = model(
-        input_ids=batch["input_ids"], mlm_positions=batch["mlm_positions"], mlm_targets=batch["mlm_labels"]
-    )
-    static.loss.backward()
-    assert static.logits.shape == (B * P, VOCAB)  # fixed by (B, P), whatever the data
-    assert_close(static.loss, dynamic.loss)
-    labelled = batch["mlm_labels"].reshape(-1) != IGNORE_INDEX
-    assert_close(static.logits[labelled], dynamic.logits)
-    got = _grads(model)
-    assert got.keys() == expected.keys()
-    for name, grad in expected.items():
-        assert_close(got[name], grad, rtol=1e-5, atol=1e-7, msg=name)
-
-
 def test_a_batch_with_no_prediction_gives_a_zero_loss_that_backpropagates():
     model = SWBertForMaskedLM(_config("shared")).train()
     batch = static_batch()

@@ -367,24 +367,24 @@ class MLMHead(nn.Module):
 
 
 class SWBertForMaskedLM(SWBertPreTrainedModel):
-    """Masked-LM pretraining model with tied input/output embeddings.
+    """Masked-LM pretraining model with tied input/output embeddings, on one path.
 
-    In training mode with `labels`, the head runs only on the labelled positions (gathered first):
-    computing vocabulary-wide logits for every token would waste ~20% of BERT-base's FLOPs. `logits`
-    then has shape (num_labelled, vocab) in row-major order of the labelled positions. Otherwise
-    (no labels, or eval mode) it returns (B, S, vocab) logits like `BertForMaskedLM`, which
-    pipelines and `transformers.Trainer` expect, with the same loss; `masked_logits_only`
-    overrides the choice either way (its name avoids "label": Trainer takes such arguments for labels).
+    The predicted rows come from `labels` (B, S) (the labelled positions) or, for static shapes,
+    from `mlm_positions` (B, P) with `mlm_targets` (B, P): a fixed number P per sequence, padded with
+    IGNORE_INDEX targets, so every shape depends on (B, S, P) only (no graph break, no device-to-host
+    sync). The loss is the mean cross entropy over the labelled rows (`logits_and_loss`).
 
-    The loss reads the last layer only at the labelled positions, so with `labels` (and without
-    `output_hidden_states`) the last layer computes only those (`SWBertModel`'s `output_rows`): its
-    output projection, LayerNorms and MLP run on 15% of the tokens, ~5% of BERT-base's training
-    FLOPs. `last_layer_on_labels = False` computes every position and selects after.
+    `masked_logits_only` (default: in training, or given positions) runs the head on the predicted
+    rows only, `logits` (N, vocab) in row-major order of the rows (B * P with positions, padding
+    included): vocabulary-wide logits for every token would waste ~20% of BERT-base's FLOPs.
+    Otherwise `logits` are (B, S, vocab) like `BertForMaskedLM`'s, which pipelines and
+    `transformers.Trainer` expect, with the same loss. (Its name avoids "label": Trainer takes such
+    arguments for labels.)
 
-    Static shapes (pretraining): `mlm_positions` (B, P) and `mlm_targets` (B, P), a fixed number P of
-    predicted positions per sequence padded with IGNORE_INDEX labels, instead of `labels`. Every
-    shape then depends on (B, S, P) only, so the step compiles without graph breaks and needs no
-    device-to-host sync; `logits` are (B * P, vocab) in row order, the padding's included.
+    With the head on the rows only, the last layer computes only those rows too (`SWBertModel`'s
+    `output_rows`): its output projection, LayerNorms and MLP on 15% of the tokens, ~5% of
+    BERT-base's training FLOPs. `last_layer_on_labels = False` computes every position and selects
+    after (sequence parallelism needs that).
     """
 
     last_layer_on_labels = True  # parallelize() turns it off under sequence parallelism
@@ -418,28 +418,11 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
         mlm_targets: torch.Tensor | None = None,  # not "labels": transformers' Trainer takes those for labels
         **_: object,
     ) -> MaskedLMOutput:
-        if mlm_positions is not None:
-            return self._forward_positions(
-                input_ids,
-                attention_mask,
-                token_type_ids,
-                position_ids,
-                inputs_embeds,
-                mlm_positions,
-                mlm_targets,
-            )
-        selected = None if labels is None else labels != IGNORE_INDEX  # (B, S)
-        if selected is not None and not (self.training if masked_logits_only is None else masked_logits_only):
-            # transformers' convention: logits at every position, the loss at the labelled ones
-            out = self.bert(
-                input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_hidden_states
-            )
-            logits, _ = self.logits_and_loss(out.last_hidden_state, None)  # (B, S, vocab)
-            target = labels[selected]
-            picked = logits[selected].float()
-            loss = F.cross_entropy(picked, target) if target.numel() else picked.sum() * 0.0
-            return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
-        prune = selected is not None and self.last_layer_on_labels and not output_hidden_states
+        rows, target = _predicted_rows(labels, mlm_positions, mlm_targets)
+        if masked_logits_only is None:  # the head on the predicted rows when training or given positions
+            masked_logits_only = self.training or mlm_positions is not None
+        full = rows is None or not masked_logits_only  # (B, S, vocab) logits: transformers' convention
+        prune = not full and self.last_layer_on_labels and not output_hidden_states
         out = self.bert(
             input_ids,
             attention_mask,
@@ -447,62 +430,51 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
             position_ids,
             inputs_embeds,
             output_hidden_states,
-            output_rows=selected if prune else None,
-        )
-        h = out.last_hidden_state  # (B, S, d), or (N, d) when the last layer computed the rows only
-        if selected is not None and not prune:
-            h = h[selected]
-        target = None if selected is None else labels[selected]  # (N,), row-major like h
-        logits, loss = self.logits_and_loss(h, target)
-        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
-
-    def _forward_positions(
-        self,
-        input_ids: torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
-        token_type_ids: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-        inputs_embeds: torch.Tensor | None,
-        mlm_positions: torch.Tensor,
-        mlm_targets: torch.Tensor | None,
-    ) -> MaskedLMOutput:
-        """The static-shape path: the last layer and the head on the (B * P) given positions."""
-        B, P = mlm_positions.shape
-        batch_index = torch.arange(B, device=mlm_positions.device).repeat_interleave(P)  # (B * P,)
-        rows = (batch_index, mlm_positions.reshape(-1))
-        prune = self.last_layer_on_labels
-        out = self.bert(
-            input_ids,
-            attention_mask,
-            token_type_ids,
-            position_ids,
-            inputs_embeds,
             output_rows=rows if prune else None,
         )
-        h = out.last_hidden_state if prune else out.last_hidden_state[rows]  # (B * P, d)
-        target = None if mlm_targets is None else mlm_targets.reshape(-1)  # (B * P,), padding ignored
-        logits, loss = self.logits_and_loss(h, target, padded=True)
-        return MaskedLMOutput(loss=loss, logits=logits)
+        h = out.last_hidden_state  # (B, S, d), or (N, d) when the last layer computed the rows only
+        if full:
+            logits, _ = self.logits_and_loss(h, None)  # (B, S, vocab)
+            loss = None if rows is None else self.loss_on(logits[rows], target)
+        else:
+            logits, loss = self.logits_and_loss(h if prune else h[rows], target)
+        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
 
     def logits_and_loss(
-        self, h: torch.Tensor, target: torch.Tensor | None, padded: bool = False
+        self, h: torch.Tensor, target: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The head on h, (B, S, d) without labels or (N, d) at the predicted positions, and the mean
-        cross entropy over their `target` (N,); with `padded`, over the rows whose target is not
-        IGNORE_INDEX (computed on the device: no host sync). Tensor parallelism overrides this.
+        """The head on h, (B, S, d) or (N, d) at the predicted positions, and the mean cross entropy
+        over the rows whose `target` (N,) is a label (IGNORE_INDEX rows, a static batch's padding,
+        left out on the device: no host sync). Tensor parallelism overrides this.
 
         Logits end at vocab_size: the padded rows of the decoder (config.pad_vocab_multiple) are
         never predicted, and the loss is the one of the same model without them."""
         logits = self.mlm_head(h)  # (..., padded_vocab_size)
         if logits.shape[-1] != self.config.vocab_size:
             logits = logits[..., : self.config.vocab_size]
-        if target is None:
-            return logits, None
-        if padded:
-            return logits, labelled_mean(F.cross_entropy(logits.float(), target, reduction="none"), target)
-        if target.numel() == 0:
-            return logits, logits.sum() * 0.0  # no labelled token in this batch: a zero that keeps the graph
-        return logits, F.cross_entropy(logits.float(), target)
+        return logits, None if target is None else self.loss_on(logits, target)
+
+    @staticmethod
+    def loss_on(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy of (N, vocab) logits over the rows whose target is a label."""
+        return labelled_mean(F.cross_entropy(logits.float(), target, reduction="none"), target)
+
+
+def _predicted_rows(
+    labels: torch.Tensor | None, positions: torch.Tensor | None, targets: torch.Tensor | None
+) -> tuple[Rows | None, torch.Tensor | None]:
+    """The one place the predicted rows are chosen: (batch indices, positions) and their targets.
+    From `labels` (B, S): the labelled positions (N of them, row-major). From static `positions`
+    (B, P) and `targets` (B, P): every given position, padding included (its target IGNORE_INDEX),
+    so the shapes depend on (B, P) only: no device-to-host sync, no graph break."""
+    if positions is not None:
+        B, P = positions.shape
+        batch_index = torch.arange(B, device=positions.device).repeat_interleave(P)  # (B * P,)
+        return (batch_index, positions.reshape(-1)), None if targets is None else targets.reshape(-1)
+    if labels is None:
+        return None, None
+    rows = (labels != IGNORE_INDEX).nonzero(as_tuple=True)  # what boolean indexing computes
+    return rows, labels[rows]
 
 
 def labelled_mean(losses: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -231,7 +231,7 @@ class TensorParallelMaskedLM(SWBertForMaskedLM):
     """
 
     def logits_and_loss(
-        self, h: torch.Tensor, target: torch.Tensor | None, padded: bool = False
+        self, h: torch.Tensor, target: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h is replicated over the group; the decoder's output is this rank's vocabulary shard.
 
@@ -248,15 +248,11 @@ class TensorParallelMaskedLM(SWBertForMaskedLM):
             logits = logits[..., :vocab]
         if target is None:
             return logits, None
-        if target.numel() == 0:
-            return logits, local_logits.sum() * 0.0  # keeps the graph, as at TP=1
         local = local_logits.float()
         start = self.bert.embeddings.word_embeddings.vocab_start_index  # this rank's first id
         if start + local.shape[-1] > vocab:  # the vocabulary padding lies in this rank's shard
             beyond = torch.arange(start, start + local.shape[-1], device=local.device) >= vocab
             local = local.masked_fill(beyond, float("-inf"))  # exp(-inf) = 0: out of the softmax
-        if not padded:
-            return logits, vocab_parallel_cross_entropy(local, target).mean()
         labelled = target != IGNORE_INDEX  # megatron's loss has no ignore index: mask the padding out
         losses = vocab_parallel_cross_entropy(local, target.clamp(min=0)) * labelled
         return logits, labelled_mean(losses, target)
