@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from swbert import cli
-from swbert.models import SIZES, SWBertConfig, SWBertForMaskedLM, build_attention
+from swbert.models import SWBertConfig, SWBertForMaskedLM, build_attention
 from swbert.models.attention import attention_class, attention_types
+from swbert.models.config import check_size
 from swbert.models.flops import masked_lm_flops, masked_lm_params, qkv_params
 
 # Table 4 of arXiv 2412.00359: BERT-base masked-LM totals as printed in the paper (its data, by name).
@@ -117,8 +118,7 @@ class ParamsConfig:
     vocab_size: int | None = None  # override the vocabulary size
 
     def check(self) -> None:
-        if self.size not in SIZES:
-            raise ValueError(f"size={self.size!r} is not one of {', '.join(SIZES)}")
+        check_size(self.size, "--size")
 
 
 def main(argv: list[str] | None = None) -> None:

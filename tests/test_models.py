@@ -411,7 +411,7 @@ def test_classification_regression_and_qa_heads():
 def test_bad_configs_name_the_field():
     with pytest.raises(ValueError, match="attention_type='sharde' is not one of standard, shared"):
         SWBertConfig(attention_type="sharde")
-    with pytest.raises(ValueError, match="unknown size 'huge'.*tiny"):
+    with pytest.raises(ValueError, match="size huge is not one of tiny.*nor LxW"):
         SWBertConfig.from_size("huge")
     # a misspelt override is an error, not an ignored attribute; transformers' own keys still pass
     with pytest.raises(

@@ -73,7 +73,7 @@ def test_layout_names_parse_and_bad_ones_are_refused():
     ):
         with pytest.raises(ValueError, match=message):
             Layout.parse(bad)
-    with pytest.raises(ValueError, match="unknown size 'huge'"):
+    with pytest.raises(ValueError, match="--sizes huge is not one of"):
         build_grid(["huge"], ["shared"], ["z1"])
     point = build_grid(["base"], ["shared"], ["tp4-z1"])[0]
     with pytest.raises(ValueError, match="vocab_size=30522"):

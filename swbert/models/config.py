@@ -48,6 +48,15 @@ def layers_by_width(name: str) -> dict[str, int] | None:
     )
 
 
+def check_size(name: str, flag: str = "size") -> None:
+    """A ValueError naming `flag` unless `name` is a named size or an `LxW` one."""
+    if name not in SIZES:
+        raise ValueError(
+            f"{flag} {name} is not one of {', '.join(SIZES)}, nor LxW (L layers of width W, a "
+            f"multiple of {HEAD_DIM}: e.g. 4x256)"
+        )
+
+
 # Named sizes in one table: (hidden, layers, heads, intermediate). The vocabulary, sequence length
 # and attention variant are independent of the size and come from the config defaults or overrides.
 SIZES: dict[str, dict[str, int]] = {
@@ -167,8 +176,7 @@ class SWBertConfig(PretrainedConfig):
         Unlike the constructor, which keeps unknown keywords as attributes (transformers' convention
         for configs), an override must name a field: a misspelt one would otherwise be ignored.
         """
-        if name not in SIZES:
-            raise ValueError(f"unknown size {name!r}; known sizes: {', '.join(SIZES)}")
+        check_size(name)
         fields = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
         known = fields | set(cls().to_dict()) | {"num_labels"}  # num_labels: a property
         for key in overrides:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from swbert.models.attention import attention_types
-from swbert.models.config import SIZES, SWBertConfig
+from swbert.models.config import SWBertConfig, check_size
 from swbert.models.flops import masked_lm_flops, masked_lm_params
 from swbert.models.plugins import load_installed
 from swbert.scaling.activations import Checkpointing, activation_memory
@@ -167,8 +167,7 @@ def build_grid(
     """All combinations, sizes outermost; unknown names are errors that list the known ones.
     `sequence_parallel` and `checkpointing` are crossed with the layouts (`expand_layouts`)."""
     for size in sizes:
-        if size not in SIZES:
-            raise ValueError(f"unknown size {size!r} (--sizes); known: {', '.join(SIZES)}")
+        check_size(size, "--sizes")
     load_installed()  # variants of installed packages (swbert.models.plugins)
     for attention in attentions:
         if attention not in attention_types():

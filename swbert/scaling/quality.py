@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from swbert.models.config import SIZES, SWBertConfig
+from swbert.models.config import SWBertConfig, check_size
 from swbert.models.flops import layer_params, masked_lm_flops, masked_lm_params
 from swbert.models.plugins import load_plugins
 from swbert.scaling.fit import MIN_POINTS, MIN_SIZES
@@ -92,11 +92,7 @@ class QualityConfig:
                     f"{', '.join(attention_types())} (add one with --plugins)"
                 )
         for size in self.sizes:
-            if size not in SIZES:
-                raise ValueError(
-                    f"--sizes {size}: not a named size ({', '.join(SIZES)}) nor LxW (layers x a width "
-                    "that is a multiple of 64)"
-                )
+            check_size(size, "--sizes")
         distinct = len(set(self.sizes))
         if distinct < MIN_SIZES or distinct * len(set(self.seeds)) < MIN_POINTS:
             raise ValueError(

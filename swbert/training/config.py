@@ -19,7 +19,7 @@ from swbert import cli
 from swbert.data.masking import resolve_max_predictions
 from swbert.data.mix import check_mix_folders, parse_data_mix
 from swbert.models.attention import attention_class
-from swbert.models.config import SIZES
+from swbert.models.config import check_size
 from swbert.models.plugins import load_plugins
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -138,8 +138,7 @@ class TrainConfig:
 
     def check(self) -> None:
         """Raise a ValueError naming the field when a value cannot work."""
-        if self.size not in SIZES:
-            raise ValueError(f"size={self.size!r} is not one of {', '.join(SIZES)}")
+        check_size(self.size, "--size")
         load_plugins(self.plugins)
         attention_class(self.attention_type)  # a ValueError listing the registered variants
         cli.check_choices(self)
