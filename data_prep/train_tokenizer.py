@@ -197,25 +197,13 @@ def _check_request(output_dir: Path, vocab_size: int, byte_fallback: bool | None
     return byte_fallback
 
 
-def _train_into(
-    tmp: Path,
-    sample: list[str],
-    vocab_size: int,
-    model_type: str,
-    character_coverage: float,
-    byte_fallback: bool,
-    threads: int,
-    lowercase: bool,
-    seed: int,
-) -> tuple[int, int]:
-    """Train the model into the fresh folder `tmp` with its Hugging Face files; (lines the HF
-    tokenizer encodes as SentencePiece does, lines checked)."""
+def _train_into(tmp: Path, sample: list[str], seed: int, **spm: Any) -> tuple[int, int]:
+    """Train the model (`_train_spm`'s settings `spm`) into the fresh folder `tmp` with its Hugging
+    Face files; (lines the HF tokenizer encodes as SentencePiece does, lines checked)."""
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        model = _train_spm(
-            sample, tmp, vocab_size, model_type, character_coverage, byte_fallback, threads, lowercase
-        )
+        model = _train_spm(sample, tmp, **spm)
     except InputError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
