@@ -31,7 +31,7 @@ from tests.launch_utils import job_env, launch
 STEPS, LOG_EVERY = 6, 3
 SWBERT = Counter({"tolist@_agree": 1})
 LOGGED = Counter({"tolist@_all_reduce<-record": 1})
-EVALUATED = Counter({"tolist@_all_reduce<-evaluate": 1})
+EVALUATED = Counter({"tolist@_all_reduce<-_evaluate_folder": 1})  # one per data folder
 DEEPSPEED = {
     # ZeRO-1 in bf16 (DeepSpeedZeroOptimizer, as ZeRO-2) measures the same
     2: Counter(
