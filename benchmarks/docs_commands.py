@@ -67,6 +67,7 @@ RULES: tuple[Rule, ...] = (
     Rule("hub", r"^hf download\b", "downloads from the Hugging Face Hub"),
     Rule("hub", r"wikimedia/wikipedia|SamuelYang/bookcorpus", "streams a dataset from the Hub"),
     Rule("slurm", r"^sbatch\b", "submits a SLURM job"),
+    Rule("slurm", r"submit\.sh\b", "submits a SLURM job array a study wrote"),
     Rule("slurm", r"MASTER_ADDR=10\.", "a rendezvous at another node's address: a cluster"),
     Rule("input", r"\.\.\.", "elided arguments (...): a form to fill in"),
     Rule("gpu", r"--(num_gpus|nproc_per_node) ([4-9]|\d\d)", "4 or more ranks: written for a GPU node"),
@@ -94,7 +95,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "long",
         r"scaling_study\.py.*--quality",
-        "a quality study: a ladder of models trained, 20 minutes or more",
+        "a quality study: a ladder of models trained, minutes each",
     ),
 )
 

@@ -82,7 +82,9 @@ def report_collected(folder: Path, rows: list[dict[str, Any]]) -> int:
 
 def quality_main(argv: list[str]) -> int:
     """The quality study. Exit status: 0; 2 bad input (before anything trains); 3 every point failed."""
-    from swbert.scaling.quality import QualityConfig, run_quality
+    from swbert.runtime.exits import PREEMPTED_EXIT
+    from swbert.scaling.quality import QualityConfig, check_data, run_quality
+    from swbert.scaling.quality import emit_slurm as emit_quality_slurm
 
     cfg = cli.parse_or_exit(QualityConfig, argv, USAGE.replace("[--config", "--quality [--config"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -95,9 +97,18 @@ def quality_main(argv: list[str]) -> int:
             from data_prep.default_corpus import ensure_default_data
 
             cfg.data_dir = str(ensure_default_data())
+        if cfg.emit_slurm:
+            submit, command, collect = emit_quality_slurm(cfg, argv, check_data(cfg.data_dir))
+            print(f"{submit} written; submit from the repository root with:\n  {command}\nthen: {collect}")
+            return []
         return run_quality(cfg)
 
     rows = cli.exit_on_bad_input(work)
+    if cfg.emit_slurm:
+        return 0
+    if cfg.point_index is not None:  # an array task: 75 asks SLURM to run it again (it resumes)
+        (row,) = rows
+        return {"done": 0, "stopped": PREEMPTED_EXIT}.get(row["status"], 3)
     done = sum(r["status"] == "done" for r in rows)
     out = cfg.output_dir
     print(f"{done} of {len(rows)} point(s) done\n  fits: {out / 'fits.json'}\n  table: {out / 'points.csv'}\n"

@@ -95,6 +95,44 @@ def test_bad_input_is_refused_naming_the_flag_before_anything_trains(tmp_path, c
     assert not (tmp_path / "out" / "points").exists()
 
 
+def test_a_job_array_trains_one_point_per_task_and_collect_fits_what_they_left(tmp_path, capsys):
+    """--emit-slurm writes one array task per point; each task (--point-index I) trains point I and
+    no fit; --collect trains nothing, fits the finished points and names the one still missing."""
+    from swbert.scaling.quality import emit_slurm
+
+    sizes = ["1x64", "2x64", "2x128", "3x128"]
+    cfg = config(tmp_path, sizes=sizes)
+    argv = ["--quality", "--emit-slurm", "--sizes", *sizes, "--output-dir", str(cfg.output_dir)]
+    submit, command, collect = emit_slurm(cfg, argv, 8000)
+    points = plan(cfg, 8000)
+    assert command.startswith(f"sbatch --array=0-{len(points) - 1} launchers/slurm/quality.sbatch --sizes")
+    assert f"--data-dir {cfg.data_dir}" in command and command in submit.read_text()
+    assert collect.endswith(
+        f"--quality --collect --sizes {' '.join(sizes)} --output-dir {cfg.output_dir} --data-dir {cfg.data_dir}"
+    )
+    trainer = StandIn()
+    for index in range(len(points) - 1):  # the last task has not run
+        cfg.point_index = index
+        (row,) = run_quality(cfg, trainer)
+        assert row["name"] == points[index].name and row["status"] == "done"
+    assert trainer.calls == [p.name for p in points[:-1]]
+    assert not (cfg.output_dir / "fits.json").exists()  # tasks fit nothing
+    cfg.point_index, cfg.collect = None, True
+    never = StandIn(fail=tuple(p.name for p in points))  # would fail every point it were asked for
+    rows = run_quality(cfg, never)
+    assert never.calls == []
+    assert [r["status"] for r in rows].count("missing") == 1
+    fits = json.loads((cfg.output_dir / "fits.json").read_text())
+    missing = points[-1]
+    excluded = fits["variants"][missing.attention]["excluded"]
+    assert excluded == [
+        {"name": missing.name, "reason": "not run yet: its array task has not finished (submit.sh runs it)"}
+    ]
+    assert not (cfg.output_dir / "points" / missing.name / "point.json").exists()  # runs when submitted again
+    with pytest.raises(ValueError, match=f"--point-index 99: the ladder has points 0-{len(points) - 1}"):
+        run_quality(QualityConfig(**{**cfg.__dict__, "collect": False, "point_index": 99}), StandIn())
+
+
 def test_reruns_never_retrain_finished_points_and_failures_keep_their_reason(tmp_path):
     cfg = config(tmp_path, sizes=["1x64", "2x64", "2x128", "3x128", "mini"], extrapolate_to=["base"])
     first = StandIn(fail=("mini-shared-s1234",))

@@ -326,6 +326,33 @@ def test_scaling_grid_runs_as_a_job_array(cluster, data_dir, tmp_path):
     assert (out / "plots" / "throughput.png").stat().st_size > 0
 
 
+@pytest.mark.long
+def test_quality_ladder_runs_as_a_job_array_and_collect_fits_it(cluster, data_dir, tmp_path):
+    """The quality study's ladder as an array (a task per point, the real trainer), then --collect
+    fits what the tasks left. (Long: four trained points.)"""
+    out = tmp_path / "quality"
+    main = runpy.run_path(str(REPO / "launchers" / "scaling_study.py"), run_name="launcher")["main"]
+    flags = ["--sizes", "1x64", "2x64", "2x128", "3x128", "--attentions", "standard", "--tokens-per-param",
+             "0.5", "--global-batch", "8", "--micro-batch", "8", "--seq-len", "64", "--eval-batches", "2",
+             "--data-dir", str(data_dir), "--output-dir", str(out), "--mlflow", "false", "--bootstrap", "50"]  # fmt: skip
+    assert main(["--quality", "--emit-slurm", *flags]) == 0
+    command = shlex.split((out / "submit.sh").read_text().splitlines()[-1])
+    assert command[:3] == ["sbatch", "--array=0-3", "launchers/slurm/quality.sbatch"], command
+    job = cluster.sbatch(f"--output={tmp_path}/slurm-%A_%a.out", "--exclusive", *command[1:])
+    cluster.wait(job, timeout=600)
+    for task in range(4):
+        text = (tmp_path / f"slurm-{job}_{task}.out").read_text()
+        assert f"finished quality point {task}" in text, text + cluster.logs()
+    assert not (out / "fits.json").exists()
+    collected = subprocess.run(
+        [sys.executable, "launchers/scaling_study.py", "--quality", "--collect", *flags],
+        cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert collected.returncode == 0, collected.stderr
+    fits = json.loads((out / "fits.json").read_text())
+    assert len(fits["variants"]["standard"]["points"]) == 4 and not fits["variants"]["standard"]["excluded"]
+
+
 def _preprocess_array(cluster, data_dir: Path, tmp_path: Path, preempt: bool) -> tuple[str, str]:
     """Submit preprocess.sbatch as an array of 2 tasks on the tiny corpus; with `preempt`, send task 1
     SLURM's pre-emption warning (SIGUSR1) as it starts. Checks that the folder's manifest (shard

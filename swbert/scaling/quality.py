@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -78,6 +79,12 @@ class QualityConfig:
     retry_failed: bool = False  # run points that failed before again (default: keep their reason)
     point_timeout_s: float = field(default=7200, metadata={"aliases": ("point_timeout",)})  # per run
     mlflow: bool = True  # a parent MLflow run with a nested run per point
+    # a job array: --emit-slurm writes OUTPUT_DIR/submit.sh (one array task per point, each running
+    # --point-index I: that point alone, no fits); --collect then fits what the tasks left, training nothing
+    emit_slurm: bool = False
+    point_index: int | None = None
+    collect: bool = False
+    gpus_per_node: int = 0  # --emit-slurm: GPUs per array task (0: CPU nodes); sets --nproc on them
     experiment: str = "swbert-quality"  # MLflow experiment
 
     def check(self) -> None:
@@ -114,6 +121,8 @@ class QualityConfig:
             raise ValueError(f"--warmup-fraction {self.warmup_fraction}: must be in [0, 1)")
         if not 0 < self.level < 1:
             raise ValueError(f"--level {self.level}: must be between 0 and 1 (e.g. 0.95)")
+        if sum((self.emit_slurm, self.point_index is not None, self.collect)) > 1:
+            raise ValueError("--emit-slurm, --point-index and --collect are steps of one job array: give one")
 
 
 @dataclass
@@ -347,8 +356,8 @@ def point_result(
         result, trained = finished, False  # the study stopped after the run ended, before recording it
     else:
         result, trained = trainer(point, cfg, run_dir, data_dir), True
-    if result.status == "stopped":
-        return result, trained  # nothing recorded: the next run resumes it
+    if result.status in ("stopped", "missing"):
+        return result, trained  # nothing recorded: the next run resumes (or runs) it
     saved.parent.mkdir(parents=True, exist_ok=True)
     tmp = saved.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"point": asdict(point), "result": asdict(result)}, indent=2))
@@ -369,6 +378,15 @@ def run_quality(cfg: QualityConfig, trainer: Trainer = train_point) -> list[dict
     vocab = check_data(cfg.data_dir)
     points = plan(cfg, vocab)  # every budget checked before the first point trains
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.point_index is not None:  # one task of a job array: its point, recorded; no fits
+        if not 0 <= cfg.point_index < len(points):
+            raise ValueError(f"--point-index {cfg.point_index}: the ladder has points 0-{len(points) - 1}")
+        point = points[cfg.point_index]
+        result, trained = point_result(point, cfg, cfg.data_dir, trainer)
+        log.info("%s: %s %s", point.name, result.status, result.reason)
+        return [point_row(point, result, trained)]
+    if cfg.collect:
+        trainer = not_run
     recorder = Recorder(cfg) if cfg.mlflow else None
     rows: list[dict[str, Any]] = []
     try:
@@ -383,6 +401,33 @@ def run_quality(cfg: QualityConfig, trainer: Trainer = train_point) -> list[dict
         if recorder is not None:
             recorder.close()
     return rows
+
+
+def not_run(point: Point, cfg: QualityConfig, run_dir: Path, data_dir: str) -> PointResult:
+    """--collect's stand-in for training: a point no array task has finished is reported, not run."""
+    return PointResult("missing", "not run yet: its array task has not finished (submit.sh runs it)")
+
+
+def emit_slurm(cfg: QualityConfig, argv: list[str], vocab: int) -> tuple[Path, str, str]:
+    """OUTPUT_DIR/submit.sh: one array task per point of the ladder (launchers/slurm/quality.sbatch
+    runs `--point-index $SLURM_ARRAY_TASK_ID` with the same flags); returns it, its command and the
+    --collect command to run after it."""
+    points = plan(cfg, vocab)
+    flags = [a for a in argv if a not in ("--quality", "--emit-slurm", "--emit-slurm=true")]
+    if not any(a.startswith(("--data-dir", "--data_dir")) for a in flags):  # the tasks read one folder
+        flags += ["--data-dir", str(cfg.data_dir)]
+    gres = [f"--gpus-per-node={cfg.gpus_per_node}"] if cfg.gpus_per_node else []
+    nproc = ["--nproc", str(cfg.gpus_per_node)] if cfg.gpus_per_node else []
+    command = shlex.join(
+        ["sbatch", f"--array=0-{len(points) - 1}", *gres, "launchers/slurm/quality.sbatch", *flags, *nproc]
+    )
+    collect = shlex.join(["python", "launchers/scaling_study.py", "--quality", "--collect", *flags])
+    cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    submit = cfg.output_dir / "submit.sh"
+    submit.write_text(
+        f"#!/bin/bash\n# from the repository root; {len(points)} point(s); afterwards: {collect}\n{command}\n"
+    )
+    return submit, command, collect
 
 
 def point_row(point: Point, result: PointResult, trained: bool) -> dict[str, Any]:
