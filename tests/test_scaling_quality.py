@@ -107,6 +107,8 @@ def test_a_job_array_trains_one_point_per_task_and_collect_fits_what_they_left(t
     points = plan(cfg, 8000)
     assert command.startswith(f"sbatch --array=0-{len(points) - 1} launchers/slurm/quality.sbatch --sizes")
     assert f"--data-dir {cfg.data_dir}" in command and command in submit.read_text()
+    spelled = ["--quality", "true", "--emit-slurm=yes", *argv[2:]]  # the switches in other spellings
+    assert emit_slurm(cfg, spelled, 8000)[1:] == (command, collect)
     assert collect.endswith(
         f"--quality --collect --sizes {' '.join(sizes)} --output-dir {cfg.output_dir} --data-dir {cfg.data_dir}"
     )

@@ -408,12 +408,26 @@ def not_run(point: Point, cfg: QualityConfig, run_dir: Path, data_dir: str) -> P
     return PointResult("missing", "not run yet: its array task has not finished (submit.sh runs it)")
 
 
+def _without_switches(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """`argv` less the boolean flags `names`, in any spelling: `--x`, `--x=VALUE`, `--x VALUE`."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg in names:
+            following = argv[i + 1].lower() if i + 1 < len(argv) else ""
+            skip = following in ("true", "false", "yes", "no", "1", "0", "on", "off")
+        elif not arg.startswith(tuple(f"{name}=" for name in names)):
+            out.append(arg)
+    return out
+
+
 def emit_slurm(cfg: QualityConfig, argv: list[str], vocab: int) -> tuple[Path, str, str]:
     """OUTPUT_DIR/submit.sh: one array task per point of the ladder (launchers/slurm/quality.sbatch
     runs `--point-index $SLURM_ARRAY_TASK_ID` with the same flags); returns it, its command and the
     --collect command to run after it."""
     points = plan(cfg, vocab)
-    flags = [a for a in argv if a not in ("--quality", "--emit-slurm", "--emit-slurm=true")]
+    flags = _without_switches(argv, ("--quality", "--emit-slurm"))
     if not any(a.startswith(("--data-dir", "--data_dir")) for a in flags):  # the tasks read one folder
         flags += ["--data-dir", str(cfg.data_dir)]
     gres = [f"--gpus-per-node={cfg.gpus_per_node}"] if cfg.gpus_per_node else []
