@@ -10,7 +10,9 @@ folder over without a stale-lock cleanup step.
 Why a record lock and not `flock`: a `flock` belongs to the open file, which every process forked
 from rank 0 (its DataLoader workers) shares; a worker that outlived a killed rank 0 kept the folder
 locked, and every restart was refused. A record lock belongs to the process that took it: forked
-children never hold it, whatever file descriptors they inherit.
+children never hold it, whatever file descriptors they inherit. Its one catch: POSIX drops a
+process's record locks when that process closes ANY descriptor of the file, so nothing in the
+holding process may open the lock file (to read the holder, say) while it holds it.
 """
 
 from __future__ import annotations
