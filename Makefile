@@ -82,9 +82,9 @@ test-long: setup
 
 # The whole kill -9 / non-finite fault matrix (CI runs a sample of it inside `make test`).
 test-faults: setup
-	SWBERT_FULL_FAULT_MATRIX=1 DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n 2 --dist loadgroup tests/test_fault_matrix.py tests/test_nonfinite.py
+	SWBERT_FULL_FAULT_MATRIX=1 DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n 2 --dist loadgroup tests/e2e/test_fault_matrix.py tests/e2e/test_nonfinite.py
 
-# The first hour on a GPU machine (benchmarks/gpu_hour.py): tests/test_cuda.py, then the GPU checks and
+# The first hour on a GPU machine (benchmarks/gpu_hour.py): tests/e2e/test_cuda.py, then the GPU checks and
 # benchmarks, each with a timeout; one table in runs/gpu-report.md. Without CUDA: one line, exit 77.
 test-gpu: setup
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python benchmarks/gpu_hour.py

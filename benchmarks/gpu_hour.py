@@ -8,7 +8,7 @@ only a GPU answers, each step with its own timeout, written up as one Markdown t
 
 `make test-gpu` runs the first form. The steps, in order:
 
-    cuda_tests       pytest tests/test_cuda.py
+    cuda_tests       pytest tests/e2e/test_cuda.py
     zero3_compile    a short pretraining run: ZeRO-3, torch.compile per block, bf16; it must finish
                      and its loss must fall
     fp32_accum       that run's ds_config.json accumulates the bf16 gradients in fp32
@@ -185,7 +185,7 @@ class Step:
 
 
 def _pytest_cmd() -> list[str]:
-    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"]
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/e2e/test_cuda.py"]
 
 
 def cuda_tests(ctx: Context) -> Outcome:
@@ -438,7 +438,7 @@ def _validate_finetune(ctx: Context) -> None:
 
 
 STEPS: tuple[Step, ...] = (
-    Step("cuda_tests", "`tests/test_cuda.py`", 1200, cuda_tests, lambda ctx: [_pytest_cmd()]),
+    Step("cuda_tests", "`tests/e2e/test_cuda.py`", 1200, cuda_tests, lambda ctx: [_pytest_cmd()]),
     Step(
         "zero3_compile",
         "ZeRO-3 + compile per block, bf16: finishes, loss falls",

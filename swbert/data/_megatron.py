@@ -6,7 +6,7 @@ warnings about Transformer Engine / Apex that do not concern the data format). O
 (`data_prep.preprocess`, `data_prep.verify`) import it lazily through `indexed_dataset`. Every
 rank of every job opens the index files, so it reads them with `read_index` instead: the index
 is a fixed header and three arrays, read with numpy as megatron-core's `_IndexReader` does
-(tests/test_integrity_data.py holds the two readers equal).
+(tests/data/test_integrity_data.py holds the two readers equal).
 """
 
 from __future__ import annotations

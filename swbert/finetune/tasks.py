@@ -170,7 +170,7 @@ PAPER_GLUE_TASKS: tuple[str, ...] = ("mnli", "qqp", "qnli", "sst2", "cola", "sts
 # Table 1's "Average" (arXiv 2412.00359v1, Table 1), one number per task of PAPER_GLUE_TASKS, the mean
 # of the eight: MNLI with its matched dev set only (MNLI-mm is printed, not averaged), MRPC and QQP with
 # accuracy (Table 1's caption), not F1 nor GLUE's mean of the two. This is our reading, pinned by the
-# paper's own numbers: it gives standard's and shared's printed averages (tests/test_paper_numbers.py).
+# paper's own numbers: it gives standard's and shared's printed averages (tests/project/test_paper_numbers.py).
 # STS-B: Table 1 prints one number where its caption says "Pearson/Spearman"; Pearson is our reading
 # (the report's --stsb-metric changes it).
 PAPER_AVG_METRIC: dict[str, tuple[str, MetricName]] = {

@@ -10,7 +10,7 @@ The attention kernel is the only place that sees the difference (`varlen_attenti
 variable-length flash kernel (flash-attn's varlen when importable, which has dropout; else
 `torch.nn.attention.varlen`, which has none and so serves only where attention dropout is off);
 elsewhere the reference, one dense kernel call per sequence, held equal to the padded path by
-tests/test_unpadded.py. `varlen_kernel(device)` says which one a device gets.
+tests/models/test_unpadded.py. `varlen_kernel(device)` says which one a device gets.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ ties and state-dict keys stay as they were, so a checkpoint saved with the kerne
 the plain model and back. A kernel stays only while it is worth at least 3% of a training step
 (`benchmarks/train_step.py`, docs/performance.md: a cheaper dropout module and a vocabulary-blocked
 decoder were measured below that and removed). Each kernel is held equal to the plain path
-(outputs and gradients) in tests/test_cpu_kernels.py. The trainer applies them when `cpu_kernels`
+(outputs and gradients) in tests/models/test_cpu_kernels.py. The trainer applies them when `cpu_kernels`
 is `auto` (CPU without torch.compile) or `on`; `off` runs exactly what a GPU runs.
 
 The process settings a CPU run needs (threads per rank, the allocator) live here too, so that

@@ -57,7 +57,7 @@ logits the model returns and the fp32 log-probabilities of the loss. Under the p
 attention kernel on those B x P positions only. The MLP's activation is assumed to keep one
 f-wide tensor (GELU, the default `hidden_act`).
 
-tests/test_memory_estimate.py holds all of this against the bytes the real model keeps, for every
+tests/scaling/test_memory_estimate.py holds all of this against the bytes the real model keeps, for every
 variant and mode, and per rank under tensor and sequence parallelism.
 """
 

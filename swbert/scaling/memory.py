@@ -2,7 +2,7 @@
 DeepSpeed's own estimators, and the activation estimate (`swbert.scaling.activations`).
 
 Model states follow the tensors a DeepSpeed engine holds after `backward` (measured tensor by
-tensor in tests/test_scaling.py). With p = 2 (bf16/fp16) or 4 (fp32) bytes per parameter,
+tensor in tests/scaling/test_scaling.py). With p = 2 (bf16/fp16) or 4 (fp32) bytes per parameter,
 N parameters per model-parallel rank and G data-parallel ranks, bytes per parameter are
 
     stage 0   p params + p grads + 4 fp32 master (mixed precision only) + 8 Adam (m, v)

@@ -227,7 +227,7 @@ class Trainer:
         loss x NaN), so every ZeRO stage's own check skips the step on every rank; without ZeRO, the
         trainer's guard does (`build.skip_when_flagged`). The flags are agreed in one all-reduce,
         swbert's only host sync in the step (DeepSpeed's own, and why they stay: docs/performance.md,
-        "Host syncs per step"; tests/test_host_syncs.py holds the count)."""
+        "Host syncs per step"; tests/training/test_host_syncs.py holds the count)."""
         counts, bad = Counts.zeros(self.device), torch.zeros((), dtype=torch.bool, device=self.device)
         poison = self.faults.value_at(self.step + 1, self.dims.rank)
         self.engine.train()

@@ -9,7 +9,7 @@ tensor from host data on the device (`torch.tensor(x, device=...)`: a copy from 
 which waits for the kernels queued before it). On a CPU they do not wait, but they are the same
 calls at the same places, so counting them here counts what an H100 would wait for. Every call is
 counted with the stack that made it, from the first step on (set-up is not counted); the test
-decides which (if any) are host-only (see tests/test_host_syncs.py).
+decides which (if any) are host-only (see tests/training/test_host_syncs.py).
 
 The optimizer is the one `--optimizer auto` picks on a GPU (`gpu_optimizer`). Each rank writes
 DIR/rank<r>.json: for every step (1-based, the loop's iteration: the step itself, its logging and

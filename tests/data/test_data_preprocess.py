@@ -20,7 +20,7 @@ from data_prep.train_tokenizer import train_tokenizer
 from data_prep.verify import verify_dir
 from swbert.data import open_corpus
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ARGS = {"workers": 1, "shard_bytes": 32 << 10, "valid_fraction": 0.1, "progress": False}
 
 

@@ -77,7 +77,7 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one_and_is_kept_aside(t
     """2 ranks on gloo share the reading; under --resume auto the damaged step 8 moves to damaged/
     (every file still there) and both ranks resume step 4; named explicitly, it is refused in one
     line naming the file, and left where it is."""
-    from tests.test_parallel_harness import run_ranks
+    from tests.parallel.test_parallel_harness import run_ranks
 
     root = tmp_path / "checkpoints"
     fake_checkpoint(root, 4)

@@ -354,7 +354,7 @@ def _agree_on_resume(tmp: str) -> None:
 def test_every_rank_resumes_what_rank_0_chose_or_all_fail_naming_the_blind_rank(tmp_path):
     """Rank 0 decides what to resume; a rank that cannot see that checkpoint (an output folder on a
     node-local disk) fails every rank at once with what to fix, instead of training from scratch."""
-    from tests.test_parallel_harness import run_ranks
+    from tests.parallel.test_parallel_harness import run_ranks
 
     (tmp_path / "step_00000012").mkdir()
     run_ranks(_agree_on_resume, 2, str(tmp_path))

@@ -21,7 +21,7 @@ from swbert.finetune.synthetic import (
 )
 from swbert.finetune.trainer import FinetuneConfig, deepspeed_config, fit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def launcher(name: str):
@@ -351,7 +351,7 @@ def _fit_full_batch(out: str | None = None) -> dict[str, torch.Tensor]:
 def test_two_ranks_under_deepspeed_train_like_one_process(tmp_path):
     """The DeepSpeed path of ``fit`` (2 gloo ranks, ZeRO-1, the global batch split in two) ends with the
     weights of a single-process run: gradients averaged over ranks equal the full-batch gradient."""
-    from tests.test_parallel_harness import run_ranks
+    from tests.parallel.test_parallel_harness import run_ranks
 
     run_ranks(_fit_full_batch, 2, str(tmp_path), deepspeed=True)
     single = _fit_full_batch()

@@ -3,7 +3,7 @@ under compile, and ZeRO's gradient reduce overlapping the backward.
 
 Compiled and eager runs agree to float32 rounding (inductor fuses and reorders reductions): losses
 and gradients within rtol 1e-4 / atol 1e-5 here, and within 1e-3 relative over a whole training
-run in tests/test_pretrain_compiled.py.
+run in tests/e2e/test_pretrain_compiled.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.testing import assert_close
 
 from swbert.models import SWBertForMaskedLM
 from swbert.training.wrappers import wrap_model
-from tests.test_parallel_harness import reference_model, run_ranks, tiny_config
+from tests.parallel.test_parallel_harness import reference_model, run_ranks, tiny_config
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 

@@ -55,6 +55,20 @@ def test_no_function_is_over_60_lines():
     assert not long, "\n".join(long)
 
 
+def test_tests_mirror_the_package():
+    """A test file sits in the folder of the subpackage it tests, or in e2e/ or project/
+    (docs/architecture.md, Tests)."""
+    subpackages = {p.parent.name for p in (REPO / "swbert").glob("*/__init__.py")}
+    folders = subpackages | {"e2e", "project"}
+    misplaced = [
+        str(path.relative_to(REPO))
+        for path in (REPO / "tests").rglob("test_*.py")
+        if path.parent.parent != REPO / "tests" or path.parent.name not in folders
+    ]
+    assert not misplaced, f"test files outside {sorted(folders)}: {misplaced}"
+    assert all((REPO / "tests" / name).is_dir() for name in folders - {"launchers"})
+
+
 def _module_name(path: Path) -> str:
     parts = path.relative_to(REPO).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

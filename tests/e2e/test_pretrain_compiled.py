@@ -41,7 +41,7 @@ def _close(got: dict[int, dict], want: dict[int, dict], steps: range, rtol: floa
 
 def _eager_tp1() -> dict[int, dict]:
     """The eager reference: the golden losses of the single-process run of the same recipe, eager
-    with the CPU kernels off (tests/test_parallel_pretrain.py runs it and holds it to this file). Data parallelism, ZeRO and
+    with the CPU kernels off (tests/parallel/test_parallel_pretrain.py runs it and holds it to this file). Data parallelism, ZeRO and
     tensor parallelism all see the same global batches, so every engine's losses equal these up to
     float rounding, and a compiled run must stay within EAGER_RTOL of them."""
     tp1 = json.loads((ASSETS / "tiny_cpu-tp1-zero2-1rank.json").read_text())["loss"]
@@ -81,7 +81,7 @@ def test_compiled_zero_stage_trains_and_resumes_exactly(stage, data_dir, tmp_pat
 @pytest.mark.golden
 def test_compiled_tensor_parallel_with_sequence_parallelism_trains_like_tp1(data_dir, tmp_path):
     """TP=2 with sequence parallelism, compiled (no graph break), against the eager TP=1 golden run
-    of tests/test_parallel_pretrain.py: the same global batches."""
+    of tests/parallel/test_parallel_pretrain.py: the same global batches."""
     out = tmp_path / "tp2"
     args = [
         "--tensor-parallel",

@@ -24,7 +24,7 @@ from swbert.parallel import (
     shard_state_dict,
 )
 from swbert.parallel.layers import ColumnLinear, RowLinear, TensorParallelMaskedLM, VocabEmbedding
-from tests.test_parallel_harness import mlm_batch, reference_model, run_ranks, tiny_config
+from tests.parallel.test_parallel_harness import mlm_batch, reference_model, run_ranks, tiny_config
 
 
 def _check_variant(attention_type: str, sequence_parallel: bool, **overrides: object) -> None:

@@ -22,7 +22,7 @@ from swbert.runtime.optim import build_optimizer
 from swbert.training.build import pretraining_ds_config
 from swbert.training.config import TrainConfig
 from tests.launch_utils import REPO, job_env
-from tests.test_parallel_harness import mlm_batch, reference_model, run_ranks, tiny_config
+from tests.parallel.test_parallel_harness import mlm_batch, reference_model, run_ranks, tiny_config
 
 SHIPPED = ["zero1.json", "zero2.json", "zero3.json", "zero3_offload.json"]
 TIMER_OFF = {"throughput": {"enabled": False, "synchronized": False}}

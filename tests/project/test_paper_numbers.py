@@ -19,7 +19,7 @@ import pytest
 from swbert.finetune.report import glue_table, paper_average, squad_average, squad_table
 from swbert.finetune.results import Summary, Trial
 
-PAPER = json.loads((Path(__file__).parent / "assets" / "paper_2412.00359v1.json").read_text())
+PAPER = json.loads((Path(__file__).parents[1] / "assets" / "paper_2412.00359v1.json").read_text())
 TABLE1_TASKS = {  # Table 1's column -> (task, split) it reports
     "MRPC": ("mrpc", "validation"),
     "CoLA": ("cola", "validation"),

@@ -20,7 +20,7 @@ from swbert.models.attention import attention_types
 from swbert.runtime.optim import build_optimizer, param_groups
 from swbert.training.wrappers import wrap_model
 from tests.launch_utils import job_env, launch, read_metrics
-from tests.test_static_shapes import static_batch
+from tests.models.test_static_shapes import static_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
 

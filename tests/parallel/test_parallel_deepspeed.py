@@ -29,7 +29,7 @@ from swbert.parallel import (
     shard_state_dict,
 )
 from swbert.parallel.convert import full_state_dict, reshard, to_hf, to_universal
-from tests.test_parallel_harness import mlm_batch, reference_model, run_ranks, tiny_config
+from tests.parallel.test_parallel_harness import mlm_batch, reference_model, run_ranks, tiny_config
 
 LR = 1e-2
 CLIP = 1.0  # DeepSpeed's default gradient_clipping; TP must compute the same global norm

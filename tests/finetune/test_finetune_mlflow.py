@@ -49,7 +49,7 @@ def test_a_rerun_sweep_skips_finished_trials_and_marks_the_killed_runs(tmp_path)
     from swbert.finetune.resume import REUSED_FROM
     from swbert.finetune.synthetic import make_checkpoint, write_glue_fixture
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     write_glue_fixture(tmp_path / "glue", ["sst2"], n_train=64, n_dev=16)
     ckpt, out, uri = make_checkpoint(tmp_path / "ckpt"), tmp_path / "out", f"sqlite:///{tmp_path / 'm.db'}"
     argv = ["--checkpoint", f"tiny={ckpt}", "--tasks", "sst2", "--data-dir", str(tmp_path / "glue"),

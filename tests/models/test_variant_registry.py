@@ -30,8 +30,8 @@ from swbert.scaling.grid import build_grid, estimate
 from swbert.scaling.memory import Layout, activation_bytes, model_state_bytes, model_tensors, params_per_rank
 from swbert.scaling.report import line_style
 from swbert.training.config import TrainConfig
-from tests.test_parallel_harness import run_ranks, tiny_config
-from tests.test_parallel_model import _check_variant
+from tests.parallel.test_parallel_harness import run_ranks, tiny_config
+from tests.parallel.test_parallel_model import _check_variant
 
 NAME = "test_kv_gain"  # not a name anyone would choose for a real variant
 

@@ -21,7 +21,7 @@ from swbert.runtime.cpu import (
     resolve_cpu_kernels,
     unfused_attention,
 )
-from tests.test_perf_optimisations import batch, grads, randomise, tiny
+from tests.models.test_perf_optimisations import batch, grads, randomise, tiny
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -81,7 +81,7 @@ BAD_FLAGS = [
 
 def test_every_bad_value_is_one_line_and_exit_2_before_any_process_group(tmp_path, capsys):
     """Each used to be accepted (and trained wrong, or nothing) or to end in a deep traceback."""
-    from tests.test_pretrain import refused, tiny_args
+    from tests.e2e.test_pretrain import refused, tiny_args
 
     for extra, message in BAD_FLAGS:
         err = refused(tiny_args(tmp_path, tmp_path / "run", *extra), capsys)
@@ -107,7 +107,7 @@ RECIPES = [
 
 @pytest.mark.parametrize(("name", "text", "message"), RECIPES, ids=[r[0] for r in RECIPES])
 def test_a_bad_recipe_names_its_file_line_and_key(name, text, message, tmp_path, capsys):
-    from tests.test_pretrain import refused, tiny_args
+    from tests.e2e.test_pretrain import refused, tiny_args
 
     recipe = tmp_path / name
     recipe.write_bytes(text if isinstance(text, bytes) else text.encode())
@@ -274,13 +274,13 @@ def test_a_write_the_disk_cuts_off_leaves_metrics_whole(tmp_path):
 def test_a_preempted_run_exits_75_distinct_from_finished_and_failed(tmp_path, capsys):
     """A pre-empted run (checkpointed on SIGTERM/SIGUSR1) used to exit 0 like a finished one, so a
     scheduler could not tell it needs requeueing. (The trainer's side of the stop is run for real
-    in tests/test_checkpoint_safety.py; here the launcher's mapping of its status.)"""
+    in tests/e2e/test_checkpoint_safety.py; here the launcher's mapping of its status.)"""
     from unittest import mock
 
     from swbert.launchers.pretrain import main
 
     from swbert.runtime.exits import PREEMPTED_EXIT
-    from tests.test_pretrain import tiny_args
+    from tests.e2e.test_pretrain import tiny_args
 
     assert PREEMPTED_EXIT == 75
     with (

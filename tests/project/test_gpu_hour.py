@@ -48,7 +48,7 @@ def test_dry_run_lists_every_step_and_checks_the_commands_arguments(capsys, monk
     out = capsys.readouterr().out
     for step in gpu_hour.STEPS:
         assert step.name in out
-    for command in ("tests/test_cuda.py", "launchers/pretrain.py", "ds_configs/zero3.json", "--compile on",
+    for command in ("tests/e2e/test_cuda.py", "launchers/pretrain.py", "ds_configs/zero3.json", "--compile on",
                     "train_step.py", "compile_overlap.py", "finetune_glue.py"):  # fmt: skip
         assert command in out, command
     assert "refused" not in out

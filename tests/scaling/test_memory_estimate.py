@@ -24,7 +24,7 @@ from swbert.models import ATTENTION_TYPES, SWBertConfig, SWBertForMaskedLM
 from swbert.models.attention import attention_class
 from swbert.scaling.activations import SELECTIVE_SAVED_OPS, activation_memory, attention_trace
 from swbert.training.wrappers import wrap_model
-from tests.test_parallel_harness import run_ranks
+from tests.parallel.test_parallel_harness import run_ranks
 
 B, S, P = 4, 64, 10  # sequences, tokens per sequence, predicted positions per sequence
 VOCAB = 100

@@ -103,7 +103,7 @@ def test_training_step_compiles_without_graph_breaks(attention_type):
 
 def _tp_static(attention_type: str) -> None:
     from swbert.parallel import destroy, gather_tensors, initialize, parallelize
-    from tests.test_parallel_harness import reference_model
+    from tests.parallel.test_parallel_harness import reference_model
 
     config = _config(attention_type)
     ref = reference_model(config)
@@ -131,7 +131,7 @@ def _tp_static(attention_type: str) -> None:
 @pytest.mark.slow
 def test_static_path_at_tp2_equals_tp1():
     """The vocab-parallel loss ignores the padding rows as the TP=1 loss does."""
-    from tests.test_parallel_harness import run_ranks
+    from tests.parallel.test_parallel_harness import run_ranks
 
     run_ranks(_tp_static, 2, "shared")
 

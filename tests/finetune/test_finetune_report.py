@@ -12,7 +12,7 @@ import pytest
 from swbert.finetune.report import collect
 from swbert.finetune.tracking import CHECKPOINT, KIND, TASK, VARIANT, Tracker, tracking_uri
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def report_main(argv: list[str]) -> int:
@@ -137,7 +137,7 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 @pytest.mark.slow
 def test_tables_from_a_store(store, tmp_path, capsys):
     """Every table from a store of fixed synthetic results. Table 1's Avg is checked against the paper's
-    definition by hand; tests/test_paper_numbers.py checks it against the paper's printed numbers."""
+    definition by hand; tests/project/test_paper_numbers.py checks it against the paper's printed numbers."""
     root, _ = store
     assert report_main(["--runs-dir", str(root), "--out", str(tmp_path)]) == 0
     md = (tmp_path / "table1_glue.md").read_text().splitlines()

@@ -19,7 +19,7 @@ from swbert.scaling.grid import build_grid, estimate
 from swbert.scaling.memory import Layout, model_state_bytes, model_tensors, params_per_rank
 from swbert.scaling.report import read_csv
 from tests.launch_utils import REPO, job_env
-from tests.test_parallel_harness import run_ranks
+from tests.parallel.test_parallel_harness import run_ranks
 
 
 @pytest.mark.parametrize("size", list(SIZES))
