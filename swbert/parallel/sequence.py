@@ -17,6 +17,8 @@ see only their rank's tokens, so their gradients are summed over the group by a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -43,56 +45,44 @@ def _own_chunk(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x.chunk(group.size(), dim=_DIM)[group.rank()].contiguous()
 
 
-class _Scatter(torch.autograd.Function):
-    """Keep this rank's sequence chunk; backward: all-gather the gradient."""
+def _region(name: str, forward: Callable, backward: Callable, doc: str) -> type[torch.autograd.Function]:
+    """An autograd function applying `forward(x, group)`, whose backward is `backward(grad, group)`."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def fwd(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return _own_chunk(x, group)
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_gather_seq(grad, ctx.group), None
+    def bwd(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return backward(grad, ctx.group), None
 
-
-class _Gather(torch.autograd.Function):
-    """All-gather the sequence; backward: reduce-scatter (each rank's copy fed its own heads/columns)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _reduce_scatter_seq(grad, ctx.group), None
+    body = {"forward": staticmethod(fwd), "backward": staticmethod(bwd), "__doc__": doc}
+    return type(name, (torch.autograd.Function,), {**body, "__module__": __name__})
 
 
-class _GatherForHead(torch.autograd.Function):
-    """All-gather the sequence for the (replicated) MLM head; backward: this rank's chunk."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _own_chunk(grad, ctx.group), None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    """Sum partial results over the group, keeping this rank's chunk; backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_gather_seq(grad, ctx.group), None
+_Scatter = _region(
+    "_Scatter",
+    _own_chunk,
+    _all_gather_seq,
+    "Keep this rank's sequence chunk; backward: all-gather the gradient.",
+)
+_Gather = _region(
+    "_Gather",
+    _all_gather_seq,
+    _reduce_scatter_seq,
+    "All-gather the sequence; backward: reduce-scatter (each rank's copy fed its own heads/columns).",
+)
+_GatherForHead = _region(
+    "_GatherForHead",
+    _all_gather_seq,
+    _own_chunk,
+    "All-gather the sequence for the (replicated) MLM head; backward: this rank's chunk.",
+)
+_ReduceScatter = _region(
+    "_ReduceScatter",
+    _reduce_scatter_seq,
+    _all_gather_seq,
+    "Sum partial results over the group, keeping this rank's chunk; backward: all-gather.",
+)
 
 
 def reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -71,6 +71,7 @@ import torch
 
 from swbert.models.attention import build_attention
 from swbert.models.config import SWBertConfig
+from swbert.runtime.recompute import SELECTIVE_SAVED_OPS
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Checkpointing = Literal["none", "full", "selective"]
@@ -79,21 +80,6 @@ Device = Literal["gpu", "cpu"]
 LN_STATS_BYTES = 8  # a LayerNorm's mean and 1/std per token, fp32 on a GPU
 INDEX_BYTES = 8  # int64 positions
 MLM_PROBABILITY = 0.15
-
-# The ops whose outputs selective checkpointing keeps: `swbert.training.wrappers._SAVED_OPS`, which
-# a test holds equal to this set (the estimate reads no training code).
-SELECTIVE_SAVED_OPS = frozenset(
-    {
-        torch.ops.aten.mm.default,
-        torch.ops.aten.addmm.default,
-        torch.ops.aten.bmm.default,
-        torch.ops.aten.linear.default,
-        torch.ops.aten._scaled_dot_product_flash_attention.default,
-        torch.ops.aten._scaled_dot_product_efficient_attention.default,
-        torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    }
-)
 
 
 def element_bytes(precision: Precision) -> int:

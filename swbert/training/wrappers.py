@@ -32,29 +32,15 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from swbert.models import SWBertForMaskedLM
+from swbert.runtime.recompute import SELECTIVE_SAVED_OPS
 
 log = logging.getLogger("swbert.train")
 
 ActivationCheckpointing = Literal["none", "full", "selective"]
 
-# Selective checkpointing keeps the outputs of these (the matrix products and the attention
-# kernel: the costly ops) and recomputes the rest of a block (LayerNorms, GELU, dropout masks,
-# residual adds) in the backward: most of the activation memory of the cheap ops for a few % more
-# compute (the policy of torchtitan's op-level selective AC; ours).
-_SAVED_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten.linear.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
-
 
 def _selective_policy(_ctx: object, op: object, *_args: object, **_kwargs: object) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_context() -> tuple:
@@ -102,7 +88,7 @@ def _tensor_parallel_tracker() -> Any:
 
 def checkpointed(forward: Callable, mode: ActivationCheckpointing, replay_tracker: bool = False) -> Callable:
     """`forward` whose activations are recomputed in the backward (`full`: all of them; `selective`:
-    all but the outputs of `_SAVED_OPS`). Non-reentrant, so it composes with compile; the default
+    all but the outputs of `SELECTIVE_SAVED_OPS` (swbert.runtime.recompute)). Non-reentrant, so it composes with compile; the default
     RNG state is restored for the recompute, so dropout draws the same masks, and with
     `replay_tracker` the tensor-parallel tracker's states too (eager tensor-parallel runs)."""
     if mode == "none":
