@@ -179,14 +179,18 @@ def check_existing(
     raise InputError(f"{output_dir} holds shards of another preprocessing run (differs in: {what}). {hint}")
 
 
-def _sizes_ok(output_dir: Path, manifest: dict[str, Any]) -> bool:
-    for shard in manifest.get("shards", []):
-        for split in SPLITS:
-            for suffix in ("bin", "idx"):
-                path = output_dir / f"{shard['name']}.{split}.{suffix}"
-                if not path.is_file() or path.stat().st_size != shard[split][f"{suffix}_bytes"]:
-                    return False
+def _files_match(output_dir: Path, name: str, record: dict[str, Any]) -> bool:
+    """Every file of shard `name` is there, of the size its record (or manifest entry) gives."""
+    for split in SPLITS:
+        for suffix in ("bin", "idx"):
+            path = output_dir / f"{name}.{split}.{suffix}"
+            if not path.is_file() or path.stat().st_size != record[split][f"{suffix}_bytes"]:
+                return False
     return True
+
+
+def _sizes_ok(output_dir: Path, manifest: dict[str, Any]) -> bool:
+    return all(_files_match(output_dir, shard["name"], shard) for shard in manifest.get("shards", []))
 
 
 def finished_record(output_dir: Path, name: str, plan_id: str) -> dict[str, Any] | None:
@@ -196,11 +200,6 @@ def finished_record(output_dir: Path, name: str, plan_id: str) -> dict[str, Any]
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if record.get("plan_id") != plan_id:
+    if record.get("plan_id") != plan_id or not _files_match(output_dir, name, record):
         return None
-    for split in SPLITS:
-        for suffix in ("bin", "idx"):
-            data = output_dir / f"{name}.{split}.{suffix}"
-            if not data.is_file() or data.stat().st_size != record[split][f"{suffix}_bytes"]:
-                return None
     return record
