@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import torch
 
@@ -137,6 +137,8 @@ def init_distributed(timeout_minutes: float | None = None) -> tuple[int, int, in
             auto_mpi_discovery=False,
         )
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if not on_gpu and world > 1:
+        unlink_shm_buffer(rank)
     global _heartbeat
     if world > 1 and _heartbeat is None:
         try:
@@ -163,6 +165,27 @@ def load_shm_comm() -> None:
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         load_op(builder, "DeepSpeed's CPU collectives (deepspeed_shm_comm)")
+
+
+SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
+
+
+def unlink_shm_buffer(rank: int) -> None:
+    """Unlink this rank's shared-memory buffer of DeepSpeed's CPU collectives, once mapped by all.
+
+    Each rank creates one (67 MB, named after the rendezvous address and port) and maps every other
+    rank's; DeepSpeed never unlinks them, so every CPU job left its buffers in /dev/shm, memory lost
+    until reboot. After a barrier every rank has mapped every buffer (DeepSpeed's start waits for
+    its peers' names), so the names can go: the mappings live until the processes exit."""
+    torch.distributed.barrier()
+    path = SHM_BUFFER.format(
+        uid=os.getuid(),
+        addr=os.environ.get("MASTER_ADDR", ""),
+        port=os.environ.get("MASTER_PORT", ""),
+        rank=rank,
+    )
+    with suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def bound_every_group() -> None:
