@@ -72,3 +72,20 @@ class PackedSequences(torch.utils.data.Dataset):
         text = ~separator
         body[text] = self.corpus.gather(doc[text], offset[text])
         return out
+
+
+def document_seqlens(input_ids: np.ndarray) -> tuple[torch.Tensor, int]:
+    """The documents of a packed batch (B, S) as the sequences of one token stream: `cu_seqlens`
+    (int32, over the B x S tokens) and `max_seqlen`, for attention within each document only.
+
+    A sample is `[CLS] ... [SEP]`, and a `[SEP]` inside it ends a document (`PackedSequences`); the
+    next token starts the next one. The leading `[CLS]` belongs to the first document of its
+    sample and the closing `[SEP]` to the last. Computed on the host, in the loader's workers, so
+    the step needs no device-to-host read for it. (Document-aware attention is ours, as ModernBERT
+    trains; the paper packs sequences without it.)"""
+    batch, seq_len = input_ids.shape
+    starts = np.zeros((batch, seq_len), dtype=bool)
+    starts[:, 0] = True
+    starts[:, 2:] = input_ids[:, 1:-1] == SEP_ID  # the token after an inner [SEP]
+    cu_seqlens = np.append(np.flatnonzero(starts), batch * seq_len).astype(np.int32)
+    return torch.from_numpy(cu_seqlens), int(np.diff(cu_seqlens).max())

@@ -14,7 +14,7 @@ import torch
 
 from swbert.data.masking import MaskingCollator, sample_keys
 from swbert.data.mix import MixSchedule
-from swbert.data.packing import PackedSequences
+from swbert.data.packing import PackedSequences, document_seqlens
 from swbert.data.sampler import GlobalSampler
 
 VALID_STREAM_OFFSET = 1_000_003  # validation masks come from the stream seed + this, apart from training's
@@ -35,8 +35,10 @@ class MaskedStream:
         *,
         shuffle: bool,
         stream_seed: int,
+        document_attention: bool = False,
     ) -> None:
         self.sequences = sequences
+        self.document_attention = document_attention
         self.collator = collator
         self.stream_seed = stream_seed
         self.sampler = GlobalSampler(
@@ -52,7 +54,17 @@ class MaskedStream:
         indices = self.sampler.take(position, count)  # (B,)
         input_ids = self.sequences.get_batch(indices)  # (B, S)
         keys = sample_keys(self.stream_seed, np.arange(position, position + count, dtype=np.int64))  # (B,)
-        return self.collator.mask(input_ids, keys)
+        return with_documents(self.collator.mask(input_ids, keys), input_ids, self.document_attention)
+
+
+def with_documents(out: dict, input_ids: np.ndarray, document_attention: bool) -> dict:
+    """`out` with the batch's documents as `cu_seqlens` and `max_seqlen` (a 0-d tensor: batches
+    travel from the workers as one array) when attention stays within each document
+    (`swbert.data.packing.document_seqlens`)."""
+    if document_attention:
+        cu_seqlens, max_seqlen = document_seqlens(input_ids)
+        out["cu_seqlens"], out["max_seqlen"] = cu_seqlens, torch.tensor(max_seqlen)
+    return out
 
 
 def check_layout(start_sample: int, micro_bs: int, dp_rank: int, dp_size: int) -> None:
@@ -82,6 +94,7 @@ class MixedStream:
         seed: int,
         *,
         stream_seed: int,
+        document_attention: bool = False,
     ) -> None:
         if len(folders) != len(schedule.counts):
             raise ValueError(f"{len(folders)} folders but a schedule of {len(schedule.counts)}")
@@ -89,6 +102,7 @@ class MixedStream:
         self.schedule = schedule
         self.collator = collator
         self.stream_seed = stream_seed
+        self.document_attention = document_attention
         self.samplers = [
             GlobalSampler(len(f), seed=seed, micro_batch_size=1, dp_rank=0, dp_size=1) for f in folders
         ]
@@ -108,6 +122,7 @@ class MixedStream:
             sample[rows] = self.samplers[k].take(int(draw[rows][0]), int(rows.sum()))
             input_ids[rows] = self.folders[k].get_batch(sample[rows])
         out = self.collator.mask(input_ids, sample_keys(self.stream_seed, positions))
+        out = with_documents(out, input_ids, self.document_attention)
         out["source"] = torch.from_numpy(folder)
         out["sample"] = torch.from_numpy(sample)
         return out

@@ -416,23 +416,31 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
         masked_logits_only: bool | None = None,
         mlm_positions: torch.Tensor | None = None,
         mlm_targets: torch.Tensor | None = None,  # not "labels": transformers' Trainer takes those for labels
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
         **_: object,
     ) -> MaskedLMOutput:
+        """`cu_seqlens` and `max_seqlen` (over the B x S tokens of a packed batch, which has no
+        padding): attention stays within each of those sequences (a packed sample's documents,
+        `swbert.data.packing.document_seqlens`), positions restart in each; rows and logits keep
+        their (B, S) meaning."""
         rows, target = _predicted_rows(labels, mlm_positions, mlm_targets)
         if masked_logits_only is None:  # the head on the predicted rows when training or given positions
             masked_logits_only = self.training or mlm_positions is not None
         full = rows is None or not masked_logits_only  # (B, S, vocab) logits: transformers' convention
         prune = not full and self.last_layer_on_labels and not output_hidden_states
+        shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]  # (B, S)
+        stream = _PackedStream(shape, cu_seqlens)
         out = self.bert(
-            input_ids,
-            attention_mask,
-            token_type_ids,
-            position_ids,
-            inputs_embeds,
-            output_hidden_states,
-            output_rows=rows if prune else None,
+            *stream.flat(input_ids, token_type_ids, position_ids, inputs_embeds, attention_mask),
+            output_hidden_states=output_hidden_states,
+            output_rows=stream.rows(rows) if prune else None,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
         )
         h = out.last_hidden_state  # (B, S, d), or (N, d) when the last layer computed the rows only
+        if cu_seqlens is not None and not prune:
+            h = h.view(*shape, -1)
         if full:
             logits, _ = self.logits_and_loss(h, None)  # (B, S, vocab)
             loss = None if rows is None else self.loss_on(logits[rows], target)
@@ -458,6 +466,34 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
     def loss_on(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy of (N, vocab) logits over the rows whose target is a label."""
         return labelled_mean(F.cross_entropy(logits.float(), target, reduction="none"), target)
+
+
+class _PackedStream:
+    """A packed batch (B, S) as the one token stream of `cu_seqlens` (document attention), or as it
+    is when there are none: its inputs flattened to (1, B x S), its predicted rows moved there."""
+
+    def __init__(self, shape: tuple[int, ...], cu_seqlens: torch.Tensor | None) -> None:
+        self.seq_len = shape[1]
+        self.on = cu_seqlens is not None
+
+    def flat(self, input_ids, token_type_ids, position_ids, inputs_embeds, attention_mask) -> tuple:
+        """SWBertModel's first arguments: (input_ids, attention_mask, token_type_ids, position_ids,
+        inputs_embeds)."""
+        if not self.on:
+            return input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds
+        if attention_mask is not None:
+            raise ValueError("a packed batch with cu_seqlens has no padding: pass no attention_mask")
+
+        def flat(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.reshape(1, -1, *t.shape[2:])
+
+        return flat(input_ids), None, flat(token_type_ids), flat(position_ids), flat(inputs_embeds)
+
+    def rows(self, rows: Rows | None) -> Rows | None:
+        if not self.on or rows is None:
+            return rows
+        batch_index, positions = rows
+        return torch.zeros_like(batch_index), batch_index * self.seq_len + positions
 
 
 def _predicted_rows(

@@ -125,7 +125,7 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
     dims = ParallelDims.from_env(cfg.tensor_parallel)
     on_gpu = torch.cuda.is_available()
     precision = resolve_precision(cfg.precision, on_gpu)
-    compile_model = cfg.compile == "on" or (cfg.compile == "auto" and on_gpu)
+    compile_model = cfg.compile == "on" or (cfg.compile == "auto" and on_gpu and not cfg.document_attention)
     cpu_kernels = resolve_cpu_kernels(cfg.cpu_kernels, on_gpu, compile_model)
     if compile_model:
         check_compiler(torch.device("cuda" if on_gpu else "cpu"), cfg.compile_backend)
@@ -198,7 +198,9 @@ def build_data(cfg: TrainConfig) -> TrainingData:
         data: Path | list = entries
     else:
         data = prepare_data(cfg.data_dir)
-    return TrainingData(data, cfg.seq_len, cfg.mlm_probability, cfg.seed, cfg.max_predictions_per_seq)
+    return TrainingData(
+        data, cfg.seq_len, cfg.mlm_probability, cfg.seed, cfg.max_predictions_per_seq, cfg.document_attention
+    )
 
 
 def check_shards(data: TrainingData, run_dir: Path) -> None:

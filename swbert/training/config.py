@@ -126,6 +126,10 @@ class TrainConfig:
     # the backward (weights and checkpoints unchanged); auto = on for CUDA runs, off on CPU (where
     # eager with the CPU kernels is faster)
     compile: Literal["auto", "on", "off"] = "auto"
+    # attention within each packed document only (ours, as ModernBERT; the paper packs without it):
+    # the documents of a batch become the sequences of the variable-length attention path; eager
+    # only for now (compile auto is then off), without tensor parallelism
+    document_attention: bool = False
     compile_backend: str = "inductor"  # torch.compile's backend (a name torch._dynamo.list_backends() gives)
     # CPU kernels from swbert.runtime.cpu (dropout, attention, decoder; same results, faster on a CPU):
     # auto = on for CPU runs in eager mode; off = exactly the model path a GPU runs; on = required
@@ -145,6 +149,7 @@ class TrainConfig:
         self._check_counts()
         self._check_optimisation()
         self._check_data_mix()
+        self._check_document_attention()
         for key in self.allow_resume_change:
             if key not in RESUME_CHANGEABLE:
                 close = difflib.get_close_matches(key, RESUME_CHANGEABLE, n=1)
@@ -170,6 +175,17 @@ class TrainConfig:
             raise ValueError(
                 f"num_workers={self.num_workers} must be 0 (batches on the training thread) or more"
             )
+
+    def _check_document_attention(self) -> None:
+        if not self.document_attention:
+            return
+        if self.compile == "on":
+            raise ValueError(
+                "--document-attention runs eager (each batch has its own number of documents, a new "
+                "shape for torch.compile); pass --compile off (or auto)"
+            )
+        if self.tensor_parallel > 1:
+            raise ValueError("--document-attention does not run with --tensor-parallel > 1 yet; drop one")
 
     def _check_data_mix(self) -> None:
         """--data-mix: well-formed weights, each folder once, with a manifest, one tokenizer for all;

@@ -88,7 +88,8 @@ class TrainingData:
     from DataLoader workers. Both return the same dicts of CPU tensors (see
     `swbert.data.MaskingCollator`): `input_ids`, `labels` (B, S), `mlm_positions`, `mlm_labels`
     (B, P) with P = `max_predictions_per_seq`, and `attention_mask` only when a batch holds padding
-    (packed sequences never do); a mix adds `source` and `sample` (B,) (`MixedStream`). Validation
+    (packed sequences never do); a mix adds `source` and `sample` (B,) (`MixedStream`), and
+    `document_attention` adds the documents as `cu_seqlens` and `max_seqlen`. Validation
     reads each folder's own split, in order (`batch(..., eval_split=True, source=k)`).
     """
 
@@ -99,6 +100,7 @@ class TrainingData:
         mlm_probability: float,
         seed: int,
         max_predictions_per_seq: int | None = None,
+        document_attention: bool = False,
     ) -> None:
         self.mixed = isinstance(data, list)
         entries = data if isinstance(data, list) else [MixEntry(Path(data), Fraction(1))]
@@ -123,15 +125,32 @@ class TrainingData:
         self.seed = seed
         self.schedule = MixSchedule(window_counts([s.weight for s in self.sources]))
         self._train: MaskedStream | MixedStream = MaskedStream(
-            self.train, self.collator, seed, shuffle=True, stream_seed=seed
+            self.train,
+            self.collator,
+            seed,
+            shuffle=True,
+            stream_seed=seed,
+            document_attention=document_attention,
         )
         if self.mixed:
             trains = [s.train for s in self.sources]
-            self._train = MixedStream(trains, self.schedule, self.collator, seed, stream_seed=seed)
+            self._train = MixedStream(
+                trains,
+                self.schedule,
+                self.collator,
+                seed,
+                stream_seed=seed,
+                document_attention=document_attention,
+            )
         # each folder's validation split in order, masked by another stream than training's
         self._valid = {
             k: MaskedStream(
-                s.valid, self.collator, seed, shuffle=False, stream_seed=seed + VALID_STREAM_OFFSET
+                s.valid,
+                self.collator,
+                seed,
+                shuffle=False,
+                stream_seed=seed + VALID_STREAM_OFFSET,
+                document_attention=document_attention,
             )
             for k, s in enumerate(self.sources)
             if s.valid is not None

@@ -181,8 +181,11 @@ class Trainer:
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors the step reads, copied to the device (asynchronously from pinned memory); the
         (B, S) `labels` stay behind: the static path reads `mlm_labels`."""
-        keys = ("input_ids", "attention_mask", "mlm_positions", "mlm_labels")
-        return {k: batch[k].to(self.device, non_blocking=True) for k in keys if k in batch}
+        keys = ("input_ids", "attention_mask", "mlm_positions", "mlm_labels", "cu_seqlens")
+        moved = {k: batch[k].to(self.device, non_blocking=True) for k in keys if k in batch}
+        if "max_seqlen" in batch:  # with cu_seqlens (--document-attention): a host int, read on the host
+            moved["max_seqlen"] = int(batch["max_seqlen"])
+        return moved
 
     def _next_batch(self) -> dict[str, torch.Tensor]:
         """The next training micro-batch of this rank, from the loader's workers; the time the step

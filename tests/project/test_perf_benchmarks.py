@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import data_loader, data_prep, finetune_step, pretrain_e2e, train_step
+from benchmarks import data_loader, data_prep, document_attention, finetune_step, pretrain_e2e, train_step
 
 
 def test_train_step_benchmark_smoke(tmp_path, capsys):
@@ -96,3 +96,13 @@ def test_finetune_step_benchmark_smoke(tmp_path, capsys):
         assert row["tokens_computed"]["padded"] > row["tokens_computed"]["grouped"] > row["real_tokens"]
         assert min(row["tokens_per_s"].values()) > 0
     assert "grouped/padded target" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # about 2 s idle, two models trained
+def test_document_attention_benchmark_smoke(tmp_path):
+    """Plain and document attention side by side (tiny; the times mean little): the JSON has both
+    modes and counts more than one document a sample somewhere."""
+    out = document_attention.main(["--smoke", "--json", str(tmp_path / "r.json")])
+    assert json.loads((tmp_path / "r.json").read_text()) == out
+    assert set(out["step_s"]) == set(document_attention.MODES) and min(out["step_s"].values()) > 0
+    assert out["documents_per_sample"] > 1 and out["documents_over_plain"] > 0
