@@ -12,7 +12,7 @@ python -m swbert.parallel.convert reshard CKPT_DIR OUT_DIR --tensor-parallel K [
     files; load with engine.load_checkpoint(OUT_DIR, load_module_only=True).
 
 CKPT_DIR is the folder given to `engine.save_checkpoint`; the tag defaults to its `latest`.
-The model config comes from the checkpoint (`checkpoint_client_state`) or `--config`. Every file is
+The model config comes from the checkpoint's swbert_meta.json or `--config`. Every file is
 read with weights_only=True (swbert.safe_load, DeepSpeed's converter included): nothing pickled runs.
 """
 
@@ -52,18 +52,16 @@ def _load(path: Path) -> dict:
     return load(path, map_location="cpu")
 
 
-def _config(saved: dict, config: SWBertConfig | None, tag_dir: Path) -> SWBertConfig:
-    """`config`, else the one recorded in the checkpoint (client state, or the job's metadata file
-    next to DeepSpeed's)."""
+def _config(config: SWBertConfig | None, tag_dir: Path) -> SWBertConfig:
+    """`config`, else the one recorded in the checkpoint (the trainer's metadata file next to
+    DeepSpeed's)."""
     if config is not None:
         return config
-    if CONFIG_KEY in saved:
-        return SWBertConfig.from_dict(saved[CONFIG_KEY])
     if (tag_dir / META).is_file():
         return SWBertConfig.from_dict(json.loads((tag_dir / META).read_text())[CONFIG_KEY])
     raise ValueError(
-        f"{tag_dir} does not record the model config (save with client_state="
-        "swbert.parallel.checkpoint_client_state(config)); pass --config path/to/config.json"
+        f"{tag_dir} does not record the model config (no {META}: not saved by swbert's trainer); "
+        "pass --config path/to/config.json"
     )
 
 
@@ -72,7 +70,7 @@ def merged_state_dict(tag_dir: str | Path, config: SWBertConfig) -> dict[str, to
 
     ZeRO 0-2 checkpoints hold each TP rank's weights in its model file; ZeRO-3 ones only in the
     optimizer partitions, which DeepSpeed's universal conversion reassembles (in a temporary
-    folder; the checkpoint must have been saved with `checkpoint_client_state`).
+    folder, with the layout derived from `config`).
     """
     tag_dir = Path(tag_dir)
     if (tag_dir / "zero").is_dir():  # universal: full fp32 tensors, one folder per parameter
@@ -93,7 +91,7 @@ def full_state_dict(
 ) -> tuple[dict[str, torch.Tensor], SWBertConfig]:
     """The merged TP=1 weights and the model config of a DeepSpeed checkpoint (plain or universal)."""
     tag = resolve_tag(ckpt_dir, tag)
-    config = _config(_load(model_state_files(ckpt_dir, tag)[0]), config, Path(ckpt_dir) / tag)
+    config = _config(config, Path(ckpt_dir) / tag)
     return merged_state_dict(Path(ckpt_dir) / tag, config), config
 
 
@@ -135,8 +133,8 @@ def to_universal(
 ) -> Path:
     """DeepSpeed's `ds_to_universal` on one checkpoint; OUT_DIR/<tag> resumes at any size.
 
-    The parameter layout comes from the checkpoint (`checkpoint_client_state`) or, for one saved
-    without it, is derived from the model config (`config`, or the one recorded in the checkpoint).
+    The parameter layout comes from the checkpoint when DeepSpeed's `universal_checkpoint_info` is
+    in it, else is derived from the model config (`config`, or the one recorded in the checkpoint).
     """
     from deepspeed.checkpoint import ds_to_universal
 
@@ -145,7 +143,7 @@ def to_universal(
     first = _load(model_state_files(ckpt_dir, tag)[0])
     with tempfile.TemporaryDirectory() as staging:
         if ds_ckpt.UNIVERSAL_CHECKPOINT_INFO not in first:
-            source = _with_layout(source, Path(staging) / tag, _config(first, config, source))
+            source = _with_layout(source, Path(staging) / tag, _config(config, source))
         args = argparse.Namespace(
             input_folder=str(source),
             output_folder=str(Path(out_dir) / tag),
@@ -160,7 +158,7 @@ def to_universal(
     for meta in (Path(ckpt_dir) / tag).glob("*.json"):  # the trainer's metadata travels along
         if meta.name != COMPLETE:  # the source's marker: it lists the source's files
             shutil.copy2(meta, Path(out_dir) / tag / meta.name)
-    pack_universal(Path(out_dir) / tag, _config(first, config, Path(ckpt_dir) / tag))
+    pack_universal(Path(out_dir) / tag, _config(config, Path(ckpt_dir) / tag))
     return Path(out_dir)
 
 
