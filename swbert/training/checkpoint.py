@@ -588,10 +588,7 @@ def _check_run_settings(
             f"resuming {tag_dir} would change what exact resume depends on ({what}). Run with the "
             f"checkpoint's settings, or pass --allow-resume-change {','.join(refused)} to change them on purpose"
         )
-    allowed = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items() if k not in layout]
-    for change in allowed:
-        log.warning("resume changes %s (--allow-resume-change)", change)
-    return allowed
+    return [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items() if k not in layout]
 
 
 def load(engine, load_dir: Path, tag: str) -> dict[str, Any]:

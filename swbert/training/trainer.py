@@ -110,8 +110,6 @@ class Trainer:
         mix = record.get("data_mix")
         build.write_run_files(cfg, folder, plan.ds_config, dims.is_main, resume and resume.tag, mix)
         metrics = build.build_tracking(cfg, folder, dims, plan, model_config, applied, mix)
-        if metrics is not None and resume is not None and resume.changes:  # deliberate, kept with the run
-            metrics.tag(f"resume_change.{resume.tag}", "; ".join(resume.changes))
         return Run(
             config=cfg, folder=folder, plan=plan, data=data, model_config=model_config, record=record,
             resume=resume, dims=dims, device=_device(plan, dims), engine=engine, scheduler=scheduler,
@@ -127,6 +125,10 @@ class Trainer:
             return
         self.state = TrainState.from_dict(ckpt.load(run.engine, run.resume.load_dir, run.resume.tag))
         status.info("resumed from %s at step %d", run.resume.tag_dir, self.state.step)
+        for change in run.resume.changes if run.is_main else ():
+            log.warning("resume changes %s (--allow-resume-change)", change)
+        if run.metrics is not None and run.resume.changes:  # deliberate changes, kept with the run
+            run.metrics.tag(f"resume_change.{run.resume.tag}", "; ".join(run.resume.changes))
         self._apply_optimizer_settings(run.resume.tag)
         self._say_schedule_change(run.resume.tag_dir)
 
