@@ -144,9 +144,10 @@ def main() -> None:
     setup = trainer.setup
 
     def counted_setup():
-        setup()
+        run = setup()
         install()  # after set-up: only the steps are counted
         calls.clear()
+        return run
 
     trainer.setup = counted_setup
     summary = trainer.train()
