@@ -30,7 +30,7 @@ from swbert.runtime.checkpoint_format import LATEST, LATEST_UNIVERSAL, read_late
 # DeepSpeed's per-TP-rank module files: <dir>/<tag>/mp_rank_00_model_states.pt, mp_rank_01_...; under
 # ZeRO-3 one per data- and tensor-parallel rank, zero_pp_rank_<dp>_mp_rank_<tp>_model_states.pt.
 _MODEL_STATES = re.compile(r"(?:zero_pp_rank_0_)?mp_rank_(\d+)_model_states\.pt")
-CONFIG_KEY = "model_config"  # the key of swbert_meta.json holding SWBertConfig.to_dict()
+CONFIG_KEY = "model_config"  # swbert_meta.json's key (or a client state's) for SWBertConfig.to_dict()
 
 
 def _tensors(state: dict[str, object]) -> dict[str, torch.Tensor]:

@@ -52,11 +52,13 @@ def _load(path: Path) -> dict:
     return load(path, map_location="cpu")
 
 
-def _config(config: SWBertConfig | None, tag_dir: Path) -> SWBertConfig:
+def _config(saved: dict, config: SWBertConfig | None, tag_dir: Path) -> SWBertConfig:
     """`config`, else the one recorded in the checkpoint (the trainer's metadata file next to
-    DeepSpeed's)."""
+    DeepSpeed's, or a client state that holds one)."""
     if config is not None:
         return config
+    if CONFIG_KEY in saved:
+        return SWBertConfig.from_dict(saved[CONFIG_KEY])
     if (tag_dir / META).is_file():
         return SWBertConfig.from_dict(json.loads((tag_dir / META).read_text())[CONFIG_KEY])
     raise ValueError(
@@ -91,7 +93,7 @@ def full_state_dict(
 ) -> tuple[dict[str, torch.Tensor], SWBertConfig]:
     """The merged TP=1 weights and the model config of a DeepSpeed checkpoint (plain or universal)."""
     tag = resolve_tag(ckpt_dir, tag)
-    config = _config(config, Path(ckpt_dir) / tag)
+    config = _config(_load(model_state_files(ckpt_dir, tag)[0]), config, Path(ckpt_dir) / tag)
     return merged_state_dict(Path(ckpt_dir) / tag, config), config
 
 
@@ -143,7 +145,7 @@ def to_universal(
     first = _load(model_state_files(ckpt_dir, tag)[0])
     with tempfile.TemporaryDirectory() as staging:
         if ds_ckpt.UNIVERSAL_CHECKPOINT_INFO not in first:
-            source = _with_layout(source, Path(staging) / tag, _config(config, source))
+            source = _with_layout(source, Path(staging) / tag, _config(first, config, source))
         args = argparse.Namespace(
             input_folder=str(source),
             output_folder=str(Path(out_dir) / tag),
@@ -158,7 +160,7 @@ def to_universal(
     for meta in (Path(ckpt_dir) / tag).glob("*.json"):  # the trainer's metadata travels along
         if meta.name != COMPLETE:  # the source's marker: it lists the source's files
             shutil.copy2(meta, Path(out_dir) / tag / meta.name)
-    pack_universal(Path(out_dir) / tag, _config(config, Path(ckpt_dir) / tag))
+    pack_universal(Path(out_dir) / tag, _config(first, config, Path(ckpt_dir) / tag))
     return Path(out_dir)
 
 
