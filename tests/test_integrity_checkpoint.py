@@ -68,6 +68,12 @@ def _verify_resume(tmp: str) -> None:
         resolve_resume(TrainConfig(resume=explicit), root, record)
     assert "\n" not in str(err.value) and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in str(err.value)
     assert "--resume auto" in str(err.value)
+    # a checkpoints/ folder whose only checkpoint is damaged: set aside, then nothing left to name;
+    # rank 0's error is every rank's (the others used to wait for its choice until the timeout)
+    lone = Path(tmp) / "lone"
+    with pytest.raises(FileNotFoundError, match="not a checkpoint"):
+        resolve_resume(TrainConfig(resume=str(lone)), root, record)
+    assert (lone / "damaged" / "step_00000008").is_dir()
 
 
 def test_a_damaged_checkpoint_falls_back_to_the_previous_one_and_is_kept_aside(tmp_path):
@@ -80,6 +86,7 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one_and_is_kept_aside(t
     fake_checkpoint(root, 4)
     flip_byte(fake_checkpoint(root, 8) / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     shutil.copytree(root / "step_00000008", tmp_path / "explicit" / "step_00000008")
+    shutil.copytree(root / "step_00000008", tmp_path / "lone" / "step_00000008")
     run_ranks(_verify_resume, 2, str(tmp_path))
     assert ckpt.checkpoint_tags(root) == ["step_00000004"]
     assert (root / "damaged" / "step_00000008" / "rng_rank00000.pt").is_file()

@@ -176,6 +176,16 @@ def test_a_failed_metrics_write_is_kept_for_every_rank_to_stop_on():
     trainer.log_metrics({"loss": 1.0})
 
 
+def test_the_lr_and_gradient_norm_come_from_the_engine_and_schedule():
+    trainer = Trainer(TrainConfig())
+    norm = torch.tensor(2.5)
+    trainer.run = _run(
+        engine=SimpleNamespace(get_global_grad_norm=lambda: norm),
+        scheduler=SimpleNamespace(get_last_lr=lambda: [3e-4, 3e-4]),
+    )
+    assert trainer.grad_norm() is norm and trainer.lr() == 3e-4
+
+
 def test_evaluate_without_eval_batches_reads_no_data():
     assert Trainer(TrainConfig(eval_batches=0)).evaluate() == {}
 

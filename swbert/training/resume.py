@@ -130,7 +130,12 @@ def resolve_resume(cfg: TrainConfig, ckpt_root: Path, record: dict[str, Any]) ->
         return _checked(cfg, find_checkpoint(cfg.resume, ckpt_root), record)
     warn = False  # said already, by the call before the process group
     while True:
-        found = find_checkpoint(cfg.resume, ckpt_root, warn) if dist.get_rank() == 0 else None
+        found: tuple[Path, str] | Exception | None = None
+        if dist.get_rank() == 0:
+            try:
+                found = find_checkpoint(cfg.resume, ckpt_root, warn)
+            except (OSError, ValueError) as err:  # raised on every rank, not on rank 0 alone
+                found = err
         choice = agree_on_resume(found)
         if choice is None or not _set_aside_if_damaged(cfg, choice):
             return _checked(cfg, choice, record)
@@ -163,13 +168,16 @@ def _set_aside_if_damaged(cfg: TrainConfig, choice: tuple[Path, str]) -> bool:
 
 
 def agree_on_resume(
-    choice: tuple[Path, str] | None, visible: Callable[[Path], bool] = Path.is_dir
+    choice: tuple[Path, str] | Exception | None, visible: Callable[[Path], bool] = Path.is_dir
 ) -> tuple[Path, str] | None:
-    """Rank 0's checkpoint to resume from, on every rank (collective). Each rank checks that it can
-    see that folder; if any cannot, every rank raises, naming those ranks and their hosts."""
+    """Rank 0's checkpoint to resume from, on every rank (collective); rank 0's error choosing it is
+    raised on every rank. Each rank checks that it can see that folder; if any cannot, every rank
+    raises, naming those ranks and their hosts."""
     decision = [choice]
     dist.broadcast_object_list(decision, src=0)
     chosen = decision[0]
+    if isinstance(chosen, Exception):
+        raise chosen
     ok = chosen is None or visible(chosen[0] / chosen[1])
     seen: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(seen, (dist.get_rank(), socket.gethostname(), ok))
