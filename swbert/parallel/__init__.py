@@ -12,12 +12,8 @@ See docs/parallelism.md.
 """
 
 from swbert.parallel.checkpoint import (
-    check_checkpoint,
-    checkpoint_client_state,
-    checkpoint_tp_size,
     gather_state_dict,
     gather_tensors,
-    is_universal,
     merge_state_dicts,
     shard_state_dict,
     universal_checkpoint_info,
@@ -40,16 +36,12 @@ from swbert.parallel.state import (
 __all__ = [
     "DeepSpeedMPU",
     "ParallelDims",
-    "check_checkpoint",
-    "checkpoint_client_state",
     "check_divisible",
-    "checkpoint_tp_size",
     "destroy",
     "dims",
     "gather_state_dict",
     "gather_tensors",
     "initialize",
-    "is_universal",
     "is_initialized",
     "manual_seed",
     "merge_state_dicts",

@@ -1,14 +1,15 @@
 """State dicts across tensor-parallel sizes: gather a sharded model into TP=1, shard TP=1 for TP=k,
-merge saved shards, and what a DeepSpeed checkpoint must carry to be resharded later.
+merge saved shards, and the layout DeepSpeed's universal checkpoint needs to reshard one.
 
 A TP=k state dict has the TP=1 keys; tensors that `plan.partition_dim` names are rank r's chunk r
 of k along that dimension, every other tensor is the full one.
 
 Checkpoints change tensor-parallel (and data-parallel) size with optimizer state through
-DeepSpeed's universal checkpoint: `checkpoint_client_state` records, in every checkpoint, which
-parameters are split along which dimension (`universal_checkpoint_info`, derived from the same
-`plan`), and `python -m swbert.parallel.convert universal` turns a checkpoint into one that loads
-at any size.
+DeepSpeed's universal checkpoint: `python -m swbert.parallel.convert universal` turns a checkpoint
+into one that loads at any size, adding which parameters are split along which dimension
+(`universal_checkpoint_info`, derived from the same `plan`) from the model config the checkpoint's
+swbert_meta.json records. A run refuses a checkpoint of another tensor-parallel size itself, naming
+that command (`swbert.training.checkpoint.check_compatible`).
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from torch import nn
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.parallel import plan
 from swbert.parallel.state import dims
-from swbert.runtime.checkpoint_format import LATEST, LATEST_UNIVERSAL, is_universal, read_latest
+from swbert.runtime.checkpoint_format import LATEST, LATEST_UNIVERSAL, read_latest
 
 # DeepSpeed's per-TP-rank module files: <dir>/<tag>/mp_rank_00_model_states.pt, mp_rank_01_...; under
 # ZeRO-3 one per data- and tensor-parallel rank, zero_pp_rank_<dp>_mp_rank_<tp>_model_states.pt.
 _MODEL_STATES = re.compile(r"(?:zero_pp_rank_0_)?mp_rank_(\d+)_model_states\.pt")
-CONFIG_KEY = "model_config"  # client-state key holding SWBertConfig.to_dict()
+CONFIG_KEY = "model_config"  # swbert_meta.json's key (or a client state's) for SWBertConfig.to_dict()
 
 
 def _tensors(state: dict[str, object]) -> dict[str, torch.Tensor]:
@@ -104,15 +105,6 @@ def universal_checkpoint_info(config: SWBertConfig) -> dict[str, object]:
     }
 
 
-def checkpoint_client_state(config: SWBertConfig) -> dict[str, object]:
-    """Entries to merge into `engine.save_checkpoint(..., client_state=...)` on every save: the model
-    config (for export to Hugging Face) and the universal-checkpoint layout (for resharding)."""
-    return {
-        CONFIG_KEY: config.to_dict(),
-        ds_ckpt.UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(config),
-    }
-
-
 def resolve_tag(ckpt_dir: str | Path, tag: str | None = None) -> str:
     """`tag`, or the one DeepSpeed's `latest` file names."""
     if tag is not None:
@@ -138,27 +130,3 @@ def model_state_files(ckpt_dir: str | Path, tag: str | None = None) -> list[Path
     if ranks != list(range(len(ranks))):
         raise FileNotFoundError(f"{folder} holds TP ranks {ranks}; some are missing")
     return [p for _, p in found]
-
-
-def checkpoint_tp_size(ckpt_dir: str | Path, tag: str | None = None) -> int:
-    """The tensor-parallel size a DeepSpeed checkpoint was saved with."""
-    return len(model_state_files(ckpt_dir, tag))
-
-
-def check_checkpoint(ckpt_dir: str | Path, tp_size: int, tag: str | None = None) -> None:
-    """Raise before DeepSpeed loads a checkpoint saved with another tensor-parallel size.
-
-    Call it before `engine.load_checkpoint`. DeepSpeed would otherwise apply its Megatron-LM
-    merge/split heuristics, which do not know this model's layout, or fail on a missing file.
-    Universal checkpoints load at any size and pass.
-    """
-    if is_universal(Path(ckpt_dir) / resolve_tag(ckpt_dir, tag)):
-        return
-    saved = checkpoint_tp_size(ckpt_dir, tag)
-    if saved != tp_size:
-        tag = resolve_tag(ckpt_dir, tag)
-        raise ValueError(
-            f"checkpoint {Path(ckpt_dir) / tag} was saved with --tensor-parallel {saved}, this run uses "
-            f"{tp_size}. Convert it first: python -m swbert.parallel.convert universal {ckpt_dir} NEW_DIR "
-            f"--tag {tag}, then resume from NEW_DIR (DeepSpeed config: checkpoint.load_universal=true)"
-        )

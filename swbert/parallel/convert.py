@@ -12,7 +12,7 @@ python -m swbert.parallel.convert reshard CKPT_DIR OUT_DIR --tensor-parallel K [
     files; load with engine.load_checkpoint(OUT_DIR, load_module_only=True).
 
 CKPT_DIR is the folder given to `engine.save_checkpoint`; the tag defaults to its `latest`.
-The model config comes from the checkpoint (`checkpoint_client_state`) or `--config`. Every file is
+The model config comes from the checkpoint's swbert_meta.json or `--config`. Every file is
 read with weights_only=True (swbert.safe_load, DeepSpeed's converter included): nothing pickled runs.
 """
 
@@ -53,8 +53,8 @@ def _load(path: Path) -> dict:
 
 
 def _config(saved: dict, config: SWBertConfig | None, tag_dir: Path) -> SWBertConfig:
-    """`config`, else the one recorded in the checkpoint (client state, or the job's metadata file
-    next to DeepSpeed's)."""
+    """`config`, else the one recorded in the checkpoint (the trainer's metadata file next to
+    DeepSpeed's, or a client state that holds one)."""
     if config is not None:
         return config
     if CONFIG_KEY in saved:
@@ -62,8 +62,8 @@ def _config(saved: dict, config: SWBertConfig | None, tag_dir: Path) -> SWBertCo
     if (tag_dir / META).is_file():
         return SWBertConfig.from_dict(json.loads((tag_dir / META).read_text())[CONFIG_KEY])
     raise ValueError(
-        f"{tag_dir} does not record the model config (save with client_state="
-        "swbert.parallel.checkpoint_client_state(config)); pass --config path/to/config.json"
+        f"{tag_dir} does not record the model config (no {META}: not saved by swbert's trainer); "
+        "pass --config path/to/config.json"
     )
 
 
@@ -72,7 +72,7 @@ def merged_state_dict(tag_dir: str | Path, config: SWBertConfig) -> dict[str, to
 
     ZeRO 0-2 checkpoints hold each TP rank's weights in its model file; ZeRO-3 ones only in the
     optimizer partitions, which DeepSpeed's universal conversion reassembles (in a temporary
-    folder; the checkpoint must have been saved with `checkpoint_client_state`).
+    folder, with the layout derived from `config`).
     """
     tag_dir = Path(tag_dir)
     if (tag_dir / "zero").is_dir():  # universal: full fp32 tensors, one folder per parameter
@@ -135,8 +135,8 @@ def to_universal(
 ) -> Path:
     """DeepSpeed's `ds_to_universal` on one checkpoint; OUT_DIR/<tag> resumes at any size.
 
-    The parameter layout comes from the checkpoint (`checkpoint_client_state`) or, for one saved
-    without it, is derived from the model config (`config`, or the one recorded in the checkpoint).
+    The parameter layout comes from the checkpoint when DeepSpeed's `universal_checkpoint_info` is
+    in it, else is derived from the model config (`config`, or the one recorded in the checkpoint).
     """
     from deepspeed.checkpoint import ds_to_universal
 

@@ -6,9 +6,10 @@
     plan = plan_run(cfg)                   # precision, batch shape, DeepSpeed config
     data = build_data(cfg)                 # the shards, found and checked
     record = run_record(...)               # what exact resume depends on
-    resume = choose_resume(...)            # refused here, before any process group, if incompatible
+    resolve_resume(...)                    # refused here, before any process group, if incompatible
     dims, mpu = build_layout(cfg, plan)    # process group, tensor-parallel groups
     check_shards(data, folder.output_dir)  # sha256 of every shard, split over the ranks
+    resume = resolve_resume(...)           # collective: agreed, hashes verified (swbert.training.resume)
     model = build_model(...)               # seeded weights, then wrappers: TP, checkpointing, compile
     engine, scheduler = build_engine(...)  # optimizer, schedule, deepspeed.initialize
     metrics = build_tracking(...)          # metrics.jsonl and MLflow (rank 0)
@@ -280,60 +281,6 @@ def run_record(
     }
 
 
-def choose_resume(
-    cfg: TrainConfig, ckpt_root: Path, record: dict[str, Any]
-) -> tuple[tuple[Path, str] | None, list[str]]:
-    """The checkpoint to resume from (None: a fresh start) and the deliberate changes it allows;
-    an incompatible checkpoint is refused here, naming what differs."""
-    resume_from = ckpt.resolve_resume(cfg.resume, ckpt_root)
-    if resume_from is None and cfg.resume not in ("none", "auto"):
-        raise FileNotFoundError(f"--resume {cfg.resume}: nothing to resume from")
-    if resume_from is None:
-        return None, []
-    return resume_from, ckpt.check_compatible(
-        resume_from[0] / resume_from[1], record, cfg.allow_resume_change
-    )
-
-
-def verify_resume(
-    cfg: TrainConfig,
-    ckpt_root: Path,
-    record: dict[str, Any],
-    choice: tuple[Path, str] | None,
-    changes: list[str],
-) -> tuple[tuple[Path, str] | None, list[str]]:
-    """Collective, before anything loads: the chosen checkpoint's files against the hashes its marker
-    records, the ranks sharing the reading. A mismatch under --resume auto (or a checkpoints/ folder)
-    moves that checkpoint to damaged/ (rank 0; never deleted) and falls back to the previous complete
-    one; a step folder named explicitly is refused in one line naming the files."""
-    while choice is not None:
-        tag_dir = choice[0] / choice[1]
-        bad = ckpt.verify(tag_dir)
-        if not bad:
-            return choice, changes
-        named = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        if ckpt.TAG_RE.match(Path(cfg.resume).name):
-            raise ckpt.CheckpointDamaged(
-                f"--resume {cfg.resume}: {named} in {tag_dir} no longer match the hashes its "
-                f"{ckpt.COMPLETE} records (damaged on disk?); resume from an earlier checkpoint, or "
-                "--resume auto to fall back to the newest intact one"
-            )
-        if dist.get_rank() == 0:
-            moved = ckpt.move_aside(choice[0], choice[1], ckpt.DAMAGED_DIR)
-            log.warning(
-                "checkpoint %s: %s do not match the hashes it recorded; moved to %s (nothing deleted), "
-                "falling back to the previous complete checkpoint", tag_dir, named, moved,
-            )  # fmt: skip
-        dist.barrier()
-        choice = ckpt.agree_on_resume(
-            ckpt.resolve_resume(cfg.resume, ckpt_root) if dist.get_rank() == 0 else None
-        )
-        changes = [] if choice is None else ckpt.check_compatible(
-            choice[0] / choice[1], record, cfg.allow_resume_change
-        )  # fmt: skip
-    return None, []
-
-
 def build_layout(cfg: TrainConfig, plan: RunPlan) -> tuple[ParallelDims, Any]:
     """Start the process group (NCCL on GPU, gloo on CPU) and the tensor-parallel groups; returns
     this process's `ParallelDims` and the DeepSpeed `mpu` (None without tensor parallelism)."""
@@ -436,12 +383,13 @@ def write_run_files(
     folder: RunFolder,
     ds_config: dict[str, Any],
     is_main: bool,
-    resume_from: tuple[Path, str] | None = None,
+    rewind_to: str | None = None,
     mix: dict[str, Any] | None = None,
 ) -> None:
     """Rank 0 saves the resolved config and the filled DeepSpeed config (one line names the file: the
     whole config on the console drowned what the run says), moves cut-off saves aside
-    and, when resuming from an older step (a rewind), the newer checkpoints; every rank waits. A
+    and, when resuming from an older step `rewind_to` (a rewind), the newer checkpoints; every rank
+    waits. A
     `mix` (`TrainingData.mix_record`) is written below the config as comments (`mix_note`)."""
     if is_main:
         folder.output_dir.mkdir(parents=True, exist_ok=True)
@@ -454,8 +402,8 @@ def write_run_files(
         )  # fmt: skip
         folder.ckpt_root.mkdir(parents=True, exist_ok=True)
         ckpt.set_aside_incomplete(folder.ckpt_root)
-        if resume_from is not None:  # a rewind is a branch: the abandoned line is kept aside
-            ckpt.abandon_newer(folder.ckpt_root, resume_from[1])
+        if rewind_to is not None:  # resuming: a rewind is a branch, the abandoned line kept aside
+            ckpt.abandon_newer(folder.ckpt_root, rewind_to)
     dist.barrier()
 
 

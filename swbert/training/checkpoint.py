@@ -465,79 +465,6 @@ def verify(tag_dir: Path) -> list[str]:
     return sorted(name for part in gathered for name in part)
 
 
-class CheckpointDamaged(ValueError):
-    """A checkpoint named explicitly (--resume PATH/step_N) is incomplete or fails its hashes."""
-
-
-def _resume_newest(ckpt_root: Path, flag: str) -> tuple[Path, str] | None:
-    """The newest complete checkpoint under `ckpt_root`, saying so when `latest` names another."""
-    tag = newest_complete(ckpt_root)
-    pointed = read_latest(ckpt_root)
-    if tag is not None and pointed != tag:
-        why = (
-            "is missing" if not (ckpt_root / LATEST).exists() else f"names {pointed or 'no valid checkpoint'}"
-        )
-        log.warning(
-            "%s %s; resuming from the newest complete checkpoint, %s (%s)", ckpt_root / LATEST, why, tag, flag
-        )
-    return (ckpt_root, tag) if tag else None
-
-
-def resolve_resume(resume: str, ckpt_root: Path) -> tuple[Path, str] | None:
-    """(load_dir, tag) for --resume none|auto|PATH; None when starting fresh.
-
-    auto and a checkpoints/ folder resume its newest complete checkpoint (`latest` is only a
-    convenience); a step folder named explicitly must be complete, else a one-line error."""
-    if resume == "none":
-        return None
-    if resume == "auto":
-        return _resume_newest(ckpt_root, "--resume auto")
-    path = Path(resume)
-    if path.is_dir() and (path / LATEST_UNIVERSAL).is_file():  # a converted (universal) folder
-        tag = read_latest(path, LATEST_UNIVERSAL)
-        if tag is None:
-            raise FileNotFoundError(f"--resume {resume}: its '{LATEST_UNIVERSAL}' names a missing checkpoint")
-        return path, tag
-    if path.is_dir() and TAG_RE.match(path.name):
-        if not is_universal(path) and not is_complete(path):
-            newest = newest_complete(path.parent)
-            raise CheckpointDamaged(
-                f"--resume {resume}: this checkpoint is incomplete (its save did not finish, or a file "
-                f"listed in {COMPLETE} is missing or has another size); resume from "
-                + (f"{path.parent / newest}, the newest complete one" if newest else "another checkpoint")
-                + ", or --resume auto"
-            )
-        return path.parent, path.name
-    if path.is_dir() and ((path / LATEST).is_file() or checkpoint_tags(path)):  # a checkpoints/ folder
-        found = _resume_newest(path, f"--resume {resume}")
-        if found is None:
-            raise FileNotFoundError(f"--resume {resume}: holds no complete checkpoint")
-        return found
-    raise FileNotFoundError(
-        f"--resume {resume}: not a checkpoint (expected a checkpoints/ folder with 'latest' or a step_* folder)"
-    )
-
-
-def agree_on_resume(
-    choice: tuple[Path, str] | None, visible: Callable[[Path], bool] = Path.is_dir
-) -> tuple[Path, str] | None:
-    """Rank 0's checkpoint to resume from, on every rank (collective). Each rank checks that it can
-    see that folder; if any cannot, every rank raises, naming those ranks and their hosts."""
-    decision = [choice]
-    dist.broadcast_object_list(decision, src=0)
-    chosen = decision[0]
-    ok = chosen is None or visible(chosen[0] / chosen[1])
-    seen: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, (dist.get_rank(), socket.gethostname(), ok))
-    blind = [f"rank {r} on {host}" for r, host, can_see in seen if not can_see]
-    if blind:
-        raise RuntimeError(
-            f"{', '.join(blind)} cannot see checkpoint {chosen[0] / chosen[1]}, which rank 0 resumes from: "
-            "the output folder must be on a file system every node shares"
-        )
-    return chosen
-
-
 def check_compatible(
     tag_dir: Path, meta: dict[str, Any], allow: list[str] | tuple[str, ...] = ()
 ) -> list[str]:
@@ -661,10 +588,7 @@ def _check_run_settings(
             f"resuming {tag_dir} would change what exact resume depends on ({what}). Run with the "
             f"checkpoint's settings, or pass --allow-resume-change {','.join(refused)} to change them on purpose"
         )
-    allowed = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items() if k not in layout]
-    for change in allowed:
-        log.warning("resume changes %s (--allow-resume-change)", change)
-    return allowed
+    return [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items() if k not in layout]
 
 
 def load(engine, load_dir: Path, tag: str) -> dict[str, Any]:

@@ -45,7 +45,7 @@ RESUME_CHANGEABLE = (
     "max_predictions_per_seq",
     "global_batch_size",
     "precision",
-    *OPTIMIZER_SETTINGS,  # applied to the restored optimizer and schedule (trainer._maybe_resume)
+    *OPTIMIZER_SETTINGS,  # applied to the restored optimizer and schedule (Trainer._apply_optimizer_settings)
 )
 
 

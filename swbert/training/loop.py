@@ -21,7 +21,6 @@ from swbert.runtime.exits import PREEMPTED_EXIT
 from swbert.runtime.monitor import memory_gib
 from swbert.training import checkpoint as ckpt
 from swbert.training.faults import kill_point
-from swbert.training.metrics import MetricsWriteError
 
 if TYPE_CHECKING:
     from swbert.training.trainer import Trainer
@@ -83,131 +82,136 @@ class Window:
 
 
 class Loop:
-    """The training loop of one `Trainer`; `run` returns the run's status and its last complete
-    checkpoint."""
+    """The training loop of one `Trainer` (after its `setup`); `run` returns the run's status and its
+    last complete checkpoint. It reads the trainer's frozen `Run` and its `state`, and acts through
+    the trainer's public methods only (tests/project/test_architecture.py holds it to that)."""
 
     def __init__(self, trainer: Trainer) -> None:
-        self.t = trainer
-        self.window = Window(Counts.zeros(trainer.device))
+        run = trainer.run
+        assert run is not None, "Loop(trainer) after trainer.setup()"
+        self.trainer = trainer
+        self.window = Window(Counts.zeros(run.device))
         self.skipped_in_a_row = 0
         self.first_logged: dict[str, Any] | None = None  # for the closing summary: did the loss fall?
         self.last_logged: dict[str, Any] | None = None
         self.totals = {"data_wait_s": 0.0, "step_s": 0.0}  # over the whole run, for the summary
         self.bar = None
-        if trainer.is_main and trainer.config.progress_bar:
+        if run.is_main and run.config.progress_bar:
             from tqdm import tqdm
 
             self.bar = tqdm(
-                total=trainer.total_steps,
-                initial=trainer.step,
-                desc=f"pretrain {trainer.run_name}",
+                total=run.total_steps,
+                initial=trainer.state.step,
+                desc=f"pretrain {run.run_name}",
                 unit="step",
                 dynamic_ncols=True,
                 file=sys.stdout,
             )
 
+    @property
+    def step(self) -> int:
+        return self.trainer.state.step
+
     def run(self) -> tuple[str, Path | None]:
-        t, cfg = self.t, self.t.config
+        t, r = self.trainer, self.trainer.run
+        cfg = r.config
         last_saved, save_pending = None, False
-        while t.step < t.total_steps:
+        while self.step < r.total_steps:
             result = t.train_step()
             self.account(result)
             if self.bar is not None:
                 self.bar.update(1)
-            if t.step % cfg.log_interval == 0 or t.step == t.total_steps:
+            if self.step % cfg.log_interval == 0 or self.step == r.total_steps:
                 self.log_window()
-            if t.step % cfg.save_interval == 0 or save_pending:
+            if self.step % cfg.save_interval == 0 or save_pending:
                 # never checkpoint in the middle of a run of skipped steps: wait for a good one
                 save_pending = not result.applied
                 if result.applied:
                     started = time.perf_counter()
                     last_saved = t.save()
                     self.window.paused += time.perf_counter() - started
-            kill_point("after_step", t.step, t.dims.rank)
+            kill_point("after_step", self.step, r.dims.rank)
             if result.stop:
-                last_saved = t._checkpoint_now(last_saved)
+                last_saved = t.checkpoint_now(last_saved)
                 status.info(
                     "pre-empted: checkpoint saved at step %d (exit status %d); to continue, run the same "
-                    "command with --resume auto", t.step, PREEMPTED_EXIT,
+                    "command with --resume auto", self.step, PREEMPTED_EXIT,
                 )  # fmt: skip
                 return "KILLED", last_saved
-        return "FINISHED", t._checkpoint_now(last_saved)
+        return "FINISHED", t.checkpoint_now(last_saved)
 
     def account(self, result: StepResult) -> None:
-        """Add a step to the window; a skipped step counts only as skipped."""
-        t, w = self.t, self.window
+        """Add a step to the window; a skipped step counts only as skipped (the trainer counts it in
+        `state.skipped_total`; the loop counts the ones in a row, and stops after too many)."""
+        r, w = self.trainer.run, self.window
         w.steps += 1
-        w.data_wait += t.data_wait
-        t.data_wait = 0.0
+        w.data_wait += self.trainer.take_data_wait()
         if result.applied:
             w.counts += result.counts
             self.skipped_in_a_row = 0
             return
         w.skipped += 1
-        t.skipped_total += 1
         self.skipped_in_a_row += 1
-        if t.is_main:
+        if r.is_main:
             log.warning(
-                "step %d skipped: non-finite loss or gradients (%d in a row)", t.step, self.skipped_in_a_row
+                "step %d skipped: non-finite loss or gradients (%d in a row)",
+                self.step,
+                self.skipped_in_a_row,
             )
-        if self.skipped_in_a_row >= t.config.max_nonfinite_steps:
+        if self.skipped_in_a_row >= r.config.max_nonfinite_steps:
             raise NonFiniteStop(
-                f"stopping at step {t.step}: {self.skipped_in_a_row} steps in a row had a non-finite loss "
-                f"or gradients. The last good checkpoint is {ckpt.newest_complete(t.ckpt_root) or 'none'} "
-                f"in {t.ckpt_root}; lower --lr, check the data, or raise --max-nonfinite-steps"
+                f"stopping at step {self.step}: {self.skipped_in_a_row} steps in a row had a non-finite loss "
+                f"or gradients. The last good checkpoint is {ckpt.newest_complete(r.ckpt_root) or 'none'} "
+                f"in {r.ckpt_root}; lower --lr, check the data, or raise --max-nonfinite-steps"
             )
 
     def record(self) -> dict[str, Any]:
         """The logged record of the window (counts summed over the data-parallel ranks and the
         gradient norm, read together: the one host sync of a logging step besides the step's own)."""
-        t, w = self.t, self.window
-        grad_norm = t.engine.get_global_grad_norm()  # a device tensor under ZeRO, a float or None otherwise
+        t, r, w = self.trainer, self.trainer.run, self.window
+        grad_norm = t.grad_norm()  # a device tensor under ZeRO, a float or None otherwise
         on_device = grad_norm if isinstance(grad_norm, torch.Tensor) else None
-        loss_sum, predicted, correct, *read = t._all_reduce(w.counts, also=on_device)
+        loss_sum, predicted, correct, *read = t.reduce_counts(w.counts, also=on_device)
         if read:
             grad_norm = read[0]
         seconds = w.seconds
-        tokens_per_s = t.tokens_per_step * w.steps / seconds
-        tflops = tokens_per_s * t.train_flops_per_token / t.dims.world / 1e12
+        tokens_per_s = r.tokens_per_step * w.steps / seconds
+        tflops = tokens_per_s * r.train_flops_per_token / r.dims.world / 1e12
         record = {
             "loss": loss_sum / predicted if predicted else float("nan"),
             "mlm_acc": correct / predicted if predicted else float("nan"),
-            "lr": t.scheduler.get_last_lr()[0],
+            "lr": t.lr(),
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "skipped_steps": w.skipped,
-            "skipped_total": t.skipped_total,
+            "skipped_total": t.state.skipped_total,
             "tokens_per_s": tokens_per_s,
-            "samples_per_s": tokens_per_s / t.config.seq_len,
+            "samples_per_s": tokens_per_s / r.config.seq_len,
             "tflops_per_device": tflops,
-            "tokens_seen": t.step * t.tokens_per_step,
+            "tokens_seen": self.step * r.tokens_per_step,
             "data_wait_s": w.data_wait,
             "step_s": seconds,
             **memory_gib(),
         }
-        if t.peak_tflops:
-            record["mfu"] = tflops / t.peak_tflops
+        if r.peak_tflops:
+            record["mfu"] = tflops / r.peak_tflops
         self.totals["data_wait_s"] += w.data_wait
         self.totals["step_s"] += seconds
         return record
 
     def log_window(self) -> None:
-        t = self.t
+        t, r = self.trainer, self.trainer.run
         record = self.record()
-        if t.step % t.config.eval_interval == 0 or t.step == t.total_steps:
+        if self.step % r.config.eval_interval == 0 or self.step == r.total_steps:
             record.update(t.evaluate())  # before the next window starts: not counted as training time
-        if t.metrics is not None:
-            try:
-                t.metrics.log(t.step, record)
-            except MetricsWriteError as err:  # every rank stops at the next agreement (`Trainer._agree`)
-                t.write_failure = str(err)
+        t.log_metrics(record)
         if math.isfinite(record["loss"]):
-            self.last_logged = {"step": t.step, **record}
+            self.last_logged = {"step": self.step, **record}
             self.first_logged = self.first_logged or self.last_logged
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        elif t.is_main:  # without the bar (logs, batch jobs), a line per logged step says it trains
-            status.info(window_line(t.step, t.total_steps, record))
-        self.window = Window(Counts.zeros(t.device))
+        elif r.is_main:  # without the bar (logs, batch jobs), a line per logged step says it trains
+            status.info(window_line(self.step, r.total_steps, record))
+        self.window = Window(Counts.zeros(r.device))
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.totals)

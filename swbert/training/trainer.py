@@ -5,7 +5,8 @@ megatron-core tensor parallelism. Exact resume: the data position, every rank's 
 optimizer/scheduler state are in each checkpoint, and masks are keyed by the global sample
 position, so a resumed run repeats an uninterrupted one step for step.
 
-`Trainer.setup` is the sequence of `swbert.training.build` steps; `Trainer.run` is the loop.
+`Trainer.setup` is the sequence of `swbert.training.build` steps and returns the frozen `Run`;
+`Trainer.train` runs the loop (`swbert.training.loop`) and the end.
 """
 
 from __future__ import annotations
@@ -25,133 +26,145 @@ import torch.distributed as dist
 
 from swbert.data.mix import metric_name
 from swbert.logs import setup_logging, status
+from swbert.models import SWBertConfig
 from swbert.models.flops import masked_lm_flops
 from swbert.models.modeling import IGNORE_INDEX
 from swbert.runtime.dist import lost_ranks_named, stop_watching
 from swbert.runtime.monitor import device_peak_tflops
 from swbert.runtime.optim import apply_hyperparameters, schedule_change
+from swbert.runtime.ranks import ParallelDims
 from swbert.runtime.run_tokenizer import keep_in_run
 from swbert.training import build
 from swbert.training import checkpoint as ckpt
 from swbert.training.config import TrainConfig
+from swbert.training.data import TrainingData
 from swbert.training.faults import kill_point, nonfinite_faults
 from swbert.training.loop import Counts, Loop, StepResult
 from swbert.training.metrics import MetricsWriteError
+from swbert.training.resume import resolve_resume
+from swbert.training.state import Run, TrainState
 from swbert.training.stopping import acknowledge_at_once, acknowledgement
 
 log = logging.getLogger("swbert.train")
 
 
 class Trainer:
+    """One pretraining run: `setup` builds the frozen `Run`, `train` runs the loop and the end.
+
+    The trainer owns the run's progress (`state`, a `TrainState`: what checkpoints save and load)
+    and does one step, one evaluation or one save at a time; `swbert.training.loop.Loop` decides
+    when, through the public methods below."""
+
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
+        self.run: Run | None = None  # set by `setup`
+        self.state = TrainState()
         self.stop_signal: str | None = None
-        self.acknowledged = False  # whether a thread acknowledges stop signals (`setup`)
-        self.write_failure: str | None = None  # rank 0: metrics.jsonl could not be written
-        self.folder: build.RunFolder | None = None
-        self.faults = nonfinite_faults()  # a test hook: NaN/inf losses at these steps
-        self.data_wait = 0.0  # seconds the loop waited for batches, since the last read
-        self.batches: Any = None  # the training loader (swbert.data.loader.BatchLoader)
+        self._acknowledged = False  # whether a thread acknowledges stop signals (`setup`)
+        self._write_failure: str | None = None  # rank 0: metrics.jsonl could not be written
+        self._faults = nonfinite_faults()  # a test hook: NaN/inf losses at these steps
+        self._data_wait = 0.0  # seconds the loop waited for batches, since the last read
+        self._batches: Any = None  # the training loader (swbert.data.loader.BatchLoader)
 
     # ---- set-up -------------------------------------------------------------------------------
-    def setup(self) -> None:
-        cfg = self.config
+    def setup(self) -> Run:
+        """Build the run (`swbert.training.build`'s steps, in order) and restore a resumed
+        checkpoint; returns the `Run`, also kept as `self.run`. A refused start leaves the run
+        folder free."""
         # first: a SLURM time limit or torchrun shutdown during set-up (a long resume load, the
         # process group's rendezvous) is a pre-emption too, not a death by the default action;
         # the first step sees the flag on every rank and checkpoints
         for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         # said at once, even amid a long step (the handler itself runs only when the step yields)
-        self.acknowledged = acknowledge_at_once((signal.SIGUSR1, signal.SIGTERM))
-        self.folder = folder = build.open_run_folder(cfg)
-        self.output_dir, self.run_name, self.ckpt_root = folder.output_dir, folder.run_name, folder.ckpt_root
-        plan = self.plan = build.plan_run(cfg)
-        self.precision, self.ds_config = plan.precision, plan.ds_config
-        self.micro_bs, self.accum = plan.batch.micro_batch, plan.batch.accum
-        self.data = build.build_data(cfg)
-        self.total_steps = build.total_steps(cfg)
-        self.model_config = build.build_model_config(cfg, self.data)
-        self.meta = build.run_record(cfg, self.data, self.model_config, plan)
-        self.resume_from, self.resume_changes = build.choose_resume(cfg, self.ckpt_root, self.meta)
+        self._acknowledged = acknowledge_at_once((signal.SIGUSR1, signal.SIGTERM))
+        folder = build.open_run_folder(self.config)
+        try:
+            self.run = self._build(folder)
+            self._restore()  # last: it restores the RNG streams, so nothing after it may draw from them
+        except BaseException:
+            build.release(folder)
+            raise
+        return self.run
+
+    def _build(self, folder: build.RunFolder) -> Run:
+        cfg = self.config
+        plan = build.plan_run(cfg)
+        data = build.build_data(cfg)
+        model_config = build.build_model_config(cfg, data)
+        record = build.run_record(cfg, data, model_config, plan)
+        # each rank alone: an incompatible checkpoint is refused here, before any process group
+        resolve_resume(cfg, folder.ckpt_root, record)
         # rank 0 copies the tokenizer files into <output_dir>/tokenizer; checkpoints name it relative to the run
-        self.meta["tokenizer_dir"] = keep_in_run(
-            self.data.tokenizer_dir, self.output_dir, self.plan.dims.is_main
-        )
+        record["tokenizer_dir"] = keep_in_run(data.tokenizer_dir, folder.output_dir, plan.dims.is_main)
 
-        self.dims, mpu = build.build_layout(cfg, plan)  # the process group starts here
-        self.is_main = self.dims.is_main
-        build.check_shards(self.data, self.output_dir)  # before any batch is read
-        # every rank resumes from what rank 0 chose, and says so if it cannot see it
-        self.resume_from = ckpt.agree_on_resume(self.resume_from)
-        # every file of it against its recorded hash, before anything loads
-        self.resume_from, self.resume_changes = build.verify_resume(
-            cfg, self.ckpt_root, self.meta, self.resume_from, self.resume_changes
-        )
-        if self.resume_from is not None and ckpt.is_universal(self.resume_from[0] / self.resume_from[1]):
-            # converted to resume at another tensor/data-parallel size
-            self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
-        self.device = torch.device("cuda", self.dims.local_rank) if plan.on_gpu else torch.device("cpu")
-        model, applied = build.build_model(cfg, self.model_config, self.dims, plan)
-        self.engine, self.scheduler, self.guard = build.build_engine(
-            cfg, model, plan, self.ds_config, mpu, self.total_steps
-        )
-        self.step, self.samples_consumed, self.skipped_total = 0, 0, 0
-        self.tokens_per_step = cfg.global_batch_size * cfg.seq_len
-        # the head and the last layer run on P positions per sequence (padding included)
-        predicted = self.data.max_predictions_per_seq / cfg.seq_len
-        flops = masked_lm_flops(self.model_config, cfg.seq_len, predicted, model.last_layer_on_labels)
-        self.train_flops_per_token = flops.training
-        self.peak_tflops = device_peak_tflops() if self.precision in ("bf16", "fp16") else None
+        dims, mpu = build.build_layout(cfg, plan)  # the process group starts here
+        build.check_shards(data, folder.output_dir)  # before any batch is read
+        # collective: every rank resumes from what rank 0 chose, its files checked against their hashes
+        resume = resolve_resume(cfg, folder.ckpt_root, record)
+        if resume is not None and resume.universal:  # converted to resume at another TP/DP size
+            plan.ds_config.setdefault("checkpoint", {})["load_universal"] = True
+        model, applied = build.build_model(cfg, model_config, dims, plan)
+        steps = build.total_steps(cfg)
+        engine, scheduler, guard = build.build_engine(cfg, model, plan, plan.ds_config, mpu, steps)
+        mix = record.get("data_mix")
+        build.write_run_files(cfg, folder, plan.ds_config, dims.is_main, resume and resume.tag, mix)
+        metrics = build.build_tracking(cfg, folder, dims, plan, model_config, applied, mix)
+        return Run(
+            config=cfg, folder=folder, plan=plan, data=data, model_config=model_config, record=record,
+            resume=resume, dims=dims, device=_device(plan, dims), engine=engine, scheduler=scheduler,
+            guard=guard, metrics=metrics, total_steps=steps,
+            train_flops_per_token=_training_flops(cfg, data, model_config, model.last_layer_on_labels),
+            peak_tflops=device_peak_tflops() if plan.precision in ("bf16", "fp16") else None,
+        )  # fmt: skip
 
-        mix = self.meta.get("data_mix")
-        build.write_run_files(cfg, folder, self.ds_config, self.is_main, self.resume_from, mix)
-        self.metrics = build.build_tracking(cfg, folder, self.dims, plan, self.model_config, applied, mix)
-        if self.metrics is not None and self.resume_changes:  # deliberate changes, kept with the run
-            self.metrics.tag(f"resume_change.{self.resume_from[1]}", "; ".join(self.resume_changes))
-        self._maybe_resume()  # last: it restores the RNG streams, so nothing after it may draw from them
-
-    def _maybe_resume(self) -> None:
-        if self.resume_from is None:
+    def _restore(self) -> None:
+        """Load the checkpoint the run resumes from: model, optimizer, schedule, RNG and `state`."""
+        run = self.run
+        if run.resume is None:
             return
-        load_dir, tag = self.resume_from
-        state = ckpt.load(self.engine, load_dir, tag)
-        self.step, self.samples_consumed = state["step"], state["samples_consumed"]
-        self.skipped_total = state.get("skipped_total", 0)  # saved since checkpoint format 2
-        status.info("resumed from %s at step %d", load_dir / tag, self.step)
-        self._apply_optimizer_settings(tag)
-        self._say_schedule_change(load_dir / tag)
+        self.state = TrainState.from_dict(ckpt.load(run.engine, run.resume.load_dir, run.resume.tag))
+        status.info("resumed from %s at step %d", run.resume.tag_dir, self.state.step)
+        for change in run.resume.changes if run.is_main else ():
+            log.warning("resume changes %s (--allow-resume-change)", change)
+        if run.metrics is not None and run.resume.changes:  # deliberate changes, kept with the run
+            run.metrics.tag(f"resume_change.{run.resume.tag}", "; ".join(run.resume.changes))
+        self._apply_optimizer_settings(run.resume.tag)
+        self._say_schedule_change(run.resume.tag_dir)
 
     def _say_schedule_change(self, tag_dir: Path) -> None:
         """A resume with another run length follows the new LR schedule from the checkpoint's step:
         said (the LR can jump: a finished linear run had decayed to min_lr) and tagged in MLflow.
         Checkpoints that do not record their length (saved before it was) say nothing."""
+        run = self.run
         saved = json.loads((tag_dir / ckpt.META).read_text()).get("train_steps")
-        if saved is None or saved == self.total_steps:
+        if saved is None or saved == run.total_steps:
             return
         cfg = self.config
+        floor = cfg.min_lr / cfg.lr
         note = schedule_change(
-            saved, self.total_steps, self.step, cfg.lr, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr / cfg.lr
+            saved, run.total_steps, self.state.step, cfg.lr, cfg.warmup_steps, cfg.lr_schedule, floor
         )
-        if self.is_main:
+        if run.is_main:
             log.warning("resume changes the run's length: %s", note)
-        if self.metrics is not None:
-            self.metrics.tag(f"resume_schedule.{tag_dir.name}", note)
+        if run.metrics is not None:
+            run.metrics.tag(f"resume_schedule.{tag_dir.name}", note)
 
     def _apply_optimizer_settings(self, tag: str) -> None:
         """The config's optimizer settings, in effect from the first resumed step: the checkpoint
         restored the saved ones. A change was refused at start unless --allow-resume-change named
         it (checkpoints that record them); it is logged and tagged in MLflow."""
-        cfg = self.config
+        cfg, run = self.config, self.run
         betas = (cfg.adam_beta1, cfg.adam_beta2)
         changes = apply_hyperparameters(
-            self.engine.optimizer, self.scheduler, cfg.lr, cfg.weight_decay, betas, cfg.adam_eps
+            run.engine.optimizer, run.scheduler, cfg.lr, cfg.weight_decay, betas, cfg.adam_eps
         )
         if not changes:
             return
-        if self.is_main:
+        if run.is_main:
             log.warning("resume applies %s to the restored optimizer", "; ".join(changes))
-        if self.metrics is not None:
-            self.metrics.tag(f"resume_applied.{tag}", "; ".join(changes))
+        if run.metrics is not None:
+            run.metrics.tag(f"resume_applied.{tag}", "; ".join(changes))
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         """Checkpoint at the end of this step and stop (every rank agrees on it at the step's end).
@@ -165,7 +178,7 @@ class Trainer:
                 b"Ctrl-C: checkpointing at the end of this step, then stopping "
                 b"(Ctrl-C again stops at once, without that checkpoint)\n",
             )
-        elif not self.acknowledged:
+        elif not self._acknowledged:
             os.write(2, acknowledgement(signum).encode())
         self.stop_signal = self.stop_signal or signal.Signals(signum).name
 
@@ -173,38 +186,45 @@ class Trainer:
     def _batch(
         self, samples_before: int, eval_split: bool = False, source: int = 0
     ) -> dict[str, torch.Tensor]:
-        d = self.dims
+        run = self.run
+        d = run.dims
         return self._to_device(
-            self.data.batch(samples_before, self.micro_bs, d.dp_rank, d.dp_size, eval_split, source)
+            run.data.batch(samples_before, run.micro_batch, d.dp_rank, d.dp_size, eval_split, source)
         )
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors the step reads, copied to the device (asynchronously from pinned memory); the
         (B, S) `labels` stay behind: the static path reads `mlm_labels`."""
         keys = ("input_ids", "attention_mask", "mlm_positions", "mlm_labels", "cu_seqlens")
-        moved = {k: batch[k].to(self.device, non_blocking=True) for k in keys if k in batch}
+        moved = {k: batch[k].to(self.run.device, non_blocking=True) for k in keys if k in batch}
         if "max_seqlen" in batch:  # with cu_seqlens (--document-attention): a host int, read on the host
             moved["max_seqlen"] = int(batch["max_seqlen"])
         return moved
 
     def _next_batch(self) -> dict[str, torch.Tensor]:
         """The next training micro-batch of this rank, from the loader's workers; the time the step
-        loop waits for it is counted (`data_wait_s`)."""
-        if self.batches is None:  # started lazily: after a resume has set the stream position
-            self.batches = build.build_batches(
-                self.config, self.data, self.dims, self.samples_consumed, self.plan.on_gpu
+        loop waits for it is counted (`take_data_wait`)."""
+        run = self.run
+        if self._batches is None:  # started lazily: after a resume has set the stream position
+            self._batches = build.build_batches(
+                self.config, run.data, run.dims, self.state.samples_consumed, run.plan.on_gpu
             )
         started = time.perf_counter()
-        batch = next(self.batches)
-        self.data_wait += time.perf_counter() - started
-        self.samples_consumed += self.micro_bs * self.dims.dp_size
+        batch = next(self._batches)
+        self._data_wait += time.perf_counter() - started
+        self.state.samples_consumed += run.micro_batch * run.dims.dp_size
         return self._to_device(batch)
+
+    def take_data_wait(self) -> float:
+        """Seconds the steps waited for batches since the last call."""
+        waited, self._data_wait = self._data_wait, 0.0
+        return waited
 
     def close_batches(self) -> None:
         """Stop the loader's workers."""
-        if self.batches is not None:
-            self.batches.close()
-            self.batches = None
+        if self._batches is not None:
+            self._batches.close()
+            self._batches = None
 
     def forward_and_count(
         self, batch: dict[str, torch.Tensor], poison: float | None = None
@@ -214,84 +234,107 @@ class Trainer:
         inputs = {k: v for k, v in batch.items() if k != "mlm_labels"}
         inputs["mlm_targets"] = batch["mlm_labels"]  # static shapes: P predictions per sequence
         target = batch["mlm_labels"].reshape(-1)  # (B * P,), IGNORE_INDEX in the padding
-        out = self.engine(**inputs)
+        out = self.run.engine(**inputs)
         loss = out.loss if poison is None else out.loss * poison
         labelled = target != IGNORE_INDEX
         n = labelled.sum().double()
         correct = torch.zeros((), dtype=torch.float64, device=n.device)
-        if out.logits.shape[-1] == self.model_config.vocab_size:  # not a vocabulary shard (TP)
+        if out.logits.shape[-1] == self.run.model_config.vocab_size:  # not a vocabulary shard (TP)
             correct = ((out.logits.detach().argmax(-1) == target) & labelled).sum().double()
         return loss, Counts(loss.detach().double() * n, n, correct)
 
     def train_step(self) -> StepResult:
-        """One optimizer step of `accum` micro-batches.
+        """One optimizer step of `accum` micro-batches; a skipped one counts in `state.skipped_total`.
 
         A non-finite loss on any rank turns that rank's gradients to NaN (the backward runs on
         loss x NaN), so every ZeRO stage's own check skips the step on every rank; without ZeRO, the
         trainer's guard does (`build.skip_when_flagged`). The flags are agreed in one all-reduce,
         swbert's only host sync in the step (DeepSpeed's own, and why they stay: docs/performance.md,
         "Host syncs per step"; tests/training/test_host_syncs.py holds the count)."""
-        counts, bad = Counts.zeros(self.device), torch.zeros((), dtype=torch.bool, device=self.device)
-        poison = self.faults.value_at(self.step + 1, self.dims.rank)
-        self.engine.train()
-        for micro in range(self.accum):
+        run, state = self.run, self.state
+        engine, device = run.engine, run.device
+        counts, bad = Counts.zeros(device), torch.zeros((), dtype=torch.bool, device=device)
+        poison = self._faults.value_at(state.step + 1, run.dims.rank)
+        engine.train()
+        for micro in range(run.accum):
             loss, micro_counts = self.forward_and_count(self._next_batch(), poison)
             counts += micro_counts
             finite = torch.isfinite(loss.detach())
             bad |= ~finite
-            self.engine.backward(loss * torch.where(finite, 1.0, float("nan")))  # x1.0 is exact
-            kill_point("in_step", self.step + 1, self.dims.rank)  # a drill: die amid the step
-            if micro == self.accum - 1:  # the gradients are complete (and reduced, without ZeRO)
+            engine.backward(loss * torch.where(finite, 1.0, float("nan")))  # x1.0 is exact
+            kill_point("in_step", state.step + 1, run.dims.rank)  # a drill: die amid the step
+            if micro == run.accum - 1:  # the gradients are complete (and reduced, without ZeRO)
                 stop, nonfinite = self._agree(bad)
-            self.engine.step()
-        self.step += 1
-        applied = self.engine.was_step_applied()
+            engine.step()
+        state.step += 1
+        applied = engine.was_step_applied()
         if nonfinite and applied:
             raise RuntimeError(
-                f"step {self.step}: a non-finite loss or gradient was found but DeepSpeed applied the update; "
+                f"step {state.step}: a non-finite loss or gradient was found but DeepSpeed applied the update; "
                 "this build of DeepSpeed skips no such step at this ZeRO stage: report it with the ds_config.json"
             )
+        if not applied:
+            state.skipped_total += 1
         return StepResult(counts, applied, stop)
 
     def _agree(self, loss_bad: torch.Tensor) -> tuple[bool, bool]:
         """Over every rank: is a stop signal pending, and is the step's loss or gradient non-finite?"""
-        grads_bad = torch.zeros((), device=self.device)
-        if self.guard is not None:  # without ZeRO the gradients are whole (and reduced) here
-            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        run = self.run
+        grads_bad = torch.zeros((), device=run.device)
+        if run.guard is not None:  # without ZeRO the gradients are whole (and reduced) here
+            grads = [p.grad for p in run.engine.module.parameters() if p.grad is not None]
             grads_bad = (~torch.isfinite(torch.nn.utils.get_total_norm(grads))).float()
         # torch.full, not torch.tensor: a tensor built from host data is copied to the device, and on
         # a GPU that copy waits for every kernel queued before it (a second sync in the step)
-        stop = torch.full((), 1.0 if self.stop_signal else 0.0, device=self.device)
-        failed = torch.full((), 1.0 if self.write_failure else 0.0, device=self.device)
-        flags = torch.stack([stop, loss_bad.float(), grads_bad.to(self.device), failed])
+        stop = torch.full((), 1.0 if self.stop_signal else 0.0, device=run.device)
+        failed = torch.full((), 1.0 if self._write_failure else 0.0, device=run.device)
+        flags = torch.stack([stop, loss_bad.float(), grads_bad.to(run.device), failed])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stop_any, loss_any, grads_any, failed_any = (v > 0 for v in flags.tolist())
         if failed_any:
-            message = [self.write_failure]
+            message = [self._write_failure]
             dist.broadcast_object_list(message, src=0)  # rank 0 writes metrics.jsonl
             self._raise_write_failure(message[0])
-        if self.guard is not None:
-            self.guard.overflow = loss_any or grads_any
+        if run.guard is not None:
+            run.guard.overflow = loss_any or grads_any
         return stop_any, loss_any or grads_any
 
     def _raise_write_failure(self, message: str) -> None:
         """Every rank raises rank 0's message (a full disk between saves) at the same point, before
         an update or the last checkpoint, instead of rank 0 dying alone and the others naming it
         as lost."""
-        newest = ckpt.newest_complete(self.ckpt_root)
+        newest = ckpt.newest_complete(self.run.ckpt_root)
         raise MetricsWriteError(
-            f"stopping after step {self.step} on every rank: {message}. Free space there, then "
+            f"stopping after step {self.state.step} on every rank: {message}. Free space there, then "
             f"restart with --resume auto: it continues from {newest or 'step 0'}"
         )
 
-    def _all_reduce(self, counts: Counts, also: torch.Tensor | None = None) -> list[float]:
+    def reduce_counts(self, counts: Counts, also: torch.Tensor | None = None) -> list[float]:
         """Counts summed over the data-parallel ranks, read on the host (log intervals only) in one
         read together with `also` (a device scalar the same on every rank, e.g. the gradient norm)."""
         t = torch.stack([counts.loss_sum, counts.predicted, counts.correct])
-        dist.all_reduce(t, group=self.dims.dp_group)
+        dist.all_reduce(t, group=self.run.dims.dp_group)
         if also is not None:
             t = torch.cat([t, also.detach().reshape(1).to(t)])
         return t.tolist()
+
+    def grad_norm(self) -> torch.Tensor | float | None:
+        """The last step's gradient norm: a device tensor under ZeRO, a float or None otherwise."""
+        return self.run.engine.get_global_grad_norm()
+
+    def lr(self) -> float:
+        """The learning rate of the next step."""
+        return self.run.scheduler.get_last_lr()[0]
+
+    def log_metrics(self, record: dict[str, Any]) -> None:
+        """Log a step's record (rank 0: metrics.jsonl, MLflow). A write that fails stops every rank
+        at the next step's agreement (`_agree`), instead of rank 0 alone."""
+        if self.run.metrics is None:
+            return
+        try:
+            self.run.metrics.log(self.state.step, record)
+        except MetricsWriteError as err:
+            self._write_failure = str(err)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -302,16 +345,17 @@ class Trainer:
         reports each (`val_loss/<folder>`, `val_mlm_acc/<folder>`); the overall `val_loss` and
         `val_mlm_acc` are the means over the folders weighted by the mix (ours: the loss of the
         distribution the run trains on), renormalised over the folders that have a split."""
-        if not self.data.has_valid or self.config.eval_batches == 0:
+        if self.config.eval_batches == 0 or not self.run.data.has_valid:
             return {}
-        self.engine.eval()
-        per_folder = {k: self._evaluate_folder(k) for k in self.data.valid_sources()}
+        data = self.run.data
+        self.run.engine.eval()
+        per_folder = {k: self._evaluate_folder(k) for k in data.valid_sources()}
         out: dict[str, float] = {}
-        if self.data.mixed:
+        if data.mixed:
             for k, (loss, acc) in per_folder.items():
-                name = metric_name(self.data.names[k])
+                name = metric_name(data.names[k])
                 out[f"val_loss/{name}"], out[f"val_mlm_acc/{name}"] = loss, acc
-        weights = {k: float(self.data.sources[k].weight) for k in per_folder}
+        weights = {k: float(data.sources[k].weight) for k in per_folder}
         total = sum(weights.values())
         loss = sum(weights[k] * per_folder[k][0] for k in per_folder) / total
         acc = sum(weights[k] * per_folder[k][1] for k in per_folder) / total
@@ -319,49 +363,43 @@ class Trainer:
 
     def _evaluate_folder(self, source: int) -> tuple[float, float]:
         """(loss, accuracy) over `eval_batches` micro-batches of folder `source`'s validation split."""
-        counts = Counts.zeros(self.device)
+        run = self.run
+        counts = Counts.zeros(run.device)
         for i in range(self.config.eval_batches):
             counts += self.forward_and_count(
-                self._batch(i * self.micro_bs * self.dims.dp_size, True, source)
+                self._batch(i * run.micro_batch * run.dims.dp_size, True, source)
             )[1]
-        loss_sum, predicted, correct = self._all_reduce(counts)
+        loss_sum, predicted, correct = self.reduce_counts(counts)
         return loss_sum / max(predicted, 1), correct / max(predicted, 1)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self) -> Path:
-        client_state = {
-            "step": self.step,
-            "samples_consumed": self.samples_consumed,
-            "sampler": self.data.sampler_state(self.samples_consumed),
-            "tokens_seen": self.step * self.tokens_per_step,
-            "skipped_total": self.skipped_total,
-        }
-        meta = {**self.meta, "step": self.step}
-        if self.data.mixed:  # the epochs each folder went through, recorded with the mix
-            meta["data_position"] = client_state["sampler"]
+        """Checkpoint this step (collective): the engine's states, every rank's RNG and `state`."""
+        run = self.run
+        saved = self.state.at_save(run.data, run.tokens_per_step)
+        meta = {**run.record, "step": saved.step}
+        if run.data.mixed:  # the epochs each folder went through, recorded with the mix
+            meta["data_position"] = saved.sampler
         return ckpt.save(
-            self.engine, self.ckpt_root, self.step, client_state, meta, self.config.keep_checkpoints
+            run.engine, run.ckpt_root, saved.step, saved.to_dict(), meta, self.config.keep_checkpoints
         )
 
-    def _checkpoint_now(self, last_saved: Path | None) -> Path:
+    def checkpoint_now(self, last_saved: Path | None) -> Path:
         """A complete checkpoint of the current step: the one already on disk (a finished run that
         is resumed again, or a save this run just made) is never rewritten. Rank 0 decides."""
-        tag_dir = self.ckpt_root / ckpt.tag_for(self.step)
+        run = self.run
+        tag_dir = run.ckpt_root / ckpt.tag_for(self.state.step)
         # with it, a failed write of the last logged step, which had no next step to agree in
-        decision = [last_saved == tag_dir or (self.is_main and ckpt.is_complete(tag_dir)), self.write_failure]
+        decision = [last_saved == tag_dir or (run.is_main and ckpt.is_complete(tag_dir)), self._write_failure]
         dist.broadcast_object_list(decision, src=0)
         if decision[1]:
             self._raise_write_failure(decision[1])
         return tag_dir if decision[0] else self.save()
 
     # ---- the loop -----------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
-        try:
-            self.setup()
-        except BaseException:
-            if self.folder is not None:  # a refused start leaves the folder free
-                build.release(self.folder)
-            raise
+    def train(self) -> dict[str, Any]:
+        """Set up, run the loop, and at the end export and close; returns the run's summary."""
+        run = self.setup()
         loop = Loop(self)
         status_, last_saved = "FAILED", None
         try:
@@ -371,19 +409,19 @@ class Trainer:
             loop.close()
             self.close_batches()
             if status_ != "FINISHED":
-                build.release(self.folder)
-                if self.metrics is not None:
-                    self.metrics.close(status_)
+                build.release(run.folder)
+                if run.metrics is not None:
+                    run.metrics.close(status_)
         summary = {
-            "step": self.step,
-            "output_dir": str(self.output_dir),
+            "step": self.state.step,
+            "output_dir": str(run.output_dir),
             "status": status_,
-            "is_main": self.is_main,  # rank 0 prints the closing summary
+            "is_main": run.is_main,  # rank 0 prints the closing summary
             **loop.summary(),
         }
         if status_ == "FINISHED":
             summary.update(self._finish(last_saved))
-            build.release(self.folder)
+            build.release(run.folder)
         return summary
 
     # ---- the end ------------------------------------------------------------------------------
@@ -393,7 +431,7 @@ class Trainer:
         the same step saved by the same save (the marker's hash), not a namesake a rewind abandoned."""
         from swbert.training.export import export
 
-        final = self.output_dir / "export"
+        final = self.run.output_dir / "export"
         marker = tag_dir / ckpt.COMPLETE
         source = {"checkpoint": tag_dir.name, "marker": ckpt.file_hash(marker) if marker.is_file() else None}
         stamp = final / "swbert_export.json"
@@ -403,12 +441,14 @@ class Trainer:
                 return final
         except (OSError, ValueError):
             pass  # missing, or from an export that did not finish: write it again
-        staging, old = self.output_dir / ".export.tmp", self.output_dir / ".export.old"
+        staging, old = self.run.output_dir / ".export.tmp", self.run.output_dir / ".export.old"
         for leftover in (staging, old):
             shutil.rmtree(leftover, ignore_errors=True)
         export(tag_dir, staging)
         (staging / stamp.name).write_text(json.dumps(source))
-        kill_point("in_export", self.step, self.dims.rank)  # a drill: the new folder written, not in place
+        kill_point(
+            "in_export", self.state.step, self.run.dims.rank
+        )  # a drill: the new folder written, not in place
         if final.exists():
             os.replace(final, old)
         os.replace(staging, final)
@@ -418,19 +458,33 @@ class Trainer:
     def _finish(self, last_saved: Path | None) -> dict[str, Any]:
         """Export the final weights to a Hugging Face folder and close the MLflow run (rank 0)."""
         out: dict[str, Any] = {}
-        if self.is_main and self.config.export and last_saved is not None:
+        metrics = self.run.metrics
+        if self.run.is_main and self.config.export and last_saved is not None:
             export_dir = self._export(last_saved)
             out["export_dir"] = str(export_dir)
-            if self.metrics is not None:
+            if metrics is not None:
                 # an MLflow model (runs:/<run id>/model, for mlflow.pyfunc.load_model) that holds the
                 # folder itself, under model/artifacts/
-                self.metrics.log_model(export_dir)
-        if self.metrics is not None:
-            self.metrics.close("FINISHED")
-            if self.metrics.mlflow is not None:
-                out["mlflow_uri"] = self.metrics.mlflow.uri
+                metrics.log_model(export_dir)
+        if metrics is not None:
+            metrics.close("FINISHED")
+            if metrics.mlflow is not None:
+                out["mlflow_uri"] = metrics.mlflow.uri
         dist.barrier()
         return out
+
+
+def _device(plan: build.RunPlan, dims: ParallelDims) -> torch.device:
+    return torch.device("cuda", dims.local_rank) if plan.on_gpu else torch.device("cpu")
+
+
+def _training_flops(
+    cfg: TrainConfig, data: TrainingData, model_config: SWBertConfig, last_layer_on_labels: bool
+) -> float:
+    """Training FLOPs per token: the head and the last layer run on P positions per sequence
+    (padding included)."""
+    predicted = data.max_predictions_per_seq / cfg.seq_len
+    return masked_lm_flops(model_config, cfg.seq_len, predicted, last_layer_on_labels).training
 
 
 def run(config: TrainConfig) -> dict[str, Any]:
@@ -439,7 +493,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
     trainer = Trainer(config)
     try:
         with lost_ranks_named():  # a collective failed by a dead or hung rank names that rank
-            return trainer.run()
+            return trainer.train()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

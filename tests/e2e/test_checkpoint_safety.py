@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from swbert.training import checkpoint as ckpt
+from swbert.training.resume import agree_on_resume, find_checkpoint
 from tests.launch_utils import (
     Forked,
     job_env,
@@ -47,7 +48,7 @@ def test_resume_trusts_the_markers_not_latest(tmp_path, pointer, caplog):
     if pointer is not None:
         (root / "latest").write_text(pointer)
     with caplog.at_level(logging.WARNING):
-        assert ckpt.resolve_resume("auto", root) == (root, "step_00000012")
+        assert find_checkpoint("auto", root) == (root, "step_00000012")
     assert "resuming from the newest complete checkpoint, step_00000012" in caplog.text
     assert ckpt.set_aside_incomplete(root) == []  # nothing moved, nothing deleted
     assert ckpt.checkpoint_tags(root) == ["step_00000004", "step_00000008", "step_00000012"]
@@ -343,12 +344,12 @@ def _agree_on_resume(tmp: str) -> None:
 
     root, rank = Path(tmp), dist.get_rank()
     local = (root, "step_00000012") if rank == 0 else None  # rank 1 read a stale view: nothing to resume
-    assert ckpt.agree_on_resume(local) == (root, "step_00000012")
+    assert agree_on_resume(local) == (root, "step_00000012")
     with pytest.raises(
         RuntimeError, match=r"rank 1 on \S+ cannot see checkpoint .*step_00000012.*every node shares"
     ):
-        ckpt.agree_on_resume(local, visible=lambda path: rank != 1)  # a node without the shared folder
-    assert ckpt.agree_on_resume(None) is None
+        agree_on_resume(local, visible=lambda path: rank != 1)  # a node without the shared folder
+    assert agree_on_resume(None) is None
 
 
 def test_every_rank_resumes_what_rank_0_chose_or_all_fail_naming_the_blind_rank(tmp_path):

@@ -149,7 +149,9 @@ def test_build_steps_run_alone_before_any_process_group(data_dir, tmp_path, monk
         assert model_config.vocab_size == data.vocab_size and model_config.attention_type == "shared"
         record = build.run_record(cfg, data, model_config, plan)
         assert record["run"]["global_batch_size"] == 8 and record["run"]["data_parallel"] == 1
-        assert build.choose_resume(cfg, folder.ckpt_root, record) == (None, [])
+        from swbert.training.resume import resolve_resume
+
+        assert resolve_resume(cfg, folder.ckpt_root, record) is None
         assert build.total_steps(cfg) == 20
         assert build.total_steps(dataclasses.replace(cfg, train_tokens=8 * 64 * 3 + 1)) == 4
     finally:

@@ -127,7 +127,7 @@ def main() -> None:
         steps[step_of_calls[0]] = list(calls)
         calls.clear()
 
-    train_step, checkpoint_now = trainer.train_step, trainer._checkpoint_now
+    train_step, checkpoint_now = trainer.train_step, trainer.checkpoint_now
 
     def counted_step():
         close_step()
@@ -140,16 +140,17 @@ def main() -> None:
         return checkpoint_now(*args, **kwargs)
 
     trainer.train_step = counted_step
-    trainer._checkpoint_now = counted_checkpoint_now
+    trainer.checkpoint_now = counted_checkpoint_now
     setup = trainer.setup
 
     def counted_setup():
-        setup()
+        run = setup()
         install()  # after set-up: only the steps are counted
         calls.clear()
+        return run
 
     trainer.setup = counted_setup
-    summary = trainer.run()
+    summary = trainer.train()
     assert summary["status"] == "FINISHED", summary
     out.mkdir(parents=True, exist_ok=True)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ["RANK"])

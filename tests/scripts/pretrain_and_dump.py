@@ -16,15 +16,15 @@ dump_path = argv[i + 1]
 del argv[i : i + 2]
 setup_logging()
 trainer = Trainer(parse_args(argv))
-summary = trainer.run()
+summary = trainer.train()
 assert summary["status"] == "FINISHED", summary
 if "export_dir" in summary:
     print(closing_summary(summary), flush=True)
 torch.manual_seed(0)
-input_ids = torch.randint(5, trainer.model_config.vocab_size, (2, 16))
-trainer.engine.eval()
+input_ids = torch.randint(5, trainer.run.model_config.vocab_size, (2, 16))
+trainer.run.engine.eval()
 with torch.no_grad():
-    logits = trainer.engine(input_ids=input_ids).logits.float()  # collective under ZeRO-3
+    logits = trainer.run.engine(input_ids=input_ids).logits.float()  # collective under ZeRO-3
 if torch.distributed.get_rank() == 0:
     torch.save({"input_ids": input_ids, "logits": logits}, dump_path)
 torch.distributed.barrier()

@@ -30,8 +30,8 @@ from tests.launch_utils import job_env, launch
 
 STEPS, LOG_EVERY = 6, 3
 SWBERT = Counter({"tolist@_agree": 1})
-LOGGED = Counter({"tolist@_all_reduce<-record": 1})
-EVALUATED = Counter({"tolist@_all_reduce<-_evaluate_folder": 1})  # one per data folder
+LOGGED = Counter({"tolist@reduce_counts<-record": 1})
+EVALUATED = Counter({"tolist@reduce_counts<-_evaluate_folder": 1})  # one per data folder
 DEEPSPEED = {
     # ZeRO-1 in bf16 (DeepSpeedZeroOptimizer, as ZeRO-2) measures the same
     2: Counter(
@@ -60,7 +60,7 @@ def _owner(stack: list[str]) -> tuple[str, str] | None:
     who = frames[0].split("/", 1)[0]
     assert who in ("swbert", "deepspeed"), f"a sync from outside swbert and DeepSpeed: {stack}"
     name, caller = frames[0].rsplit(":", 1)[1], frames[1].rsplit(":", 1)[1]
-    return who, f"{name}<-{caller}" if who == "deepspeed" or name == "_all_reduce" else name
+    return who, f"{name}<-{caller}" if who == "deepspeed" or name == "reduce_counts" else name
 
 
 def _count(calls: list[dict]) -> dict[str, Counter]:

@@ -14,6 +14,7 @@ import torch
 import xxhash
 
 from swbert.training import checkpoint as ckpt
+from swbert.training.resume import CheckpointDamaged, Resume, find_checkpoint, resolve_resume
 from tests.launch_utils import launch
 
 # ---- hashes -----------------------------------------------------------------------------------
@@ -56,21 +57,23 @@ def test_the_marker_records_every_files_hash_and_a_same_size_flip_is_named(tmp_p
 def _verify_resume(tmp: str) -> None:
     import torch.distributed as dist
 
-    from swbert.training.build import verify_resume
     from swbert.training.config import TrainConfig
 
     root = Path(tmp) / "checkpoints"
     record = {"model": {}}
-    chosen = verify_resume(TrainConfig(resume="auto"), root, record, (root, "step_00000008"), [])
-    assert chosen == ((root, "step_00000004"), [])
+    assert resolve_resume(TrainConfig(resume="auto"), root, record) == Resume(root, "step_00000004")
     dist.barrier()
     explicit = str(Path(tmp) / "explicit" / "step_00000008")
-    with pytest.raises(ckpt.CheckpointDamaged) as err:
-        verify_resume(
-            TrainConfig(resume=explicit), root, record, (Path(explicit).parent, "step_00000008"), []
-        )
+    with pytest.raises(CheckpointDamaged) as err:
+        resolve_resume(TrainConfig(resume=explicit), root, record)
     assert "\n" not in str(err.value) and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in str(err.value)
     assert "--resume auto" in str(err.value)
+    # a checkpoints/ folder whose only checkpoint is damaged: set aside, then nothing left to name;
+    # rank 0's error is every rank's (the others used to wait for its choice until the timeout)
+    lone = Path(tmp) / "lone"
+    with pytest.raises(FileNotFoundError, match="not a checkpoint"):
+        resolve_resume(TrainConfig(resume=str(lone)), root, record)
+    assert (lone / "damaged" / "step_00000008").is_dir()
 
 
 def test_a_damaged_checkpoint_falls_back_to_the_previous_one_and_is_kept_aside(tmp_path):
@@ -83,6 +86,7 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one_and_is_kept_aside(t
     fake_checkpoint(root, 4)
     flip_byte(fake_checkpoint(root, 8) / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     shutil.copytree(root / "step_00000008", tmp_path / "explicit" / "step_00000008")
+    shutil.copytree(root / "step_00000008", tmp_path / "lone" / "step_00000008")
     run_ranks(_verify_resume, 2, str(tmp_path))
     assert ckpt.checkpoint_tags(root) == ["step_00000004"]
     assert (root / "damaged" / "step_00000008" / "rng_rank00000.pt").is_file()
@@ -100,12 +104,12 @@ def test_the_folder_form_resumes_the_newest_complete_one_and_says_so(tmp_path, c
         fake_checkpoint(root, step)
     (root / "latest").write_text("step_00000004")
     with caplog.at_level(logging.WARNING):
-        assert ckpt.resolve_resume(str(root), root) == (root, "step_00000008")
+        assert find_checkpoint(str(root), root) == (root, "step_00000008")
     assert "names step_00000004; resuming from the newest complete checkpoint, step_00000008" in caplog.text
     cut = fake_checkpoint(root, 12)
     (cut / "rng_rank00000.pt").write_bytes(b"")  # cut short after its marker
-    with pytest.raises(ckpt.CheckpointDamaged) as err:
-        ckpt.resolve_resume(str(cut), root)
+    with pytest.raises(CheckpointDamaged) as err:
+        find_checkpoint(str(cut), root)
     assert "\n" not in str(err.value) and f"resume from {root / 'step_00000008'}" in str(err.value)
     assert isinstance(err.value, ValueError)  # the launcher's one line, exit 2
 
@@ -125,7 +129,7 @@ def test_a_rewind_moves_the_newer_line_aside_and_pruning_keeps_the_rewind_point(
     assert (
         ckpt.checkpoint_tags(root) == ["step_00000004"] and (root / "latest").read_text() == "step_00000004"
     )
-    assert ckpt.resolve_resume("auto", root) == (root, "step_00000004")  # the rewound line
+    assert find_checkpoint("auto", root) == (root, "step_00000004")  # the rewound line
     fake_checkpoint(root, 6)
     ckpt.prune(root, keep=2)
     assert ckpt.checkpoint_tags(root) == ["step_00000004", "step_00000006"]
