@@ -124,37 +124,25 @@ class TrainingData:
         self.max_predictions_per_seq = self.collator.max_predictions(seq_len)  # P, resolved and checked
         self.seed = seed
         self.schedule = MixSchedule(window_counts([s.weight for s in self.sources]))
-        self._train: MaskedStream | MixedStream = MaskedStream(
-            self.train,
-            self.collator,
-            seed,
-            shuffle=True,
-            stream_seed=seed,
-            document_attention=document_attention,
+        self._train, self._valid = self._streams(seed, document_attention)
+
+    def _streams(
+        self, seed: int, document_attention: bool
+    ) -> tuple[MaskedStream | MixedStream, dict[int, MaskedStream]]:
+        """The training stream (one folder's, or the mix's) and each folder's validation stream in
+        order, masked by another stream than training's."""
+        streams = dict(collator=self.collator, seed=seed, document_attention=document_attention)
+        train: MaskedStream | MixedStream = MaskedStream(
+            self.train, shuffle=True, stream_seed=seed, **streams
         )
         if self.mixed:
-            trains = [s.train for s in self.sources]
-            self._train = MixedStream(
-                trains,
-                self.schedule,
-                self.collator,
-                seed,
-                stream_seed=seed,
-                document_attention=document_attention,
-            )
-        # each folder's validation split in order, masked by another stream than training's
-        self._valid = {
-            k: MaskedStream(
-                s.valid,
-                self.collator,
-                seed,
-                shuffle=False,
-                stream_seed=seed + VALID_STREAM_OFFSET,
-                document_attention=document_attention,
-            )
+            train = MixedStream([s.train for s in self.sources], self.schedule, stream_seed=seed, **streams)
+        valid = {
+            k: MaskedStream(s.valid, shuffle=False, stream_seed=seed + VALID_STREAM_OFFSET, **streams)
             for k, s in enumerate(self.sources)
             if s.valid is not None
         }
+        return train, valid
 
     @property
     def has_valid(self) -> bool:
