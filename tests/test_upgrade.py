@@ -6,6 +6,7 @@ spellings of a switch and of the fault variables: accepted as documented, or ref
 from __future__ import annotations
 
 import json
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -68,6 +69,10 @@ def test_every_old_form_is_refused_in_one_line_naming_the_upgrade(tmp_path):
     meta = json.loads((root / TAG / ckpt.META).read_text())
     with pytest.raises(OutdatedCheckpoint, match=command):
         tokenizer_for_export(root / TAG, meta)
+    cut = root / "step_00000006"  # an old save cut off before its meta file: set aside, not upgraded
+    cut.mkdir()
+    shutil.copy(root / TAG / "rng_rank00000.pt", cut)
+    assert outdated(cut) == []
 
 
 def test_the_upgrade_rewrites_each_form_once_and_keeps_the_original(tmp_path, capsys):

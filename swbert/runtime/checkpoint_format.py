@@ -149,12 +149,15 @@ def separate_projections(tag_dir: Path, meta: dict | None) -> list[str]:
 
 def outdated(tag_dir: Path) -> list[str]:
     """What in a checkpoint folder is in a form an older swbert wrote ([]: today's format). Reads
-    the meta file and the pickles' bytes only (nothing is unpickled)."""
+    the meta file and the pickles' bytes only (nothing is unpickled). A folder without a meta file
+    is a save cut off (of any version): set aside by the trainer, not upgraded."""
     meta = read_meta(tag_dir)
+    if meta is None:
+        return []
     found = []
-    if meta is not None and "checkpoint_format" not in meta and not (tag_dir / COMPLETE).is_file():
+    if "checkpoint_format" not in meta and not (tag_dir / COMPLETE).is_file():
         found.append("checkpoint format 1, without a completeness marker")
-    tokenizer = (meta or {}).get("tokenizer_dir")
+    tokenizer = meta.get("tokenizer_dir")
     if isinstance(tokenizer, str) and Path(tokenizer).is_absolute():
         found.append(f"the tokenizer named by an absolute path, {tokenizer}")
     if any(NUMPY_GLOBAL.search(pickle_bytes(f)) for f in sorted(tag_dir.glob("rng_rank*.pt"))):
