@@ -8,6 +8,7 @@ step folder in an old form is rewritten; one line per folder says what changed. 
 naming this command):
 
     checkpoint format 1     no completeness marker: the marker is written, with every file's hash
+                            (and the client state's count of skipped steps, 0: format 1 kept none)
     absolute tokenizer      the meta named the data folder's tokenizer by an absolute path: its
                             tokenizer files (the recorded sha256 checked) are copied into
                             <run>/tokenizer and the meta names that, relative to the run; a path that
@@ -116,10 +117,19 @@ def rewrite(staged: Path, run: Path, tokenizer: Path | None) -> list[str]:
     for key, value in MODEL_FIELDS.items():  # what a checkpoint that did not record them was made with
         meta["model_config"].setdefault(key, value)
     if "checkpoint_format" not in meta and not (staged / COMPLETE).is_file():
-        changes.append("format 1 -> 2: completeness marker written")
+        _count_skipped_steps(staged)
+        changes.append("format 1 -> 2: skipped-step count and completeness marker written")
     (staged / COMPLETE).unlink(missing_ok=True)  # rewritten below: the files and hashes changed
     mark_complete(staged, int(meta.get("step", 0)), meta)
     return changes
+
+
+def _count_skipped_steps(tag_dir: Path) -> None:
+    """Format 2's client state counts the steps skipped for non-finite losses; format 1 did not."""
+    for path in sorted(tag_dir.glob("*model_states.pt")):
+        state = load(path, map_location="cpu")
+        if "skipped_total" not in state:
+            torch.save({**state, "skipped_total": 0}, path)
 
 
 def _rng_as_tensors(tag_dir: Path) -> bool:

@@ -110,6 +110,7 @@ def test_the_upgrade_rewrites_each_form_once_and_keeps_the_original(tmp_path, ca
     merged = merged_state_dict(tag_dir, config)
     assert merged.keys() == {k for k, v in packed.items() if isinstance(v, torch.Tensor)}
     assert all(torch.equal(merged[k], packed[k].float()) for k in merged)
+    assert load(tag_dir / "mp_rank_00_model_states.pt")["skipped_total"] == 0  # kept since format 2
     ckpt.set_rng_state(ckpt.load_rng_state(tag_dir / "rng_rank00000.pt"))
     assert meta["tokenizer_dir"] == "tokenizer" and meta["checkpoint_format"] == 2
     assert tokenizer_for_export(tag_dir, meta) == (run / "tokenizer").resolve()
