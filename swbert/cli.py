@@ -85,6 +85,11 @@ def _base(tp: Any) -> Any:
     return tp
 
 
+def is_switch(tp: Any) -> bool:
+    """Whether a field is an on/off switch with more settings (e.g. `compile`: auto, on, off)."""
+    return {"on", "off"} <= set(literal_choices(tp))
+
+
 def parse_value(name: str, raw: Any, tp: Any, split: bool = True) -> Any:
     """A command-line string (or a recipe value) as the field's type; lists take a list of strings,
     and (unless `split` is false: a field of file names, `metadata={"commas": False}`) a
@@ -92,10 +97,10 @@ def parse_value(name: str, raw: Any, tp: Any, split: bool = True) -> Any:
     optional = get_origin(tp) in (Union, types.UnionType) and type(None) in get_args(tp)
     if isinstance(raw, str) and optional and raw.lower() in ("none", "null"):
         return None
-    if {"on", "off"} <= set(literal_choices(tp)) and str(raw).lower() in ("true", "false"):
-        # a switch with more than two settings: YAML reads an unquoted on/off as a boolean, and
-        # true/false on the command line mean the same
-        return "on" if str(raw).lower() == "true" else "off"
+    if is_switch(tp) and str(raw).lower() in _BOOL_WORDS:
+        # a switch with more than two settings: YAML reads an unquoted on/off as a boolean, and the
+        # spellings of a boolean (what such a switch was before it had `auto`) mean the same
+        return "on" if str(raw).lower() in ("true", "1", "yes") else "off"
     base = _base(tp)
     if get_origin(base) is list:
         item = get_args(base)[0]
@@ -234,6 +239,11 @@ def _display(cls: type, name: str) -> str:
 _BOOL_WORDS = ("true", "false", "1", "0", "yes", "no")
 
 
+def _is_flag(tp: Any) -> bool:
+    """A field a bare `--flag` sets on and `--no-flag` off: a boolean, or an on/off switch."""
+    return _base(tp) is bool or is_switch(tp)
+
+
 def split_overrides(cls: type, argv: Sequence[str]) -> dict[str, Any]:
     """`--key value` pairs (a list field takes every value up to the next `--key`) and positional
     values -> {field: raw}. With positional fields, any other field takes one value (a boolean one
@@ -263,8 +273,8 @@ def split_overrides(cls: type, argv: Sequence[str]) -> dict[str, Any]:
         key, eq, inline = token[2:].partition("=")
         name = names.get(key.replace("-", "_"))
         negated = names.get(key.replace("-", "_").removeprefix("no_")) if key.startswith("no") else None
-        if name is None and negated is not None and _base(hints[negated]) is bool and not eq:
-            out[negated] = "false"  # --no-measure: a boolean field set to false
+        if name is None and negated is not None and _is_flag(hints[negated]) and not eq:
+            out[negated] = "false"  # --no-measure: a boolean field (or an on/off switch) set to false
             i += 1
             continue
         if name is None:
@@ -279,7 +289,7 @@ def split_overrides(cls: type, argv: Sequence[str]) -> dict[str, Any]:
             values.append(argv[i])
             i += 1
         if not values:
-            if _base(hints[name]) is not bool:
+            if not _is_flag(hints[name]):
                 raise ValueError(f"{_flag(key)} needs a value")
             values = ["true"]
         elif len(values) > 1 and not is_list:

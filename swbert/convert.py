@@ -25,11 +25,17 @@ from swbert.models import (
     SWBertForSequenceClassification,
     SWBertModel,
 )
-from swbert.models.attention import StandardAttention, attention_class, attention_types, unpack_state_dict
+from swbert.models.attention import (
+    StandardAttention,
+    attention_class,
+    attention_types,
+    pack_state_dict,
+    unpack_state_dict,
+)
 from swbert.runtime.run_tokenizer import copy_tokenizer
 
 # (transformers name, swbert name) for every parameter, the attention's those of `StandardAttention`
-# in their separate form (q_proj, k_proj, v_proj), which its load hook packs into `in_proj`.
+# in their separate form (q_proj, k_proj, v_proj), packed into `in_proj` (`fused_projections`).
 _RENAMES: list[tuple[str, str]] = [
     (r"embeddings\.LayerNorm\.", r"embeddings.norm."),
     (r"encoder\.layer\.(\d+)\.attention\.self\.query\.", r"encoder.layers.\1.attn.q_proj."),
@@ -129,7 +135,8 @@ def from_hf_bert(hf_model: nn.Module, vocab_size: int | None = None) -> nn.Modul
             f"no swbert equivalent for {type(hf_model).__name__}; supported: {[p[0].__name__ for p in _PAIRS]}"
         )
     model = target(config_from_hf(hf_model.config))
-    _load(model, _rename(hf_model.state_dict(), _RENAMES), type(hf_model).__name__)
+    state = fused_projections(_rename(hf_model.state_dict(), _RENAMES), model.config)
+    _load(model, state, type(hf_model).__name__)
     return model
 
 
@@ -154,6 +161,16 @@ def to_hf_bert(model: nn.Module) -> nn.Module:
     _load(hf_model, _rename(separate_projections(model), _INVERSE), type(model).__name__)
     hf_model.tie_weights()
     return hf_model
+
+
+def fused_projections(state: dict, config: SWBertConfig) -> dict:
+    """In place: the inverse of `separate_projections` (BERT's query, key and value -> `in_proj`)."""
+    packed = attention_class(config.attention_type).packed
+    suffixes = tuple(f".{part}.weight" for parts in packed.values() for part in parts)
+    prefixes = {k[: k.rindex(".", 0, k.rindex("."))] + "." for k in state if k.endswith(suffixes)}
+    for prefix in prefixes:
+        pack_state_dict(state, prefix, packed, config.head_dim)
+    return state
 
 
 def separate_projections(model: nn.Module) -> dict:

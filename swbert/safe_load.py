@@ -3,8 +3,9 @@
 A pickle can name any callable to run while it is read (`__reduce__`): a checkpoint or export
 copied from elsewhere, or tampered with on a shared file system, would run its code in every rank
 that loads it. Every load in swbert therefore uses `torch.load(..., weights_only=True)`, which
-reads tensors, containers and plain values only, plus the few DeepSpeed and NumPy types a DeepSpeed
-checkpoint holds (`ALLOWED`). DeepSpeed's own loads (`engine.load_checkpoint`, zero_to_fp32, the
+reads tensors, containers and plain values only, plus the few DeepSpeed types a DeepSpeed checkpoint
+holds (`_allowed`): no NumPy type (swbert's own files hold tensors; an older swbert's RNG files with
+NumPy arrays are rewritten once by `python -m swbert.upgrade`). DeepSpeed's own loads (`engine.load_checkpoint`, zero_to_fp32, the
 universal conversion) pass `weights_only=False`; `weights_only_loads()` overrides that while they run.
 
 A refused file raises `UnsafeCheckpointError`: one line naming the file and what it holds.
@@ -19,31 +20,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 
 def _allowed() -> list[Any]:
-    """The non-tensor types DeepSpeed checkpoints and swbert's RNG files hold (seen in ZeRO 0-3 and
-    universal checkpoints, fp32 and bf16): nothing in them runs code when rebuilt."""
+    """The non-tensor types DeepSpeed checkpoints hold (seen in ZeRO 0-3 and universal checkpoints,
+    fp32 and bf16): nothing in them runs code when rebuilt."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    numpy_core = getattr(np, "_core", None) or np.core  # renamed in NumPy 2
-    return [
-        LossScaler,
-        DynamicLossScaler,
-        ZeroStageEnum,
-        fragment_address,
-        np.ndarray,
-        np.dtype,
-        type(np.dtype(np.uint32)),
-        type(np.dtype(np.float32)),
-        type(np.dtype(np.int64)),
-        numpy_core.multiarray._reconstruct,
-        numpy_core.multiarray.scalar,
-    ]
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 class UnsafeCheckpointError(ValueError):

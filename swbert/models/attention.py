@@ -14,9 +14,8 @@ Projections that read the same input are one GEMM: standard's Wq, Wk, Wv are one
 symmetric's and pairwise's Wq, Wv one (2d x d) matrix (`in_proj`), as Megatron and NVIDIA's BERT do.
 Its rows are head-interleaved, (H, parts, Dh): head h's rows of Wq, then of Wk, then of Wv, then
 head h+1's. So a split by contiguous rows is a split by heads (tensor parallelism needs nothing
-new), and the separate matrices are a reshape away (`pack_heads` / `unpack_heads`). State dicts
-with the separate projections (q_proj, k_proj, v_proj: saved before the fusion, or converted from
-BERT) load unchanged: a load hook packs them (`SelfAttention.packed`).
+new), and the separate matrices are a reshape away (`pack_heads` / `unpack_heads`): Hugging Face
+folders and BERT's weights hold them separately (`swbert.models.hf_weights`, `swbert.convert`).
 
 One path for every device: PyTorch's own ops, the fused `scaled_dot_product_attention` kernel.
 Device-specific kernels are swapped in from outside (`swbert.runtime.cpu`), never chosen here.
@@ -150,9 +149,8 @@ class SelfAttention(nn.Module):
     # heads only. `tp_plan()` adds the common output projection.
     qkv_plan: ClassVar[Mapping[str, Split]] = {}
     # Fused projections: attribute -> the separate projections (attribute names) it packs, in row
-    # order, head-interleaved (`pack_heads`). A state dict holding the separate ones loads: a
-    # load_state_dict pre-hook packs them, so checkpoints saved before the fusion keep their meaning.
-    # Hugging Face folders store the separate form (swbert.models.hf_weights).
+    # order, head-interleaved (`pack_heads`). Hugging Face folders store the separate form
+    # (swbert.models.hf_weights); checkpoints hold the fused one.
     packed: ClassVar[Mapping[str, tuple[str, ...]]] = {}
     # Activation bytes per token per layer kept for backward, in units of d at 16 bits (Korthikanti
     # et al., 2022; see swbert.scaling.memory): 34 for attention that keeps Q, K and V apart (6 of
@@ -170,8 +168,6 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.kernel = KERNELS[config.attention_kernel](config.attention_probs_dropout_prob)
         self.out_proj = OutProjection(config.hidden_size, config.hidden_size)
-        if self.packed:
-            self.register_load_state_dict_pre_hook(_pack_separate_projections)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The queries, keys and values the kernel reads, each (B, H, S, Dh). A variant may compute
@@ -272,12 +268,6 @@ def unpack_state_dict(
             if key in state:
                 for part, t in zip(parts, unpack_heads(state.pop(key), len(parts), head_dim)):
                     state[f"{prefix}{part}.{kind}"] = t
-
-
-def _pack_separate_projections(module: SelfAttention, state: dict, prefix: str, *_: object) -> None:
-    # Under tensor parallelism each separate projection holds this rank's heads: packing those gives
-    # this rank's rows of the fused matrix, since the fused rows are ordered by heads.
-    pack_state_dict(state, prefix, module.packed, module.head_dim)
 
 
 _REGISTRY: dict[str, type[SelfAttention]] = {}

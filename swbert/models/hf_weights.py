@@ -2,9 +2,10 @@
 
 In memory (and in DeepSpeed checkpoints) a variant's projections that read the same input are one
 head-interleaved matrix (`SelfAttention.packed`, e.g. standard's `in_proj` = Wq, Wk, Wv). A
-`model.safetensors` written by `save_pretrained` stores them as the separate matrices instead, the
-form folders had before the fusion: so folders saved by any swbert version load in any other, and
-their tensors are BERT's query/key/value under swbert's names.
+`model.safetensors` written by `save_pretrained` stores them as the separate matrices instead: the
+one documented on-disk form of an exported folder, whose tensors are BERT's query/key/value under
+swbert's names (an interchange format, not a compatibility path: the fused matrix is a layout of
+our kernels, the separate ones are what the paper and BERT write).
 
 transformers 5 loads and saves through its weight-conversion mapping (not through
 `load_state_dict` hooks), so the packing is registered there for the `swbert` model type: on load

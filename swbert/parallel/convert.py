@@ -3,7 +3,6 @@
 python -m swbert.parallel.convert universal CKPT_DIR OUT_DIR [--tag T] [--config config.json]
     Any TP / DP size and ZeRO stage -> a universal checkpoint, with optimizer state, that resumes at
     any tensor- and data-parallel size (DeepSpeed config: "checkpoint": {"load_universal": true}).
-    A checkpoint saved before the attention projections were fused comes out in today's layout.
 python -m swbert.parallel.convert hf CKPT_DIR OUT_DIR [--tag T] [--config config.json] [--tokenizer DIR]
     A TP=k checkpoint (any ZeRO stage, or a universal one) -> a merged Hugging Face folder, the
     export's: with the model code, a README.md and the run's tokenizer (or --tokenizer DIR).
@@ -11,7 +10,8 @@ python -m swbert.parallel.convert reshard CKPT_DIR OUT_DIR --tensor-parallel K [
     Weights only, for a checkpoint saved without swbert's client state: TP=k -> TP=K DeepSpeed
     files; load with engine.load_checkpoint(OUT_DIR, load_module_only=True).
 
-CKPT_DIR is the folder given to `engine.save_checkpoint`; the tag defaults to its `latest`.
+CKPT_DIR is the folder given to `engine.save_checkpoint`; the tag defaults to its `latest`. A
+checkpoint an older swbert wrote is refused, naming `python -m swbert.upgrade`, which rewrites it.
 The model config comes from the checkpoint's swbert_meta.json or `--config`. Every file is
 read with weights_only=True (swbert.safe_load, DeepSpeed's converter included): nothing pickled runs.
 """
@@ -33,7 +33,6 @@ from deepspeed.checkpoint import constants as ds_ckpt
 
 from swbert import cli
 from swbert.models import SWBertConfig, SWBertForMaskedLM
-from swbert.models.attention import attention_class, pack_heads
 from swbert.parallel.checkpoint import (
     CONFIG_KEY,
     merge_state_dicts,
@@ -42,7 +41,7 @@ from swbert.parallel.checkpoint import (
     shard_state_dict,
     universal_checkpoint_info,
 )
-from swbert.runtime.checkpoint_format import COMPLETE, LATEST, META
+from swbert.runtime.checkpoint_format import COMPLETE, LATEST, META, OutdatedCheckpoint, require_current
 from swbert.safe_load import UnsafeCheckpointError, load, weights_only_loads
 
 log = logging.getLogger("swbert.convert")
@@ -76,14 +75,12 @@ def merged_state_dict(tag_dir: str | Path, config: SWBertConfig) -> dict[str, to
     """
     tag_dir = Path(tag_dir)
     if (tag_dir / "zero").is_dir():  # universal: full fp32 tensors, one folder per parameter
-        # the folders' names, not the model's: one saved before the fused attention projections holds
-        # the separate ones, which loading packs (SelfAttention.packed)
         folders = sorted(p for p in (tag_dir / "zero").iterdir() if (p / "fp32.pt").is_file())
         return {p.name: _load(p / "fp32.pt")[ds_ckpt.PARAM] for p in folders}
     shards = [_load(f)["module"] for f in model_state_files(tag_dir.parent, tag_dir.name)]
     if any(t.numel() == 0 for t in shards[0].values() if isinstance(t, torch.Tensor)):  # ZeRO-3 placeholders
         with tempfile.TemporaryDirectory() as tmp:
-            to_universal(tag_dir.parent, tmp, tag_dir.name, config)
+            universal_files(tag_dir.parent, tmp, tag_dir.name, config)
             return merged_state_dict(Path(tmp) / tag_dir.name, config)
     return merge_state_dicts(shards, config)
 
@@ -111,6 +108,7 @@ def to_hf(
     from swbert.runtime.run_tokenizer import copy_tokenizer, tokenizer_for_export
 
     tag = resolve_tag(ckpt_dir, tag)
+    require_current(Path(ckpt_dir) / tag)
     state, config = full_state_dict(ckpt_dir, tag, config)
     model = SWBertForMaskedLM(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -138,9 +136,18 @@ def to_universal(
     The parameter layout comes from the checkpoint when DeepSpeed's `universal_checkpoint_info` is
     in it, else is derived from the model config (`config`, or the one recorded in the checkpoint).
     """
+    tag = resolve_tag(ckpt_dir, tag)
+    require_current(Path(ckpt_dir) / tag)
+    return universal_files(ckpt_dir, out_dir, tag, config)
+
+
+def universal_files(
+    ckpt_dir: str | Path, out_dir: str | Path, tag: str, config: SWBertConfig | None = None
+) -> Path:
+    """`to_universal` on whatever form the checkpoint's files have (swbert.upgrade converts an old
+    one with it): DeepSpeed's files are converted as they are, swbert's metadata copied along."""
     from deepspeed.checkpoint import ds_to_universal
 
-    tag = resolve_tag(ckpt_dir, tag)
     source = Path(ckpt_dir) / tag
     first = _load(model_state_files(ckpt_dir, tag)[0])
     with tempfile.TemporaryDirectory() as staging:
@@ -160,39 +167,7 @@ def to_universal(
     for meta in (Path(ckpt_dir) / tag).glob("*.json"):  # the trainer's metadata travels along
         if meta.name != COMPLETE:  # the source's marker: it lists the source's files
             shutil.copy2(meta, Path(out_dir) / tag / meta.name)
-    pack_universal(Path(out_dir) / tag, _config(first, config, Path(ckpt_dir) / tag))
     return Path(out_dir)
-
-
-def pack_universal(tag_dir: Path, config: SWBertConfig) -> list[str]:
-    """Fuse the per-parameter folders of separate attention projections (a checkpoint saved before
-    they became one matrix: q_proj, k_proj, v_proj) into the fused one's (`in_proj`), so the
-    universal checkpoint resumes today's model with its optimizer state. Returns the fused names.
-
-    Every file packs alike: the fp32 weights and Adam's moments are elementwise, so the moments of a
-    fused entry are those of the separate entry it came from (`pack_heads`); the step is shared."""
-    attn = attention_class(config.attention_type)
-    zero = tag_dir / "zero"
-    done = []
-    for fused, parts in attn.packed.items():
-        for first in sorted(zero.glob(f"*.attn.{parts[0]}.*")):
-            prefix, kind = first.name.rsplit(f".{parts[0]}.", 1)
-            folders = [zero / f"{prefix}.{part}.{kind}" for part in parts]
-            if not all(f.is_dir() for f in folders):
-                continue
-            target = zero / f"{prefix}.{fused}.{kind}"
-            target.mkdir()
-            for file in sorted(p.name for p in first.iterdir()):
-                states = [_load(f / file) for f in folders]
-                packed = states[0]
-                if isinstance(packed, dict) and isinstance(packed.get(ds_ckpt.PARAM), torch.Tensor):
-                    tensors = [st[ds_ckpt.PARAM] for st in states]
-                    packed = {**packed, ds_ckpt.PARAM: pack_heads(tensors, config.head_dim)}
-                torch.save(packed, target / file)
-            for f in folders:
-                shutil.rmtree(f)
-            done.append(target.name)
-    return done
 
 
 def _with_layout(tag_dir: Path, staging: Path, config: SWBertConfig) -> Path:
@@ -220,6 +195,7 @@ def reshard(
 ) -> Path:
     """Weights-only DeepSpeed files for TP=`tp_size` (no optimizer state)."""
     tag = resolve_tag(ckpt_dir, tag)
+    require_current(Path(ckpt_dir) / tag)
     state, config = full_state_dict(ckpt_dir, tag, config)
     meta = {k: v for k, v in _load(model_state_files(ckpt_dir, tag)[0]).items() if k not in _SHAPE_KEYS}
     folder = Path(out_dir) / tag
@@ -260,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     config = SWBertConfig.from_json_file(args.config) if args.config else None
     try:
         out = _convert(args, config)
-    except UnsafeCheckpointError as err:
+    except (UnsafeCheckpointError, OutdatedCheckpoint) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     print(f"wrote {out}")

@@ -55,8 +55,6 @@ def partition_dim(name: str, config: SWBertConfig) -> int | None:
     if block == "attn":
         cls = attention_class(config.attention_type)
         table = cls.tp_plan()
-        # a state dict saved before the fusion names the separate projections: split like the fused one
-        table.update({part: table[fused] for fused, parts in cls.packed.items() for part in parts})
     else:
         table = MLP_PLAN
     split = table.get(module)

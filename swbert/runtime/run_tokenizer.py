@@ -6,12 +6,8 @@ record `tokenizer_dir: "tokenizer"`, relative to the run folder (`<run>/checkpoi
 leaves the run folder, or a folder that holds anything but tokenizer files, is refused. Before,
 the checkpoint recorded the data folder's absolute path and the export copied whatever that folder
 held into the model folder and MLflow (`swbert_tokenizer.json` with the corpus paths of the machine
-that trained the tokenizer, for one).
-
-Checkpoints from before record an absolute path. It is used only when it still holds the tokenizer
-the checkpoint was trained with (the sha256 of its `spm.model` equals the recorded
-`tokenizer_hash`), and then only its tokenizer files; otherwise the export goes on without a
-tokenizer and says so, with the `--tokenizer DIR` that adds one.
+that trained the tokenizer, for one). A checkpoint from before, with an absolute path, is refused
+naming `python -m swbert.upgrade`, which copies that tokenizer into the run folder.
 """
 
 from __future__ import annotations
@@ -24,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from swbert.data.tokenizer import SPM_MODEL_NAME, tokenizer_hash
+from swbert.runtime.checkpoint_format import OutdatedCheckpoint, newest_complete, upgrade_command
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +83,6 @@ def keep_in_run(source: Path | None, output_dir: Path, write: bool) -> str | Non
         if _same_files(staging, target):
             shutil.rmtree(staging)
             return RUN_TOKENIZER_DIR
-        from swbert.runtime.checkpoint_format import newest_complete
-
         trained = newest_complete(output_dir / "checkpoints")
         if trained is not None:
             shutil.rmtree(staging)
@@ -112,47 +107,34 @@ def tokenizer_for_export(tag_dir: Path, meta: dict[str, Any]) -> Path | None:
     recorded = meta.get("tokenizer_dir")
     if not recorded:
         return None
+    if Path(recorded).is_absolute():  # written before the run kept its tokenizer
+        raise OutdatedCheckpoint(
+            f"{tag_dir} names its tokenizer by the absolute path {recorded}, as an older swbert wrote: "
+            f"rewrite it once with {upgrade_command(tag_dir)}, then run this again"
+        )
     run = run_folder(tag_dir)
-    if not Path(recorded).is_absolute():
-        folder = (run / recorded).resolve()
-        if not folder.is_relative_to(run):
-            raise ValueError(
-                f"{tag_dir}: its tokenizer_dir {recorded!r} leads out of the run folder {run}; a run's "
-                "tokenizer lives in <run>/tokenizer. Pass the tokenizer with --tokenizer DIR"
-            )
-        if not folder.is_dir():
-            log.warning(
-                "%s: the run's tokenizer folder %s is missing (checkpoints copied without it?); "
-                "exporting without a tokenizer: pass --tokenizer DIR to add one",
-                tag_dir,
-                folder,
-            )
-            return None
-        others = tokenizer_files(folder)[1]
-        if others:
-            raise ValueError(
-                f"{folder} holds files that are not a tokenizer's ({', '.join(others)}); an export copies "
-                f"tokenizer files only ({', '.join(sorted(TOKENIZER_NAMES))}, *.model, *.vocab). "
-                "Move the others out of it"
-            )
-        return folder
-    folder = Path(recorded)  # a checkpoint from before the run kept its tokenizer
-    expected = meta.get("model", {}).get("tokenizer_hash")
-    if (
-        folder.is_dir()
-        and expected
-        and (folder / SPM_MODEL_NAME).is_file()
-        and tokenizer_hash(folder) == expected
-    ):
-        return folder
-    log.warning(
-        "%s records the tokenizer at %s, which %s; exporting without a tokenizer: pass --tokenizer DIR "
-        "(the tokenizer the run was trained with) to add one",
-        tag_dir,
-        folder,
-        "no longer holds the tokenizer it was trained with" if folder.is_dir() else "is gone",
-    )
-    return None
+    folder = (run / recorded).resolve()
+    if not folder.is_relative_to(run):
+        raise ValueError(
+            f"{tag_dir}: its tokenizer_dir {recorded!r} leads out of the run folder {run}; a run's "
+            "tokenizer lives in <run>/tokenizer. Pass the tokenizer with --tokenizer DIR"
+        )
+    if not folder.is_dir():
+        log.warning(
+            "%s: the run's tokenizer folder %s is missing (checkpoints copied without it?); "
+            "exporting without a tokenizer: pass --tokenizer DIR to add one",
+            tag_dir,
+            folder,
+        )
+        return None
+    others = tokenizer_files(folder)[1]
+    if others:
+        raise ValueError(
+            f"{folder} holds files that are not a tokenizer's ({', '.join(others)}); an export copies "
+            f"tokenizer files only ({', '.join(sorted(TOKENIZER_NAMES))}, *.model, *.vocab). "
+            "Move the others out of it"
+        )
+    return folder
 
 
 def copy_tokenizer(folder: Path, output: Path, expected_hash: str | None = None) -> list[str]:

@@ -90,6 +90,11 @@ def open_run_folder(cfg: TrainConfig) -> RunFolder:
     folder = RunFolder(Path(cfg.output_dir or f"runs/{run_name}"), run_name)
     if os.environ["RANK"] == "0":
         folder.lock = RunLock(folder.output_dir).acquire()
+    try:  # an older swbert's checkpoints are refused (naming the upgrade), not set aside as cut off
+        ckpt.require_current_folder(folder.ckpt_root, f"--output-dir {folder.output_dir}: ")
+    except ValueError:
+        release(folder)
+        raise
     if cfg.resume == "none" and ckpt.newest_complete(folder.ckpt_root):
         release(folder)
         raise ValueError(

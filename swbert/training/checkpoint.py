@@ -72,8 +72,11 @@ from swbert.runtime.checkpoint_format import (  # noqa: F401 - the format, re-ex
     marker_hashes,
     newest_complete,
     read_latest,
+    require_current,
+    require_current_folder,
     tag_for,
 )
+from swbert.safe_load import load as safe_load
 from swbert.safe_load import weights_only_loads
 from swbert.training.faults import kill_point, kill_requested
 
@@ -104,19 +107,14 @@ def _tp_rng_tracker():
 
 
 def load_rng_state(path: Path) -> dict[str, Any]:
-    """An RNG file, read without running pickled code: weights_only=True, with NumPy's array types
-    allowed for files written before the states were stored as tensors."""
-    numpy_core = getattr(np, "_core", None) or np.core  # renamed in NumPy 2
-    legacy = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), numpy_core.multiarray._reconstruct]
-    with torch.serialization.safe_globals(legacy):
-        return torch.load(path, weights_only=True)
+    """An RNG file, read without running pickled code (weights_only=True): tensors and plain values."""
+    return safe_load(path)
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     name, keys, *rest = state["numpy"]
-    keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
-    np.random.set_state((name, keys.astype(np.uint32), *rest))
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -532,11 +530,9 @@ def _saved_parameter_names(tag_dir: Path) -> set[str] | None:
 
 
 def check_parameter_names(tag_dir: Path, model_config: dict[str, Any]) -> None:
-    """Refuse a checkpoint holding tensors the model has not, e.g. one saved before the attention
-    projections were fused (q_proj, k_proj, v_proj -> in_proj). Its weights would load (the model
-    packs the separate projections) but DeepSpeed's ZeRO optimizer state is flat buffers in the old
-    parameter order: Adam moments and fp32 master weights would land on the wrong entries, silently.
-    Converted to a universal checkpoint it resumes (the conversion packs the separate tensors)."""
+    """Refuse a checkpoint holding tensors the model has not (another model's): DeepSpeed would load
+    its ZeRO optimizer state, flat buffers in that model's parameter order, onto the wrong entries.
+    (One of an older swbert is refused before this, naming the upgrade command: `require_current`.)"""
     from swbert.models import SWBertConfig, SWBertForMaskedLM
 
     saved = _saved_parameter_names(tag_dir)
@@ -548,12 +544,8 @@ def check_parameter_names(tag_dir: Path, model_config: dict[str, Any]) -> None:
     if unknown:
         raise ValueError(
             f"checkpoint {tag_dir} holds tensors this model has not ({', '.join(unknown[:3])}"
-            f"{', ...' if len(unknown) > 3 else ''}): saved by an older swbert, before the attention "
-            "projections were fused (q_proj, k_proj, v_proj became in_proj), or by another model. "
-            "DeepSpeed would load its optimizer state in the old parameter order. Convert it first: "
-            f"python -m swbert.parallel.convert universal {tag_dir.parent} NEW_DIR --tag {tag_dir.name}, "
-            f"then pass --resume NEW_DIR (the optimizer state is repacked); or export its weights: "
-            f"python -m swbert.training.export {tag_dir} --output DIR"
+            f"{', ...' if len(unknown) > 3 else ''}): it is another model's. Resume it with the "
+            "--size/--attention-type it was trained with, or start a new --output-dir"
         )
 
 

@@ -26,7 +26,14 @@ from swbert.logs import known_prints_dropped
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.attention import attention_class
 from swbert.models.remote_code import save_loadable
-from swbert.runtime.checkpoint_format import META, newest_complete, read_latest
+from swbert.runtime.checkpoint_format import (
+    META,
+    OutdatedCheckpoint,
+    newest_complete,
+    read_latest,
+    require_current,
+    require_current_folder,
+)
 from swbert.runtime.run_tokenizer import copy_tokenizer, tokenizer_for_export
 from swbert.safe_load import UnsafeCheckpointError, load, weights_only_loads
 
@@ -50,6 +57,7 @@ def load_model_from_checkpoint(tag_dir: Path) -> SWBertForMaskedLM:
     meta_file = tag_dir / META
     if not meta_file.is_file():
         raise FileNotFoundError(f"{tag_dir} has no swbert_meta.json: not a complete swbert checkpoint")
+    require_current(tag_dir)
     meta = json.loads(meta_file.read_text())
     config = SWBertConfig(**meta["model_config"])
     if meta.get("tensor_parallel", 1) > 1:
@@ -101,6 +109,7 @@ class ExportConfig:
 def _tag_dir(args: ExportConfig) -> Path:
     tag_dir = args.checkpoints
     if args.tag or not (tag_dir / META).is_file():  # a checkpoints/ folder
+        require_current_folder(tag_dir)
         tag = args.tag or read_latest(tag_dir) or newest_complete(tag_dir)
         if tag is None:
             raise ValueError(f"{tag_dir} holds no complete checkpoint; pass a step_* folder or --tag")
@@ -119,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     try:
         out = export(tag_dir, args.output, args.tokenizer)
-    except UnsafeCheckpointError as err:
+    except (UnsafeCheckpointError, OutdatedCheckpoint) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     print(f"exported {tag_dir} -> {out}")

@@ -5,8 +5,6 @@
     SWBERT_FAULT_KILL=in_step:7@1           rank 1 kills itself (-9) in the middle of step 7
     SWBERT_FAULT_KILL=in_prune:8            rank 0 dies while its save of step 8 prunes older checkpoints
                                             (every point: `kill_requested`)
-    SWBERT_FAULT_KILL_AFTER_STEP=14         the same as after_step:14
-    SWBERT_FAULT_KILL_IN_SAVE=8             the same as in_save:8
 
 Drills on a real cluster use the same variables (set them in the job's environment).
 """
@@ -49,8 +47,9 @@ def nonfinite_faults() -> NonFiniteFaults:
 
 KILL = "SWBERT_FAULT_KILL"  # POINT:STEP[@RANK], comma-separated; rank 0 when no @RANK
 KILL_POINTS = ("in_step", "after_step", "in_save_shards", "in_save", "in_prune", "in_export")
-# the variables of the first drills, still accepted: each names one point on rank 0
-LEGACY_KILLS = {"SWBERT_FAULT_KILL_AFTER_STEP": "after_step", "SWBERT_FAULT_KILL_IN_SAVE": "in_save"}
+# the variables of the first drills, refused with their spelling today (a drill that set one would
+# otherwise run without its kill)
+RENAMED_KILLS = {"SWBERT_FAULT_KILL_AFTER_STEP": "after_step", "SWBERT_FAULT_KILL_IN_SAVE": "in_save"}
 
 
 def kill_requested(point: str, step: int, rank: int) -> bool:
@@ -63,8 +62,10 @@ def kill_requested(point: str, step: int, rank: int) -> bool:
     in_prune        in the step's save, marker and `latest` written, amid deleting an older checkpoint
     in_export       in the final export, the new folder written but not yet renamed into place
     """
-    wanted = [f"{LEGACY_KILLS[v]}:{os.environ[v]}" for v in LEGACY_KILLS if os.environ.get(v)]
-    wanted += [x.strip() for x in os.environ.get(KILL, "").split(",") if x.strip()]
+    for old, where in RENAMED_KILLS.items():
+        if os.environ.get(old):
+            raise ValueError(f"{old} is no longer read: set {KILL}={where}:{os.environ[old]} instead")
+    wanted = [x.strip() for x in os.environ.get(KILL, "").split(",") if x.strip()]
     for entry in wanted:
         where, _, at = entry.partition(":")
         at_step, _, at_rank = at.partition("@")

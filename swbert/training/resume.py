@@ -34,6 +34,8 @@ from swbert.runtime.checkpoint_format import (
     is_universal,
     newest_complete,
     read_latest,
+    require_current,
+    require_current_folder,
 )
 from swbert.training import checkpoint as ckpt
 from swbert.training.config import TrainConfig
@@ -86,14 +88,17 @@ def find_checkpoint(resume: str, ckpt_root: Path, warn: bool = True) -> tuple[Pa
     if resume == "none":
         return None
     if resume == "auto":
+        require_current_folder(ckpt_root, "--resume auto: ")
         return _newest(ckpt_root, "--resume auto", warn)
     path = Path(resume)
     if path.is_dir() and (path / LATEST_UNIVERSAL).is_file():  # a converted (universal) folder
         tag = read_latest(path, LATEST_UNIVERSAL)
         if tag is None:
             raise FileNotFoundError(f"--resume {resume}: its '{LATEST_UNIVERSAL}' names a missing checkpoint")
+        require_current(path / tag, f"--resume {resume}: ")
         return path, tag
     if path.is_dir() and TAG_RE.match(path.name):
+        require_current(path, f"--resume {resume}: ")
         if not is_universal(path) and not is_complete(path):
             newest = newest_complete(path.parent)
             raise CheckpointDamaged(
@@ -104,6 +109,7 @@ def find_checkpoint(resume: str, ckpt_root: Path, warn: bool = True) -> tuple[Pa
             )
         return path.parent, path.name
     if path.is_dir() and ((path / LATEST).is_file() or checkpoint_tags(path)):  # a checkpoints/ folder
+        require_current_folder(path, f"--resume {resume}: ")
         found = _newest(path, f"--resume {resume}", warn)
         if found is None:
             raise FileNotFoundError(f"--resume {resume}: holds no complete checkpoint")

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from swbert.safe_load import UnsafeCheckpointError
 from swbert.training import checkpoint as ckpt
 from swbert.training.resume import agree_on_resume, find_checkpoint
 from tests.launch_utils import (
@@ -80,13 +81,18 @@ def test_prune_deletes_only_complete_older_checkpoints(tmp_path):
     assert ckpt.checkpoint_tags(root) == ["step_00000016", "step_00000020"]
 
 
-def test_checkpoints_saved_before_markers_still_count(tmp_path):
-    """Format 1 wrote the meta file after every rank's shards and had no marker."""
+def test_checkpoints_saved_before_markers_are_refused_not_taken_for_cut_off(tmp_path):
+    """Format 1 wrote the meta file after every rank's shards and had no marker: only a marker makes
+    a checkpoint complete, and a format-1 one is refused naming the upgrade (a run would otherwise
+    set it aside as cut off and start afresh)."""
     tag_dir = fake_checkpoint(tmp_path, 4, complete=False)
     (tag_dir / "swbert_meta.json").write_text(json.dumps({"model": {}}))
-    assert ckpt.is_complete(tag_dir)
+    assert not ckpt.is_complete(tag_dir)
+    with pytest.raises(ValueError, match=f"checkpoint format 1.*python -m swbert.upgrade {tmp_path}"):
+        find_checkpoint("auto", tmp_path)
     (tag_dir / "swbert_meta.json").write_text(json.dumps({"model": {}, "checkpoint_format": 2}))
     assert not ckpt.is_complete(tag_dir)  # format 2 without its marker: cut off
+    assert find_checkpoint("auto", tmp_path) is None
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +107,7 @@ def interrupted(data_dir, tmp_path_factory) -> SimpleNamespace:
         "--train-steps", "16", "--save-interval", "4", "--keep-checkpoints", "4", "--log-interval", "1",
         "--eval-interval", "100", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
     ]  # fmt: skip
-    killed = Forked(args, job_env(SWBERT_FAULT_KILL_AFTER_STEP="14"), out.parent / "killed")
+    killed = Forked(args, job_env(SWBERT_FAULT_KILL="after_step:14"), out.parent / "killed")
     try:
         # metrics.jsonl is made in set-up, with the lock held, seconds before the first step
         wait_for(lambda: (out / "metrics.jsonl").is_file(), timeout=240, proc=killed)
@@ -177,8 +183,9 @@ class _Payload:
 
 
 def test_rng_files_load_without_running_pickled_code(tmp_path):
-    """RNG files are read with weights_only=True: the current format (tensors) and the earlier one
-    (NumPy arrays) both restore every stream; a file that would run code on load is refused."""
+    """RNG files are read with weights_only=True and no NumPy type allowed: the format (tensors)
+    restores every stream; the earlier one (NumPy arrays, which `swbert.upgrade` rewrites) and a
+    file that would run code on load are refused."""
     import random
 
     import numpy as np
@@ -191,11 +198,12 @@ def test_rng_files_load_without_running_pickled_code(tmp_path):
     earlier = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     torch.save(earlier, tmp_path / "old.pt")
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
-    for name in ("new.pt", "old.pt"):
-        ckpt.set_rng_state(ckpt.load_rng_state(tmp_path / name))
-        assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected, name
+    ckpt.set_rng_state(ckpt.load_rng_state(tmp_path / "new.pt"))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    with pytest.raises(UnsafeCheckpointError, match=r"old\.pt: refused to load, it holds numpy"):
+        ckpt.load_rng_state(tmp_path / "old.pt")
     torch.save({"python": _Payload()}, tmp_path / "evil.pt")
-    with pytest.raises(Exception, match="Weights only load failed"):
+    with pytest.raises(UnsafeCheckpointError, match=r"evil\.pt: refused to load"):
         ckpt.load_rng_state(tmp_path / "evil.pt")
 
 
@@ -361,27 +369,37 @@ def test_every_rank_resumes_what_rank_0_chose_or_all_fail_naming_the_blind_rank(
     run_ranks(_agree_on_resume, 2, str(tmp_path))
 
 
-def test_a_checkpoint_from_before_the_fused_projections_is_refused_with_the_export_command(tmp_path):
-    """Its weights would load (the model packs q_proj, k_proj, v_proj), but ZeRO's flat optimizer
-    buffers are in the old parameter order: resuming would silently scramble Adam's state."""
+def test_a_checkpoint_from_before_the_fused_projections_is_refused_with_the_upgrade_command(tmp_path):
+    """ZeRO's flat optimizer buffers of such a checkpoint are in the old parameter order: resuming
+    would scramble Adam's state. It is refused, naming `swbert.upgrade`; a checkpoint of another
+    model is refused naming the flags; shared attention has nothing packed."""
     import torch
 
     from swbert.convert import separate_projections
     from swbert.models import SWBertConfig, SWBertForMaskedLM
+    from swbert.runtime.checkpoint_format import OutdatedCheckpoint
 
     config = SWBertConfig.from_size("tiny", attention_type="standard", vocab_size=96)
     model = SWBertForMaskedLM(config)
-    tag_dir = tmp_path / ckpt.tag_for(4)
-    tag_dir.mkdir()
+    tag_dir = tmp_path / "checkpoints" / ckpt.tag_for(4)
+    tag_dir.mkdir(parents=True)
+    meta = {"model": {"attention_type": "standard"}, "model_config": config.to_dict(), "checkpoint_format": 2}
+    (tag_dir / ckpt.META).write_text(json.dumps(meta))
     torch.save({"module": model.state_dict()}, tag_dir / "mp_rank_00_model_states.pt")
-    ckpt.check_parameter_names(tag_dir, config.to_dict())  # today's layout: fine
+    ckpt.require_current(tag_dir)  # today's layout: fine
+    ckpt.check_parameter_names(tag_dir, config.to_dict())
     torch.save({"module": separate_projections(model)}, tag_dir / "mp_rank_00_model_states.pt")
-    with pytest.raises(ValueError, match=r"attn\.k_proj\.bias.*before the attention projections were fused"):
-        ckpt.check_parameter_names(tag_dir, config.to_dict())
-    with pytest.raises(ValueError, match=f"swbert.training.export {tag_dir} --output DIR"):
+    upgrade = f"python -m swbert.upgrade {tag_dir.parent}, then"
+    with pytest.raises(
+        OutdatedCheckpoint, match=r"before their fusion \(q_proj, k_proj, v_proj\).*" + upgrade
+    ):
+        find_checkpoint(str(tag_dir), tmp_path / "checkpoints")
+    with pytest.raises(ValueError, match=r"attn\.k_proj\.bias.*another model's.*--size/--attention-type"):
         ckpt.check_parameter_names(tag_dir, config.to_dict())
     shared = SWBertConfig.from_size("tiny", attention_type="shared", vocab_size=96)
     torch.save({"module": SWBertForMaskedLM(shared).state_dict()}, tag_dir / "mp_rank_00_model_states.pt")
+    (tag_dir / ckpt.META).write_text(json.dumps({**meta, "model": {"attention_type": "shared"}}))
+    ckpt.require_current(tag_dir)
     ckpt.check_parameter_names(tag_dir, shared.to_dict())  # shared attention has nothing packed
 
 

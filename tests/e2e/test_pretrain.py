@@ -81,7 +81,7 @@ def test_zero_stage_trains_exports_and_resumes_exactly(stage, data_dir, tmp_path
         # the resumed run (which finishes, exports and dumps the logits) is the finished run.
         full = cut
         result = launch(
-            2, tiny_args(data_dir, cut, *args), env=job_env(**fault, SWBERT_FAULT_KILL_IN_SAVE=str(2 * k))
+            2, tiny_args(data_dir, cut, *args), env=job_env(**fault, SWBERT_FAULT_KILL=f"in_save:{2 * k}")
         )
         assert result.returncode != 0
         metrics = read_metrics(cut)
@@ -139,7 +139,7 @@ def test_zero_stage_trains_exports_and_resumes_exactly(stage, data_dir, tmp_path
     if stage == 2:
         last = k + 2
         killed = launch(
-            2, tiny_args(data_dir, cut, *args), env=job_env(**fault, SWBERT_FAULT_KILL_AFTER_STEP=str(last))
+            2, tiny_args(data_dir, cut, *args), env=job_env(**fault, SWBERT_FAULT_KILL=f"after_step:{last}")
         )
         assert killed.returncode != 0
         assert max(read_metrics(cut)) == last

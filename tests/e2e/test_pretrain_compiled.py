@@ -60,7 +60,7 @@ def test_compiled_zero_stage_trains_and_resumes_exactly(stage, data_dir, tmp_pat
     single-process run's within 1e-3 relative."""
     args = ["--deepspeed-config", f"ds_configs/zero{stage}.json", "--compile", "on"]
     run = tmp_path / "run"
-    killed = launch(2, _args(data_dir, run, *args), env=job_env(SWBERT_FAULT_KILL_AFTER_STEP=str(KILL)))
+    killed = launch(2, _args(data_dir, run, *args), env=job_env(SWBERT_FAULT_KILL=f"after_step:{KILL}"))
     assert killed.returncode != 0
     assert "wrap 3/4: compiled per unit (2 blocks, MLM head)" in killed.stderr
     first = read_metrics(run)

@@ -21,7 +21,7 @@ from swbert import (
     SWBertForSequenceClassification,
     SWBertModel,
 )
-from swbert.convert import separate_projections
+from swbert.convert import fused_projections, separate_projections
 from swbert.models.attention import SharedAttention, build_attention, pack_heads, unpack_heads
 
 
@@ -293,34 +293,33 @@ def test_fused_projection_equals_separate_projections(variant):
 
 
 @pytest.mark.parametrize("variant", ["standard", "symmetric", "pairwise"])
-def test_state_dicts_with_separate_projections_load(variant, tmp_path):
-    """Checkpoints saved before the fusion (q_proj, k_proj, v_proj) load with their meaning; Hugging
-    Face folders keep that separate form on disk, so old and new folders are one format."""
+def test_separate_projections_are_the_folder_form_and_state_dicts_hold_the_fused_one(variant, tmp_path):
+    """Hugging Face folders store the separate projections (q_proj, k_proj, v_proj: BERT's query, key
+    and value) and load back; a state dict holds the fused one only: the separate ones are named as
+    unexpected (an older swbert's checkpoint is rewritten by `swbert.upgrade`, not read), and
+    `fused_projections` packs them back exactly."""
     from safetensors.torch import load_file
 
     torch.manual_seed(0)
     model = SWBertForMaskedLM(tiny(attention_type=variant)).eval()
     perturb_(model)
-    old = separate_projections(model)  # what the model's state dict was before the fusion
-    assert "bert.encoder.layers.1.attn.q_proj.weight" in old and not any(".in_proj." in k for k in old)
-    loaded = SWBertForMaskedLM(tiny(attention_type=variant)).eval()
-    missing, unexpected = loaded.load_state_dict(old, strict=False)
-    assert (missing, unexpected) == ([], [])
-    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
-    inputs = batch()
-    assert torch.equal(loaded(**inputs).logits, model(**inputs).logits)
-    # a partial set is not packed: load_state_dict names what is missing
-    partial = {k: v for k, v in old.items() if ".v_proj." not in k}
+    separate = separate_projections(model)
+    assert "bert.encoder.layers.1.attn.q_proj.weight" in separate
+    assert not any(".in_proj." in k for k in separate)
     missing, unexpected = SWBertForMaskedLM(tiny(attention_type=variant)).load_state_dict(
-        partial, strict=False
+        separate, strict=False
     )
     assert "bert.encoder.layers.0.attn.in_proj.weight" in missing
     assert "bert.encoder.layers.0.attn.q_proj.weight" in unexpected
-    # the folder's tensors are the separate ones, equal to the old state dict's
+    fused = fused_projections(dict(separate), model.config)
+    assert fused.keys() == model.state_dict().keys()
+    assert all(torch.equal(fused[k], v) for k, v in model.state_dict().items())
+    # the folder's tensors are the separate ones
     model.save_pretrained(tmp_path)
     saved = load_file(tmp_path / "model.safetensors")
     assert not any(".in_proj." in k for k in saved)
-    assert all(torch.equal(saved[k], old[k]) for k in saved)
+    assert all(torch.equal(saved[k], separate[k]) for k in saved)
+    inputs = batch()
     assert torch.equal(
         SWBertForMaskedLM.from_pretrained(tmp_path).eval()(**inputs).logits, model(**inputs).logits
     )

@@ -26,7 +26,7 @@ from swbert.parallel import (
     parallelize,
     shard_state_dict,
 )
-from swbert.parallel.convert import full_state_dict, reshard, to_hf, to_universal
+from swbert.parallel.convert import full_state_dict, reshard, to_hf, to_universal, universal_files
 from tests.parallel.test_parallel_harness import mlm_batch, reference_model, run_ranks, tiny_config
 
 LR = 1e-2
@@ -259,6 +259,7 @@ class _SeparateQKV(SelfAttention):
 
 def _resume_from_before_the_fusion(tmp: str) -> None:
     from swbert.training.checkpoint import check_parameter_names
+    from swbert.upgrade import fuse_model_states, fuse_universal
 
     config = tiny_config("standard")
     old_dir, universal = f"{tmp}/old", f"{tmp}/universal"
@@ -284,10 +285,12 @@ def _resume_from_before_the_fusion(tmp: str) -> None:
             expected.append(loss.item())
     del engine
     tag_dir = Path(old_dir) / "s3"
-    with pytest.raises(ValueError, match=r"before the attention projections were fused.*convert universal"):
+    with pytest.raises(ValueError, match=r"attn\.k_proj\.bias.*another model's"):
         check_parameter_names(tag_dir, config.to_dict())  # its ZeRO buffers are in the old order
-    if dist.get_rank() == 0:
-        to_universal(old_dir, universal, config=config)
+    if dist.get_rank() == 0:  # what swbert.upgrade does to it
+        universal_files(old_dir, universal, "s3", config=config)
+        fuse_universal(Path(universal) / "s3", config)
+        fuse_model_states(Path(universal) / "s3", config)
     dist.barrier()
     check_parameter_names(Path(universal) / "s3", config.to_dict())  # repacked: resumable
 
@@ -306,5 +309,5 @@ def _resume_from_before_the_fusion(tmp: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_checkpoint_from_before_the_fused_projections_resumes_through_a_universal_one(tmp_path):
+def test_a_checkpoint_from_before_the_fused_projections_resumes_once_upgraded(tmp_path):
     run_ranks(_resume_from_before_the_fusion, 2, str(tmp_path), deepspeed=True)

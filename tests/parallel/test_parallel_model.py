@@ -12,7 +12,6 @@ from torch.testing import assert_close
 from swbert import ATTENTION_TYPES
 from swbert.convert import separate_projections
 from swbert.models import SWBertForMaskedLM
-from swbert.models.attention import pack_state_dict
 from swbert.parallel import (
     check_divisible,
     destroy,
@@ -127,25 +126,6 @@ def test_shard_and_merge_round_trip_without_processes():
     merged = merge_state_dicts(shards, config)
     assert merged.keys() == full.keys()
     assert all(torch.equal(merged[k], full[k]) for k in full)
-
-
-@pytest.mark.parametrize("variant", ["standard", "symmetric"])
-def test_state_dicts_from_before_the_fusion_shard_and_merge(variant):
-    """Separate q/k/v shards (a TP checkpoint saved before the fusion) merge by heads like the fused
-    matrix, and packing a rank's separate shards gives that rank's rows of the fused one."""
-    config = tiny_config(variant)
-    model = reference_model(config)
-    old = separate_projections(model)
-    shards = [shard_state_dict(old, r, 2, config) for r in range(2)]
-    assert shards[1]["bert.encoder.layers.0.attn.q_proj.weight"].shape == (32, 64)
-    merged = merge_state_dicts(shards, config)
-    assert merged.keys() == old.keys() and all(torch.equal(merged[k], old[k]) for k in old)
-    packed = type(model.bert.encoder.layers[0].attn).packed
-    for rank, shard in enumerate(shards):
-        for layer in range(config.num_hidden_layers):
-            pack_state_dict(shard, f"bert.encoder.layers.{layer}.attn.", packed, config.head_dim)
-        expected = shard_state_dict(model.state_dict(), rank, 2, config)
-        assert shard.keys() == expected.keys() and all(torch.equal(shard[k], expected[k]) for k in shard)
 
 
 @pytest.mark.parametrize(

@@ -302,6 +302,7 @@ def test_every_launcher_speaks_the_convention(launcher, required, capsys):
         ("swbert.convert", ["from-hf", "a", "b", "--outptu", "o"], "output"),
         ("swbert.parallel.convert", ["hf", "a", "b", "--tga", "t"], "tag"),
         ("swbert.scaling.memory_check", ["--zeor", "1"], "zero"),
+        ("swbert.upgrade", ["run", "--dry-rnu"], "dry_run"),
     ],
 )
 def test_every_tool_speaks_the_convention(tool, typo, meant, capsys):

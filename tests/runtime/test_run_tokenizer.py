@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from swbert.data.tokenizer import tokenizer_hash
+from swbert.runtime.checkpoint_format import OutdatedCheckpoint
 from swbert.runtime.run_tokenizer import keep_in_run, tokenizer_for_export
 from swbert.training import checkpoint as ckpt
 from swbert.training.export import export
@@ -64,21 +65,17 @@ def test_export_takes_the_tokenizer_from_inside_the_run_folder(data_dir, tmp_pat
         assert tokenizer_for_export(tag, meta) is None
     assert "exporting without a tokenizer: pass --tokenizer DIR" in caplog.text
 
-    # a checkpoint from before: an absolute path, used while it holds the tokenizer it was trained with
+    # a checkpoint from before: an absolute path, refused naming the command that keeps it in the run
     old = {**meta, "tokenizer_dir": str(data_dir / "tokenizer")}
-    assert tokenizer_for_export(tag, old) == data_dir / "tokenizer"
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        assert tokenizer_for_export(tag, {**old, "model": {"tokenizer_hash": "0" * 64}}) is None
-        assert tokenizer_for_export(tag, {**old, "tokenizer_dir": str(tmp_path / "gone")}) is None
-    assert "no longer holds the tokenizer it was trained with" in caplog.text and "is gone" in caplog.text
+    with pytest.raises(OutdatedCheckpoint, match=f"python -m swbert.upgrade {tag.parent}, then"):
+        tokenizer_for_export(tag, old)
 
 
 @pytest.mark.slow
 def test_a_trained_run_exports_its_own_tokenizer_and_nothing_else(data_dir, tmp_path):
     """A real run: its checkpoints record the tokenizer relative to the run folder, which holds the
     tokenizer files; the export (and so the MLflow model) gets those and no training record. The
-    export of the same checkpoint with the absolute path older runs recorded still works."""
+    same checkpoint with the absolute path older runs recorded is refused, naming the upgrade."""
     from transformers import AutoTokenizer, pipeline
 
     from swbert.parallel.convert import main as convert_main
@@ -112,8 +109,9 @@ def test_a_trained_run_exports_its_own_tokenizer_and_nothing_else(data_dir, tmp_
     assert len(fill(f"the {fill.tokenizer.mask_token} of")) == 2
 
     (tag / "swbert_meta.json").write_text(json.dumps({**meta, "tokenizer_dir": str(data_dir / "tokenizer")}))
-    old = export(tag, tmp_path / "old-export")
-    assert TOKENIZER <= {p.name for p in old.iterdir()} and not (old / "swbert_tokenizer.json").exists()
+    with pytest.raises(OutdatedCheckpoint, match="absolute path.*python -m swbert.upgrade"):
+        export(tag, tmp_path / "old-export")
+    (tag / "swbert_meta.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="not the tokenizer the checkpoint was trained with"):
         foreign = tmp_path / "foreign"
         foreign.mkdir()
