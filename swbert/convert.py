@@ -34,37 +34,35 @@ from swbert.models.attention import (
 )
 from swbert.runtime.run_tokenizer import copy_tokenizer
 
-# (transformers name, swbert name) for every parameter, the attention's those of `StandardAttention`
-# in their separate form (q_proj, k_proj, v_proj), packed into `in_proj` (`fused_projections`).
-_RENAMES: list[tuple[str, str]] = [
-    (r"embeddings\.LayerNorm\.", r"embeddings.norm."),
-    (r"encoder\.layer\.(\d+)\.attention\.self\.query\.", r"encoder.layers.\1.attn.q_proj."),
-    (r"encoder\.layer\.(\d+)\.attention\.self\.key\.", r"encoder.layers.\1.attn.k_proj."),
-    (r"encoder\.layer\.(\d+)\.attention\.self\.value\.", r"encoder.layers.\1.attn.v_proj."),
-    (r"encoder\.layer\.(\d+)\.attention\.output\.dense\.", r"encoder.layers.\1.attn.out_proj."),
-    (r"encoder\.layer\.(\d+)\.attention\.output\.LayerNorm\.", r"encoder.layers.\1.attn_norm."),
-    (r"encoder\.layer\.(\d+)\.intermediate\.dense\.", r"encoder.layers.\1.mlp.fc1."),
-    (r"encoder\.layer\.(\d+)\.output\.dense\.", r"encoder.layers.\1.mlp.fc2."),
-    (r"encoder\.layer\.(\d+)\.output\.LayerNorm\.", r"encoder.layers.\1.mlp_norm."),
-    (r"^cls\.predictions\.transform\.dense\.", r"mlm_head.dense."),
-    (r"^cls\.predictions\.transform\.LayerNorm\.", r"mlm_head.norm."),
-    (r"^cls\.predictions\.bias$", r"mlm_head.decoder.bias"),
+# (transformers name, swbert name) of every parameter, `{i}` a layer's index, `^`/`$` anchors; the
+# attention's those of `StandardAttention` in their separate form (q_proj, k_proj, v_proj), packed
+# into `in_proj` (`fused_projections`). Both directions of the renaming are made from this list.
+_NAMES: list[tuple[str, str]] = [
+    ("embeddings.LayerNorm.", "embeddings.norm."),
+    ("encoder.layer.{i}.attention.self.query.", "encoder.layers.{i}.attn.q_proj."),
+    ("encoder.layer.{i}.attention.self.key.", "encoder.layers.{i}.attn.k_proj."),
+    ("encoder.layer.{i}.attention.self.value.", "encoder.layers.{i}.attn.v_proj."),
+    ("encoder.layer.{i}.attention.output.dense.", "encoder.layers.{i}.attn.out_proj."),
+    ("encoder.layer.{i}.attention.output.LayerNorm.", "encoder.layers.{i}.attn_norm."),
+    ("encoder.layer.{i}.intermediate.dense.", "encoder.layers.{i}.mlp.fc1."),
+    ("encoder.layer.{i}.output.dense.", "encoder.layers.{i}.mlp.fc2."),
+    ("encoder.layer.{i}.output.LayerNorm.", "encoder.layers.{i}.mlp_norm."),
+    ("^cls.predictions.transform.dense.", "^mlm_head.dense."),
+    ("^cls.predictions.transform.LayerNorm.", "^mlm_head.norm."),
+    ("^cls.predictions.bias$", "^mlm_head.decoder.bias$"),
 ]
-# Inverse patterns, written out because a regex cannot be inverted mechanically.
-_INVERSE: list[tuple[str, str]] = [
-    (r"embeddings\.norm\.", r"embeddings.LayerNorm."),
-    (r"encoder\.layers\.(\d+)\.attn\.q_proj\.", r"encoder.layer.\1.attention.self.query."),
-    (r"encoder\.layers\.(\d+)\.attn\.k_proj\.", r"encoder.layer.\1.attention.self.key."),
-    (r"encoder\.layers\.(\d+)\.attn\.v_proj\.", r"encoder.layer.\1.attention.self.value."),
-    (r"encoder\.layers\.(\d+)\.attn\.out_proj\.", r"encoder.layer.\1.attention.output.dense."),
-    (r"encoder\.layers\.(\d+)\.attn_norm\.", r"encoder.layer.\1.attention.output.LayerNorm."),
-    (r"encoder\.layers\.(\d+)\.mlp\.fc1\.", r"encoder.layer.\1.intermediate.dense."),
-    (r"encoder\.layers\.(\d+)\.mlp\.fc2\.", r"encoder.layer.\1.output.dense."),
-    (r"encoder\.layers\.(\d+)\.mlp_norm\.", r"encoder.layer.\1.output.LayerNorm."),
-    (r"^mlm_head\.dense\.", r"cls.predictions.transform.dense."),
-    (r"^mlm_head\.norm\.", r"cls.predictions.transform.LayerNorm."),
-    (r"^mlm_head\.decoder\.bias$", r"cls.predictions.bias"),
-]
+
+
+def _rule(source: str, target: str) -> tuple[str, str]:
+    """(regex, replacement) renaming names of the form `source` to the form `target`."""
+    core = source.strip("^$")
+    pattern = re.escape(core).replace(re.escape("{i}"), r"(\d+)")
+    anchors = ("^" if source.startswith("^") else "", "$" if source.endswith("$") else "")
+    return anchors[0] + pattern + anchors[1], target.strip("^$").replace("{i}", r"\1")
+
+
+_RENAMES = [_rule(hf, ours) for hf, ours in _NAMES]
+_INVERSE = [_rule(ours, hf) for hf, ours in _NAMES]
 # Keys that are views of others (tied decoder) or buffers, skipped when reading a state dict.
 _SKIP = re.compile(
     r"(cls\.predictions\.decoder\.(weight|bias)|mlm_head\.decoder\.weight|position_ids|token_type_ids)$"

@@ -38,12 +38,9 @@ def _first(tensors: Any) -> torch.Tensor:
     return tensors[0] if isinstance(tensors, list) else tensors
 
 
-class PackHeads(ConversionOps):
-    """Load: the separate projections present (in `parts` order) -> the fused, head-interleaved one.
-
-    `parts` lists every separate name any variant packs into `fused`, in the order of the source
-    patterns; which of them a model has is its attention class's say (symmetric: q_proj, v_proj).
-    """
+class _HeadsOp(ConversionOps):
+    """A fused, head-interleaved projection `fused` and the separate ones it packs (`parts`: every
+    name any variant packs into it, in the order of the source patterns)."""
 
     def __init__(self, fused: str, parts: tuple[str, ...]) -> None:
         self.fused = fused
@@ -57,46 +54,46 @@ class PackHeads(ConversionOps):
         target_patterns: list[str],
         **kwargs: Any,
     ) -> dict[str, torch.Tensor]:
-        config = kwargs["config"]
+        return self.transform(input_dict, source_patterns, target_patterns, kwargs["config"])
+
+    def transform(
+        self, input_dict: dict[str, Any], sources: list[str], targets: list[str], config: SWBertConfig
+    ) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return (UnpackHeads if isinstance(self, PackHeads) else PackHeads)(self.fused, self.parts)
+
+
+class PackHeads(_HeadsOp):
+    """Load: the separate projections present (in `parts` order) -> the fused one; which of them a
+    model has is its attention class's say (symmetric: q_proj, v_proj)."""
+
+    def transform(
+        self, input_dict: dict[str, Any], sources: list[str], targets: list[str], config: SWBertConfig
+    ) -> dict[str, torch.Tensor]:
         expected = attention_class(config.attention_type).packed.get(self.fused, ())
-        found = [part for part, pattern in zip(self.parts, source_patterns) if pattern in input_dict]
+        found = [part for part, pattern in zip(self.parts, sources) if pattern in input_dict]
         if found != list(expected):
             raise ValueError(
                 f"attention_type={config.attention_type!r} packs {list(expected)} into {self.fused}, "
                 f"the checkpoint holds {found}: it is not this variant's"
             )
-        tensors = [_first(input_dict.pop(p)) for p in source_patterns if p in input_dict]
-        return {target_patterns[0]: pack_heads(tensors, config.head_dim)}
-
-    @property
-    def reverse_op(self) -> ConversionOps:
-        return UnpackHeads(self.fused, self.parts)
+        tensors = [_first(input_dict.pop(p)) for p in sources if p in input_dict]
+        return {targets[0]: pack_heads(tensors, config.head_dim)}
 
 
-class UnpackHeads(ConversionOps):
+class UnpackHeads(_HeadsOp):
     """Save: the fused projection -> the separate ones its attention class packs into it."""
 
-    def __init__(self, fused: str, parts: tuple[str, ...]) -> None:
-        self.fused = fused
-        self.parts = parts
-
-    @torch.no_grad()
-    def convert(
-        self,
-        input_dict: dict[str, Any],
-        source_patterns: list[str],
-        target_patterns: list[str],
-        **kwargs: Any,
+    def transform(
+        self, input_dict: dict[str, Any], sources: list[str], targets: list[str], config: SWBertConfig
     ) -> dict[str, torch.Tensor]:
-        config = kwargs["config"]
         names = attention_class(config.attention_type).packed[self.fused]
         fused = _first(next(iter(input_dict.values())))
         pieces = unpack_heads(fused, len(names), config.head_dim)
-        return {target_patterns[self.parts.index(name)]: t for name, t in zip(names, pieces)}
-
-    @property
-    def reverse_op(self) -> ConversionOps:
-        return PackHeads(self.fused, self.parts)
+        return {targets[self.parts.index(name)]: t for name, t in zip(names, pieces)}
 
 
 def weight_conversions() -> list[WeightConverter]:

@@ -186,26 +186,16 @@ class TrainingData:
         dp_rank: int,
         dp_size: int,
         num_workers: int,
-        pin_memory: bool = False,
-        prefetch_factor: int = 4,
         eval_split: bool = False,
-        multiprocessing_context: str | None = None,
+        **options: Any,
     ) -> BatchLoader:
         """This rank's micro-batches for consecutive micro-steps from stream position `start_sample`:
         micro-batch j is `batch(start_sample + j * micro_bs * dp_size, micro_bs, dp_rank, dp_size)`,
-        built by `num_workers` DataLoader processes (0: on the calling thread) and prefetched;
-        `pin_memory` on CUDA. See `swbert.data.loader.batch_loader`."""
-        return batch_loader(
-            self._stream(eval_split),
-            start_sample,
-            micro_bs,
-            dp_rank,
-            dp_size,
-            num_workers,
-            pin_memory=pin_memory,
-            prefetch_factor=prefetch_factor,
-            multiprocessing_context=multiprocessing_context,
-        )
+        built by `num_workers` DataLoader processes (0: on the calling thread) and prefetched.
+        `options` are `swbert.data.loader.batch_loader`'s (`pin_memory` on CUDA, `prefetch_factor`,
+        `multiprocessing_context`)."""
+        stream = self._stream(eval_split)
+        return batch_loader(stream, start_sample, micro_bs, dp_rank, dp_size, num_workers, **options)
 
     def sampler_state(self, samples_consumed: int) -> dict[str, Any]:
         """The data position after `samples_consumed` samples (a checkpoint records it; resume needs only
