@@ -26,7 +26,7 @@ from swbert.training.resume import find_checkpoint
 from swbert.upgrade import PRE_UPGRADE, main
 from tests.launch_utils import read_metrics, run_single
 
-FIXTURE = Path(__file__).parent / "assets" / "old_runs" / "format1_prefusion.tar.xz"
+FIXTURE = Path(__file__).parents[1] / "assets" / "old_runs" / "format1_prefusion.tar.xz"
 TAG = "step_00000004"
 UPGRADED = "upgraded: RNG files: NumPy arrays -> tensors; tokenizer: "
 
