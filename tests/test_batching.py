@@ -9,15 +9,18 @@ import numpy as np
 import pytest
 import torch
 from torch.testing import assert_close
+from torch.utils.data import DistributedSampler
 
 from swbert import SWBertConfig, SWBertForSequenceClassification
 from swbert.finetune.batching import (
     LengthGroupedBatchSampler,
+    epoch_sampler,
     resolve_unpad,
     train_loader,
     unpad_collate,
 )
 from swbert.finetune.glue_data import EncodedDataset, pad_collate
+from swbert.runtime.ranks import ParallelDims
 
 
 def dataset(lengths: list[int], seed: int = 0) -> EncodedDataset:
@@ -82,10 +85,11 @@ def test_grouped_rank_shares_partition_the_global_batches():
 
 def test_train_loader_groups_only_when_asked():
     data = dataset(np.random.default_rng(2).integers(2, 40, 64).tolist())
-    grouped, sampler = train_loader(data, pad_collate(0), 8, 1, 0, seed=0, grouped=True)
-    assert isinstance(sampler, LengthGroupedBatchSampler) and len(grouped) == 8
-    plain, none = train_loader(data, pad_collate(0), 8, 1, 0, seed=0, grouped=False)
-    assert none is None and len(plain) == 8
+    one = ParallelDims()  # one process
+    grouped = train_loader(data, pad_collate(0), 8, one, seed=0, workers=0, grouped=True)
+    assert isinstance(epoch_sampler(grouped), LengthGroupedBatchSampler) and len(grouped) == 8
+    plain = train_loader(data, pad_collate(0), 8, one, seed=0, workers=0, grouped=False)
+    assert isinstance(epoch_sampler(plain), DistributedSampler) and len(plain) == 8
 
     def padded_tokens(loader):
         return sum(b["input_ids"].numel() for b in loader)

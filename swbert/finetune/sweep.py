@@ -21,6 +21,7 @@ from torch import nn
 
 from swbert.finetune.batching import resolve_unpad, unpad_collate
 from swbert.finetune.checkpoint import Checkpoint, parse_checkpoints, save_finetuned
+from swbert.finetune.engine import process_group
 from swbert.finetune.glue_data import pad_collate
 from swbert.finetune.metrics import selection_value
 from swbert.finetune.results import Trial, nest_metrics
@@ -74,8 +75,11 @@ class SweepConfig:
     # fine-tuned models kept on disk: the median seed's at the best learning rate, all, or none
     keep: Literal["none", "median", "all"] = "median"
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    # DeepSpeed JSON (a path or a ds_configs/ name, stages 0-2), used with a world size > 1
+    # DeepSpeed JSON (a path or a ds_configs/ name, stages 0-2); every run is a DeepSpeed engine, one
+    # process too (default: zero2.json)
     deepspeed: str | None = None
+    # DataLoader processes per rank that collate training batches (0: on the training thread)
+    num_workers: int = 1
     experiment: str = DEFAULT_EXPERIMENT  # MLflow experiment name
     # MLflow store (default: $MLFLOW_TRACKING_URI, else <output-dir>/mlflow.db)
     tracking_uri: str | None = None
@@ -93,6 +97,10 @@ class SweepConfig:
         for name in ("epochs", "batch_size", "eval_batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.num_workers < 0:
+            raise ValueError(
+                f"--num-workers {self.num_workers} must be 0 or more (0: collate on the training thread)"
+            )
         if not self.learning_rates or not self.seeds:
             raise ValueError("--learning-rates and --seeds each need at least one value")
 
@@ -125,6 +133,7 @@ class SweepConfig:
             max_steps=self.max_steps,
             deepspeed_config=self.deepspeed,
             group_by_length=not self.unpadded(),
+            num_workers=self.num_workers,
         )
 
     def unpadded(self) -> bool:
@@ -157,7 +166,8 @@ def run_sweep(sweep: SweepConfig, kind: str, run: Callable[[Any, Tracker], objec
     tracker = open_tracker(sweep)
     mark_killed_sweep(tracker, sweep.output_dir)  # a killed sweep's runs would stay RUNNING
     name = sweep.run_name or f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
-    with tracker.sweep(name, f"{kind}_sweep", sweep.params()) as parent:
+    # one process group for the sweep's runs (a 1-rank one in a plain process: see `process_group`)
+    with process_group(), tracker.sweep(name, f"{kind}_sweep", sweep.params()) as parent:
         remember_sweep(tracker, sweep.output_dir, parent)
         run(sweep, tracker)
     report_sweep(tracker, sweep, parent)
