@@ -147,3 +147,19 @@ def test_fit_and_span_prediction_run_unpadded():
     assert_close(torch.from_numpy(start[real]), torch.from_numpy(ref_start[real]))
     assert_close(torch.from_numpy(end[real]), torch.from_numpy(ref_end[real]))
     assert (start[~real] == np.finfo(np.float32).min).all()
+
+
+def test_compiled_sweeps_pad_to_length_buckets_and_refuse_unpadded_batches(tmp_path):
+    """--compile on pads every batch up to a multiple of 64 tokens, at most --max-seq-length, and keeps
+    the mask; auto compiles nothing on a CPU; on with unpadded batches is a one-line error."""
+    from swbert.finetune.glue import GlueSweep
+
+    items = [{"input_ids": [2] * n, "attention_mask": [1] * n, "labels": 0} for n in (3, 70)]
+    compiled = GlueSweep(["c"], tmp_path, compile="on", unpad="off", max_seq_length=100)
+    assert compiled.compiled() and compiled.finetune_config().compile
+    batch = compiled.collate(0)(items)
+    assert batch["input_ids"].shape == (2, 100) and batch["attention_mask"].sum() == 73
+    assert compiled.collate(0)(items[:1])["input_ids"].shape == (1, 64)
+    assert not GlueSweep(["c"], tmp_path, compile="auto", unpad="off").compiled()  # a CPU
+    with pytest.raises(ValueError, match="--compile on compiles padded batches.*--unpad off"):
+        GlueSweep(["c"], tmp_path, compile="on", unpad="on").compiled()

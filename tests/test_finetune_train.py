@@ -333,6 +333,37 @@ def test_ranks_start_after_an_in_process_fine_tuning_run():
     run_ranks(_sum_over_ranks, 2, deepspeed=True, timeout=240)
 
 
+def test_compiled_fine_tuning_sees_one_shape_per_length_bucket():
+    """Compiled runs pad each batch up to a length bucket, so torch.compile builds graphs for one
+    shape per bucket, not one per batch length: an epoch of five length-grouped batches, of 3, 5, 7,
+    12 and 14 tokens, runs in two shapes (buckets of 8 tokens), each compiled once. A recording
+    backend (no code generation) keeps it fast."""
+    graphs, lengths = [], []
+
+    def recording(gm, example_inputs):
+        ids = [t for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() == 2]
+        graphs.append(tuple(ids[0].shape))
+        return gm.forward
+
+    texts = [
+        [2] + [5 + (i * j) % 20 for j in range(n - 2)] + [3] for i, n in enumerate([3, 5, 7, 12, 14] * 4)
+    ]
+    data = EncodedDataset({"input_ids": texts, "attention_mask": [[1] * len(t) for t in texts]},
+                          {"labels": torch.tensor([i % 2 for i in range(len(texts))]).numpy()})  # fmt: skip
+    model = _two_rank_model()
+    model.config.problem_type = "single_label_classification"  # as glue.load_classifier sets it
+    model.register_forward_pre_hook(lambda m, a, k: lengths.append(k["input_ids"].shape[1]), with_kwargs=True)
+    cfg = FinetuneConfig(learning_rate=1e-3, epochs=1, batch_size=4, precision="fp32", num_workers=0,
+                         group_by_length=True, compile=True, compile_backend=recording)  # fmt: skip
+    fit(model, data, pad_collate(0, bucket=8, longest=32), lambda m: {"validation/score": 0.0},
+        "validation/score", cfg)  # fmt: skip
+    assert sorted(lengths) == [8, 8, 8, 16, 16]  # five batch lengths, two buckets
+    shapes = Counter(graphs)
+    assert {shape[1] for shape in shapes} == {8, 16}  # both buckets compiled, nothing else
+    assert len(set(shapes.values())) == 1  # as many graphs for each shape: none compiled twice
+    assert "forward" not in model.__dict__  # the model's own forward is back
+
+
 def test_deepspeed_config_is_filled_from_the_flags(tmp_path):
     cfg = FinetuneConfig(batch_size=32, max_grad_norm=1.0)
     ds = deepspeed_config("zero2.json", cfg, world_size=4, precision="bf16")  # a shipped config, by name

@@ -29,6 +29,9 @@ from swbert.runtime.ranks import ParallelDims
 log = logging.getLogger(__name__)
 
 Unpad = Literal["auto", "on", "off"]
+# Compiled runs pad each batch up to a multiple of this many tokens (ours): a few shapes (two for
+# GLUE's 128 tokens, six for SQuAD's 384), so torch.compile builds a few graphs, not one per length.
+COMPILE_BUCKET = 64
 Batch = dict[str, torch.Tensor | int]
 
 

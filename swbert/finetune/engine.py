@@ -102,3 +102,28 @@ def build_engine(
     )
     bound_every_group()  # SWBERT_DIST_TIMEOUT_MIN for DeepSpeed's groups too
     return Engine(engine, scheduler)
+
+
+class CompiledInTraining:
+    """A model's ``forward``, compiled for its training steps only (`compile_training`): evaluation
+    (other batch sizes, no gradients) runs eagerly, so the compiled graphs are those of the training
+    batches' shapes, one per length bucket when batches are padded to buckets. Shapes are static
+    (``dynamic=False``): each is compiled once, as pretraining compiles its units."""
+
+    def __init__(self, module: nn.Module, backend: Any) -> None:
+        self.module, self.eager = module, module.forward
+        self.compiled = torch.compile(module.forward, backend=backend, dynamic=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return (self.compiled if self.module.training else self.eager)(*args, **kwargs)
+
+
+def compile_training(model: nn.Module, backend: Any = "inductor") -> None:
+    """Compile ``model``'s training forward in place (undone by `uncompile`)."""
+    model.forward = CompiledInTraining(model, backend)
+
+
+def uncompile(model: nn.Module) -> None:
+    """The model's own ``forward`` back: a fitted model is evaluated, saved and fitted again as it was."""
+    if isinstance(model.__dict__.get("forward"), CompiledInTraining):
+        del model.forward

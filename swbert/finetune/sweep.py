@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from torch import nn
 
-from swbert.finetune.batching import resolve_unpad, unpad_collate
+from swbert.finetune.batching import COMPILE_BUCKET, resolve_unpad, unpad_collate
 from swbert.finetune.checkpoint import Checkpoint, parse_checkpoints, save_finetuned
 from swbert.finetune.engine import process_group
 from swbert.finetune.glue_data import pad_collate
@@ -91,6 +91,10 @@ class SweepConfig:
     # the device has a variable-length attention kernel (CUDA); off pads batches grouped by length;
     # on without such a kernel runs the per-sequence reference (ours: the paper says nothing of it)
     unpad: Literal["auto", "on", "off"] = "auto"
+    # torch.compile the training forward, batches padded up to multiples of 64 tokens so it sees a few
+    # shapes (ours): auto is on for CUDA runs with padded batches (an unpadded stream changes length
+    # every batch), off on CPU; on needs padded batches (--unpad off)
+    compile: Literal["auto", "on", "off"] = "auto"
 
     def check(self) -> None:
         load_plugins(self.plugins)
@@ -133,6 +137,7 @@ class SweepConfig:
             max_steps=self.max_steps,
             deepspeed_config=self.deepspeed,
             group_by_length=not self.unpadded(),
+            compile=self.compiled(),
             num_workers=self.num_workers,
         )
 
@@ -144,9 +149,24 @@ class SweepConfig:
         """How this sweep's batches are formed, as trials record it (the Figure 3 table says it)."""
         return "unpadded" if self.unpadded() else "grouped"
 
+    def compiled(self) -> bool:
+        """Whether this sweep's runs are compiled (`--compile`, on this process's device)."""
+        if self.compile == "on" and self.unpadded():
+            raise ValueError(
+                "--compile on compiles padded batches in length buckets, not unpadded ones: add "
+                "--unpad off, or leave --compile auto (on for CUDA runs with padded batches)"
+            )
+        on_gpu = default_device().type == "cuda"
+        return self.compile == "on" or (self.compile == "auto" and on_gpu and not self.unpadded())
+
     def collate(self, pad_token_id: int) -> Callable[[list[dict]], dict]:
-        """The batches of this sweep's runs: one token stream when unpadded, else padded."""
-        return unpad_collate(pad_token_id) if self.unpadded() else pad_collate(pad_token_id)
+        """The batches of this sweep's runs: one token stream when unpadded, else padded (to length
+        buckets when compiled, at most the launcher's --max-seq-length)."""
+        if self.unpadded():
+            return unpad_collate(pad_token_id)
+        if self.compiled():
+            return pad_collate(pad_token_id, COMPILE_BUCKET, getattr(self, "max_seq_length", None))
+        return pad_collate(pad_token_id)
 
     def params(self) -> dict[str, str]:
         """The flags as MLflow params of the parent run (lists joined with spaces)."""

@@ -30,7 +30,9 @@ from swbert.finetune.engine import (
     DEFAULT_DS_CONFIG,
     Engine,
     build_engine,
+    compile_training,
     process_group,
+    uncompile,
 )
 from swbert.finetune.metrics import selection_value
 from swbert.runtime.ds_config import BatchShape, Flags, build_ds_config, resolve_precision
@@ -68,6 +70,11 @@ class FinetuneConfig:
     """Optimiser steps between logged training losses: the only steps that read the loss back."""
     group_by_length: bool = False
     """Batches of similar lengths (swbert.finetune.batching), for padded batches: less padding."""
+    compile: bool = False
+    """torch.compile the training forward (`swbert.finetune.engine.compile_training`); the collate
+    should pad to length buckets (`pad_collate(..., bucket=COMPILE_BUCKET)`), as the sweeps' does."""
+    compile_backend: Any = "inductor"
+    """torch.compile's backend: a name, or a callable (tests record the graphs with one)."""
 
 
 @dataclass
@@ -287,6 +294,8 @@ def start_run(
     engine = build_engine(
         model, ds_cfg, cfg.learning_rate, cfg.weight_decay, total, int(cfg.warmup_ratio * total), on_gpu
     )
+    if cfg.compile:
+        compile_training(engine.module, cfg.compile_backend)
     bar = progress_bar(total, bar_desc, unit="step", leave=False)
     return FitRun(engine, loader, cfg, total, log_metrics, bar)
 
@@ -318,4 +327,5 @@ def fit(
                     break
         finally:
             run.bar.close()
+            uncompile(model)
         return run.finish()
