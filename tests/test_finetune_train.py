@@ -316,19 +316,21 @@ def _sum_over_ranks() -> None:
 @pytest.mark.slow
 def test_ranks_start_after_an_in_process_fine_tuning_run():
     """A fine-tuning run in a plain process starts and ends a 1-rank process group; the process is
-    left as it was (no group, the environment unchanged), and ranks started after it in the same
-    process finish. Forked from this process, they waited forever on a lock held by a thread of the
+    left as it was (no group, the environment unchanged, no loader worker), and ranks started after
+    it in the same process finish. Forked from this process, they waited forever on a lock held by a thread of the
     old group: `run_ranks` starts them from a fresh process, and its timeout turns a hang into a
     failure."""
     import deepspeed  # noqa: F401  (its import sets a variable of its own, once per process)
+    import psutil
 
     from tests.test_parallel_harness import run_ranks
 
-    env = dict(os.environ)
+    env, children = dict(os.environ), {c.pid for c in psutil.Process().children()}
     cfg = FinetuneConfig(learning_rate=1e-3, epochs=1, batch_size=8, precision="fp32", num_workers=1)
     fit(_two_rank_model(), _two_rank_data(), pad_collate(0), lambda m: {"validation/score": 0.0},
         "validation/score", cfg)  # fmt: skip
     assert not torch.distributed.is_initialized() and dict(os.environ) == env
+    assert {c.pid for c in psutil.Process().children()} <= children  # the loader's workers ended
     run_ranks(_sum_over_ranks, 2, timeout=240)
     run_ranks(_sum_over_ranks, 2, deepspeed=True, timeout=240)
 
