@@ -15,18 +15,23 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import random
 from collections.abc import Callable, Iterator, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from swbert.models.varlen import varlen_kernel
+from swbert.runtime.ranks import ParallelDims
 
 log = logging.getLogger(__name__)
 
 Unpad = Literal["auto", "on", "off"]
+# Compiled runs pad each batch up to a multiple of this many tokens (ours): a few shapes (two for
+# GLUE's 128 tokens, six for SQuAD's 384), so torch.compile builds a few graphs, not one per length.
+COMPILE_BUCKET = 64
 Batch = dict[str, torch.Tensor | int]
 
 
@@ -149,23 +154,48 @@ def dataset_lengths(dataset: Dataset) -> list[int]:
 
 
 def train_loader(
-    train_set: Dataset, collate: Callable, micro: int, world: int, rank: int, seed: int, grouped: bool
-) -> tuple[torch.utils.data.DataLoader, Sampler | None]:
-    """The training DataLoader and the sampler whose `set_epoch` reshuffles it: length-grouped
-    batches, or random ones (a DistributedSampler's share when world > 1)."""
-    from torch.utils.data import DataLoader, DistributedSampler
+    train_set: Dataset,
+    collate: Callable,
+    micro: int,
+    dims: ParallelDims,
+    seed: int,
+    workers: int,
+    grouped: bool,
+) -> DataLoader:
+    """This rank's share of the training set, reshuffled every epoch (`epoch_sampler(loader).set_epoch`):
+    length-grouped batches, or random ones from the same `DistributedSampler` on 1 rank as on N.
 
-    if grouped:
-        sampler = LengthGroupedBatchSampler(dataset_lengths(train_set), micro, seed, world, rank)
-        return DataLoader(train_set, batch_sampler=sampler, collate_fn=collate), sampler
-    distributed = DistributedSampler(train_set, world, rank, shuffle=True, seed=seed) if world > 1 else None
-    loader = DataLoader(
-        train_set,
-        batch_size=micro,
-        shuffle=distributed is None,
-        sampler=distributed,
-        generator=torch.Generator().manual_seed(seed),
+    Batches are collated in ``workers`` persistent processes (forked once per run and kept over its
+    epochs: starting them costs more than an epoch of a small GLUE task), seeded per run; pinned
+    memory on CUDA makes the copy to the GPU asynchronous."""
+    common: dict[str, Any] = dict(
         collate_fn=collate,
-        drop_last=False,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        prefetch_factor=2 if workers > 0 else None,
+        worker_init_fn=seed_worker,
+        generator=torch.Generator().manual_seed(seed),
+        pin_memory=torch.cuda.is_available(),
     )
-    return loader, distributed
+    if grouped:
+        batches = LengthGroupedBatchSampler(dataset_lengths(train_set), micro, seed, dims.world, dims.rank)
+        return DataLoader(train_set, batch_sampler=batches, **common)
+    sampler = DistributedSampler(train_set, dims.world, dims.rank, shuffle=True, seed=seed)
+    return DataLoader(train_set, batch_size=micro, sampler=sampler, drop_last=False, **common)
+
+
+def epoch_sampler(loader: DataLoader) -> Any:
+    """The sampler of a `train_loader` whose `set_epoch` reshuffles it."""
+    return (
+        loader.batch_sampler
+        if isinstance(loader.batch_sampler, LengthGroupedBatchSampler)
+        else loader.sampler
+    )
+
+
+def seed_worker(worker_id: int) -> None:
+    """Seed Python's and NumPy's generators in a loader worker from the seed DataLoader gave torch
+    there (the loader's generator, plus the worker id), so a collate that draws repeats per run seed."""
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)

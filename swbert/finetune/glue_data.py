@@ -207,15 +207,21 @@ class EncodedDataset(torch.utils.data.Dataset):
         return item
 
 
-def pad_collate(pad_token_id: int):
+def pad_collate(pad_token_id: int, bucket: int = 1, longest: int | None = None):
     """A DataLoader ``collate_fn`` that pads ``input_ids`` with ``pad_token_id`` and the rest with 0.
 
     A batch without padding (equal lengths, masks all ones) gets no ``attention_mask``: known here on
-    the host, it spares the model a mask (and GPUs their flash-attention kernel) without a device read."""
+    the host, it spares the model a mask (and GPUs their flash-attention kernel) without a device read.
+    With ``bucket`` > 1 (compiled runs) every batch is padded up to a multiple of ``bucket`` tokens (at
+    most ``longest``) and keeps its mask, so the compiler sees one shape per bucket."""
 
     def collate(items: list[dict]) -> dict[str, torch.Tensor]:
         length = max(len(it["input_ids"]) for it in items)
-        padded = any(len(it["input_ids"]) != length or not all(it.get("attention_mask", [1])) for it in items)
+        if bucket > 1:
+            length = max(length, min(-(-length // bucket) * bucket, longest or length))
+        padded = bucket > 1 or any(
+            len(it["input_ids"]) != length or not all(it.get("attention_mask", [1])) for it in items
+        )
         out: dict[str, torch.Tensor] = {}
         for key, value in items[0].items():
             if key == "attention_mask" and not padded:

@@ -19,8 +19,9 @@ from typing import Any, Literal
 
 from torch import nn
 
-from swbert.finetune.batching import resolve_unpad, unpad_collate
+from swbert.finetune.batching import COMPILE_BUCKET, resolve_unpad, unpad_collate
 from swbert.finetune.checkpoint import Checkpoint, parse_checkpoints, save_finetuned
+from swbert.finetune.engine import process_group
 from swbert.finetune.glue_data import pad_collate
 from swbert.finetune.metrics import selection_value
 from swbert.finetune.results import Trial, nest_metrics
@@ -74,8 +75,11 @@ class SweepConfig:
     # fine-tuned models kept on disk: the median seed's at the best learning rate, all, or none
     keep: Literal["none", "median", "all"] = "median"
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    # DeepSpeed JSON (a path or a ds_configs/ name, stages 0-2), used with a world size > 1
+    # DeepSpeed JSON (a path or a ds_configs/ name, stages 0-2); every run is a DeepSpeed engine, one
+    # process too (default: zero2.json)
     deepspeed: str | None = None
+    # DataLoader processes per rank that collate training batches (0: on the training thread)
+    num_workers: int = 1
     experiment: str = DEFAULT_EXPERIMENT  # MLflow experiment name
     # MLflow store (default: $MLFLOW_TRACKING_URI, else <output-dir>/mlflow.db)
     tracking_uri: str | None = None
@@ -87,12 +91,20 @@ class SweepConfig:
     # the device has a variable-length attention kernel (CUDA); off pads batches grouped by length;
     # on without such a kernel runs the per-sequence reference (ours: the paper says nothing of it)
     unpad: Literal["auto", "on", "off"] = "auto"
+    # torch.compile the training forward, batches padded up to multiples of 64 tokens so it sees a few
+    # shapes (ours): auto is on for CUDA runs with padded batches (an unpadded stream changes length
+    # every batch), off on CPU; on needs padded batches (--unpad off)
+    compile: Literal["auto", "on", "off"] = "auto"
 
     def check(self) -> None:
         load_plugins(self.plugins)
         for name in ("epochs", "batch_size", "eval_batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.num_workers < 0:
+            raise ValueError(
+                f"--num-workers {self.num_workers} must be 0 or more (0: collate on the training thread)"
+            )
         if not self.learning_rates or not self.seeds:
             raise ValueError("--learning-rates and --seeds each need at least one value")
 
@@ -125,6 +137,8 @@ class SweepConfig:
             max_steps=self.max_steps,
             deepspeed_config=self.deepspeed,
             group_by_length=not self.unpadded(),
+            compile=self.compiled(),
+            num_workers=self.num_workers,
         )
 
     def unpadded(self) -> bool:
@@ -135,9 +149,24 @@ class SweepConfig:
         """How this sweep's batches are formed, as trials record it (the Figure 3 table says it)."""
         return "unpadded" if self.unpadded() else "grouped"
 
+    def compiled(self) -> bool:
+        """Whether this sweep's runs are compiled (`--compile`, on this process's device)."""
+        if self.compile == "on" and self.unpadded():
+            raise ValueError(
+                "--compile on compiles padded batches in length buckets, not unpadded ones: add "
+                "--unpad off, or leave --compile auto (on for CUDA runs with padded batches)"
+            )
+        on_gpu = default_device().type == "cuda"
+        return self.compile == "on" or (self.compile == "auto" and on_gpu and not self.unpadded())
+
     def collate(self, pad_token_id: int) -> Callable[[list[dict]], dict]:
-        """The batches of this sweep's runs: one token stream when unpadded, else padded."""
-        return unpad_collate(pad_token_id) if self.unpadded() else pad_collate(pad_token_id)
+        """The batches of this sweep's runs: one token stream when unpadded, else padded (to length
+        buckets when compiled, at most the launcher's --max-seq-length)."""
+        if self.unpadded():
+            return unpad_collate(pad_token_id)
+        if self.compiled():
+            return pad_collate(pad_token_id, COMPILE_BUCKET, getattr(self, "max_seq_length", None))
+        return pad_collate(pad_token_id)
 
     def params(self) -> dict[str, str]:
         """The flags as MLflow params of the parent run (lists joined with spaces)."""
@@ -157,7 +186,8 @@ def run_sweep(sweep: SweepConfig, kind: str, run: Callable[[Any, Tracker], objec
     tracker = open_tracker(sweep)
     mark_killed_sweep(tracker, sweep.output_dir)  # a killed sweep's runs would stay RUNNING
     name = sweep.run_name or f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
-    with tracker.sweep(name, f"{kind}_sweep", sweep.params()) as parent:
+    # one process group for the sweep's runs (a 1-rank one in a plain process: see `process_group`)
+    with process_group(), tracker.sweep(name, f"{kind}_sweep", sweep.params()) as parent:
         remember_sweep(tracker, sweep.output_dir, parent)
         run(sweep, tracker)
     report_sweep(tracker, sweep, parent)

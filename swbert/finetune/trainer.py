@@ -1,11 +1,12 @@
-"""The one fine-tuning loop, shared by GLUE and SQuAD.
+"""The one fine-tuning loop, shared by GLUE, SQuAD, TriviaQA and the models the robustness and
+cross-domain evaluations read.
 
 AdamW (no weight decay on biases, LayerNorm weights and other 1-D scales), linear warm-up then linear
 decay, gradient clipping, an evaluation on dev after every epoch, and the best epoch's weights kept and
-restored at the end (best-checkpoint selection; optional early stopping with ``patience``). Launched
-with a world size above one (``deepspeed`` or ``torchrun``), the same loop runs under
-``deepspeed.initialize``; the DeepSpeed config gets its batch size, clipping and precision from here,
-so the two cannot disagree.
+restored at the end (best-checkpoint selection; optional early stopping with ``patience``). One
+process or many, the model trains in a DeepSpeed engine whose config gets its batch size, clipping
+and precision from here, so the two cannot disagree and the precision does not depend on the number
+of GPUs (`swbert.finetune.engine`). A step reads nothing back from the device but on logging steps.
 """
 
 from __future__ import annotations
@@ -24,10 +25,17 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from swbert.finetune.batching import train_loader
+from swbert.finetune.batching import epoch_sampler, train_loader
+from swbert.finetune.engine import (
+    DEFAULT_DS_CONFIG,
+    Engine,
+    build_engine,
+    compile_training,
+    process_group,
+    uncompile,
+)
 from swbert.finetune.metrics import selection_value
 from swbert.runtime.ds_config import BatchShape, Flags, build_ds_config, resolve_precision
-from swbert.runtime.optim import build_optimizer, build_scheduler
 from swbert.runtime.ranks import ParallelDims
 
 log = logging.getLogger(__name__)
@@ -51,13 +59,22 @@ class FinetuneConfig:
     patience: int = 0
     """Stop after this many epochs without a better dev score (0: run all epochs)."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """auto: bf16 on GPU, fp32 on CPU (as pretraining). Single-process runs use autocast; fp16 needs
-    DeepSpeed's loss scaling."""
+    """auto: bf16 on GPU, fp32 on CPU (as pretraining): DeepSpeed's, on one GPU as on many."""
     max_steps: int | None = None
     """Stop after this many optimiser steps (smoke runs); the schedule is sized to it."""
     deepspeed_config: str | None = None
+    """DeepSpeed JSON (a path or a ds_configs/ name, ZeRO stages 0-2); None: zero2.json."""
+    num_workers: int = 1
+    """DataLoader processes that collate training batches (0: on the training thread, for debugging)."""
+    log_every: int = 50
+    """Optimiser steps between logged training losses: the only steps that read the loss back."""
     group_by_length: bool = False
     """Batches of similar lengths (swbert.finetune.batching), for padded batches: less padding."""
+    compile: bool = False
+    """torch.compile the training forward (`swbert.finetune.engine.compile_training`); the collate
+    should pad to length buckets (`pad_collate(..., bucket=COMPILE_BUCKET)`), as the sweeps' does."""
+    compile_backend: Any = "inductor"
+    """torch.compile's backend: a name, or a callable (tests record the graphs with one)."""
 
 
 @dataclass
@@ -140,108 +157,6 @@ def _state_on_cpu(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @dataclass
-class _Setup:
-    """What `fit` trains with, set up once: the loader, the step's optimiser (DeepSpeed's engine when
-    launched with more than one rank) and the precision context."""
-
-    info: ParallelDims
-    device: torch.device
-    loader: DataLoader
-    sampler: Any
-    total: int  # optimiser steps of the whole fit
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    engine: Any  # deepspeed.DeepSpeedEngine, or None in a single process
-    module: nn.Module  # the bare model: evaluation, state dicts
-    autocast: torch.autocast
-
-    def train_step(self, batch: dict, max_grad_norm: float) -> float:
-        """One optimiser step on `batch`; its loss."""
-        batch = move(batch, self.device)
-        with self.autocast:
-            loss = (self.engine or self.module)(**batch).loss
-        if self.engine is not None:
-            self.engine.backward(loss)
-            self.engine.step()
-        else:
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_grad_norm)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        return loss.item()
-
-
-def _set_up(model: nn.Module, train_set: Dataset, collate: Callable, cfg: FinetuneConfig) -> _Setup:
-    info = ParallelDims.from_env()
-    if info.world > 1 and not cfg.deepspeed_config:
-        raise ValueError(
-            f"launched with world size {info.world}: pass --deepspeed CONFIG for multi-GPU fine-tuning"
-        )
-    use_ds = info.world > 1
-    if use_ds:
-        from swbert.runtime.dist import init_distributed
-
-        init_distributed()  # NCCL on GPU, gloo on CPU; sets this rank's GPU; a no-op when already up
-    device = default_device(info)
-    precision = resolve_precision(cfg.precision, device.type == "cuda")
-    if precision == "fp16" and not use_ds:
-        raise ValueError(
-            "--precision fp16 needs DeepSpeed's loss scaling; use bf16, or launch with --deepspeed"
-        )
-    model.to(device)
-    micro = cfg.batch_size // info.world
-    loader, sampler = train_loader(
-        train_set, collate, micro, info.world, info.rank, cfg.seed, cfg.group_by_length
-    )
-    if len(loader) == 0:
-        raise ValueError("the training split is empty")
-    total = (
-        cfg.epochs * len(loader) if cfg.max_steps is None else min(cfg.max_steps, cfg.epochs * len(loader))
-    )
-    optimizer = build_optimizer(
-        model, cfg.learning_rate, cfg.weight_decay, kind="torch_adamw", on_gpu=device.type == "cuda"
-    )
-    scheduler = build_scheduler(optimizer, total, warmup=int(cfg.warmup_ratio * total))
-    engine = None
-    if use_ds:
-        import deepspeed
-
-        ds_cfg = deepspeed_config(cfg.deepspeed_config, cfg, info.world, precision)
-        engine, optimizer, _, scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg
-        )
-    # DeepSpeed casts the model itself; a single process gets bf16 autocast (fp32 master weights).
-    autocast = torch.autocast(
-        device.type, dtype=torch.bfloat16, enabled=engine is None and precision == "bf16"
-    )
-    module = engine.module if engine is not None else model
-    return _Setup(info, device, loader, sampler, total, optimizer, scheduler, engine, module, autocast)
-
-
-def _train_epoch(
-    run: _Setup, cfg: FinetuneConfig, epoch: int, step: int, bar: Any, log_metrics: Callable | None
-) -> int:
-    """One pass (or what is left of `run.total`) over the training set; the step count after it."""
-    if run.sampler is not None:
-        run.sampler.set_epoch(epoch)
-    run.module.train()
-    running, seen = 0.0, 0
-    for batch in run.loader:
-        running += run.train_step(batch, cfg.max_grad_norm)
-        step, seen = step + 1, seen + 1
-        bar.update(1)
-        if log_metrics and run.info.is_main and (step % 50 == 0 or step == run.total):
-            log_metrics({"train/loss": running / seen, "train/lr": run.scheduler.get_last_lr()[0]}, step)
-            running, seen = 0.0, 0
-        if step >= run.total:
-            break
-    if run.device.type == "cuda":
-        torch.cuda.synchronize(run.device)  # the epoch's kernels belong to its training time
-    return step
-
-
-@dataclass
 class _Best:
     """The best dev epoch so far, its weights on the CPU, and the epochs since it."""
 
@@ -258,6 +173,133 @@ class _Best:
             self.stale += 1
 
 
+class FitRun:
+    """The state of one `fit`: the engine, the loader, the step count, the loss of the steps since
+    the last logged one (summed on the device) and the best epoch so far.
+
+    `step` is one optimizer step and reads nothing back from the device except on a logging step
+    (every ``log_every`` steps and the last): the loss is read there, once, for the window."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        loader: DataLoader,
+        cfg: FinetuneConfig,
+        total: int,
+        log_metrics: Callable[[dict[str, float], int], None] | None,
+        bar: Any,
+    ) -> None:
+        self.e, self.loader, self.cfg, self.total, self.bar = engine, loader, cfg, total, bar
+        self.log_metrics = log_metrics if ParallelDims.from_env().is_main else None
+        self.device = engine.engine.device
+        self.steps, self.window_steps = 0, 0
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.best = _Best()
+        self.result = FitResult(best_metrics={}, best_epoch=-1, steps_per_epoch=len(loader))
+
+    @property
+    def done(self) -> bool:
+        return self.steps >= self.total
+
+    def train_epoch(self, epoch: int) -> None:
+        """One pass over this rank's share (or up to ``total`` steps), timed with its kernels: the
+        accelerator is synchronised once at the end, so the epoch's time is its own."""
+        from deepspeed.accelerator import get_accelerator
+
+        epoch_sampler(self.loader).set_epoch(epoch)
+        self.e.engine.train()
+        started = time.perf_counter()
+        for batch in self.loader:
+            self.step(batch)
+            if self.done:
+                break
+        get_accelerator().synchronize()
+        self.result.train_seconds += time.perf_counter() - started
+
+    def step(self, batch: dict[str, torch.Tensor]) -> None:
+        """Forward, backward and update of one batch; the loss joins the window's sum on the device."""
+        loss = self.e.engine(**move(batch, self.device)).loss
+        self.e.engine.backward(loss)
+        self.e.engine.step()
+        self.loss_sum += loss.detach().float()
+        self.steps += 1
+        self.window_steps += 1
+        self.bar.update(1)
+        if self.steps % self.cfg.log_every == 0 or self.done:
+            self.log_window()
+
+    def log_window(self) -> None:
+        """The mean training loss of the steps since the last logged one (this rank's: one read, no
+        collective) and the learning rate."""
+        if self.log_metrics is not None:
+            loss = self.loss_sum.item() / self.window_steps
+            self.log_metrics({"train/loss": loss, "train/lr": self.e.scheduler.get_last_lr()[0]}, self.steps)
+        self.loss_sum.zero_()
+        self.window_steps = 0
+
+    def end_epoch(self, epoch: int, evaluate: Callable[[nn.Module], dict[str, float]], select: str) -> bool:
+        """Evaluate on dev, keep the weights if the epoch is the best so far; True to stop (the step
+        budget is spent, or ``patience`` epochs passed without a better score)."""
+        module = self.e.module
+        started = time.perf_counter()
+        module.eval()
+        with torch.no_grad():
+            metrics = evaluate(module)
+        self.result.eval_seconds += time.perf_counter() - started
+        metrics["epoch"] = float(epoch)
+        self.result.history.append(metrics)
+        if self.log_metrics is not None:
+            dev = {f"dev/{k}": v for k, v in metrics.items() if k != "epoch" and not math.isnan(v)}
+            self.log_metrics(dev, self.steps)
+        self.bar.set_postfix({select: f"{metrics[select]:.4f}", "epoch": epoch})
+        self.best.update(module, metrics, select, self.result)
+        log.info(
+            "epoch %d step %d: %s=%.4f (best %.4f at epoch %d)",
+            *(epoch, self.steps, select, metrics[select], self.best.value, self.result.best_epoch),
+        )
+        return self.done or bool(self.cfg.patience and self.best.stale >= self.cfg.patience)
+
+    def finish(self) -> FitResult:
+        """The best epoch's weights back into the model, the engine's hooks dropped: a stepped
+        learning-rate plan fits the same model again with a new engine."""
+        self.result.steps = self.steps
+        if self.best.state is not None:
+            self.e.module.load_state_dict(self.best.state)
+        self.e.engine.destroy()
+        return self.result
+
+
+def start_run(
+    model: nn.Module,
+    train_set: Dataset,
+    collate: Callable,
+    cfg: FinetuneConfig,
+    dims: ParallelDims,
+    log_metrics: Callable[[dict[str, float], int], None] | None,
+    bar_desc: str,
+) -> FitRun:
+    """The loader, the step budget and the engine of one `fit` (the DeepSpeed config filled from
+    ``cfg`` as pretraining fills its own)."""
+    on_gpu = torch.cuda.is_available()
+    precision = resolve_precision(cfg.precision, on_gpu)
+    ds_cfg = deepspeed_config(cfg.deepspeed_config or DEFAULT_DS_CONFIG, cfg, dims.world, precision)
+    micro = cfg.batch_size // dims.world
+    loader = train_loader(train_set, collate, micro, dims, cfg.seed, cfg.num_workers, cfg.group_by_length)
+    if len(loader) == 0:
+        raise ValueError("the training split is empty")
+    total = (
+        cfg.epochs * len(loader) if cfg.max_steps is None else min(cfg.max_steps, cfg.epochs * len(loader))
+    )
+    model.to(default_device(dims))
+    engine = build_engine(
+        model, ds_cfg, cfg.learning_rate, cfg.weight_decay, total, int(cfg.warmup_ratio * total), on_gpu
+    )
+    if cfg.compile:
+        compile_training(engine.module, cfg.compile_backend)
+    bar = progress_bar(total, bar_desc, unit="step", leave=False)
+    return FitRun(engine, loader, cfg, total, log_metrics, bar)
+
+
 def fit(
     model: nn.Module,
     train_set: Dataset,
@@ -271,42 +313,19 @@ def fit(
     """Fine-tune ``model`` in place; on return it holds the weights of the best dev epoch.
 
     ``evaluate(model)`` returns dev metrics; ``select`` names the one to maximise. ``log_metrics``
-    (rank 0 only) receives the training loss and learning rate every few steps and the dev metrics
-    after every epoch (keys prefixed ``dev/``), with the optimiser step as ``step``. Rank 0 shows a
-    progress bar over the steps, labelled ``desc``.
+    (rank 0 only) receives the training loss and learning rate every ``cfg.log_every`` steps and the
+    dev metrics after every epoch (keys prefixed ``dev/``), with the optimiser step as ``step``. Rank 0
+    shows a progress bar over the steps, labelled ``desc``. One process or many, the model trains in
+    a DeepSpeed engine (see `swbert.finetune.engine`).
     """
-    run = _set_up(model, train_set, collate, cfg)
-    result = FitResult(best_metrics={}, best_epoch=-1, steps_per_epoch=len(run.loader))
-    best, step = _Best(), 0
-    bar = progress_bar(run.total, desc, unit="step", leave=False)
-    for epoch in range(cfg.epochs):
-        started = time.perf_counter()
-        step = _train_epoch(run, cfg, epoch, step, bar, log_metrics)
-        result.train_seconds += time.perf_counter() - started
-        started = time.perf_counter()
-        run.module.eval()
-        with torch.no_grad():
-            metrics = evaluate(run.module)
-        result.eval_seconds += time.perf_counter() - started
-        metrics["epoch"] = float(epoch)
-        result.history.append(metrics)
-        if log_metrics and run.info.is_main:
-            log_metrics(
-                {f"dev/{k}": v for k, v in metrics.items() if k != "epoch" and not math.isnan(v)}, step
-            )
-        bar.set_postfix({select: f"{metrics[select]:.4f}", "epoch": epoch})
-        best.update(run.module, metrics, select, result)
-        log.info(
-            "epoch %d step %d: %s=%.4f (best %.4f at epoch %d)",
-            epoch, step, select, metrics[select], best.value, result.best_epoch,
-        )  # fmt: skip
-        if step >= run.total or (cfg.patience and best.stale >= cfg.patience):
-            break
-    bar.close()
-    result.steps = step
-    if best.state is not None:
-        run.module.load_state_dict(best.state)
-    if run.engine is not None:
-        # drop the engine's gradient hooks: a stepped learning-rate plan fits the same model again
-        run.engine.destroy()
-    return result
+    with process_group() as dims:
+        run = start_run(model, train_set, collate, cfg, dims, log_metrics, desc)
+        try:
+            for epoch in range(cfg.epochs):
+                run.train_epoch(epoch)
+                if run.end_epoch(epoch, evaluate, select):
+                    break
+        finally:
+            run.bar.close()
+            uncompile(model)
+        return run.finish()

@@ -20,7 +20,7 @@ from data_prep.preprocess import preprocess
 from data_prep.sources import InputError
 from data_prep.train_tokenizer import train_tokenizer
 from data_prep.verify import verify_dir
-from tests.launch_utils import write_corpus
+from tests.launch_utils import _rank_context, write_corpus
 
 ARGS = {"workers": 1, "shard_bytes": 8 << 10, "valid_fraction": 0.1, "progress": False}
 
@@ -47,12 +47,13 @@ def _run_task(argv: list[str], log: str) -> None:
 
 
 def _task(corpus: dict, out: Path, index: int) -> multiprocessing.Process:
-    """Task `index` of 2 as a process forked from this one (modules already imported: a second
-    interpreter would spend seconds importing torch through swbert)."""
+    """Task `index` of 2 as a process forked from the tests' fork server (torch already imported
+    there: a second interpreter would spend seconds importing it through swbert; never forked from
+    this process, which may have run a process group: tests/parallel/test_parallel_harness.py says why)."""
     argv = ["--input", *corpus["inputs"], "--tokenizer", str(corpus["tok"]), "--output", str(out),
             "--workers", "1", "--shard-size", "8K", "--valid-fraction", "0.1", "--no-progress",
             "--num-tasks", "2", "--task-index", str(index)]  # fmt: skip
-    process = multiprocessing.get_context("fork").Process(target=_run_task, args=(argv, f"{out}-{index}.log"))
+    process = _rank_context().Process(target=_run_task, args=(argv, f"{out}-{index}.log"))
     process.start()
     return process
 

@@ -16,7 +16,7 @@ import pytest
 
 from swbert.data.integrity import CACHE_NAME, ShardCorrupt, assign, manifest_files, verify_shards
 from swbert.data.manifest import read_manifest
-from tests.launch_utils import free_port, run_single
+from tests.launch_utils import _rank_context, free_port, run_single
 
 
 def corrupt_token(data_dir: Path) -> Path:
@@ -84,11 +84,9 @@ def _verify_on_rank(rank: int, data_dir: Path, run_dir: Path, port: int, results
 
 
 def _two_ranks(data_dir: Path, run_dir: Path) -> dict[int, tuple]:
-    import multiprocessing
-
-    import swbert.training.data  # noqa: F401  (imported once, before the fork)
-
-    context = multiprocessing.get_context("fork")  # no re-import of torch: two ranks in seconds
+    # ranks from the fork server (torch imported there once: two ranks in seconds), never forked from
+    # this process, which may have run a process group (tests/parallel/test_parallel_harness.py says why)
+    context = _rank_context()
     results, port = context.Queue(), free_port()
     ranks = [
         context.Process(target=_verify_on_rank, args=(r, data_dir, run_dir, port, results)) for r in (0, 1)

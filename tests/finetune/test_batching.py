@@ -9,15 +9,18 @@ import numpy as np
 import pytest
 import torch
 from torch.testing import assert_close
+from torch.utils.data import DistributedSampler
 
 from swbert import SWBertConfig, SWBertForSequenceClassification
 from swbert.finetune.batching import (
     LengthGroupedBatchSampler,
+    epoch_sampler,
     resolve_unpad,
     train_loader,
     unpad_collate,
 )
 from swbert.finetune.glue_data import EncodedDataset, pad_collate
+from swbert.runtime.ranks import ParallelDims
 
 
 def dataset(lengths: list[int], seed: int = 0) -> EncodedDataset:
@@ -82,10 +85,11 @@ def test_grouped_rank_shares_partition_the_global_batches():
 
 def test_train_loader_groups_only_when_asked():
     data = dataset(np.random.default_rng(2).integers(2, 40, 64).tolist())
-    grouped, sampler = train_loader(data, pad_collate(0), 8, 1, 0, seed=0, grouped=True)
-    assert isinstance(sampler, LengthGroupedBatchSampler) and len(grouped) == 8
-    plain, none = train_loader(data, pad_collate(0), 8, 1, 0, seed=0, grouped=False)
-    assert none is None and len(plain) == 8
+    one = ParallelDims()  # one process
+    grouped = train_loader(data, pad_collate(0), 8, one, seed=0, workers=0, grouped=True)
+    assert isinstance(epoch_sampler(grouped), LengthGroupedBatchSampler) and len(grouped) == 8
+    plain = train_loader(data, pad_collate(0), 8, one, seed=0, workers=0, grouped=False)
+    assert isinstance(epoch_sampler(plain), DistributedSampler) and len(plain) == 8
 
     def padded_tokens(loader):
         return sum(b["input_ids"].numel() for b in loader)
@@ -143,3 +147,19 @@ def test_fit_and_span_prediction_run_unpadded():
     assert_close(torch.from_numpy(start[real]), torch.from_numpy(ref_start[real]))
     assert_close(torch.from_numpy(end[real]), torch.from_numpy(ref_end[real]))
     assert (start[~real] == np.finfo(np.float32).min).all()
+
+
+def test_compiled_sweeps_pad_to_length_buckets_and_refuse_unpadded_batches(tmp_path):
+    """--compile on pads every batch up to a multiple of 64 tokens, at most --max-seq-length, and keeps
+    the mask; auto compiles nothing on a CPU; on with unpadded batches is a one-line error."""
+    from swbert.finetune.glue import GlueSweep
+
+    items = [{"input_ids": [2] * n, "attention_mask": [1] * n, "labels": 0} for n in (3, 70)]
+    compiled = GlueSweep(["c"], tmp_path, compile="on", unpad="off", max_seq_length=100)
+    assert compiled.compiled() and compiled.finetune_config().compile
+    batch = compiled.collate(0)(items)
+    assert batch["input_ids"].shape == (2, 100) and batch["attention_mask"].sum() == 73
+    assert compiled.collate(0)(items[:1])["input_ids"].shape == (1, 64)
+    assert not GlueSweep(["c"], tmp_path, compile="auto", unpad="off").compiled()  # a CPU
+    with pytest.raises(ValueError, match="--compile on compiles padded batches.*--unpad off"):
+        GlueSweep(["c"], tmp_path, compile="on", unpad="on").compiled()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import runpy
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -293,6 +295,76 @@ def test_fit_restores_the_best_epoch_and_stops_early():
     assert not torch.equal(snapshots[1]["classifier.weight"], snapshots[3]["classifier.weight"])
 
 
+def test_one_process_trains_in_deepspeeds_precision_as_ranks_do():
+    """A single process trains in a DeepSpeed engine too, so bf16 is DeepSpeed's there as on N ranks
+    (bf16 weights, fp32 master weights in the optimizer), not autocast over fp32 weights."""
+    model, evaluated = _two_rank_model(), []
+    cfg = FinetuneConfig(learning_rate=1e-3, epochs=1, batch_size=8, precision="bf16")
+    fit(model, _two_rank_data(), pad_collate(0), lambda m: evaluated.append(m) or {"validation/score": 0.0},
+        "validation/score", cfg)  # fmt: skip
+    assert evaluated == [model]  # the engine's module is the model itself
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert not torch.distributed.is_initialized()  # the 1-rank group is gone with the run
+
+
+def _sum_over_ranks() -> None:
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total)
+    assert total.item() == torch.distributed.get_world_size()
+
+
+@pytest.mark.slow
+def test_ranks_start_after_an_in_process_fine_tuning_run():
+    """A fine-tuning run in a plain process starts and ends a 1-rank process group; the process is
+    left as it was (no group, the environment unchanged, no loader worker), and ranks started after
+    it in the same process finish. Forked from this process, they waited forever on a lock held by a thread of the
+    old group: `run_ranks` starts them from a fresh process, and its timeout turns a hang into a
+    failure."""
+    import deepspeed  # noqa: F401  (its import sets a variable of its own, once per process)
+    import psutil
+
+    from tests.parallel.test_parallel_harness import run_ranks
+
+    env, children = dict(os.environ), {c.pid for c in psutil.Process().children()}
+    cfg = FinetuneConfig(learning_rate=1e-3, epochs=1, batch_size=8, precision="fp32", num_workers=1)
+    fit(_two_rank_model(), _two_rank_data(), pad_collate(0), lambda m: {"validation/score": 0.0},
+        "validation/score", cfg)  # fmt: skip
+    assert not torch.distributed.is_initialized() and dict(os.environ) == env
+    assert {c.pid for c in psutil.Process().children()} <= children  # the loader's workers ended
+    run_ranks(_sum_over_ranks, 2, deepspeed=True, timeout=240)  # as the 2-rank fine-tuning test does
+
+
+def test_compiled_fine_tuning_sees_one_shape_per_length_bucket():
+    """Compiled runs pad each batch up to a length bucket, so torch.compile builds graphs for one
+    shape per bucket, not one per batch length: an epoch of five length-grouped batches, of 3, 5, 7,
+    12 and 14 tokens, runs in two shapes (buckets of 8 tokens), each compiled once. A recording
+    backend (no code generation) keeps it fast."""
+    graphs, lengths = [], []
+
+    def recording(gm, example_inputs):
+        ids = [t for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() == 2]
+        graphs.append(tuple(ids[0].shape))
+        return gm.forward
+
+    texts = [
+        [2] + [5 + (i * j) % 20 for j in range(n - 2)] + [3] for i, n in enumerate([3, 5, 7, 12, 14] * 4)
+    ]
+    data = EncodedDataset({"input_ids": texts, "attention_mask": [[1] * len(t) for t in texts]},
+                          {"labels": torch.tensor([i % 2 for i in range(len(texts))]).numpy()})  # fmt: skip
+    model = _two_rank_model()
+    model.config.problem_type = "single_label_classification"  # as glue.load_classifier sets it
+    model.register_forward_pre_hook(lambda m, a, k: lengths.append(k["input_ids"].shape[1]), with_kwargs=True)
+    cfg = FinetuneConfig(learning_rate=1e-3, epochs=1, batch_size=4, precision="fp32", num_workers=0,
+                         group_by_length=True, compile=True, compile_backend=recording)  # fmt: skip
+    fit(model, data, pad_collate(0, bucket=8, longest=32), lambda m: {"validation/score": 0.0},
+        "validation/score", cfg)  # fmt: skip
+    assert sorted(lengths) == [8, 8, 8, 16, 16]  # five batch lengths, two buckets
+    shapes = Counter(graphs)
+    assert {shape[1] for shape in shapes} == {8, 16}  # both buckets compiled, nothing else
+    assert len(set(shapes.values())) == 1  # as many graphs for each shape: none compiled twice
+    assert "forward" not in model.__dict__  # the model's own forward is back
+
+
 def test_deepspeed_config_is_filled_from_the_flags(tmp_path):
     cfg = FinetuneConfig(batch_size=32, max_grad_norm=1.0)
     ds = deepspeed_config("zero2.json", cfg, world_size=4, precision="bf16")  # a shipped config, by name
@@ -335,22 +407,76 @@ def _two_rank_model() -> SWBertForSequenceClassification:
 
 
 def _fit_full_batch(out: str | None = None) -> dict[str, torch.Tensor]:
-    """Three full-batch epochs; the last is the best, so both runs keep the same epoch's weights."""
+    """Three full-batch epochs; the last is the best, so both runs keep the same epoch's weights. In
+    the ranks (``out``), every training step's host syncs and the collating processes are recorded."""
     model, calls = _two_rank_model(), iter(range(100))
     cfg = FinetuneConfig(learning_rate=1e-3, epochs=3, batch_size=16, precision="fp32",
                       deepspeed_config="zero1.json" if out else None)  # fmt: skip
-    fit(model, _two_rank_data(), pad_collate(0), lambda m: {"validation/score": float(next(calls))},
-        "validation/score", cfg)  # fmt: skip
+    collate = _count_syncs(Path(out), pad_collate(0)) if out else pad_collate(0)
+    logged = (lambda metrics, step: None) if out else None  # the ranks take the logging path too
+    fit(model, _two_rank_data(), collate, lambda m: {"validation/score": float(next(calls))},
+        "validation/score", cfg, logged)  # fmt: skip
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if out:
         torch.save(state, Path(out) / f"rank{torch.distributed.get_rank()}.pt")
     return state
 
 
+def _count_syncs(out: Path, collate):
+    """In a rank: count each training step's host syncs as tests/scripts/count_syncs.py counts
+    pretraining's (its counters; the optimizer a GPU gets, torch's fused AdamW, whose step counters
+    stay on the device), into ``out/syncs-rank<r>.json``; the returned collate leaves a file named
+    by the process that runs it."""
+    import os
+
+    from swbert.finetune import engine, trainer
+    from tests.scripts import count_syncs as counting
+
+    build_optimizer = engine.build_optimizer
+    engine.build_optimizer = lambda *a, **k: build_optimizer(*a, **{**k, "on_gpu": True})
+    counting.install()
+    step, steps = trainer.FitRun.step, []
+    record = out / f"syncs-rank{torch.distributed.get_rank()}.json"
+
+    def counted(self, batch):
+        counting.calls.clear()  # set-up, the loader, the evaluations: not a step's
+        step(self, batch)
+        steps.append({"logged": self.window_steps == 0, "calls": list(counting.calls)})
+        record.write_text(json.dumps({"pid": os.getpid(), "steps": steps}))
+
+    trainer.FitRun.step = counted
+
+    def collate_and_say_who(batch):
+        (out / f"collated-by-{os.getpid()}").touch()
+        return collate(batch)
+
+    return collate_and_say_who
+
+
+# DeepSpeed's own host syncs in a ZeRO-1 fp32 step with gradient clipping, per rank: its checks of the
+# gradient norm, as in pretraining (tests/training/test_host_syncs.py; docs/performance.md says why they stay)
+DEEPSPEED_SYNCS = Counter(
+    {
+        "__bool__@is_invalid_grad_norm<-step": 1,
+        "__bool__@is_invalid_grad_norm<-unscale_and_clip_grads": 2,  # per parameter group
+        "host_to_device@mask_nan_or_inf_with_val_inplace<-get_grad_norm_direct": 2,  # per group
+    }
+)
+
+
+def _syncs(calls: list[dict]) -> dict[str, Counter]:
+    """A step's counted calls by owner (tests/training/test_host_syncs.py's rule), none left out."""
+    from tests.training.test_host_syncs import _count
+
+    return _count(calls)
+
+
 @pytest.mark.slow
 def test_two_ranks_under_deepspeed_train_like_one_process(tmp_path):
     """The DeepSpeed path of ``fit`` (2 gloo ranks, ZeRO-1, the global batch split in two) ends with the
-    weights of a single-process run: gradients averaged over ranks equal the full-batch gradient."""
+    weights of a single-process run: gradients averaged over ranks equal the full-batch gradient. Its
+    batches are collated in loader workers, and a step that logs nothing reads nothing from the device:
+    no host sync of swbert's (counted as tests/training/test_host_syncs.py counts pretraining's)."""
     from tests.parallel.test_parallel_harness import run_ranks
 
     run_ranks(_fit_full_batch, 2, str(tmp_path), deepspeed=True)
@@ -361,6 +487,19 @@ def test_two_ranks_under_deepspeed_train_like_one_process(tmp_path):
         assert torch.equal(ranks[0][name], ranks[1][name]), name  # the ranks agree
         torch.testing.assert_close(ranks[0][name], value, rtol=1e-4, atol=1e-5, msg=name)
     assert not torch.equal(single["classifier.weight"], start["classifier.weight"])  # it did train
+
+    records = [json.loads((tmp_path / f"syncs-rank{r}.json").read_text()) for r in range(2)]
+    collators = {int(f.name.rsplit("-", 1)[1]) for f in tmp_path.glob("collated-by-*")}
+    assert collators and not collators & {r["pid"] for r in records}  # loader workers, not the ranks
+    for rank, record in enumerate(records):
+        assert [s["logged"] for s in record["steps"]] == [False, False, True]  # the last step logs
+        for i, step in enumerate(record["steps"]):
+            counts = _syncs(step["calls"])
+            stacks = "".join(f"\n  {c['kind']}: {c['stack'][-3:]}" for c in step["calls"])
+            where = f"rank {rank}, step {i + 1}: {stacks}"
+            expected = Counter({"item@log_window": 1}) if step["logged"] and rank == 0 else Counter()
+            assert counts["swbert"] == expected, where
+            assert counts["deepspeed"] == DEEPSPEED_SYNCS, where
 
 
 def test_glue_defaults_are_the_papers_appendix(tmp_path, capsys):
@@ -416,9 +555,11 @@ def test_stepped_plan_continues_from_the_best_weights(tmp_path):
         evaluated.append({k: v.clone() for k, v in m.state_dict().items()})
         return {"validation/score": next(scores)}
 
-    def collate(batch):  # called right before each step: the weights that step starts from
-        started.append({k: v.clone() for k, v in model.state_dict().items()})
-        return pad_collate(0)(batch)
+    def record_start(module, args):  # as each step's forward begins: the weights that step starts from
+        started.append({k: v.clone() for k, v in module.state_dict().items()})
+
+    model.register_forward_pre_hook(record_start)  # not in the collate: batches are collated in workers
+    collate = pad_collate(0)
 
     sweep = SweepConfig(
         ["c"], tmp_path, learning_rates=[1e-3, 1e-4, 1e-5], epochs=2, batch_size=8, precision="fp32"

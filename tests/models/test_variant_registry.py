@@ -3,7 +3,7 @@ gets everything swbert derives from a variant class (config validation, paramete
 the parameter table, tensor parallelism, the memory estimate) with no edit under swbert/.
 
 The toy variant is registered by a module fixture and unregistered after, so other test modules see
-the paper's four only. Ranks forked by `run_ranks` inside a test inherit the registration.
+the paper's four only. Ranks started by `run_ranks` (fresh processes) register it themselves.
 """
 
 from __future__ import annotations
@@ -188,6 +188,7 @@ def test_a_parameter_the_plan_does_not_place_is_refused():
 
 
 def _tp2_equals_tp1_and_memory_matches() -> None:
+    register_attention(NAME)(KVGainAttention)  # a rank is a fresh process: the fixture ran elsewhere
     for sequence_parallel in (False, True):
         _check_variant(NAME, sequence_parallel)  # loss, logits, gathered gradients, state dicts
     config = tiny_config(NAME)

@@ -1,21 +1,32 @@
 """Shared pieces of the tensor-parallel tests: real processes on gloo, a tiny model, batches.
 
-`run_ranks(fn, n, ...)` starts n processes (forked from the test process, so they start with its
-imports instead of paying about 10 s each to import torch, DeepSpeed and megatron-core again; a
-free localhost port),
-initializes torch.distributed on gloo in each and calls `fn(*args)`; an assertion failing in
-any rank fails the test with that rank's traceback.
+`run_ranks(fn, n, ...)` starts n processes (forked from tests/launch_utils.py's fork server, which
+has imported torch and DeepSpeed once, so they start in about a second rather than ten; a free
+localhost port), initializes torch.distributed on gloo in each and calls `fn(*args)`; an assertion
+failing in any rank fails the test with that rank's traceback.
+
+The ranks are never forked from the test process itself: a process that has run a process group
+(an in-process fine-tuning run's 1-rank group, say) may hold locks in threads a forked child does
+not get, and a child that needs such a lock waits forever. The server is a fresh interpreter that
+runs no group, so `fn` and its arguments must be picklable: `fn` a module-level function, and
+whatever it needs from the test process passed as an argument (the environment is passed whole).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import shutil
+import signal
 import socket
+import subprocess
+import tempfile
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from swbert.models import SWBertConfig, SWBertForMaskedLM
 
@@ -63,7 +74,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple, deepspeed: bool) -> None:
+def _entry(
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., None],
+    args: tuple,
+    deepspeed: bool,
+    env: dict,
+    log: str,
+    start_method: str,
+) -> None:
+    """One rank, in a process forked from the server: the test's environment and a launcher's
+    variables, a process group, `fn(*args)`; its output into `log`.out, a failure's traceback into
+    `log`.err for the test."""
+    stream = os.open(f"{log}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    for fd in (1, 2):  # not the server's: it has the streams of whichever test started it
+        os.dup2(stream, fd)
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -74,12 +103,23 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tupl
         DS_ACCELERATOR="cpu",
     )
     torch.set_num_threads(1)  # several ranks share a few cores
+    multiprocessing.set_start_method(start_method, force=True)  # a rank's loader workers: the test's
+    try:
+        _in_group(fn, args, deepspeed)
+    except BaseException:
+        Path(f"{log}.err").write_text(traceback.format_exc())
+        raise
+
+
+def _in_group(fn: Callable[..., None], args: tuple, deepspeed: bool) -> None:
     if deepspeed:
         import deepspeed as ds
 
         ds.init_distributed(dist_backend="gloo", verbose=False)
     else:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group(
+            "gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
+        )
     try:
         fn(*args)
     finally:
@@ -90,8 +130,40 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tupl
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., None], world: int, *args: object, deepspeed: bool = False) -> None:
-    """Run `fn(*args)` in `world` processes on gloo; `deepspeed=True` starts them the DeepSpeed way."""
-    mp.start_processes(
-        _entry, args=(world, _free_port(), fn, args, deepspeed), nprocs=world, join=True, start_method="fork"
-    )
+def run_ranks(
+    fn: Callable[..., None], world: int, *args: object, deepspeed: bool = False, timeout: float = 900
+) -> None:
+    """Run `fn(*args)` in `world` processes on gloo; `deepspeed=True` starts them the DeepSpeed way.
+    A rank that fails stops the others and fails the test with its traceback; ranks still running
+    after `timeout` seconds are killed and the test fails (a hang is reported, not waited out)."""
+    from tests.launch_utils import _rank_context, _stop_ranks, _wait_ranks
+
+    context, port, env = _rank_context(), _free_port(), dict(os.environ)
+    start_method = multiprocessing.get_start_method()  # the test process's, not the server's
+    logs = Path(tempfile.mkdtemp(prefix="run-ranks-"))
+    ranks = [
+        context.Process(
+            target=_entry, args=(r, world, port, fn, args, deepspeed, env, str(logs / str(r)), start_method)
+        )
+        for r in range(world)
+    ]
+    for rank in ranks:
+        rank.start()
+    try:
+        code = _wait_ranks(ranks, timeout)
+        errors = [(r, logs / f"{r}.err") for r in range(world)]
+        failed = "".join(
+            f"\nrank {r} (its output ends: {_tail(err.with_suffix('.out'))}):\n{err.read_text()}"
+            for r, err in errors
+            if err.exists()
+        )
+    except subprocess.TimeoutExpired:
+        _stop_ranks(ranks, signal.SIGKILL)
+        raise AssertionError(f"{fn.__name__} in {world} ranks did not finish in {timeout:.0f} s") from None
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+    assert code == 0, f"{fn.__name__} failed in a rank (exit code {code}){failed}"
+
+
+def _tail(path: Path, chars: int = 2000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else ""

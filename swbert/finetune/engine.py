@@ -1,0 +1,129 @@
+"""What one fine-tuning run trains with: the process group and the DeepSpeed engine.
+
+Every run is a DeepSpeed engine, one process included (a 1-rank group), so the precision, the
+optimizer wrapping and the gradient clipping are the same on 1 GPU as on N: DeepSpeed's bf16 on a
+GPU (bf16 weights and activations, fp32 master weights in the optimizer, gradients reduced in fp32),
+fp32 on a CPU, as in pretraining (`swbert.runtime.ds_config.resolve_precision`).
+
+Its batches come from `swbert.finetune.batching.train_loader`: collated in DataLoader workers
+(persistent, seeded, pinned on CUDA), never on the training thread, so a step never waits for the
+collate of the next batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from swbert.runtime.optim import build_optimizer, build_scheduler
+from swbert.runtime.ranks import ParallelDims
+
+# the variables `swbert.runtime.dist.map_launcher_env` sets for a process no launcher started
+LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+DEFAULT_DS_CONFIG = "zero2.json"  # pretraining's default too; stage 2 sums bf16 gradients in fp32
+
+
+@contextmanager
+def process_group() -> Iterator[ParallelDims]:
+    """The job's process group for the duration of the block, with this process's place in it.
+
+    Under a launcher (torchrun, deepspeed, srun) the group is the job's: started here if needed and
+    left up. A plain ``python`` process gets a 1-rank group, which is destroyed on leaving (and the
+    environment restored), so the process is left as it was: no default group, no launcher
+    variables. (Its threads may outlive it: a caller that later starts ranks must start them from a
+    fresh process, not fork them from this one.) A sweep holds one group around all its runs."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        yield ParallelDims.from_env()
+        return
+    from swbert.runtime.dist import init_distributed
+
+    launched = "RANK" in os.environ
+    saved = {k: os.environ.get(k) for k in LAUNCH_ENV}
+    init_distributed()  # NCCL on GPU, gloo on CPU; sets this rank's GPU
+    try:
+        yield ParallelDims.from_env()
+    finally:
+        if not launched:
+            _destroy_group(saved)
+
+
+def _destroy_group(saved: dict[str, str | None]) -> None:
+    """Tear down a 1-rank group `process_group` started: DeepSpeed's references to it, the group
+    (torch's default group, and every group made from it), and the launcher variables it set."""
+    import deepspeed.comm
+
+    deepspeed.comm.destroy_process_group()
+    if torch.distributed.is_initialized():  # DeepSpeed's own teardown leaves torch's group up
+        torch.distributed.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@dataclass
+class Engine:
+    """A DeepSpeed engine and the LR schedule it steps once per optimizer step."""
+
+    engine: Any
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+
+def build_engine(
+    model: nn.Module,
+    ds_config: dict[str, Any],
+    lr: float,
+    weight_decay: float,
+    total: int,
+    warmup: int,
+    on_gpu: bool,
+) -> Engine:
+    """AdamW over pretraining's parameter groups and its linear schedule, wrapped by
+    `deepspeed.initialize` as pretraining's `swbert.training.build.build_engine` does."""
+    import deepspeed
+
+    from swbert.runtime.dist import bound_every_group
+
+    optimizer = build_optimizer(model, lr, weight_decay, kind="torch_adamw", on_gpu=on_gpu)
+    scheduler = build_scheduler(optimizer, total, warmup=warmup)
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
+    )
+    bound_every_group()  # SWBERT_DIST_TIMEOUT_MIN for DeepSpeed's groups too
+    return Engine(engine, scheduler)
+
+
+class CompiledInTraining:
+    """A model's ``forward``, compiled for its training steps only (`compile_training`): evaluation
+    (other batch sizes, no gradients) runs eagerly, so the compiled graphs are those of the training
+    batches' shapes, one per length bucket when batches are padded to buckets. Shapes are static
+    (``dynamic=False``): each is compiled once, as pretraining compiles its units."""
+
+    def __init__(self, module: nn.Module, backend: Any) -> None:
+        self.module, self.eager = module, module.forward
+        self.compiled = torch.compile(module.forward, backend=backend, dynamic=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return (self.compiled if self.module.training else self.eager)(*args, **kwargs)
+
+
+def compile_training(model: nn.Module, backend: Any = "inductor") -> None:
+    """Compile ``model``'s training forward in place (undone by `uncompile`)."""
+    model.forward = CompiledInTraining(model, backend)
+
+
+def uncompile(model: nn.Module) -> None:
+    """The model's own ``forward`` back: a fitted model is evaluated, saved and fitted again as it was."""
+    if isinstance(model.__dict__.get("forward"), CompiledInTraining):
+        del model.forward
