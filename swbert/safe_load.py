@@ -52,14 +52,36 @@ def _one_line(path: Any, err: Exception) -> UnsafeCheckpointError:
 
 
 def load(path: str | Path, original: Any = None, **kwargs: Any) -> Any:
-    """`torch.load(path, weights_only=True)` with `ALLOWED`; UnsafeCheckpointError names the file."""
+    """`torch.load(path, weights_only=True)` with `_allowed()`; UnsafeCheckpointError names the file."""
     kwargs.pop("weights_only", None)
     loader = original or torch.load
     try:
-        with torch.serialization.safe_globals(_allowed()):
+        with _only_allowed():
             return loader(path, weights_only=True, **kwargs)
     except pickle.UnpicklingError as err:
         raise _one_line(path, err) from None
+
+
+def _is_torchs(entry: Any) -> bool:
+    obj = entry[0] if isinstance(entry, tuple) else entry
+    return getattr(obj, "__module__", "").split(".")[0] == "torch"
+
+
+@contextmanager
+def _only_allowed() -> Iterator[None]:
+    """While inside, weights_only loads accept torch's own safe types and `_allowed()`, nothing else.
+
+    Safe globals are process-wide, and other packages add to them on import: megatron-core, which
+    every training rank imports, registers NumPy arrays, paths, argparse namespaces and more. Those
+    would pass any weights_only load swbert makes; they are set aside for the load."""
+    saved = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals([g for g in saved if _is_torchs(g)] + _allowed())
+    try:
+        yield
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(saved)
 
 
 @contextmanager

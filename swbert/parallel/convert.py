@@ -19,6 +19,7 @@ read with weights_only=True (swbert.safe_load, DeepSpeed's converter included): 
 from __future__ import annotations
 
 import argparse  # DeepSpeed's universal-checkpoint converter takes its arguments as a Namespace
+import copy
 import json
 import logging
 import shutil
@@ -53,9 +54,10 @@ def _load(path: Path) -> dict:
 
 def _config(saved: dict, config: SWBertConfig | None, tag_dir: Path) -> SWBertConfig:
     """`config`, else the one recorded in the checkpoint (the trainer's metadata file next to
-    DeepSpeed's, or a client state that holds one)."""
+    DeepSpeed's, or a client state that holds one). A copy: converting never changes the caller's
+    (`to_hf` trims the vocabulary padding of the model it builds, and so its config)."""
     if config is not None:
-        return config
+        return copy.deepcopy(config)
     if CONFIG_KEY in saved:
         return SWBertConfig.from_dict(saved[CONFIG_KEY])
     if (tag_dir / META).is_file():

@@ -19,6 +19,7 @@ from data_prep.preprocess import preprocess
 from data_prep.train_tokenizer import train_tokenizer
 from data_prep.verify import verify_dir
 from swbert.data import open_corpus
+from swbert.training.checkpoint import mark_complete
 
 REPO = Path(__file__).resolve().parents[2]
 ARGS = {"workers": 1, "shard_bytes": 32 << 10, "valid_fraction": 0.1, "progress": False}
@@ -167,7 +168,7 @@ def test_training_refuses_to_resume_on_shards_of_another_tokenizer(
     tag.mkdir(parents=True)
     (tag.parent / "latest").write_text(tag.name)
     other = "f" * 64  # the checkpoint was trained on shards of another tokenizer
-    (tag / "swbert_meta.json").write_text(json.dumps({"model": {"tokenizer_hash": other}}))
+    mark_complete(tag, 10, {"model": {"tokenizer_hash": other}})  # today's format, another tokenizer
     ours = json.loads((reference / "manifest.json").read_text())["tokenizer"]["hash"]
     config = TrainConfig(
         data_dir=str(reference), output_dir=str(tmp_path / "run"), resume="auto", mlflow=False

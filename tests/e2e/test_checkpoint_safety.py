@@ -188,8 +188,11 @@ def test_rng_files_load_without_running_pickled_code(tmp_path):
     file that would run code on load are refused."""
     import random
 
+    import megatron.core  # noqa: F401  (registers NumPy types as safe globals, as in every rank)
     import numpy as np
     import torch
+
+    assert np.ndarray in torch.serialization.get_safe_globals()  # what the refusal must not trust
 
     random.seed(1)
     np.random.seed(2)

@@ -15,6 +15,7 @@ from transformers import AutoModelForMaskedLM
 from swbert.models import SWBertConfig, SWBertForMaskedLM, SWBertForSequenceClassification
 from swbert.models.flops import masked_lm_params
 from swbert.params import count_instantiated
+from swbert.training.checkpoint import mark_complete
 
 VOCAB = 100  # padded to 128
 
@@ -110,7 +111,7 @@ def test_trim_keeps_the_function_and_exports_load_at_the_tokenizers_size(tmp_pat
     tag_dir = tmp_path / "step_00000004"
     tag_dir.mkdir()
     torch.save({"module": padded.state_dict()}, tag_dir / "mp_rank_00_model_states.pt")
-    (tag_dir / "swbert_meta.json").write_text(json.dumps({"model_config": padded.config.to_dict()}))
+    mark_complete(tag_dir, 4, {"model_config": padded.config.to_dict()})  # today's format
     out = export(tag_dir, tmp_path / "export")
     saved = json.loads((out / "config.json").read_text())
     assert saved["vocab_size"] == VOCAB and saved["pad_vocab_multiple"] == 1
