@@ -116,7 +116,7 @@ def read_glue_tsv(task: GlueTask, path: str | Path, split: str) -> GlueExamples:
                 f"{path}, line {line}: {len(row)} fields, expected at least {needed} (a missing column?)"
             )
         labels.append(_parse_label(task, row[il], path, line))
-        text_a.append(row[ia])
+        text_a.append(_text(row[ia], f"{path}, line {line}: example {len(labels) - 1}", columns[0]))
         if ib is not None:
             text_b.append(row[ib])
     if skipped:
@@ -133,6 +133,13 @@ def read_glue_tsv(task: GlueTask, path: str | Path, split: str) -> GlueExamples:
     return GlueExamples(
         task, split, str(path), text_a, text_b if ib is not None else None, np.asarray(labels, dtype=dtype)
     )
+
+
+def _text(text: str, where: str, column: str | int) -> str:
+    """An example's (first) text; empty, a one-line error: there is nothing to classify."""
+    if not text.strip():
+        raise GlueDataError(f"{where}'s text (column {column!r}) is empty; fill it or remove the row")
+    return text
 
 
 def _parse_label(task: GlueTask, raw: str, path: Path, line: int) -> float:

@@ -104,6 +104,16 @@ def test_quotes_are_literal_and_qqp_malformed_rows_are_skipped(tmp_path, caplog)
             r"line 2: score 7.5 is outside stsb's range",
         ),
         ("CoLA/train.tsv", "gj04\tyes\t\tA sentence.\n", r"CoLA/train.tsv, line 1: label 'yes'"),
+        (
+            "SST-2/train.tsv",
+            "sentence\tlabel\nnice\t1\n  \t0\n",
+            r"SST-2/train.tsv, line 3: example 1's text \(column 'sentence'\) is empty",
+        ),
+        (
+            "CoLA/train.tsv",
+            "gj04\t1\t\t\n",
+            r"CoLA/train.tsv, line 1: example 0's text \(column 3\) is empty",
+        ),
     ],
 )
 def test_bad_glue_files_name_file_and_row(tmp_path, file, content, message):
@@ -295,3 +305,16 @@ def test_every_flag_of_the_fine_tuning_and_study_launchers_has_a_help_line():
     for cls in (GlueSweep, SquadSweep, ReportConfig, StudyConfig):
         described = field_descriptions(cls)
         assert [f.name for f in dataclasses.fields(cls) if not described.get(f.name)] == [], cls.__name__
+
+
+def test_a_max_seq_length_past_the_models_positions_is_refused_before_training(tmp_path):
+    from swbert.finetune.glue import GlueSweep
+    from swbert.finetune.squad import SquadSweep
+
+    ckpt = make_checkpoint(tmp_path / "ckpt")  # 128 learned positions
+    for sweep in (GlueSweep([str(ckpt)], tmp_path, max_seq_length=512), SquadSweep([str(ckpt)], tmp_path)):
+        with pytest.raises(
+            CheckpointError, match=r"--max-seq-length \d+ is longer than the 128 positions of"
+        ):
+            sweep.checkpoints()
+    assert GlueSweep([str(ckpt)], tmp_path, max_seq_length=128).checkpoints()[0].path == ckpt
