@@ -75,7 +75,8 @@ test-fast: setup
 # through a whole job, SIGINT (CI: SIGTERM), skipped non-finite steps at ZeRO-2 (CI: ZeRO-0, and
 # ZeRO-2 inside test_pretrain), the sync count at ZeRO-3 (CI: ZeRO-2), two nodes under the deepspeed
 # launcher (CI: torchrun, compiled), a killed rank 1 without a launcher (CI: hung rank 1, killed 0),
-# the scaling driver's local grid (CI: the same grid as a SLURM job array).
+# the scaling driver's local grid (CI: the same grid as a SLURM job array), the smoke runs of the
+# pretraining and preprocessing benchmarks (CI: the same launches and preprocessing in tests/).
 # Test files reach the 2 workers longest first (tests/conftest.py), hence --no-loadscope-reorder.
 test-long: setup
 	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m long

@@ -366,8 +366,8 @@ def test_deepspeed_configs_take_batch_lr_and_precision_from_the_training_config(
 def test_make_pretrain_job_on_the_gpu_model_path(tmp_path):
     """`make pretrain`'s job as it runs it (the deepspeed launcher, 2 ranks, the embedded default
     recipe: mini model, seq 128, global batch 32, ZeRO-2, dropout 0.1, the default corpus) with the
-    CPU kernels off, i.e. exactly the model path a GPU runs; shortened to 20 steps (two logged, at the
-    recipe's log interval of 10; the loss already falls between them)."""
+    CPU kernels off, i.e. exactly the model path a GPU runs; shortened to 10 steps (two logged, at an
+    interval of 5; the loss already falls between them)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -375,15 +375,15 @@ def test_make_pretrain_job_on_the_gpu_model_path(tmp_path):
     out = tmp_path / "default"
     cmd = [
         str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-        "launchers/pretrain.py", "--output-dir", str(out), "--cpu-kernels", "off", "--train-steps", "20",
-        "--mlflow", "false", "--progress-bar", "false",
+        "launchers/pretrain.py", "--output-dir", str(out), "--cpu-kernels", "off", "--train-steps", "10",
+        "--log-interval", "5", "--mlflow", "false", "--progress-bar", "false",
     ]  # fmt: skip
     result = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=600)
     check_ok(result)
     log = result.stdout + result.stderr
     assert "model path: plain PyTorch ops, the path a GPU runs" in log
     metrics = read_metrics(out)
-    assert sorted(metrics) == [10, 20]
-    assert metrics[20]["loss"] < metrics[10]["loss"], metrics
-    assert "val_loss" in metrics[20] and metrics[20]["skipped_total"] == 0
+    assert sorted(metrics) == [5, 10]
+    assert metrics[10]["loss"] < metrics[5]["loss"], metrics
+    assert "val_loss" in metrics[10] and metrics[10]["skipped_total"] == 0
     assert (out / "export" / "model.safetensors").is_file()

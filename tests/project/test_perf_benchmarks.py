@@ -42,7 +42,7 @@ def test_train_step_benchmark_smoke(tmp_path, capsys):
         train_step.main(["--smoke", "--models", "shared+dropuot"])
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a 2-rank DeepSpeed launch; CI launches the same way in tests/e2e/test_pretrain.py
 def test_pretrain_e2e_benchmark_smoke(tmp_path):
     """One real 2-rank DeepSpeed launch; most of its time is start-up."""
     out = pretrain_e2e.main(["--smoke", "--output-dir", str(tmp_path), "--json", str(tmp_path / "r.json")])
@@ -51,7 +51,7 @@ def test_pretrain_e2e_benchmark_smoke(tmp_path):
     assert (tmp_path / "shared-0" / "metrics.jsonl").is_file()
 
 
-@pytest.mark.slow
+@pytest.mark.long  # five preprocessing processes; CI preprocesses in tests/data/
 def test_data_prep_benchmark_smoke(tmp_path, capsys):
     """Both measurements on tiny corpora (the figures mean little); most of its time is the two
     measured `python -m data_prep.preprocess` processes importing megatron-core."""
