@@ -28,7 +28,14 @@ from swbert.finetune.checkpoint import (
     tokenizer_fingerprint,
     uses_token_types,
 )
-from swbert.finetune.glue_data import EncodedDataset, GlueExamples, encode_glue, load_glue_split, pad_collate
+from swbert.finetune.glue_data import (
+    EncodedDataset,
+    GlueExamples,
+    check_fits,
+    encode_glue,
+    load_glue_split,
+    pad_collate,
+)
 from swbert.finetune.metrics import glue_metrics
 from swbert.finetune.results import Summary, Trial, prune_models, summarize
 from swbert.finetune.robustness import DEFAULT_LEVELS, NOISE_SCALES, NoiseScale
@@ -104,16 +111,19 @@ def load_task_data(
     max_train: int | None = None,
     max_eval: int | None = None,
     with_train: bool = True,
+    positions: int | None = None,
 ) -> TaskData:
-    train = None
-    if with_train:
-        train = encode_glue(
-            load_glue_split(task, "train", data_dir).head(max_train), tokenizer, max_length, token_types
-        )
+    """The task's splits, encoded; every example checked to fit the model's `positions`."""
+
+    def encoded(ex: GlueExamples) -> EncodedDataset:
+        data = encode_glue(ex, tokenizer, max_length, token_types)
+        return data if positions is None else check_fits(data, positions, ex.source)
+
+    train = encoded(load_glue_split(task, "train", data_dir).head(max_train)) if with_train else None
     dev = {}
     for split in task.dev_splits:
         ex = load_glue_split(task, split, data_dir).head(max_eval)
-        dev[split] = (ex, encode_glue(ex, tokenizer, max_length, token_types))
+        dev[split] = (ex, encoded(ex))
     return TaskData(task, train, dev)
 
 
@@ -304,6 +314,7 @@ def run_glue(sweep: GlueSweep, tracker: Tracker) -> tuple[list[Trial], list[Summ
                 uses_token_types(ckpt.config),
                 sweep.max_train_samples,
                 sweep.max_eval_samples,
+                positions=ckpt.config.max_position_embeddings,
             )
             datas[data.task.name] = data
             trials += _task_trials(sweep, ckpt, data, tokenizer, tracker, bar, kept)

@@ -135,6 +135,18 @@ def read_glue_tsv(task: GlueTask, path: str | Path, split: str) -> GlueExamples:
     )
 
 
+def check_fits(data: EncodedDataset, positions: int, source: str) -> EncodedDataset:
+    """`data`, each of whose examples fits the model's `positions`; else a one-line error naming the
+    first that does not (and its file): before any training."""
+    for index, ids in enumerate(data.features["input_ids"]):
+        if len(ids) > positions:
+            raise GlueDataError(
+                f"{source}: example {index} has {len(ids)} tokens, more than the model's {positions} "
+                f"positions; pass --max-seq-length {positions} or less (longer examples are truncated)"
+            )
+    return data
+
+
 def _text(text: str, where: str, column: str | int) -> str:
     """An example's (first) text; empty, a one-line error: there is nothing to classify."""
     if not text.strip():

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from swbert import SWBertForQuestionAnswering
 from swbert.finetune.checkpoint import Checkpoint, load_tokenizer, uses_token_types
-from swbert.finetune.glue_data import EncodedDataset
+from swbert.finetune.glue_data import EncodedDataset, check_fits
 from swbert.finetune.metrics import best_null_threshold, squad_scores
 from swbert.finetune.results import Summary, Trial, prune_models, summarize
 from swbert.finetune.squad_data import (
@@ -221,6 +221,7 @@ def qa_trials(
     tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer)
     token_types = uses_token_types(ckpt.config)
     train_set = encode_squad_train(train_ex, tokenizer, sweep.max_seq_length, sweep.doc_stride, token_types)
+    check_fits(train_set, ckpt.config.max_position_embeddings, f"the {name} training windows")
     dev_feats = encode_squad_eval(dev_ex, tokenizer, sweep.max_seq_length, sweep.doc_stride, token_types)
     trials = []
     for lrs in sweep.lr_settings():

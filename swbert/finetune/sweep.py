@@ -20,7 +20,7 @@ from typing import Any, Literal
 from torch import nn
 
 from swbert.finetune.batching import COMPILE_BUCKET, resolve_unpad, unpad_collate
-from swbert.finetune.checkpoint import Checkpoint, CheckpointError, parse_checkpoints, save_finetuned
+from swbert.finetune.checkpoint import Checkpoint, parse_checkpoints, save_finetuned
 from swbert.finetune.engine import process_group
 from swbert.finetune.glue_data import pad_collate
 from swbert.finetune.metrics import selection_value
@@ -109,19 +109,8 @@ class SweepConfig:
             raise ValueError("--learning-rates and --seeds each need at least one value")
 
     def checkpoints(self) -> list[Checkpoint]:
-        """The `--checkpoint` folders, checked and named; each has positions for `--max-seq-length`
-        tokens (GLUE and SQuAD set it), so no example can be longer than its model reads."""
-        checkpoints = self.named_checkpoints()
-        length = getattr(self, "max_seq_length", None)
-        for ckpt in checkpoints if length is not None else []:
-            positions = ckpt.config.max_position_embeddings
-            if length > positions:
-                raise CheckpointError(
-                    f"--max-seq-length {length} is longer than the {positions} positions of {ckpt.path} "
-                    f"({ckpt.name}): examples up to {length} tokens would not fit; pass --max-seq-length "
-                    f"{positions} or less"
-                )
-        return checkpoints
+        """The `--checkpoint` folders, checked and named."""
+        return self.named_checkpoints()
 
     def named_checkpoints(self) -> list[Checkpoint]:
         return parse_checkpoints(self.checkpoint)

@@ -307,14 +307,19 @@ def test_every_flag_of_the_fine_tuning_and_study_launchers_has_a_help_line():
         assert [f.name for f in dataclasses.fields(cls) if not described.get(f.name)] == [], cls.__name__
 
 
-def test_a_max_seq_length_past_the_models_positions_is_refused_before_training(tmp_path):
-    from swbert.finetune.glue import GlueSweep
-    from swbert.finetune.squad import SquadSweep
+def test_an_example_longer_than_the_models_positions_is_refused_naming_it(glue_dir, tokenizer):
+    from swbert.finetune.glue import load_task_data
 
-    ckpt = make_checkpoint(tmp_path / "ckpt")  # 128 learned positions
-    for sweep in (GlueSweep([str(ckpt)], tmp_path, max_seq_length=512), SquadSweep([str(ckpt)], tmp_path)):
-        with pytest.raises(
-            CheckpointError, match=r"--max-seq-length \d+ is longer than the 128 positions of"
-        ):
-            sweep.checkpoints()
-    assert GlueSweep([str(ckpt)], tmp_path, max_seq_length=128).checkpoints()[0].path == ckpt
+    task = get_task("mrpc")
+    lengths = [
+        len(ids)
+        for ids in encode_glue(load_glue_split(task, "train", glue_dir), tokenizer, 64).features["input_ids"]
+    ]
+    positions = sorted(lengths)[-1] - 1  # the longest example no longer fits
+    index = lengths.index(max(lengths))
+    with pytest.raises(
+        GlueDataError,
+        match=rf"MRPC/train.tsv: example {index} has {max(lengths)} tokens, more than the model's {positions} positions; pass --max-seq-length {positions}",
+    ):
+        load_task_data(task, tokenizer, glue_dir, 64, True, positions=positions)
+    assert load_task_data(task, tokenizer, glue_dir, 64, True, positions=max(lengths)).train is not None
