@@ -71,7 +71,7 @@ class GlueSweep(SweepConfig):
     # --checkpoint folders are already fine-tuned GLUE models: only run --noise / --cross-domain
     evaluate_finetuned: bool = False
 
-    def named_checkpoints(self) -> list[Checkpoint]:
+    def checkpoints(self) -> list[Checkpoint]:
         """The `--checkpoint` folders; fine-tuned ones share a name per variant (one folder per task)."""
         return parse_checkpoints(self.checkpoint, unique=not self.evaluate_finetuned)
 

@@ -110,9 +110,6 @@ class SweepConfig:
 
     def checkpoints(self) -> list[Checkpoint]:
         """The `--checkpoint` folders, checked and named."""
-        return self.named_checkpoints()
-
-    def named_checkpoints(self) -> list[Checkpoint]:
         return parse_checkpoints(self.checkpoint)
 
     def lr_settings(self) -> list[tuple[float, ...]]:

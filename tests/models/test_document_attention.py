@@ -10,10 +10,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from swbert import SWBertConfig, SWBertForMaskedLM
+from swbert import SWBertForMaskedLM
 from swbert.data.packing import document_seqlens
 from swbert.data.tokenizer import CLS_ID, SEP_ID
 from swbert.models.modeling import IGNORE_INDEX
+from tests.models.test_unpadded import perturbed, tiny
 
 VARIANTS = ("standard", "symmetric", "pairwise", "shared")
 S = 12
@@ -39,20 +40,8 @@ def test_the_documents_of_a_packed_batch_are_its_sequences():
 
 
 def _model(variant: str) -> SWBertForMaskedLM:
-    config = SWBertConfig.from_size(
-        "tiny",
-        vocab_size=101,
-        max_position_embeddings=16,
-        attention_type=variant,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
     torch.manual_seed(0)
-    model = SWBertForMaskedLM(config)
-    with torch.no_grad():
-        for p in model.parameters():  # away from the initial values (dq, dk, dv at ones hide bugs)
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+    return perturbed(SWBertForMaskedLM(tiny(variant)))
 
 
 def _per_document(model: SWBertForMaskedLM, ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
