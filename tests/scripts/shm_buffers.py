@@ -13,6 +13,7 @@ import torch
 from swbert.runtime.dist import SHM_BUFFER, init_distributed
 
 rank, _, world = init_distributed()
+torch.distributed.barrier()  # every rank has unlinked its own name: only then look at the others'
 names = [
     SHM_BUFFER.format(uid=os.getuid(), addr=os.environ["MASTER_ADDR"], port=os.environ["MASTER_PORT"], rank=r)
     for r in range(world)
