@@ -98,19 +98,28 @@ KNOWN_NOISE: tuple[Noise, ...] = (
         "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully",
         "every CPU rank's start: the op is loaded from the extension cache (a build failure is an error)",
     ),
-    Noise("prints", "Processing zero checkpoint '", ZERO_TO_FP32),
-    Noise("prints", "Parsing checkpoint created by deepspeed==", ZERO_TO_FP32),
-    Noise("prints", "Detected checkpoint of type zero stage ", ZERO_TO_FP32),
-    Noise("prints", "Loading checkpoint shards: ", ZERO_TO_FP32),
-    Noise("prints", "Reconstructed fp32 state dict with ", ZERO_TO_FP32),
-    Noise("prints", "Reconstructed Frozen fp32 state dict with ", ZERO_TO_FP32),
-    Noise("prints", "Reconstructed Trainable fp32 state dict with ", ZERO_TO_FP32),
-    Noise("mlflow.system_metrics", "Skip logging GPU metrics.", SYSTEM_METRICS),
-    Noise("mlflow.system_metrics", "Started monitoring system metrics.", SYSTEM_METRICS),
-    Noise("mlflow.system_metrics", "Stopping system metrics monitoring...", SYSTEM_METRICS),
-    Noise("mlflow.system_metrics", "Successfully terminated system metrics monitoring!", SYSTEM_METRICS),
-    Noise("bars", "Loading weights", HF_BAR),
-    Noise("bars", "Writing model shards", HF_BAR),
+    *(
+        Noise("prints", start, ZERO_TO_FP32)
+        for start in (
+            "Processing zero checkpoint '",
+            "Parsing checkpoint created by deepspeed==",
+            "Detected checkpoint of type zero stage ",
+            "Loading checkpoint shards: ",
+            "Reconstructed fp32 state dict with ",
+            "Reconstructed Frozen fp32 state dict with ",
+            "Reconstructed Trainable fp32 state dict with ",
+        )
+    ),
+    *(
+        Noise("mlflow.system_metrics", start, SYSTEM_METRICS)
+        for start in (
+            "Skip logging GPU metrics.",
+            "Started monitoring system metrics.",
+            "Stopping system metrics monitoring...",
+            "Successfully terminated system metrics monitoring!",
+        )
+    ),
+    *(Noise("bars", start, HF_BAR) for start in ("Loading weights", "Writing model shards")),
 )
 
 

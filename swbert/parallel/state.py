@@ -72,17 +72,20 @@ def initialize(tp_size: int, seed: int = 1234) -> ParallelDims:
 def dims() -> ParallelDims:
     """The `ParallelDims` of this process (after `initialize`)."""
     _require_initialized()
-    return ParallelDims(
+    d = ParallelDims(
         rank=dist.get_rank(),
         world=dist.get_world_size(),
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
-        dp_size=parallel_state.get_data_parallel_world_size(),
-        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-        dp_rank=parallel_state.get_data_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),  # the ranks follow (TP first)
         tp_group=parallel_state.get_tensor_model_parallel_group(),
         dp_group=parallel_state.get_data_parallel_group(),
     )
+    if (d.tp_rank, d.dp_rank) != (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_data_parallel_rank(),
+    ):
+        raise RuntimeError("megatron-core laid out its ranks otherwise than tensor-parallel first")
+    return d
 
 
 def is_initialized() -> bool:

@@ -8,7 +8,7 @@ the data-parallel groups. Without tensor parallelism every process is a data-par
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -22,12 +22,32 @@ class ParallelDims:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    """This process's index on its node: the GPU it drives."""
     tp_size: int = 1
-    tp_rank: int = 0
-    dp_size: int = 1
-    dp_rank: int = 0
-    tp_group: Any = None
-    dp_group: Any = None
+    tp_group: Any = field(default=None, compare=False, repr=False)
+    dp_group: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.world % self.tp_size:
+            raise ValueError(
+                f"world size {self.world} is not divisible by --tensor-parallel {self.tp_size}; "
+                f"launch a multiple of {self.tp_size} ranks"
+            )
+
+    @property
+    def tp_rank(self) -> int:
+        """This process's shard of the model: its place in its tensor-parallel group."""
+        return self.rank % self.tp_size
+
+    @property
+    def dp_size(self) -> int:
+        """How many copies of the model train side by side."""
+        return self.world // self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """Which copy this process belongs to: the data it reads."""
+        return self.rank // self.tp_size
 
     @property
     def is_main(self) -> bool:
@@ -41,12 +61,7 @@ class ParallelDims:
     def plan(cls, world: int, tp_size: int = 1, rank: int = 0, local_rank: int = 0) -> ParallelDims:
         """The grid of `world` processes at tensor-parallel size `tp_size`, before any group exists;
         raises a ValueError saying what to launch when `tp_size` does not divide `world`."""
-        if tp_size < 1 or world % tp_size:
-            raise ValueError(
-                f"world size {world} is not divisible by --tensor-parallel {tp_size}; "
-                f"launch a multiple of {tp_size} ranks"
-            )
-        return cls(rank, world, local_rank, tp_size, rank % tp_size, world // tp_size, rank // tp_size)
+        return cls(rank, world, local_rank, tp_size)
 
     @classmethod
     def from_env(cls, tp_size: int = 1) -> ParallelDims:

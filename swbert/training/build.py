@@ -295,7 +295,7 @@ def build_layout(cfg: TrainConfig, plan: RunPlan) -> tuple[ParallelDims, Any]:
     if not plan.on_gpu:
         keep_freed_memory()  # no page faults for the tensors every step frees and allocates again
     if cfg.tensor_parallel == 1:
-        return ParallelDims(rank, world, local_rank, dp_size=world, dp_rank=rank), None
+        return ParallelDims(rank, world, local_rank), None
     from swbert import parallel
 
     return parallel.initialize(cfg.tensor_parallel, seed=cfg.seed), parallel.mpu()
