@@ -56,17 +56,22 @@ def mark_tensor_parallel(param: torch.Tensor, dim: int) -> None:
 
 
 class _NoExtraState:
-    """megatron-core layers save an empty `_extra_state` entry (for Transformer Engine); without it a
+    """Weights copied in (`_no_init`), and no extra state: megatron-core layers save an empty `_extra_state` entry (for Transformer Engine); without it a
     TP=k state dict has exactly the TP=1 keys, which DeepSpeed's checkpoint tools also expect."""
 
     get_extra_state = nn.Module.get_extra_state
     set_extra_state = nn.Module.set_extra_state
 
     def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, init_method=_no_init, **kwargs)
         # megatron's own load pre-hook adds a `_extra_state: None` entry to every state dict loaded
         # into the layer; drop it again, or a strict `load_state_dict` of TP=1 keys fails on it.
         self._register_load_state_dict_pre_hook(_drop_default_extra_state)
+
+
+def _shape_of(like: nn.Linear) -> dict:
+    """The sizes and bias of the `nn.Linear` a tensor-parallel linear replaces, as megatron names them."""
+    return {"input_size": like.in_features, "output_size": like.out_features, "bias": like.bias is not None}
 
 
 def _drop_default_extra_state(state_dict: dict, prefix: str, *_: object) -> None:
@@ -84,22 +89,8 @@ class ColumnLinear(_NoExtraState, ColumnParallelLinear):
     a graph break under torch.compile, which schedules the collective against the GEMMs itself.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool,
-        config: ModelParallelConfig,
-        reduce_input_grad: bool = True,
-    ) -> None:
-        super().__init__(
-            in_features,
-            out_features,
-            config=config,
-            init_method=_no_init,
-            bias=bias,
-            disable_grad_reduce=True,
-        )
+    def __init__(self, like: nn.Linear, config: ModelParallelConfig, reduce_input_grad: bool = True) -> None:
+        super().__init__(**_shape_of(like), config=config, disable_grad_reduce=True)
         self.reduce_input_grad = reduce_input_grad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -112,23 +103,8 @@ class RowLinear(_NoExtraState, RowParallelLinear):
     """`nn.Linear` split by input features; the partial products are summed by one all-reduce, or
     with `reduce_scatter_output` by a reduce-scatter along the sequence (sequence parallelism)."""
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool,
-        config: ModelParallelConfig,
-        reduce_scatter_output: bool = False,
-    ) -> None:
-        super().__init__(
-            in_features,
-            out_features,
-            config=config,
-            init_method=_no_init,
-            bias=bias,
-            input_is_parallel=True,
-            skip_bias_add=False,
-        )
+    def __init__(self, like: nn.Linear, config: ModelParallelConfig, reduce_scatter_output: bool = False):
+        super().__init__(**_shape_of(like), config=config, input_is_parallel=True, skip_bias_add=False)
         self.reduce_scatter_output = reduce_scatter_output
 
     def forward(self, x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
@@ -172,7 +148,6 @@ class VocabParallelDecoder(_NoExtraState, ColumnParallelLinear):
             embedding.embedding_dim,
             embedding.num_embeddings,
             config=config,
-            init_method=_no_init,
             bias=bias,
             skip_weight_param_allocation=True,
             disable_grad_reduce=True,  # reduced by the copy_to region in forward, as ColumnLinear

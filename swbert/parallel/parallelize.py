@@ -201,10 +201,10 @@ def _split_by_plan(
             continue
         has_bias = old.bias is not None
         if split == "column":
-            new = ColumnLinear(old.in_features, old.out_features, has_bias, mcfg, not region_entry)
+            new = ColumnLinear(old, mcfg, reduce_input_grad=not region_entry)
             dims_ = {"weight": 0, "bias": 0}
         else:
-            new = RowLinear(old.in_features, old.out_features, has_bias, mcfg, reduce_scatter_output=seq)
+            new = RowLinear(old, mcfg, reduce_scatter_output=seq)
             dims_ = {"weight": 1, "bias": None}
         tensors = {"weight": old.weight, **({"bias": old.bias} if has_bias else {})}
         _fill(new, tensors, tp_rank, tp_size, dims_)
