@@ -83,8 +83,12 @@ def report_collected(folder: Path, rows: list[dict[str, Any]]) -> int:
 def quality_main(argv: list[str]) -> int:
     """The quality study. Exit status: 0; 2 bad input (before anything trains); 3 every point failed."""
     from swbert.runtime.exits import PREEMPTED_EXIT
-    from swbert.scaling.quality import QualityConfig, check_data, run_quality
-    from swbert.scaling.quality import emit_slurm as emit_quality_slurm
+    from swbert.scaling.quality import (
+        QualityConfig,
+        check_data,
+        emit_slurm as emit_quality_slurm,
+        run_quality,
+    )
 
     cfg = cli.parse_or_exit(QualityConfig, argv, USAGE.replace("[--config", "--quality [--config"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

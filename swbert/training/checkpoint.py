@@ -76,8 +76,7 @@ from swbert.runtime.checkpoint_format import (  # noqa: F401 - the format, re-ex
     require_current_folder,
     tag_for,
 )
-from swbert.safe_load import load as safe_load
-from swbert.safe_load import weights_only_loads
+from swbert.safe_load import load as safe_load, weights_only_loads
 from swbert.training.faults import kill_point, kill_requested
 
 log = logging.getLogger(__name__)

@@ -34,8 +34,7 @@ from swbert.runtime.monitor import device_peak_tflops
 from swbert.runtime.optim import apply_hyperparameters, schedule_change
 from swbert.runtime.ranks import ParallelDims
 from swbert.runtime.run_tokenizer import keep_in_run
-from swbert.training import build
-from swbert.training import checkpoint as ckpt
+from swbert.training import build, checkpoint as ckpt
 from swbert.training.config import TrainConfig
 from swbert.training.data import TrainingData
 from swbert.training.faults import kill_point, nonfinite_faults

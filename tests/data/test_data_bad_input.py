@@ -16,9 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import sentencepiece as spm
 
-from data_prep import preprocess as preprocess_cli
-from data_prep import train_tokenizer as tokenizer_cli
-from data_prep import verify as verify_cli
+from data_prep import preprocess as preprocess_cli, train_tokenizer as tokenizer_cli, verify as verify_cli
 from data_prep.documents import DocumentReader
 from data_prep.preprocess import preprocess
 from data_prep.sources import Chunk, InputError, ReadOptions, Source

@@ -13,8 +13,7 @@ from unittest import mock
 import pytest
 import torch
 
-from swbert.models import SWBertConfig, SWBertForMaskedLM
-from swbert.models import plugins as plugin_loader
+from swbert.models import SWBertConfig, SWBertForMaskedLM, plugins as plugin_loader
 from swbert.models.attention import (
     SharedAttention,
     SymmetricAttention,
