@@ -8,8 +8,8 @@ common mix-ups (a tokenizer from another run or another vocabulary) before any t
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from transformers import AutoTokenizer
 
@@ -20,8 +20,7 @@ class CheckpointError(ValueError):
     """A checkpoint folder (or its tokenizer) that cannot be used as asked."""
 
 
-@dataclass(frozen=True)
-class Checkpoint:
+class Checkpoint(NamedTuple):
     """A named checkpoint: ``name`` labels the table row (a variant), ``path`` the folder."""
 
     name: str

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -140,47 +142,22 @@ class DeepSpeedMPU:
     (Ulysses) sequence parallelism, which is unrelated to megatron's.
     """
 
-    def get_model_parallel_group(self) -> dist.ProcessGroup:
-        return parallel_state.get_tensor_model_parallel_group()
-
-    def get_model_parallel_rank(self) -> int:
-        return parallel_state.get_tensor_model_parallel_rank()
-
-    def get_model_parallel_world_size(self) -> int:
-        return parallel_state.get_tensor_model_parallel_world_size()
-
-    def get_tensor_model_parallel_group(self) -> dist.ProcessGroup:
-        return parallel_state.get_tensor_model_parallel_group()
-
-    def get_tensor_model_parallel_rank(self) -> int:
-        return parallel_state.get_tensor_model_parallel_rank()
-
-    def get_tensor_model_parallel_world_size(self) -> int:
-        return parallel_state.get_tensor_model_parallel_world_size()
-
-    def get_tensor_model_parallel_src_rank(self) -> int:
-        return parallel_state.get_tensor_model_parallel_src_rank()
-
-    def get_data_parallel_group(self) -> dist.ProcessGroup:
-        return parallel_state.get_data_parallel_group()
-
-    def get_data_parallel_rank(self) -> int:
-        return parallel_state.get_data_parallel_rank()
-
-    def get_data_parallel_world_size(self) -> int:
-        return parallel_state.get_data_parallel_world_size()
+    def __getattr__(self, name: str) -> Callable[[], Any]:
+        # DeepSpeed's name -> megatron-core's function of that name (model parallel: tensor parallel)
+        target = _MPU_RENAMED.get(name, name if name in _MPU_SAME else None)
+        if target is None:
+            raise AttributeError(f"{type(self).__name__} has no {name!r}")
+        return getattr(parallel_state, target)
 
     def get_data_parallel_group_ranks(self) -> list[int]:
         return dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
 
-    def get_pipeline_model_parallel_group(self) -> dist.ProcessGroup:
-        return parallel_state.get_pipeline_model_parallel_group()
 
-    def get_pipeline_model_parallel_rank(self) -> int:
-        return parallel_state.get_pipeline_model_parallel_rank()
-
-    def get_pipeline_model_parallel_world_size(self) -> int:
-        return parallel_state.get_pipeline_model_parallel_world_size()
+_GETTERS = ("group", "rank", "world_size")
+_MPU_RENAMED = {f"get_model_parallel_{g}": f"get_tensor_model_parallel_{g}" for g in _GETTERS}
+_MPU_SAME = {
+    f"get_{kind}_parallel_{g}" for kind in ("tensor_model", "data", "pipeline_model") for g in _GETTERS
+} | {"get_tensor_model_parallel_src_rank"}
 
 
 def mpu() -> DeepSpeedMPU:

@@ -311,3 +311,18 @@ def _resume_from_before_the_fusion(tmp: str) -> None:
 @pytest.mark.slow
 def test_a_checkpoint_from_before_the_fused_projections_resumes_once_upgraded(tmp_path):
     run_ranks(_resume_from_before_the_fusion, 2, str(tmp_path), deepspeed=True)
+
+
+def test_the_mpu_names_megatron_cores_groups_and_hides_sequence_parallel():
+    """DeepSpeed's `get_model_parallel_*` are megatron-core's tensor-parallel getters; a
+    `get_sequence_parallel_*` must not exist, or DeepSpeed would take it for Ulysses."""
+    from megatron.core import parallel_state
+
+    from swbert.parallel import DeepSpeedMPU
+
+    m = DeepSpeedMPU()
+    assert m.get_model_parallel_rank is parallel_state.get_tensor_model_parallel_rank
+    assert m.get_data_parallel_world_size is parallel_state.get_data_parallel_world_size
+    assert m.get_pipeline_model_parallel_group is parallel_state.get_pipeline_model_parallel_group
+    assert not hasattr(m, "get_sequence_parallel_world_size")
+    assert not hasattr(m, "get_sequence_parallel_group")
