@@ -29,6 +29,7 @@ from swbert.finetune.results import Summary, Trial, prune_models, summarize
 from swbert.finetune.squad_data import (
     SquadEvalFeatures,
     SquadExample,
+    Windows,
     encode_squad_eval,
     encode_squad_train,
     read_squad_hub,
@@ -219,10 +220,10 @@ def qa_trials(
     """Every (learning-rate setting, seed) of one checkpoint on one span-extraction task, and its summary;
     with ``--keep median`` only the median seed's model stays on disk."""
     tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer)
-    token_types = uses_token_types(ckpt.config)
-    train_set = encode_squad_train(train_ex, tokenizer, sweep.max_seq_length, sweep.doc_stride, token_types)
+    windows = Windows(sweep.max_seq_length, sweep.doc_stride, uses_token_types(ckpt.config))
+    train_set = encode_squad_train(train_ex, tokenizer, windows)
     check_fits(train_set, ckpt.config.max_position_embeddings, f"the {name} training windows")
-    dev_feats = encode_squad_eval(dev_ex, tokenizer, sweep.max_seq_length, sweep.doc_stride, token_types)
+    dev_feats = encode_squad_eval(dev_ex, tokenizer, windows)
     trials = []
     for lrs in sweep.lr_settings():
         for seed in sweep.seeds:

@@ -106,7 +106,18 @@ def read_squad_hub(version: str, split: str) -> list[SquadExample]:
     return out
 
 
-def _tokenize_windows(examples: list[SquadExample], tokenizer, max_length: int, doc_stride: int):
+@dataclass(frozen=True)
+class Windows:
+    """How contexts are cut into model inputs: windows of `max_length` tokens (question included)
+    overlapping by `doc_stride`, with token types where the model has them."""
+
+    max_length: int = 384
+    doc_stride: int = 128
+    use_token_type_ids: bool = True
+
+
+def _tokenize_windows(examples: list[SquadExample], tokenizer, windows: Windows):
+    max_length, doc_stride = windows.max_length, windows.doc_stride
     if not getattr(tokenizer, "is_fast", False):
         raise SquadDataError(
             f"{type(tokenizer).__name__} is not a fast tokenizer; SQuAD needs offset mappings"
@@ -150,14 +161,10 @@ def _model_inputs(enc, use_token_type_ids: bool) -> dict[str, list]:
 
 
 def encode_squad_train(
-    examples: list[SquadExample],
-    tokenizer,
-    max_length: int = 384,
-    doc_stride: int = 128,
-    use_token_type_ids: bool = True,
+    examples: list[SquadExample], tokenizer, windows: Windows = Windows()
 ) -> EncodedDataset:
     """Training windows with ``start_positions``/``end_positions`` (``[CLS]`` when the answer is not inside)."""
-    enc = _tokenize_windows(examples, tokenizer, max_length, doc_stride)
+    enc = _tokenize_windows(examples, tokenizer, windows)
     starts, ends = [], []
     for i, offsets in enumerate(enc["offset_mapping"]):
         ex = examples[enc["overflow_to_sample_mapping"][i]]
@@ -180,7 +187,7 @@ def encode_squad_train(
         starts.append(s)
         ends.append(e)
     labels = {"start_positions": np.asarray(starts, np.int64), "end_positions": np.asarray(ends, np.int64)}
-    return EncodedDataset(_model_inputs(enc, use_token_type_ids), labels)
+    return EncodedDataset(_model_inputs(enc, windows.use_token_type_ids), labels)
 
 
 @dataclass
@@ -196,21 +203,17 @@ class SquadEvalFeatures:
 
 
 def encode_squad_eval(
-    examples: list[SquadExample],
-    tokenizer,
-    max_length: int = 384,
-    doc_stride: int = 128,
-    use_token_type_ids: bool = True,
+    examples: list[SquadExample], tokenizer, windows: Windows = Windows()
 ) -> SquadEvalFeatures:
     """Evaluation windows; tokens outside the context get a None offset so no span can land there."""
-    enc = _tokenize_windows(examples, tokenizer, max_length, doc_stride)
+    enc = _tokenize_windows(examples, tokenizer, windows)
     offsets = []
     for i, off in enumerate(enc["offset_mapping"]):
         seq = enc.sequence_ids(i)
         offsets.append([tuple(o) if seq[t] == 1 else None for t, o in enumerate(off)])
     cls = [_cls_index(ids, tokenizer) for ids in enc["input_ids"]]
     return SquadEvalFeatures(
-        EncodedDataset(_model_inputs(enc, use_token_type_ids)),
+        EncodedDataset(_model_inputs(enc, windows.use_token_type_ids)),
         list(enc["overflow_to_sample_mapping"]),
         offsets,
         cls,

@@ -10,7 +10,13 @@ import pytest
 from swbert.finetune.checkpoint import CheckpointError, load_tokenizer, parse_checkpoints
 from swbert.finetune.glue_data import GlueDataError, encode_glue, load_glue_split, pad_collate
 from swbert.finetune.metrics import squad_scores
-from swbert.finetune.squad_data import SquadDataError, encode_squad_eval, encode_squad_train, read_squad_json
+from swbert.finetune.squad_data import (
+    SquadDataError,
+    Windows,
+    encode_squad_eval,
+    encode_squad_train,
+    read_squad_json,
+)
 from swbert.finetune.squad_post import decode_spans
 from swbert.finetune.synthetic import make_checkpoint, make_tokenizer, write_glue_fixture, write_squad_fixture
 from swbert.finetune.tasks import GLUE_TASKS, get_task
@@ -179,7 +185,7 @@ def test_training_windows_point_at_the_answer(tmp_path, tokenizer):
     examples = read_squad_json(
         write_squad_fixture(tmp_path / "t.json", n=12, version="2.0", context_words=40)
     )
-    ds = encode_squad_train(examples, tokenizer, max_length=24, doc_stride=6)
+    ds = encode_squad_train(examples, tokenizer, Windows(24, 6))
     assert len(ds) > 2 * len(examples)  # 40-word contexts need several windows each
     inside = 0
     for i in range(len(ds)):
@@ -197,8 +203,8 @@ def test_training_windows_point_at_the_answer(tmp_path, tokenizer):
 def test_oracle_logits_decode_to_gold_answers(tmp_path, tokenizer):
     """Logits peaked on the gold span decode back to the gold text; v2 no-answer via [CLS]."""
     examples = read_squad_json(write_squad_fixture(tmp_path / "d.json", n=8, version="2.0", context_words=30))
-    feats = encode_squad_eval(examples, tokenizer, max_length=24, doc_stride=6)
-    train = encode_squad_train(examples, tokenizer, max_length=24, doc_stride=6)
+    feats = encode_squad_eval(examples, tokenizer, Windows(24, 6))
+    train = encode_squad_train(examples, tokenizer, Windows(24, 6))
     n, length = len(feats.example_index), 24
     start, end = np.zeros((n, length)), np.zeros((n, length))
     for w in range(n):
@@ -217,7 +223,7 @@ def test_oracle_logits_decode_to_gold_answers(tmp_path, tokenizer):
 def test_doc_stride_that_does_not_fit_is_an_error(tmp_path, tokenizer):
     examples = read_squad_json(write_squad_fixture(tmp_path / "d.json", n=2))
     with pytest.raises(SquadDataError, match="--doc-stride"):
-        encode_squad_eval(examples, tokenizer, max_length=16, doc_stride=12)
+        encode_squad_eval(examples, tokenizer, Windows(16, 12))
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
