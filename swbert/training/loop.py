@@ -102,7 +102,7 @@ class Loop:
             self.bar = tqdm(
                 total=run.total_steps,
                 initial=trainer.state.step,
-                desc=f"pretrain {run.run_name}",
+                desc=f"pretrain {run.folder.run_name}",
                 unit="step",
                 dynamic_ncols=True,
                 file=sys.stdout,

@@ -12,7 +12,6 @@ their own).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,28 +48,8 @@ class Run:
     peak_tflops: float | None  # the device's peak in the run's precision, when known
 
     @property
-    def output_dir(self) -> Path:
-        return self.folder.output_dir
-
-    @property
-    def ckpt_root(self) -> Path:
-        return self.folder.ckpt_root
-
-    @property
-    def run_name(self) -> str:
-        return self.folder.run_name
-
-    @property
     def is_main(self) -> bool:
         return self.dims.is_main
-
-    @property
-    def micro_batch(self) -> int:
-        return self.plan.batch.micro_batch
-
-    @property
-    def accum(self) -> int:
-        return self.plan.batch.accum
 
     @property
     def tokens_per_step(self) -> int:

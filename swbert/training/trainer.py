@@ -188,7 +188,9 @@ class Trainer:
         run = self.run
         d = run.dims
         return self._to_device(
-            run.data.batch(samples_before, run.micro_batch, d.dp_rank, d.dp_size, eval_split, source)
+            run.data.batch(
+                samples_before, run.plan.batch.micro_batch, d.dp_rank, d.dp_size, eval_split, source
+            )
         )
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -211,7 +213,7 @@ class Trainer:
         started = time.perf_counter()
         batch = next(self._batches)
         self._data_wait += time.perf_counter() - started
-        self.state.samples_consumed += run.micro_batch * run.dims.dp_size
+        self.state.samples_consumed += run.plan.batch.micro_batch * run.dims.dp_size
         return self._to_device(batch)
 
     def take_data_wait(self) -> float:
@@ -255,14 +257,14 @@ class Trainer:
         counts, bad = Counts.zeros(device), torch.zeros((), dtype=torch.bool, device=device)
         poison = self._faults.value_at(state.step + 1, run.dims.rank)
         engine.train()
-        for micro in range(run.accum):
+        for micro in range(run.plan.batch.accum):
             loss, micro_counts = self.forward_and_count(self._next_batch(), poison)
             counts += micro_counts
             finite = torch.isfinite(loss.detach())
             bad |= ~finite
             engine.backward(loss * torch.where(finite, 1.0, float("nan")))  # x1.0 is exact
             kill_point("in_step", state.step + 1, run.dims.rank)  # a drill: die amid the step
-            if micro == run.accum - 1:  # the gradients are complete (and reduced, without ZeRO)
+            if micro == run.plan.batch.accum - 1:  # the gradients are complete (and reduced, without ZeRO)
                 stop, nonfinite = self._agree(bad)
             engine.step()
         state.step += 1
@@ -302,7 +304,7 @@ class Trainer:
         """Every rank raises rank 0's message (a full disk between saves) at the same point, before
         an update or the last checkpoint, instead of rank 0 dying alone and the others naming it
         as lost."""
-        newest = ckpt.newest_complete(self.run.ckpt_root)
+        newest = ckpt.newest_complete(self.run.folder.ckpt_root)
         raise MetricsWriteError(
             f"stopping after step {self.state.step} on every rank: {message}. Free space there, then "
             f"restart with --resume auto: it continues from {newest or 'step 0'}"
@@ -366,7 +368,7 @@ class Trainer:
         counts = Counts.zeros(run.device)
         for i in range(self.config.eval_batches):
             counts += self.forward_and_count(
-                self._batch(i * run.micro_batch * run.dims.dp_size, True, source)
+                self._batch(i * run.plan.batch.micro_batch * run.dims.dp_size, True, source)
             )[1]
         loss_sum, predicted, correct = self.reduce_counts(counts)
         return loss_sum / max(predicted, 1), correct / max(predicted, 1)
@@ -380,14 +382,14 @@ class Trainer:
         if run.data.mixed:  # the epochs each folder went through, recorded with the mix
             meta["data_position"] = saved.sampler
         return ckpt.save(
-            run.engine, run.ckpt_root, saved.step, saved.to_dict(), meta, self.config.keep_checkpoints
+            run.engine, run.folder.ckpt_root, saved.step, saved.to_dict(), meta, self.config.keep_checkpoints
         )
 
     def checkpoint_now(self, last_saved: Path | None) -> Path:
         """A complete checkpoint of the current step: the one already on disk (a finished run that
         is resumed again, or a save this run just made) is never rewritten. Rank 0 decides."""
         run = self.run
-        tag_dir = run.ckpt_root / ckpt.tag_for(self.state.step)
+        tag_dir = run.folder.ckpt_root / ckpt.tag_for(self.state.step)
         # with it, a failed write of the last logged step, which had no next step to agree in
         decision = [last_saved == tag_dir or (run.is_main and ckpt.is_complete(tag_dir)), self._write_failure]
         dist.broadcast_object_list(decision, src=0)
@@ -413,7 +415,7 @@ class Trainer:
                     run.metrics.close(status_)
         summary = {
             "step": self.state.step,
-            "output_dir": str(run.output_dir),
+            "output_dir": str(run.folder.output_dir),
             "status": status_,
             "is_main": run.is_main,  # rank 0 prints the closing summary
             **loop.summary(),
@@ -430,7 +432,7 @@ class Trainer:
         the same step saved by the same save (the marker's hash), not a namesake a rewind abandoned."""
         from swbert.training.export import export
 
-        final = self.run.output_dir / "export"
+        final = self.run.folder.output_dir / "export"
         marker = tag_dir / ckpt.COMPLETE
         source = {"checkpoint": tag_dir.name, "marker": ckpt.file_hash(marker) if marker.is_file() else None}
         stamp = final / "swbert_export.json"
@@ -440,7 +442,7 @@ class Trainer:
                 return final
         except (OSError, ValueError):
             pass  # missing, or from an export that did not finish: write it again
-        staging, old = self.run.output_dir / ".export.tmp", self.run.output_dir / ".export.old"
+        staging, old = self.run.folder.output_dir / ".export.tmp", self.run.folder.output_dir / ".export.old"
         for leftover in (staging, old):
             shutil.rmtree(leftover, ignore_errors=True)
         export(tag_dir, staging)

@@ -112,8 +112,17 @@ def test_the_run_is_frozen_and_derives_its_paths_and_batch():
     plan = SimpleNamespace(batch=SimpleNamespace(micro_batch=4, accum=2))
     config = TrainConfig(global_batch_size=8, seq_len=64)
     run = _run(folder=folder, plan=plan, config=config, dims=SimpleNamespace(is_main=True))
-    assert (run.output_dir, run.ckpt_root, run.run_name) == (Path("out"), Path("out/checkpoints"), "r")
-    assert (run.micro_batch, run.accum, run.tokens_per_step, run.is_main) == (4, 2, 8 * 64, True)
+    assert (run.folder.output_dir, run.folder.ckpt_root, run.folder.run_name) == (
+        Path("out"),
+        Path("out/checkpoints"),
+        "r",
+    )
+    assert (run.plan.batch.micro_batch, run.plan.batch.accum, run.tokens_per_step, run.is_main) == (
+        4,
+        2,
+        8 * 64,
+        True,
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         run.total_steps = 5  # type: ignore[misc]
 
