@@ -38,7 +38,6 @@ from swbert.models.modeling import SWBertForMaskedLM
 from swbert.scaling.activations import (
     Checkpointing,
     Precision,
-    activation_memory,
     check_activation_layout,
     element_bytes,
 )
@@ -263,37 +262,6 @@ def deepspeed_estimate(config: SWBertConfig, layout: Layout, dp: int) -> tuple[f
         )
         return float(device), float(host)
     return None
-
-
-def activation_bytes(
-    config: SWBertConfig,
-    seq_len: int,
-    micro_batch: int,
-    precision: Precision = "bf16",
-    tp: int = 1,
-    fused_attention: bool = True,
-    predicted_fraction: float = 0.15,
-    sequence_parallel: bool = False,
-    checkpointing: Checkpointing = "none",
-) -> float:
-    """Activation bytes one rank needs for one micro-batch: what the forward keeps for the backward
-    plus, under activation checkpointing, one block being recomputed (`swbert.scaling.activations`).
-
-    `fused_attention`: the GPU's kernels (flash attention: no S x S matrices; bool dropout masks);
-    False counts what a CPU keeps (the math attention path when attention dropout is on).
-    """
-    memory = activation_memory(
-        config,
-        seq_len,
-        micro_batch,
-        precision,
-        tp,
-        sequence_parallel,
-        checkpointing,
-        device="gpu" if fused_attention else "cpu",
-        predictions_per_seq=max(1, round(seq_len * predicted_fraction)),
-    )
-    return memory.peak
 
 
 def zero_config_values(ds_config: dict[str, Any] | None) -> dict[str, int]:
