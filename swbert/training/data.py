@@ -90,7 +90,7 @@ class TrainingData:
     (B, P) with P = `max_predictions_per_seq`, and `attention_mask` only when a batch holds padding
     (packed sequences never do); a mix adds `source` and `sample` (B,) (`MixedStream`), and
     `document_attention` adds the documents as `cu_seqlens` and `max_seqlen`. Validation
-    reads each folder's own split, in order (`batch(..., eval_split=True, source=k)`).
+    reads each folder's own split, in order (`batch(..., valid=k)`).
     """
 
     def __init__(
@@ -157,13 +157,13 @@ class TrainingData:
         """The folders (indices in the mix) whose validation split holds a sequence."""
         return sorted(self._valid)
 
-    def _stream(self, eval_split: bool, source: int = 0) -> MaskedStream | MixedStream:
-        if not eval_split:
+    def _stream(self, valid: int | None) -> MaskedStream | MixedStream:
+        if valid is None:
             return self._train
-        if source not in self._valid:
-            folder = self.sources[source].data_dir
+        if valid not in self._valid:
+            folder = self.sources[valid].data_dir
             raise ValueError(f"{folder} has no validation split large enough for one sequence")
-        return self._valid[source]
+        return self._valid[valid]
 
     def batch(
         self,
@@ -171,13 +171,12 @@ class TrainingData:
         micro_bs: int,
         dp_rank: int,
         dp_size: int,
-        eval_split: bool = False,
-        source: int = 0,
+        valid: int | None = None,
     ) -> dict[str, torch.Tensor]:
         """This rank's micro-batch of the global batch that starts at stream position `samples_before`
-        (of the training stream, or of folder `source`'s validation split)."""
+        (of the training stream, or with `valid=k` of folder k's validation split)."""
         check_layout(samples_before, micro_bs, dp_rank, dp_size)
-        return self._stream(eval_split, source).batch(samples_before + dp_rank * micro_bs, micro_bs)
+        return self._stream(valid).batch(samples_before + dp_rank * micro_bs, micro_bs)
 
     def loader(
         self,
@@ -186,7 +185,7 @@ class TrainingData:
         dp_rank: int,
         dp_size: int,
         num_workers: int,
-        eval_split: bool = False,
+        valid: int | None = None,
         **options: Any,
     ) -> BatchLoader:
         """This rank's micro-batches for consecutive micro-steps from stream position `start_sample`:
@@ -194,7 +193,7 @@ class TrainingData:
         built by `num_workers` DataLoader processes (0: on the calling thread) and prefetched.
         `options` are `swbert.data.loader.batch_loader`'s (`pin_memory` on CUDA, `prefetch_factor`,
         `multiprocessing_context`)."""
-        stream = self._stream(eval_split)
+        stream = self._stream(valid)
         return batch_loader(stream, start_sample, micro_bs, dp_rank, dp_size, num_workers, **options)
 
     def sampler_state(self, samples_consumed: int) -> dict[str, Any]:

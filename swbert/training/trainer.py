@@ -182,15 +182,11 @@ class Trainer:
         self.stop_signal = self.stop_signal or signal.Signals(signum).name
 
     # ---- one step -----------------------------------------------------------------------------
-    def _batch(
-        self, samples_before: int, eval_split: bool = False, source: int = 0
-    ) -> dict[str, torch.Tensor]:
+    def _batch(self, samples_before: int, valid: int | None = None) -> dict[str, torch.Tensor]:
         run = self.run
         d = run.dims
         return self._to_device(
-            run.data.batch(
-                samples_before, run.plan.batch.micro_batch, d.dp_rank, d.dp_size, eval_split, source
-            )
+            run.data.batch(samples_before, run.plan.batch.micro_batch, d.dp_rank, d.dp_size, valid)
         )
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -368,7 +364,7 @@ class Trainer:
         counts = Counts.zeros(run.device)
         for i in range(self.config.eval_batches):
             counts += self.forward_and_count(
-                self._batch(i * run.plan.batch.micro_batch * run.dims.dp_size, True, source)
+                self._batch(i * run.plan.batch.micro_batch * run.dims.dp_size, valid=source)
             )[1]
         loss_sum, predicted, correct = self.reduce_counts(counts)
         return loss_sum / max(predicted, 1), correct / max(predicted, 1)

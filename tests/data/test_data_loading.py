@@ -228,7 +228,9 @@ def test_batches_equal_the_per_sample_reference(data_dir: Path, training_data: T
     ]:
         stream = _stream(data_dir, split)
         for start in starts:
-            got = training_data.batch(start, 3, 1, 2, eval_split=split == "valid")  # rank 1: start + 3
+            got = training_data.batch(
+                start, 3, 1, 2, valid=0 if split == "valid" else None
+            )  # rank 1: start + 3
             want = stream_batch(stream, SEQ, SEED, shuffle, start + 3, 3, vocab, stream_seed)
             assert set(got) == {"input_ids", "labels", "mlm_positions", "mlm_labels"}  # packed: no mask
             for name, rows in want.items():
@@ -290,10 +292,10 @@ def test_loader_yields_the_consecutive_batches_from_any_start(
             assert all(got[k].dtype == torch.int64 for k in got)
     finally:
         loader.close()
-    valid = training_data.loader(0, 4, 0, 1, num_workers=workers, eval_split=True)
+    valid = training_data.loader(0, 4, 0, 1, num_workers=workers, valid=0)
     first = next(valid)
     valid.close()
-    assert all(torch.equal(first[k], training_data.batch(0, 4, 0, 1, eval_split=True)[k]) for k in first)
+    assert all(torch.equal(first[k], training_data.batch(0, 4, 0, 1, valid=0)[k]) for k in first)
 
 
 @pytest.mark.slow  # a spawned worker imports torch and swbert: seconds
