@@ -6,12 +6,13 @@ whose fields are its `--key value` flags, described by the comment beside each f
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from data_prep.sources import ReadOptions
 
@@ -78,6 +79,15 @@ class InputOptions:
             max_line_bytes=byte_size(self.max_line_bytes, "--max-line-bytes"),
         )
 
+    def reading(self) -> dict[str, Any]:
+        """The reading keywords `preprocess` and `train_tokenizer` share, from these flags."""
+        return {
+            "options": self.read_options(),
+            "hf_config": self.hf_config,
+            "hf_split": self.hf_split,
+            "check_encoding": self.invalid_utf8 is None,  # an explicit --invalid-utf8 reads any file
+        }
+
 
 def run_main(main: Callable[[], int]) -> None:
     """Run a CLI: user-fixable errors (`ValueError`) print one line and exit 1, not a traceback.
@@ -94,3 +104,8 @@ def run_main(main: Callable[[], int]) -> None:
     except KeyboardInterrupt:
         code = 130
     sys.exit(code)
+
+
+def command(main: Callable[[], int]) -> Callable[[], None]:
+    """`main` as a console script (`[project.scripts]`): `run_main(main)`, taking no arguments."""
+    return functools.partial(run_main, main)

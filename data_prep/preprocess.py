@@ -387,11 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         workers=args.workers,
         shard_bytes=args.shard_bytes(),
         valid_fraction=args.valid_fraction,
-        options=args.read_options(),
-        hf_config=args.hf_config,
-        hf_split=args.hf_split,
+        **args.reading(),
         overwrite=args.overwrite,
-        check_encoding=args.invalid_utf8 is None,  # an explicit --invalid-utf8 reads any file
         progress=not args.no_progress,
         num_tasks=args.num_tasks,
         task_index=args.task_index,
@@ -399,9 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def console_main() -> None:
-    """The `swbert-preprocess` command."""
-    cli.run_main(main)
+console_main = cli.command(main)  # the `swbert-preprocess` command
 
 
 if __name__ == "__main__":

@@ -113,10 +113,10 @@ def train_tokenizer(
     character_coverage: float = 0.9995,
     byte_fallback: bool | None = None,
     seed: int = 0,
-    threads: int | None = None,
     options: ReadOptions | None = None,
     hf_config: str | None = None,
     hf_split: str = "train",
+    threads: int | None = None,
     overwrite: bool = False,
     check_encoding: bool = True,
     lowercase: bool = False,
@@ -304,19 +304,14 @@ def main(argv: list[str] | None = None) -> int:
         byte_fallback={"auto": None, "yes": True, "no": False}[args.byte_fallback],
         seed=args.seed,
         threads=args.threads,
-        options=args.read_options(),
-        hf_config=args.hf_config,
-        hf_split=args.hf_split,
+        **args.reading(),
         overwrite=args.overwrite,
-        check_encoding=args.invalid_utf8 is None,  # an explicit --invalid-utf8 reads any file
         lowercase=args.lowercase,
     )
     return 0
 
 
-def console_main() -> None:
-    """The `swbert-train-tokenizer` command."""
-    cli.run_main(main)
+console_main = cli.command(main)  # the `swbert-train-tokenizer` command
 
 
 if __name__ == "__main__":

@@ -155,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def console_main() -> None:
-    """The `swbert-verify` command."""
-    cli.run_main(main)
+console_main = cli.command(main)  # the `swbert-verify` command
 
 
 if __name__ == "__main__":

@@ -39,12 +39,12 @@ class GlobalSampler:
             raise ValueError(f"micro_batch_size must be positive, not {micro_batch_size}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), not {dp_rank}")
-        self.num_samples = num_samples
-        self.seed = seed
-        self.micro_batch_size = micro_batch_size
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
-        self.shuffle = shuffle
+        self.num_samples, self.seed, self.shuffle = num_samples, seed, shuffle
+        self.micro_batch_size, self.dp_rank, self.dp_size = (
+            micro_batch_size,
+            dp_rank,
+            dp_size,
+        )  # this rank's share
         self.epoch = 0
         self.consumed = 0  # global samples of `epoch` consumed so far, by all ranks together
         self._perm_epoch: int | None = None

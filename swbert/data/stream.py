@@ -98,9 +98,7 @@ class MixedStream:
     ) -> None:
         if len(folders) != len(schedule.counts):
             raise ValueError(f"{len(folders)} folders but a schedule of {len(schedule.counts)}")
-        self.folders = folders
-        self.schedule = schedule
-        self.collator = collator
+        self.folders, self.schedule, self.collator = folders, schedule, collator
         self.stream_seed = stream_seed
         self.document_attention = document_attention
         self.samplers = [
