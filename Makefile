@@ -7,6 +7,8 @@ CONSTRAINTS ?= constraints-cpu.txt
 # virtual environment (a build made against another environment's torch would be rebuilt each time).
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/swbert/torch_extensions/$(shell echo $(abspath $(VENV)) | cksum | cut -d' ' -f1)
 BIN := $(VENV)/bin
+# DeepSpeed's accelerator: as set, else cuda where torch sees a GPU, else cpu (evaluated where used)
+DS_ACCELERATOR_DEFAULT = $${DS_ACCELERATOR:-$$($(BIN)/python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")}
 
 .PHONY: setup pretrain finetune docs-check test test-fast test-long test-faults test-gpu lint golden clean
 
@@ -16,6 +18,8 @@ $(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(BIN)/python -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[dev]"
 	# the commit-msg hook (.githooks/commit-msg: subjects of at most 72 characters), in a git clone
 	git rev-parse --git-dir >/dev/null 2>&1 && git config core.hooksPath .githooks || true
+	# the ops every job loads at start-up, built once here rather than inside the first job (or test)
+	DS_ACCELERATOR=$(DS_ACCELERATOR_DEFAULT) $(BIN)/python -m swbert.runtime.extensions
 	touch $@
 
 setup: $(BIN)/.installed
@@ -23,7 +27,7 @@ setup: $(BIN)/.installed
 # The embedded default recipe on 2 ranks (2 CPU processes here; set NPROC=8 on an 8-GPU node).
 NPROC ?= 2
 pretrain: setup
-	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=$${DS_ACCELERATOR:-$$($(BIN)/python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")} \
+	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=$(DS_ACCELERATOR_DEFAULT) \
 	  $(BIN)/deepspeed --num_gpus $(NPROC) launchers/pretrain.py --output-dir runs/default-$$(date +%Y%m%d-%H%M%S)
 
 # The fine-tuning half, offline: the newest `make pretrain` export (or CHECKPOINT=DIR) fine-tuned on

@@ -108,3 +108,22 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return pid != os.getpid()
+
+
+def prebuild() -> str:
+    """Build now the ops every job on this machine loads at start-up, so that no job (or test) pays
+    for the build: DeepSpeed's shared-memory collectives on a CPU machine; nothing on a GPU, whose
+    ops (FusedAdam, CPU Adam) are built when a run chooses them. Returns what it did, in words."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "nothing to build ahead on a GPU machine (DeepSpeed builds a chosen op on first use)"
+    from swbert.runtime.dist import load_shm_comm
+
+    started = time.monotonic()
+    load_shm_comm()
+    return f"DeepSpeed's CPU collectives are built ({time.monotonic() - started:.0f} s), in {build_dir('deepspeed_shm_comm')}"
+
+
+if __name__ == "__main__":  # `make setup`: python -m swbert.runtime.extensions
+    print(prebuild())
