@@ -54,7 +54,8 @@ from swbert.runtime.checkpoint_format import (
 )
 from swbert.runtime.run_tokenizer import keep_in_run, run_folder
 from swbert.safe_load import load
-from swbert.training.checkpoint import MODEL_FIELDS, mark_complete
+from swbert.training.checkpoint import mark_complete
+from swbert.training.compat import MODEL_FIELDS
 
 PRE_UPGRADE = "pre-upgrade"  # where the original of each rewritten step folder is kept
 

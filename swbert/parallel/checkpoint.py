@@ -9,7 +9,7 @@ DeepSpeed's universal checkpoint: `python -m swbert.parallel.convert universal` 
 into one that loads at any size, adding which parameters are split along which dimension
 (`universal_checkpoint_info`, derived from the same `plan`) from the model config the checkpoint's
 swbert_meta.json records. A run refuses a checkpoint of another tensor-parallel size itself, naming
-that command (`swbert.training.checkpoint.check_compatible`).
+that command (`swbert.training.compat.check_compatible`).
 """
 
 from __future__ import annotations

@@ -29,13 +29,12 @@ from swbert.models.remote_code import save_loadable
 from swbert.runtime.checkpoint_format import (
     META,
     OutdatedCheckpoint,
-    newest_complete,
-    read_latest,
     require_current,
     require_current_folder,
 )
 from swbert.runtime.run_tokenizer import copy_tokenizer, tokenizer_for_export
 from swbert.safe_load import UnsafeCheckpointError, load, weights_only_loads
+from swbert.training.resume import find_checkpoint
 
 
 def _full_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
@@ -99,24 +98,29 @@ def export(tag_dir: Path, output: Path, tokenizer_dir: Path | None = None) -> Pa
 class ExportConfig:
     """The flags of `python -m swbert.training.export`."""
 
-    # a checkpoints/ folder (uses 'latest') or one step_* folder
+    # a checkpoints/ folder (its newest complete checkpoint) or one step_* folder
     checkpoints: Path = field(metadata={"positional": True})
     output: Path  # Hugging Face folder to write
-    tag: str | None = None  # which step_* folder (default: the one 'latest' names)
+    tag: str | None = None  # which step_* folder (default: the newest complete one)
     tokenizer: Path | None = None  # tokenizer folder (default: the run folder's tokenizer/)
 
 
 def _tag_dir(args: ExportConfig) -> Path:
-    tag_dir = args.checkpoints
-    if args.tag or not (tag_dir / META).is_file():  # a checkpoints/ folder
-        require_current_folder(tag_dir)
-        tag = args.tag or read_latest(tag_dir) or newest_complete(tag_dir)
-        if tag is None:
-            raise ValueError(f"{tag_dir} holds no complete checkpoint; pass a step_* folder or --tag")
-        tag_dir = tag_dir / tag
-    if not tag_dir.is_dir():
-        raise ValueError(f"{tag_dir} is not a checkpoint folder")
-    return tag_dir
+    """The step folder to export: --tag's, or the one `--resume` would take from the same path (a
+    complete step folder named as is; a checkpoints/ folder's newest complete checkpoint)."""
+    if args.tag:
+        require_current_folder(args.checkpoints)
+        tag_dir = args.checkpoints / args.tag
+        if not tag_dir.is_dir():
+            raise ValueError(f"{tag_dir} is not a checkpoint folder")
+        return tag_dir
+    try:
+        found = find_checkpoint(str(args.checkpoints), args.checkpoints)
+    except FileNotFoundError as err:
+        raise ValueError(str(err).replace("--resume ", "", 1)) from None
+    if found is None:
+        raise ValueError(f"{args.checkpoints} holds no complete checkpoint; pass a step_* folder or --tag")
+    return found[0] / found[1]
 
 
 def main(argv: list[str] | None = None) -> None:

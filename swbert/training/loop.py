@@ -161,8 +161,8 @@ class Loop:
         if self.skipped_in_a_row >= r.config.max_nonfinite_steps:
             raise NonFiniteStop(
                 f"stopping at step {self.step}: {self.skipped_in_a_row} steps in a row had a non-finite loss "
-                f"or gradients. The last good checkpoint is {ckpt.newest_complete(r.ckpt_root) or 'none'} "
-                f"in {r.ckpt_root}; lower --lr, check the data, or raise --max-nonfinite-steps"
+                f"or gradients. The last good checkpoint is {ckpt.newest_complete(r.folder.ckpt_root) or 'none'} "
+                f"in {r.folder.ckpt_root}; lower --lr, check the data, or raise --max-nonfinite-steps"
             )
 
     def record(self) -> dict[str, Any]:

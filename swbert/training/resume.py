@@ -38,6 +38,7 @@ from swbert.runtime.checkpoint_format import (
     require_current_folder,
 )
 from swbert.training import checkpoint as ckpt
+from swbert.training.compat import check_compatible
 from swbert.training.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -120,10 +121,10 @@ def find_checkpoint(resume: str, ckpt_root: Path, warn: bool = True) -> tuple[Pa
 
 
 def _checked(cfg: TrainConfig, choice: tuple[Path, str] | None, record: dict[str, Any]) -> Resume | None:
-    """`choice` against this run (`ckpt.check_compatible`: model, tensor-parallel size, settings)."""
+    """`choice` against this run (`compat.check_compatible`: model, tensor-parallel size, settings)."""
     if choice is None:
         return None
-    changes = ckpt.check_compatible(choice[0] / choice[1], record, cfg.allow_resume_change)
+    changes = check_compatible(choice[0] / choice[1], record, cfg.allow_resume_change)
     return Resume(choice[0], choice[1], tuple(changes))
 
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from swbert.safe_load import UnsafeCheckpointError
-from swbert.training import checkpoint as ckpt
+from swbert.training import checkpoint as ckpt, compat
 from swbert.training.resume import agree_on_resume, find_checkpoint
 from tests.launch_utils import (
     Forked,
@@ -390,7 +390,7 @@ def test_a_checkpoint_from_before_the_fused_projections_is_refused_with_the_upgr
     (tag_dir / ckpt.META).write_text(json.dumps(meta))
     torch.save({"module": model.state_dict()}, tag_dir / "mp_rank_00_model_states.pt")
     ckpt.require_current(tag_dir)  # today's layout: fine
-    ckpt.check_parameter_names(tag_dir, config.to_dict())
+    compat.check_parameter_names(tag_dir, config.to_dict())
     torch.save({"module": separate_projections(model)}, tag_dir / "mp_rank_00_model_states.pt")
     upgrade = f"python -m swbert.upgrade {tag_dir.parent}, then"
     with pytest.raises(
@@ -398,12 +398,12 @@ def test_a_checkpoint_from_before_the_fused_projections_is_refused_with_the_upgr
     ):
         find_checkpoint(str(tag_dir), tmp_path / "checkpoints")
     with pytest.raises(ValueError, match=r"attn\.k_proj\.bias.*another model's.*--size/--attention-type"):
-        ckpt.check_parameter_names(tag_dir, config.to_dict())
+        compat.check_parameter_names(tag_dir, config.to_dict())
     shared = SWBertConfig.from_size("tiny", attention_type="shared", vocab_size=96)
     torch.save({"module": SWBertForMaskedLM(shared).state_dict()}, tag_dir / "mp_rank_00_model_states.pt")
     (tag_dir / ckpt.META).write_text(json.dumps({**meta, "model": {"attention_type": "shared"}}))
     ckpt.require_current(tag_dir)
-    ckpt.check_parameter_names(tag_dir, shared.to_dict())  # shared attention has nothing packed
+    compat.check_parameter_names(tag_dir, shared.to_dict())  # shared attention has nothing packed
 
 
 @pytest.mark.parametrize(
@@ -423,4 +423,4 @@ def test_a_checkpoint_of_another_model_form_is_refused_with_the_flag_to_resume_i
     --pad-vocab-multiple 1 instead of failing on the table's shape."""
     tag_dir = fake_checkpoint(tmp_path, 4)
     with pytest.raises(ValueError, match=message):
-        ckpt.check_compatible(tag_dir, {"model": {}, "model_config": now})
+        compat.check_compatible(tag_dir, {"model": {}, "model_config": now})

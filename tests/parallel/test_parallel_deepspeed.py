@@ -258,7 +258,7 @@ class _SeparateQKV(SelfAttention):
 
 
 def _resume_from_before_the_fusion(tmp: str) -> None:
-    from swbert.training.checkpoint import check_parameter_names
+    from swbert.training.compat import check_parameter_names
     from swbert.upgrade import fuse_model_states, fuse_universal
 
     config = tiny_config("standard")

@@ -270,3 +270,19 @@ def test_a_rewind_is_a_branch_and_the_export_holds_the_weights_just_trained(trai
     assert new_marker.read_text() != old_marker and (root / "latest").read_text() == "step_00000004"
     stamp = json.loads((run / "export" / "swbert_export.json").read_text())
     assert stamp == {"checkpoint": "step_00000004", "marker": ckpt.file_hash(new_marker)}
+
+
+@pytest.mark.slow  # the trained run
+def test_export_takes_the_checkpoint_resume_would_and_refuses_a_cut_off_one(trained, tmp_path):
+    """Export and --resume agree on which checkpoint a folder means: the newest complete one, not
+    whatever `latest` names; a cut-off step folder named directly is refused, naming the one to use."""
+    from swbert.training.export import ExportConfig, _tag_dir
+
+    run = _copy(trained, tmp_path)
+    root = run / "checkpoints"
+    assert _tag_dir(ExportConfig(root, tmp_path / "hf")) == root / "step_00000004"
+    (root / "step_00000004" / "complete.json").unlink()  # the last save was cut off
+    assert _tag_dir(ExportConfig(root, tmp_path / "hf")) == root / "step_00000002"
+    with pytest.raises(ValueError, match="this checkpoint is incomplete.*step_00000002, the newest complete"):
+        _tag_dir(ExportConfig(root / "step_00000004", tmp_path / "hf"))
+    assert _tag_dir(ExportConfig(root, tmp_path / "hf", tag="step_00000002")) == root / "step_00000002"
