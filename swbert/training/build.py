@@ -275,6 +275,8 @@ def run_record(
             "zero_stage": plan.zero_stage,
             "data_parallel": plan.dims.dp_size,
             "max_predictions_per_seq": data.max_predictions_per_seq,
+            # which tokens a position attends to (a checkpoint without the key predates the option: off)
+            "document_attention": cfg.document_attention,
             # the optimizer: its kind cannot change (its state has another form); the rest is
             # applied to the restored optimizer when --allow-resume-change names it
             "optimizer": resolve_optimizer(cfg.optimizer, offloads_optimizer(plan.ds_config)),

@@ -45,6 +45,7 @@ RESUME_CHANGEABLE = (
     "max_predictions_per_seq",
     "global_batch_size",
     "precision",
+    "document_attention",
     *OPTIMIZER_SETTINGS,  # applied to the restored optimizer and schedule (Trainer._apply_optimizer_settings)
 )
 

@@ -24,6 +24,12 @@ def test_a_run_with_document_attention_trains_and_differs_from_plain_attention(d
         losses[name] = [metrics[s]["loss"] for s in (2, 4, 6)]
         assert all(math.isfinite(v) for v in losses[name]) and math.isfinite(metrics[6]["val_loss"])
     assert losses["documents"][0] != losses["plain"][0]  # the same batches, attention cut at documents
+    # a resume may not switch it silently: it changes what every position attends to
+    more = [*args, "--mlflow", "false", "--export", "false", "--train-steps", "8", "--resume", "auto"]
+    switched = run_single([*more, "--document-attention", "true"])
+    assert switched.returncode != 0
+    assert "document_attention: checkpoint False vs this run True" in switched.stderr, switched.stderr[-2000:]
+    assert "--allow-resume-change document_attention" in switched.stderr
 
 
 @pytest.mark.parametrize(
