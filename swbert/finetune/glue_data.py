@@ -203,7 +203,8 @@ def read_glue_hub(task: GlueTask, split: str) -> GlueExamples:
                 f"{source}, row {int(bad[0])}: label {int(labels[bad[0]])} outside 0..{task.num_labels - 1} "
                 "(test splits have no labels; fine-tune and evaluate on train/validation)"
             )
-    return GlueExamples(task, split, source, list(ds[a]), None if b is None else list(ds[b]), labels)
+    text_a = [_text(t or "", f"{source}: example {i}", a) for i, t in enumerate(ds[a])]
+    return GlueExamples(task, split, source, text_a, None if b is None else list(ds[b]), labels)
 
 
 # ------------------------------------------------------------------------------------------- encoding

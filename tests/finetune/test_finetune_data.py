@@ -329,3 +329,16 @@ def test_an_example_longer_than_the_models_positions_is_refused_naming_it(glue_d
     ):
         load_task_data(task, tokenizer, glue_dir, 64, True, positions=positions)
     assert load_task_data(task, tokenizer, glue_dir, 64, True, positions=max(lengths)).train is not None
+
+
+def test_an_empty_text_from_the_hub_names_the_split_and_example(monkeypatch):
+    """The Hub reader holds rows to the TSV reader's rule: an empty text is refused before training."""
+    import datasets
+
+    from swbert.finetune import hub
+    from swbert.finetune.glue_data import read_glue_hub
+
+    rows = datasets.Dataset.from_dict({"sentence": ["nice", " ", "bad"], "label": [1, 0, 0], "idx": [0, 1, 2]})
+    monkeypatch.setattr(hub, "load_hub_dataset", lambda *args: rows)
+    with pytest.raises(GlueDataError, match=r"glue/sst2:train: example 1's text \(column 'sentence'\) is empty"):
+        read_glue_hub(get_task("sst2"), "train")
