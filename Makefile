@@ -75,12 +75,14 @@ test-fast: setup
 	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow and not long"
 
 # The cases `make test` leaves out to stay within its time, each a repeat of a CI case in another
-# configuration: the compiled engine at ZeRO-1 and 2 (CI: ZeRO-3 and TP compiled), the heartbeat
-# through a whole job, SIGINT (CI: SIGTERM), skipped non-finite steps at ZeRO-2 (CI: ZeRO-0, and
-# ZeRO-2 inside test_pretrain), the sync count at ZeRO-3 (CI: ZeRO-2), two nodes under the deepspeed
-# launcher (CI: torchrun, compiled), a killed rank 1 without a launcher (CI: hung rank 1, killed 0),
-# the scaling driver's local grid (CI: the same grid as a SLURM job array), the smoke runs of the
-# pretraining and preprocessing benchmarks (CI: the same launches and preprocessing in tests/).
+# configuration: the compiled engine at ZeRO-1 and 2 (CI: ZeRO-3 and TP compiled), eager ZeRO-1 (CI:
+# ZeRO-2 and 3), selective checkpointing compiled (CI: none, compiled), the heartbeat through a whole
+# job, SIGINT (CI: SIGTERM), skipped non-finite steps at ZeRO-2 (CI: ZeRO-0, and ZeRO-2 inside
+# test_pretrain), the sync count at ZeRO-3 (CI: ZeRO-2), two nodes compiled or under the deepspeed
+# launcher (CI: torchrun, eager), a killed rank 1 without a launcher (CI: hung rank 1, killed 0), the
+# scaling driver's local grid (CI: the same grid as a SLURM job array), the smoke runs of the
+# pretraining, preprocessing and fine-tuning benchmarks (CI: the same launches, preprocessing and
+# fine-tuning in tests/). The quality ladder (about 20 minutes) runs only here.
 # Test files reach the 2 workers longest first (tests/conftest.py), hence --no-loadscope-reorder.
 test-long: setup
 	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m long

@@ -82,6 +82,7 @@ def test_data_loader_benchmark_smoke(tmp_path, capsys):
     assert all(row["seconds"] > 0 and row["worker_uss"] > 0 for row in growth)
 
 
+@pytest.mark.long  # fine-tunes three ways; CI fine-tunes each way in tests/finetune/
 def test_finetune_step_benchmark_smoke(tmp_path, capsys):
     """Padded, grouped and unpadded steps on both length distributions (tiny; the times mean little):
     the JSON has every mode's figures and the unpadded mode computes exactly the real tokens."""

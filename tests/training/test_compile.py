@@ -91,7 +91,8 @@ def compiled_equals_eager(compiled: SWBertForMaskedLM, eager: SWBertForMaskedLM)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["none", "selective"])
+# selective checkpointing (not the default) compiled: make test-long
+@pytest.mark.parametrize("mode", ["none", pytest.param("selective", marks=pytest.mark.long)])
 def test_compiled_per_block_equals_eager(mode):
     config = tiny_config("shared")
     eager = reference_model(config)
