@@ -79,10 +79,11 @@ test-fast: setup
 # ZeRO-2 and 3), selective checkpointing compiled (CI: none, compiled), the heartbeat through a whole
 # job, SIGINT (CI: SIGTERM), skipped non-finite steps at ZeRO-2 (CI: ZeRO-0, and ZeRO-2 inside
 # test_pretrain), the sync count at ZeRO-3 (CI: ZeRO-2), two nodes compiled or under the deepspeed
-# launcher (CI: torchrun, eager), a killed rank 1 without a launcher (CI: hung rank 1, killed 0), the
-# scaling driver's local grid (CI: the same grid as a SLURM job array), the smoke runs of the
-# pretraining, preprocessing and fine-tuning benchmarks (CI: the same launches, preprocessing and
-# fine-tuning in tests/). The quality ladder (about 20 minutes) runs only here.
+# launcher (CI: torchrun, eager), a killed or hung rank 1 without a launcher (CI: killed rank 0, and
+# a hung rank 1 named by the heartbeat), the scaling driver's local grid (CI: the same grid as a SLURM
+# job array), the smoke runs of the pretraining, preprocessing and fine-tuning benchmarks (CI: the
+# same launches, preprocessing and fine-tuning in tests/). The quality ladder (about 20 minutes) runs
+# only here.
 # Test files reach the 2 workers longest first (tests/conftest.py), hence --no-loadscope-reorder.
 test-long: setup
 	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m long

@@ -313,7 +313,11 @@ def test_scaling_grid_runs_as_a_job_array(cluster, data_dir, tmp_path):
         text = (tmp_path / f"slurm-{job}_{task}.out").read_text()
         assert "finished" in text, text
         assert "launcher=srun" in (tmp_path / "logs" / f"swbert-scaling-{job}_{task}" / "job.txt").read_text()
-    assert main(["--collect", str(out)]) == 0  # in this process too: it reads files and plots
+    collected = subprocess.run(
+        [sys.executable, "launchers/scaling_study.py", "--collect", str(out)],
+        cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert collected.returncode == 0, collected.stderr
     rows = read_csv(out / "scaling.csv")
     assert sorted(r["name"] for r in rows) == ["tiny-shared-tp1-z2", "tiny-standard-tp1-z2"]
     for row in rows:
