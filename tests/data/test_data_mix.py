@@ -42,6 +42,7 @@ def test_every_window_meets_the_weights_exactly(weights, counts):
         assert folder[:4].tolist() == [0, 0, 1, 0]
 
 
+@pytest.mark.slow  # preprocesses three folders
 def test_a_mix_draws_each_folder_in_its_own_order_and_a_mix_of_one_is_the_folder(data_dir, mix_dirs):
     a, b = mix_dirs
     single = TrainingData(data_dir, 64, 0.15, 1234)

@@ -326,6 +326,7 @@ def test_a_rank_killed_mid_run_ends_the_job_naming_it(data_dir, tmp_path):
     assert "rank      : 1" in text or "rank: 1" in text, text[-3000:]
 
 
+@pytest.mark.slow  # preprocesses data or starts ranks
 def test_a_flipped_bit_in_a_shard_names_the_shard_and_the_check(data_dir, tmp_path):
     """A bit flipped on disk after preprocessing (the size checks at open still pass) gives an error
     naming the shard and `data_prep.verify`, not an IndexError deep in the embedding."""
@@ -363,6 +364,7 @@ def _agree_on_resume(tmp: str) -> None:
     assert agree_on_resume(None) is None
 
 
+@pytest.mark.slow  # preprocesses data or starts ranks
 def test_every_rank_resumes_what_rank_0_chose_or_all_fail_naming_the_blind_rank(tmp_path):
     """Rank 0 decides what to resume; a rank that cannot see that checkpoint (an output folder on a
     node-local disk) fails every rank at once with what to fix, instead of training from scratch."""

@@ -122,6 +122,7 @@ def test_figure3_table_says_which_batches_it_timed():
     assert "Batches timed: grouped, padded, unpadded" in timing_table(timings, "standard", 16).note
 
 
+@pytest.mark.slow  # fine-tunes twice (about a minute)
 def test_fit_and_span_prediction_run_unpadded():
     """The loop trains on unpadded batches, and span prediction widens batches of different
     lengths to one array whose real positions hold the padded path's logits."""

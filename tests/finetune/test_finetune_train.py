@@ -78,6 +78,7 @@ def test_classifier_beats_chance_by_a_wide_margin(glue_run):
     assert sst2.data.tags["mlflow.parentRunId"] == parent.info.run_id  # one parent per sweep
 
 
+@pytest.mark.slow  # reads the GLUE sweep the glue_run fixture trains
 def test_regression_and_pair_tasks_produce_their_metrics(glue_run):
     out, runs = glue_run
     stsb = runs[("glue_trial", "stsb")].data.metrics
@@ -94,6 +95,7 @@ def test_regression_and_pair_tasks_produce_their_metrics(glue_run):
     assert table.splitlines()[4].endswith(" | – |")
 
 
+@pytest.mark.slow  # reads the GLUE sweep the glue_run fixture trains
 def test_noise_level_zero_matches_the_trial_and_cross_domain_is_logged(glue_run, store):
     out, runs = glue_run
     noise = runs[("noise", "sst2")]
@@ -121,6 +123,7 @@ def test_noise_level_zero_matches_the_trial_and_cross_domain_is_logged(glue_run,
     assert "system/cpu_utilization_percentage" in client.get_run(sweep).data.metrics
 
 
+@pytest.mark.slow  # reads the GLUE sweep the glue_run fixture trains
 def test_evaluate_finetuned_reproduces_the_clean_score(glue_run, store, tmp_path):
     out, runs = glue_run
     kept = next((out / "tiny" / "sst2").iterdir())

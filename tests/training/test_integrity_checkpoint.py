@@ -76,6 +76,7 @@ def _verify_resume(tmp: str) -> None:
     assert (lone / "damaged" / "step_00000008").is_dir()
 
 
+@pytest.mark.slow  # trains and resumes
 def test_a_damaged_checkpoint_falls_back_to_the_previous_one_and_is_kept_aside(tmp_path):
     """2 ranks on gloo share the reading; under --resume auto the damaged step 8 moves to damaged/
     (every file still there) and both ranks resume step 4; named explicitly, it is refused in one
