@@ -125,7 +125,7 @@ ids = torch.randint(5, 30522, (8, 128))
 labels = ids.clone()
 labels[:, ::2] = -100
 faults = []
-for _ in range(8):
+for _ in range(12):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     model(input_ids=ids, labels=labels).loss.backward()
     optimizer.step()
@@ -139,18 +139,19 @@ print(took, *faults)
 @pytest.mark.parametrize("setting", ["keep", "system"])
 def test_cpu_training_steps_reuse_freed_memory_without_page_faults(setting):
     """The trainer's CPU allocator setting: once warm, a training step takes the memory the last
-    step freed from the heap instead of tens of thousands of fresh pages (now and then one block
-    does not fit where it was, hence the median); SWBERT_CPU_MALLOC=system leaves glibc's default
-    (and its faults) alone."""
+    step freed from the heap instead of tens of thousands of fresh pages; SWBERT_CPU_MALLOC=system
+    leaves glibc's default (and its faults) alone. Faults only ever add up (a block that does not fit
+    where it was, the kernel reclaiming pages while other jobs run: half the steps of one CI run),
+    so the quiet quarter of the steady steps is compared: without the setting every step faults."""
     env = {**os.environ, "SWBERT_CPU_MALLOC": setting, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", STEPS], env=env, capture_output=True, text=True, check=True)
     took, *faults = out.stdout.split()
     steady = sorted(int(f) for f in faults[2:])
-    median = steady[len(steady) // 2]
+    quiet = steady[len(steady) // 4]
     if setting == "keep":
-        assert took == "True" and median < 1000, out.stdout
+        assert took == "True" and quiet < 1000, out.stdout
     else:
-        assert took == "False" and median > 10_000, out.stdout
+        assert took == "False" and quiet > 10_000, out.stdout
 
 
 def count_modules(model: nn.Module) -> dict[type, int]:
