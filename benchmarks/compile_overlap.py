@@ -37,7 +37,7 @@ def _port() -> int:
 
 
 def _measure(
-    mode: str, layers: int, hidden: int, seq: int, batch: int, reps: int, port: int
+    mode: str, layers: int, hidden: int, seq: int, batch: int, reps: int, backend: str, port: int
 ) -> dict[str, Any]:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
@@ -62,7 +62,13 @@ def _measure(
         attention_probs_dropout_prob=0.0,
     )
     torch.manual_seed(0)
-    model = wrap_model(SWBertForMaskedLM(config), compile=mode == "per_block", zero_stage=2, log_steps=False)
+    model = wrap_model(
+        SWBertForMaskedLM(config),
+        compile=mode == "per_block",
+        compile_backend=backend,
+        zero_stage=2,
+        log_steps=False,
+    )
     ds = {
         "train_micro_batch_size_per_gpu": batch,
         "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 10**9},
@@ -71,7 +77,7 @@ def _measure(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds, dist_init_required=False)
     if mode == "whole_model":
-        engine.compile()  # DeepSpeed's own: the whole module as one graph
+        engine.compile(backend=backend)  # DeepSpeed's own: the whole module as one graph
 
     fired: list[float] = []
     handler = engine.optimizer.reduce_ready_partitions_and_remove_grads
@@ -104,14 +110,24 @@ def _child(queue: Any, *args: Any) -> None:
 
 
 def measure(
-    mode: str, layers: int = 4, hidden: int = 256, seq: int = 128, batch: int = 8, reps: int = 3
+    mode: str,
+    layers: int = 4,
+    hidden: int = 256,
+    seq: int = 128,
+    batch: int = 8,
+    reps: int = 3,
+    backend: str = "inductor",
 ) -> dict:
-    """The first gradient reduce's position within the backward for `mode`, in a fresh process."""
+    """The first gradient reduce's position within the backward for `mode`, in a fresh process.
+    `backend`: torch.compile's; the graphs, one per unit or one for the model, and so when each
+    gradient is ready, are the same for every backend that splits the backward as AOTAutograd
+    does (inductor, aot_eager), whatever code it generates for them."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: choose from {', '.join(MODES)}")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(queue, mode, layers, hidden, seq, batch, reps, _port()))
+    args = (queue, mode, layers, hidden, seq, batch, reps, backend, _port())
+    proc = ctx.Process(target=_child, args=args)
     proc.start()
     result = queue.get(timeout=1800)
     proc.join()
@@ -128,11 +144,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--backend", default="inductor", help="torch.compile's backend (default inductor)")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args(argv)
     out = {}
     for mode in args.modes.split(","):
-        out[mode] = measure(mode, args.layers, args.hidden, args.seq, args.batch, args.reps)
+        out[mode] = measure(mode, args.layers, args.hidden, args.seq, args.batch, args.reps, args.backend)
         print(
             f"{mode:12s} first gradient reduce at {out[mode]['first_reduce_fraction']:6.1%} of the backward"
         )
