@@ -203,11 +203,11 @@ def _engines_hold_what_the_closed_forms_say() -> None:
 
     from swbert.scaling.memory_check import measure
 
-    # mini (3.4M parameters): the 1M-element buckets are a third of the model, so a bucket the closed
-    # form got wrong would show well above 1%; a bigger model only costs time.
-    config = SWBertConfig.from_size("mini", vocab_size=2048)
+    # tiny (0.24M parameters): the 80K-element buckets are a third of the model, so a bucket the
+    # closed form got wrong would show well above 1%; a bigger model only costs time.
+    config = SWBertConfig.from_size("tiny", vocab_size=2048)
     rows = [
-        measure(config, zero, precision, 1_000_000, 100_000)
+        measure(config, zero, precision, 80_000, 8_000)
         for zero in range(4)
         for precision in ("fp32", "bf16")
     ]
