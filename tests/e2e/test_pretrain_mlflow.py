@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -39,6 +40,8 @@ def mlflow_server(tmp_path_factory):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
+        # tracking only: no job runner process beside the server (MLflow's default starts one)
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
     )
     uri = f"http://127.0.0.1:{port}"
 
@@ -52,7 +55,6 @@ def mlflow_server(tmp_path_factory):
         wait_for(healthy, timeout=120, proc=proc)
         yield uri, proc
     finally:
-        import os
         import signal
 
         try:
