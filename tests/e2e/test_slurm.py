@@ -156,8 +156,9 @@ def test_two_node_pretraining_preempted_requeued_and_resumed(cluster, data_dir, 
     """2 nodes x 1 process through sbatch; SIGUSR1 mid-run -> checkpoint -> requeue -> finish."""
     out, logs = tmp_path / "run", tmp_path / "logs"
     # a tiny step takes about 0.15 s on an idle machine: enough steps that the signal, sent once 3
-    # are logged, always lands before the last one (with 20 the run could finish first)
-    steps = 80
+    # are logged, always lands before the last one (it lands 2-4 steps later; with 20 the run could
+    # finish first)
+    steps = 40
     job = cluster.sbatch(
         "--nodes=2",
         "--exclusive",  # whole nodes, as a pretraining job asks for
