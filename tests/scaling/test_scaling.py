@@ -203,7 +203,7 @@ def _engines_hold_what_the_closed_forms_say() -> None:
 
     from swbert.scaling.memory_check import measure
 
-    # tiny (0.24M parameters): the 80K-element buckets are a third of the model, so a bucket the
+    # tiny (0.25M parameters): the 80K-element buckets are a third of the model, so a bucket the
     # closed form got wrong would show well above 1%; a bigger model only costs time.
     config = SWBertConfig.from_size("tiny", vocab_size=2048)
     rows = [
