@@ -204,7 +204,8 @@ def read_glue_hub(task: GlueTask, split: str) -> GlueExamples:
                 "(test splits have no labels; fine-tune and evaluate on train/validation)"
             )
     text_a = [_text(t or "", f"{source}: example {i}", a) for i, t in enumerate(ds[a])]
-    return GlueExamples(task, split, source, text_a, None if b is None else list(ds[b]), labels)
+    text_b = None if b is None else [t or "" for t in ds[b]]  # a missing second text: empty, as in a TSV
+    return GlueExamples(task, split, source, text_a, text_b, labels)
 
 
 # ------------------------------------------------------------------------------------------- encoding

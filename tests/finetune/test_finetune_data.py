@@ -338,7 +338,17 @@ def test_an_empty_text_from_the_hub_names_the_split_and_example(monkeypatch):
     from swbert.finetune import hub
     from swbert.finetune.glue_data import read_glue_hub
 
-    rows = datasets.Dataset.from_dict({"sentence": ["nice", " ", "bad"], "label": [1, 0, 0], "idx": [0, 1, 2]})
+    rows = datasets.Dataset.from_dict(
+        {"sentence": ["nice", " ", "bad"], "label": [1, 0, 0], "idx": [0, 1, 2]}
+    )
     monkeypatch.setattr(hub, "load_hub_dataset", lambda *args: rows)
-    with pytest.raises(GlueDataError, match=r"glue/sst2:train: example 1's text \(column 'sentence'\) is empty"):
+    with pytest.raises(
+        GlueDataError, match=r"glue/sst2:train: example 1's text \(column 'sentence'\) is empty"
+    ):
         read_glue_hub(get_task("sst2"), "train")
+    # a null second text (the Hub's None) reads as the TSV's empty column, not a None for the tokenizer
+    pairs = datasets.Dataset.from_dict(
+        {"sentence1": ["a b", "c d"], "sentence2": ["e f", None], "label": [1, 0], "idx": [0, 1]}
+    )
+    monkeypatch.setattr(hub, "load_hub_dataset", lambda *args: pairs)
+    assert read_glue_hub(get_task("mrpc"), "train").text_b == ["e f", ""]
