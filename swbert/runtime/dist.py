@@ -54,13 +54,32 @@ def die_with_launcher() -> None:
     GPUs and writes into the run folder. (SIGTERM, not SIGKILL: a launcher that dies of a signal it
     does not handle, such as deepspeed's launch.py of SIGUSR1, would otherwise lose the work since
     the last checkpoint. An orphan stuck in a collective still ends, at SWBERT_DIST_TIMEOUT_MIN.)"""
+    signal_on_parent_death(signal.SIGTERM)
+
+
+def _libc() -> ctypes.CDLL | None:
+    """The C library on Linux (glibc), else None. Loaded at import, not in a forked child
+    (`preexec_fn`), where loading a library could wait on a lock another thread held at the fork."""
     if not sys.platform.startswith("linux"):
-        return
+        return None
     try:
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        return ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:
-        pass
+        return None
+
+
+_LIBC = _libc()
+_PR_SET_PDEATHSIG = 1
+
+
+def signal_on_parent_death(sig: int, parent_pid: int | None = None) -> None:
+    """Linux: the kernel sends this process `sig` when its parent dies, however it dies (kill -9
+    included). With `parent_pid`, a process whose parent is already gone exits at once. Elsewhere
+    it does nothing. Safe as a `subprocess.Popen` `preexec_fn`: it imports and loads nothing."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, sig)
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)
 
 
 def stop_with_deepspeed_runner() -> None:

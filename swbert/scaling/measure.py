@@ -24,6 +24,7 @@ from typing import Any
 
 import psutil
 
+from swbert.runtime.dist import signal_on_parent_death
 from swbert.scaling.grid import GridPoint, activation_args
 from swbert.scaling.memory import GIB
 
@@ -192,12 +193,29 @@ def pretrain_args(point: GridPoint, ds_config: Path, output_dir: Path, steps: in
     ]  # fmt: skip
 
 
+def start_job(cmd: list[str], cwd: Path | None, env: dict[str, str], out: Any) -> subprocess.Popen:
+    """Start a training job (torchrun and its ranks) writing to `out`: in its own process group, so
+    a time limit kills it whole, and tied to this process. On Linux the launcher gets SIGTERM the
+    moment this process dies, however it dies (kill -9 included); its ranks then checkpoint and stop
+    (`die_with_launcher`) rather than train on as orphans that hold the run folder's lock, which
+    made the study's next run find the folder in use and record the point as failed."""
+    parent = os.getpid()
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        preexec_fn=lambda: signal_on_parent_death(signal.SIGTERM, parent),
+    )  # fmt: skip
+
+
 _ERROR = re.compile(r"^(?:\[rank\d+\]: )?(error: .*|\w*(?:Error|Exception)\b.*)")
 
 
-def _last_error(log: Path) -> str:
-    """The training processes' own error line (not the launcher's summary), else the last line."""
-    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+def _last_error(log: Path, offset: int = 0) -> str:
+    """The training processes' own error line (not the launcher's summary), else the last line, in
+    what `log` holds from byte `offset` on."""
+    with open(log, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for line in reversed(lines):
         m = _ERROR.match(line)
         if m and "ChildFailedError" not in line:
@@ -256,9 +274,7 @@ def run_point(
     log = output_dir / "run.log"
     start = time.perf_counter()
     with open(log, "w") as out:
-        proc = subprocess.Popen(
-            cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        proc = start_job(cmd, cwd, env, out)
         limit = hardware.headroom * hardware.host_bytes if hardware.accelerator == "cpu" else None
         sampler = MemorySampler(proc.pid, limit)
         sampler.start()

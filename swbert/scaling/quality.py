@@ -279,11 +279,18 @@ def read_run(run_dir: Path, point: Point) -> PointResult | None:
     return PointResult("done", val_loss=val, train_loss=float(last["loss"]), curve=curve)
 
 
+# The trainer's refusal of a run folder that another job holds (swbert.training.runlock), and how long
+# a point waits for it to be freed (ours): the job of a study that was killed is still checkpointing
+# on its way out (SIGTERM when the study died, `start_job`) when the study is run again.
+BUSY = "is in use by another job"
+BUSY_WAIT_S, BUSY_RETRY_S = 600.0, 10.0
+
+
 def train_point(point: Point, cfg: QualityConfig, run_dir: Path, data_dir: str) -> PointResult:
     """Run (or continue) `point` with the real trainer; a failure becomes a result with its reason."""
     from swbert.runtime.exits import PREEMPTED_EXIT
     from swbert.scaling.grid import write_ds_config
-    from swbert.scaling.measure import REPO, _last_error
+    from swbert.scaling.measure import REPO, _last_error, start_job
     from swbert.scaling.memory import Layout
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -291,23 +298,19 @@ def train_point(point: Point, cfg: QualityConfig, run_dir: Path, data_dir: str) 
     cmd = pretrain_command(point, cfg, run_dir, data_dir, ds_config)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("MLFLOW_TRACKING_URI", None)  # the study records the point; the run keeps no store
-    start = time.perf_counter()
+    cwd = REPO if (REPO / "launchers").is_dir() else None
+    start, busy_until = time.perf_counter(), time.monotonic() + BUSY_WAIT_S
     log_path = run_dir / "run.log"
     with open(log_path, "a") as out:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO if (REPO / "launchers").is_dir() else None, env=env, stdout=out,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-        try:
-            rc = proc.wait(timeout=cfg.point_timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = None
-        except BaseException:  # the study itself stopped: the point resumes on the next run
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait()
-            raise
+        while True:
+            out.flush()
+            offset = out.tell()  # this attempt's output starts here
+            rc = _wait_job(start_job(cmd, cwd, env, out), cfg.point_timeout_s)
+            error = _last_error(log_path, offset) if rc not in (0, None) else ""
+            if BUSY not in error or time.monotonic() > busy_until:
+                break
+            log.info("%s: its run folder is still in use; trying again in %.0f s", point.name, BUSY_RETRY_S)
+            time.sleep(BUSY_RETRY_S)
     wall = time.perf_counter() - start
     if rc is None:
         return PointResult(
@@ -319,8 +322,9 @@ def train_point(point: Point, cfg: QualityConfig, run_dir: Path, data_dir: str) 
         return PointResult(
             "stopped", f"stopped on request (exit status {rc}); re-run to resume it", wall_s=wall
         )
+    if BUSY in error:  # not the point's failure: nothing recorded, the next run trains it
+        return PointResult("stopped", f"{error}; re-run the study when that job has ended", wall_s=wall)
     if rc != 0:
-        error = _last_error(log_path)
         kind = (
             "diverged"
             if "non-finite" in error
@@ -332,6 +336,21 @@ def train_point(point: Point, cfg: QualityConfig, run_dir: Path, data_dir: str) 
     )
     result.wall_s = wall
     return result
+
+
+def _wait_job(proc: subprocess.Popen, timeout_s: float) -> int | None:
+    """The job's exit status, or None when it ran past `timeout_s` (then killed whole). A study that
+    stops (Ctrl-C, SIGTERM) stops its job too, which checkpoints: the point resumes on the next run."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return None
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+        raise
 
 
 # ---- the study -----------------------------------------------------------------------------------

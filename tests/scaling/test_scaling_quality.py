@@ -7,15 +7,20 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from swbert.models.config import SIZES, SWBertConfig
+from swbert.scaling import quality
 from swbert.scaling.quality import Point, PointResult, QualityConfig, non_embedding_params, plan, run_quality
 from swbert.scaling.report import read_csv
-from tests.launch_utils import REPO, job_env
+from tests.launch_utils import REPO, job_env, wait_for
 
 
 def fake_data(folder: Path, valid_documents: int = 10) -> str:
@@ -174,6 +179,94 @@ def test_reruns_never_retrain_finished_points_and_failures_keep_their_reason(tmp
     third = StandIn()
     run_quality(cfg, third)
     assert sorted(third.calls) == ["2x64-shared-s1234", "mini-shared-s1234"]
+
+
+# A stand-in for a point's torchrun job: attempt k does what the k-th word of argv[3] says (the last
+# word: every attempt after it). "busy"
+# is the trainer's refusal of a run folder another job holds, as launchers/pretrain.py prints it.
+FAKE_JOB = """
+import json, pathlib, sys
+run, steps, plan = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
+tries = run / "tries"
+n = len(tries.read_text()) if tries.exists() else 0
+tries.write_text("x" * (n + 1))
+n = min(n, len(plan) - 1)
+if plan[n] == "busy":
+    print(f"error: {run} is in use by another job (host h, pid 1); wait for it to end, stop it, or choose another --output-dir")
+    sys.exit(1)
+if plan[n] == "silent":
+    sys.exit(1)
+record = {"step": steps, "loss": 4.0, "val_loss": 3.5, "tokens_seen": 1}
+(run / "metrics.jsonl").write_text(json.dumps(record) + "\\n")
+"""
+
+
+@pytest.mark.parametrize(
+    "attempts, status, tries, reason",
+    [
+        ("busy,busy,ok", "done", 3, None),  # the folder's last holder let go: the point trains
+        ("busy,silent,ok", "failed", 2, "exit status 1: no output"),  # an earlier refusal is not this one's
+        ("busy", "stopped", None, "in use by another job"),  # still held after BUSY_WAIT_S
+    ],
+)
+def test_a_run_folder_still_held_is_waited_for_and_never_recorded_as_failed(
+    tmp_path, monkeypatch, attempts, status, tries, reason
+):
+    """The study killed while a point trains leaves that point's job checkpointing on its way out
+    (`start_job`); the next run waits for the folder (up to BUSY_WAIT_S), and a folder still held is
+    reported, not recorded as the point's failure."""
+    cfg = config(tmp_path, sizes=["1x64", "2x64", "2x128", "3x128"])
+    point = plan(cfg, 8000)[0]
+    run_dir = cfg.output_dir / "points" / point.name
+
+    def fake(point, cfg, run_dir, data_dir, ds_config):
+        return [sys.executable, "-c", FAKE_JOB, str(run_dir), str(point.steps), attempts]
+
+    monkeypatch.setattr(quality, "pretrain_command", fake)
+    monkeypatch.setattr(quality, "BUSY_RETRY_S", 0.05)
+    monkeypatch.setattr(quality, "BUSY_WAIT_S", 2.0 if status != "stopped" else 0.3)
+    result, trained = quality.point_result(point, cfg, cfg.data_dir, quality.train_point)
+    assert trained and result.status == status, result
+    assert (run_dir / "point.json").is_file() == (status != "stopped")  # held: nothing recorded
+    if tries is not None:
+        assert len((run_dir / "tries").read_text()) == tries
+    if reason is not None:
+        assert reason in result.reason
+
+
+@pytest.mark.slow  # a study process and its job, started and killed (about 5 s)
+def test_a_killed_study_stops_its_job_instead_of_leaving_it_to_train_on(tmp_path):
+    """kill -9 of the study: the job it started (in a session of its own) gets SIGTERM, on which a
+    real job checkpoints and exits, instead of training on as an orphan holding the run folder."""
+    up, got = tmp_path / "up", tmp_path / "got"
+    job = (
+        "import signal, sys, time, pathlib\n"
+        "def stop(*_):\n    pathlib.Path(sys.argv[2]).write_text('SIGTERM'); sys.exit(75)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "pathlib.Path(sys.argv[1]).write_text('up')\n"
+        "time.sleep(120)\n"
+    )
+    study = textwrap.dedent(f"""
+        import os, sys, time
+        from swbert.scaling.measure import start_job
+        with open({str(tmp_path / "log")!r}, "a") as out:
+            job = start_job([sys.executable, "-c", {job!r}, {str(up)!r}, {str(got)!r}], None, dict(os.environ), out)
+        print(job.pid, flush=True)
+        time.sleep(120)
+    """)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", study], cwd=REPO, env=job_env(), stdout=subprocess.PIPE, text=True
+    )
+    pid = int(proc.stdout.readline())
+    try:
+        wait_for(up.exists, timeout=60, proc=proc)
+        proc.kill()
+        proc.wait()
+        psutil.Process(pid).wait(timeout=30)  # psutil.TimeoutExpired: the job trained on
+        assert got.read_text() == "SIGTERM"
+    finally:
+        if psutil.pid_exists(pid):
+            psutil.Process(pid).kill()
 
 
 @pytest.mark.long  # the default ladder trains 8 points: about 20 minutes on 2 CPU cores
