@@ -35,10 +35,11 @@ from swbert.finetune.resume import (
     trial_from_record,
     trial_key,
 )
-from swbert.finetune.tracking import DEFAULT_EXPERIMENT, Tracker, tracking_uri
+from swbert.finetune.tracking import DEFAULT_EXPERIMENT, Tracker
 from swbert.finetune.trainer import FinetuneConfig, default_device, fit, set_seed
 from swbert.models.plugins import load_plugins
 from swbert.runtime.ranks import ParallelDims
+from swbert.runtime.tracking import tracking_uri
 
 log = logging.getLogger("swbert.finetune")
 

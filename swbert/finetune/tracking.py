@@ -1,7 +1,7 @@
 """MLflow logging for fine-tuning: one parent run per sweep, one child run per trial or evaluation.
 
 The store is ``MLFLOW_TRACKING_URI`` when set (a server), else a SQLite file in the output directory
-(MLflow 3's plain file store is in maintenance mode). Only rank 0 logs; other ranks get a no-op tracker.
+(swbert.runtime.tracking). Only rank 0 logs; other ranks get a no-op tracker.
 Child runs carry the tags the report command reads: ``swbert.kind`` (``glue_trial``, ``squad_trial``,
 ``noise``, ``cross_domain``), ``swbert.variant``, ``swbert.task``.
 """
@@ -10,22 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from swbert.runtime.tracking import experiment_id
+
 KIND, VARIANT, TASK, CHECKPOINT = "swbert.kind", "swbert.variant", "swbert.task", "swbert.checkpoint"
 DEFAULT_EXPERIMENT = "swbert-finetune"
-
-
-def tracking_uri(output_dir: str | Path) -> str:
-    """``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<output_dir>/mlflow.db``."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI")
-    if uri:
-        return uri
-    Path(output_dir).mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
 
 
 class Tracker:
@@ -47,12 +39,7 @@ class Tracker:
         from mlflow import MlflowClient
 
         self.client = MlflowClient(uri)
-        exp = self.client.get_experiment_by_name(experiment)
-        # a SQLite store's artifacts go next to it, not into ./mlruns of wherever the job started
-        where = None
-        if uri.startswith("sqlite:///"):
-            where = (Path(uri[len("sqlite:///") :]).parent / "mlartifacts").as_uri()
-        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment, where)
+        self.experiment_id = experiment_id(uri, experiment)
 
     def _create(self, name: str, tags: dict[str, str], params: dict | None) -> str | None:
         if not self.enabled:

@@ -153,11 +153,12 @@ class Recorder:
     def __init__(self, cfg: Any) -> None:
         import mlflow
 
-        from swbert.scaling.study import tracking_uri
+        from swbert.runtime.tracking import experiment_id, tracking_uri
 
         self.mlflow = mlflow
-        mlflow.set_tracking_uri(tracking_uri(Path(cfg.output_dir)))
-        mlflow.set_experiment(cfg.experiment)
+        uri = tracking_uri(Path(cfg.output_dir))
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment(experiment_id=experiment_id(uri, cfg.experiment))
         mlflow.start_run(run_name=f"quality-{time.strftime('%Y%m%d-%H%M%S')}")
         spec = {k: (",".join(map(str, v)) if isinstance(v, list) else str(v)) for k, v in asdict(cfg).items()}
         mlflow.log_params(spec)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from swbert.models.plugins import load_plugins
+from swbert.runtime.tracking import experiment_id, tracking_uri
 from swbert.scaling.activations import Checkpointing
 from swbert.scaling.grid import (
     BERT_VOCAB,
@@ -99,12 +100,6 @@ def grid_of(cfg: StudyConfig, precision: Precision) -> list[GridPoint]:
     )
 
 
-def tracking_uri(output_dir: Path) -> str:
-    import os
-
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(output_dir / 'mlflow.db').resolve()}"
-
-
 def _numeric(row: dict[str, Any]) -> dict[str, float]:
     out = {}
     for key, value in row.items():
@@ -124,7 +119,7 @@ class Recorder:
         self.mlflow = mlflow
         self.uri = tracking_uri(cfg.output_dir)
         mlflow.set_tracking_uri(self.uri)
-        mlflow.set_experiment(cfg.experiment)
+        mlflow.set_experiment(experiment_id=experiment_id(self.uri, cfg.experiment))
         self.parent = mlflow.start_run(run_name=f"scaling-{time.strftime('%Y%m%d-%H%M%S')}")
         spec = {k: (",".join(map(str, v)) if isinstance(v, list) else str(v)) for k, v in asdict(cfg).items()}
         mlflow.log_params(spec)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from swbert.runtime.monitor import start_system_metrics, stop_system_metrics
+from swbert.runtime.tracking import experiment_id, tracking_uri
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +33,7 @@ class MLflowSink:
     ) -> None:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        self.embedded = not os.environ.get("MLFLOW_TRACKING_URI")
-        self.uri = (
-            os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(output_dir / 'mlflow.db').resolve()}"
-        )
+        self.uri = tracking_uri(output_dir)
         self.output_dir = output_dir
         self.run_name = run_name
         self.run_id: str | None = None
@@ -77,11 +75,7 @@ class MLflowSink:
 
         self.client = MlflowClient(tracking_uri=self.uri)
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "swbert-pretrain")
-        exp = self.client.get_experiment_by_name(name)
-        # the embedded store keeps its artifacts in the run folder too, not in ./mlruns of wherever
-        # the job was started
-        where = (self.output_dir / "mlartifacts").resolve().as_uri() if self.embedded else None
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(name, artifact_location=where)
+        exp_id = experiment_id(self.uri, name)
         id_file = self.output_dir / "mlflow_run_id"
         resumed = id_file.is_file()
         if resumed:  # a resumed run keeps logging into the same MLflow run

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from swbert.finetune.report import collect
-from swbert.finetune.tracking import CHECKPOINT, KIND, TASK, VARIANT, Tracker, tracking_uri
+from swbert.finetune.tracking import CHECKPOINT, KIND, TASK, VARIANT, Tracker
+from swbert.runtime.tracking import tracking_uri
 
 ROOT = Path(__file__).resolve().parents[2]
 

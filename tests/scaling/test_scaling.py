@@ -207,9 +207,7 @@ def _engines_hold_what_the_closed_forms_say() -> None:
     # closed form got wrong would show well above 1%; a bigger model only costs time.
     config = SWBertConfig.from_size("tiny", vocab_size=2048)
     rows = [
-        measure(config, zero, precision, 80_000, 8_000)
-        for zero in range(4)
-        for precision in ("fp32", "bf16")
+        measure(config, zero, precision, 80_000, 8_000) for zero in range(4) for precision in ("fp32", "bf16")
     ]
     if dist.get_rank() == 0:
         for row in rows:
@@ -300,6 +298,12 @@ def test_driver_runs_a_small_grid_end_to_end(data_dir, tmp_path_factory):
     steps = db.execute("select count(*) from metrics m join runs r on r.run_uuid = m.run_uuid "
                        "where r.name = 'tiny-shared-tp1-z2' and m.key = 'loss'").fetchone()[0]  # fmt: skip
     assert steps == 3
+    # the study's artifacts (the table, the plots) sit beside its store, not in ./mlruns of the cwd
+    (where,) = db.execute(
+        "select artifact_location from experiments where name = 'swbert-scaling'"
+    ).fetchone()
+    assert where == (out / "mlartifacts").resolve().as_uri()
+    assert len(list((out / "mlartifacts").rglob("throughput.png"))) == 1
 
 
 def test_memory_watchdog_stops_a_process_tree_above_its_limit(tmp_path):

@@ -271,9 +271,6 @@ def test_a_killed_study_stops_its_job_instead_of_leaving_it_to_train_on(tmp_path
 
 @pytest.mark.long  # the default ladder trains 8 points: about 20 minutes on 2 CPU cores
 def test_the_default_study_trains_fits_and_a_rerun_trains_nothing(tmp_path):
-    import subprocess
-    import sys
-
     out = tmp_path / "quality"
     cmd = [sys.executable, "launchers/scaling_study.py", "--quality", "--output-dir", str(out)]
     subprocess.run(cmd, cwd=REPO, env=job_env(), check=True, timeout=1800)
