@@ -147,8 +147,14 @@ def plot_fits(
     return written
 
 
+RUN_ID = "mlflow_run_id"  # the run's id, in the study's folder and in each point's (as pretraining keeps it)
+
+
 class Recorder:
-    """MLflow: one parent run for the study, a nested run per point holding its loss curve."""
+    """MLflow: one parent run for the study, a nested run per point holding its loss curve. A re-run
+    of the study continues its parent run and logs only the points trained since (or never logged),
+    as a resumed pretraining run continues its own run; a store that no longer has the parent (a
+    new MLFLOW_TRACKING_URI, a deleted run, another --experiment) gets a new one with every point."""
 
     def __init__(self, cfg: Any) -> None:
         import mlflow
@@ -156,19 +162,37 @@ class Recorder:
         from swbert.runtime.tracking import experiment_id, tracking_uri
 
         self.mlflow = mlflow
-        uri = tracking_uri(Path(cfg.output_dir))
+        self.output_dir = Path(cfg.output_dir)
+        uri = tracking_uri(self.output_dir)
         mlflow.set_tracking_uri(uri)
-        mlflow.set_experiment(experiment_id=experiment_id(uri, cfg.experiment))
-        mlflow.start_run(run_name=f"quality-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.experiment = experiment_id(uri, cfg.experiment)
+        mlflow.set_experiment(experiment_id=self.experiment)
+        saved = _live_run(mlflow, self.output_dir / RUN_ID, self.experiment)
+        self.fresh = saved is None  # a new parent: every point is logged under it
+        if saved is not None:
+            mlflow.start_run(run_id=saved)
+            return
+        run = mlflow.start_run(run_name=f"quality-{time.strftime('%Y%m%d-%H%M%S')}")
+        (self.output_dir / RUN_ID).write_text(run.info.run_id)
         spec = {k: (",".join(map(str, v)) if isinstance(v, list) else str(v)) for k, v in asdict(cfg).items()}
         mlflow.log_params(spec)
 
     def point(self, row: dict[str, Any], curve: list[dict[str, float]]) -> None:
         mlflow = self.mlflow
-        with mlflow.start_run(run_name=row["name"], nested=True):
-            mlflow.log_params(
-                {k: row[k] for k in ("size", "attention", "seed", "tokens", "steps", "lr", "warmup_steps")}
-            )
+        id_file = self.output_dir / "points" / row["name"] / RUN_ID
+        logged = None if self.fresh else _live_run(mlflow, id_file, self.experiment)
+        if logged is not None and not row["trained_now"]:
+            return  # logged by an earlier run of the study and unchanged since
+        with mlflow.start_run(run_id=logged, run_name=row["name"], nested=True) as run:
+            if logged is None:
+                id_file.parent.mkdir(parents=True, exist_ok=True)
+                id_file.write_text(run.info.run_id)
+                mlflow.log_params(
+                    {
+                        k: row[k]
+                        for k in ("size", "attention", "seed", "tokens", "steps", "lr", "warmup_steps")
+                    }
+                )
             mlflow.set_tags({"status": row["status"], "reason": str(row["reason"])[:5000]})
             numbers = {
                 k: row[k] for k in ("params", "non_embedding_params", "train_flops", "val_loss", "wall_s")
@@ -188,3 +212,16 @@ class Recorder:
 
     def close(self) -> None:
         self.mlflow.end_run()
+
+
+def _live_run(mlflow: Any, id_file: Path, experiment: str) -> str | None:
+    """The run id saved in `id_file` if the current store still has that run, not deleted, in
+    `experiment` (another --experiment starts a new parent)."""
+    if not id_file.is_file():
+        return None
+    run_id = id_file.read_text().strip()
+    try:
+        run = mlflow.MlflowClient().get_run(run_id)
+    except mlflow.exceptions.MlflowException:
+        return None
+    return run_id if run.info.lifecycle_stage == "active" and run.info.experiment_id == experiment else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -179,6 +180,58 @@ def test_reruns_never_retrain_finished_points_and_failures_keep_their_reason(tmp
     third = StandIn()
     run_quality(cfg, third)
     assert sorted(third.calls) == ["2x64-shared-s1234", "mini-shared-s1234"]
+
+
+@pytest.fixture
+def own_store(monkeypatch):
+    """The study's default store (sqlite in its folder); what the study sets in MLflow's globals
+    (the tracking URI and active experiment, and the variables they set) put back afterwards."""
+    import mlflow
+    from mlflow.tracking._tracking_service import utils
+
+    names = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID")
+    saved = {name: os.environ.pop(name, None) for name in names}
+    monkeypatch.setattr(utils, "_tracking_uri", utils._tracking_uri)  # set back by the undo
+    monkeypatch.setattr(mlflow.tracking.fluent, "_active_experiment_id", None)
+    yield
+    for name, value in saved.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
+
+
+def runs_of(cfg: QualityConfig) -> tuple[list[str], dict[str, list[str]]]:
+    """The study's parent runs, and each point's nested runs by name."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{cfg.output_dir / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name(cfg.experiment).experiment_id])
+    parents = [r.info.run_id for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    points: dict[str, list[str]] = {}
+    for r in runs:
+        if "mlflow.parentRunId" in r.data.tags:
+            points.setdefault(r.info.run_name, []).append(r.info.run_id)
+    return parents, points
+
+
+@pytest.mark.slow  # an MLflow store created (a few seconds)
+def test_a_rerun_continues_the_studys_mlflow_run_and_logs_only_what_it_trained(tmp_path, own_store):
+    cfg = config(tmp_path, sizes=["1x64", "2x64", "2x128", "3x128"], mlflow=True)
+    run_quality(cfg, StandIn())
+    parents, points = runs_of(cfg)
+    assert len(parents) == 1 and len(points) == 8 and all(len(ids) == 1 for ids in points.values())
+
+    run_quality(cfg, StandIn())  # nothing trained: nothing logged again
+    (cfg.output_dir / "points" / "2x64-shared-s1234" / "point.json").unlink()  # in flight: trains again
+    again = StandIn()
+    run_quality(cfg, again)
+    assert again.calls == ["2x64-shared-s1234"]
+    assert runs_of(cfg) == (parents, points)  # the same runs, the retrained point's updated
+
+    cfg.experiment = "another"  # where the study's run is not: a new one, with every point
+    run_quality(cfg, StandIn())
+    new_parents, new_points = runs_of(cfg)
+    assert len(new_parents) == 1 and new_parents != parents and len(new_points) == 8
 
 
 # A stand-in for a point's torchrun job: attempt k does what the k-th word of argv[3] says (the last
