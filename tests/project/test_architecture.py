@@ -43,6 +43,18 @@ def test_training_never_imports_data_prep():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.slow
+def test_planning_a_split_loads_no_megatron():
+    """swbert.parallel exports on first use (PEP 562): the scaling study's memory estimates import
+    swbert.parallel.plan without megatron-core and DeepSpeed (seconds of start-up each)."""
+    code = (
+        "import sys, swbert.parallel.plan, swbert.scaling.memory; import swbert.parallel as p; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'deepspeed'}), callable(p.partition_dim))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[] True"
+
+
 def test_no_function_is_over_60_lines():
     """In the library and the offline tools: a longer one does several things, which get names."""
     long = []
