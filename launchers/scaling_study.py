@@ -20,13 +20,13 @@ checkpointing with it) are refused before anything runs.
 
 from __future__ import annotations
 
-import logging
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 from swbert import cli
+from swbert.logs import setup_logging
 from swbert.scaling.study import StudyConfig, collect, emit_slurm, exit_status, quality_requested, run_study
 
 USAGE = "usage: launchers/scaling_study.py [--config FILE] [--key value ...]"
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     if quality_requested(argv):
         return quality_main(argv)
     cfg = cli.parse_or_exit(StudyConfig, argv, USAGE)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()  # the console filters pretraining has: libraries' chatter and known noise off
     try:
         if cfg.collect is not None:
             return report_collected(cfg.collect, collect(cfg.collect))
@@ -91,7 +91,7 @@ def quality_main(argv: list[str]) -> int:
     )
 
     cfg = cli.parse_or_exit(QualityConfig, argv, USAGE.replace("[--config", "--quality [--config"))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()  # the console filters pretraining has: libraries' chatter and known noise off
 
     def work() -> list:
         # SIGTERM (a scheduler's stop, `kill`) unwinds like Ctrl-C: the point in flight is told to stop
