@@ -21,7 +21,9 @@ from swbert.models.config import SIZES, SWBertConfig
 from swbert.scaling import quality
 from swbert.scaling.quality import Point, PointResult, QualityConfig, non_embedding_params, plan, run_quality
 from swbert.scaling.report import read_csv
+from swbert.training.runlock import RunLock
 from tests.launch_utils import REPO, job_env, wait_for
+from tests.training.test_training_runlock import other_process_locks
 
 
 def fake_data(folder: Path, valid_documents: int = 10) -> str:
@@ -235,8 +237,8 @@ def test_a_rerun_continues_the_studys_mlflow_run_and_logs_only_what_it_trained(t
 
 
 # A stand-in for a point's torchrun job: attempt k does what the k-th word of argv[3] says (the last
-# word: every attempt after it). "busy"
-# is the trainer's refusal of a run folder another job holds, as launchers/pretrain.py prints it.
+# word: every attempt after it). "busy" prints argv[4], the run lock's real refusal, as
+# launchers/pretrain.py prints it.
 FAKE_JOB = """
 import json, pathlib, sys
 run, steps, plan = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
@@ -245,7 +247,7 @@ n = len(tries.read_text()) if tries.exists() else 0
 tries.write_text("x" * (n + 1))
 n = min(n, len(plan) - 1)
 if plan[n] == "busy":
-    print(f"error: {run} is in use by another job (host h, pid 1); wait for it to end, stop it, or choose another --output-dir")
+    print(f"error: {sys.argv[4]}")
     sys.exit(1)
 if plan[n] == "silent":
     sys.exit(1)
@@ -271,9 +273,12 @@ def test_a_run_folder_still_held_is_waited_for_and_never_recorded_as_failed(
     cfg = config(tmp_path, sizes=["1x64", "2x64", "2x128", "3x128"])
     point = plan(cfg, 8000)[0]
     run_dir = cfg.output_dir / "points" / point.name
+    held = RunLock(tmp_path / "held").acquire()
+    refusal = other_process_locks(tmp_path / "held")  # what the trainer says, word for word
+    held.release()
 
     def fake(point, cfg, run_dir, data_dir, ds_config):
-        return [sys.executable, "-c", FAKE_JOB, str(run_dir), str(point.steps), attempts]
+        return [sys.executable, "-c", FAKE_JOB, str(run_dir), str(point.steps), attempts, refusal]
 
     monkeypatch.setattr(quality, "pretrain_command", fake)
     monkeypatch.setattr(quality, "BUSY_RETRY_S", 0.05)

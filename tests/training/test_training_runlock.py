@@ -11,7 +11,7 @@ import pytest
 from swbert.training.runlock import LOCK_NAME, NO_LOCK_VAR, RunFolderBusy, RunLock
 
 
-def _other_process(folder) -> str:
+def other_process_locks(folder) -> str:
     """What `RunLock(folder).acquire()` gives in another process (a record lock is per process):
     "acquired", or the refusal's text. Forked: the child only touches the file and a pipe."""
     read, write = os.pipe()
@@ -33,13 +33,13 @@ def _other_process(folder) -> str:
 def test_a_second_job_is_refused_naming_the_holder_and_gets_the_folder_once_released(tmp_path):
     # (the holder must not open the lock file itself: closing any descriptor of it drops a record lock)
     lock = RunLock(tmp_path / "run").acquire()
-    said = _other_process(tmp_path / "run")
+    said = other_process_locks(tmp_path / "run")
     assert "is in use by another job" in said
     holder = json.loads(said[said.index("{") : said.rindex("}") + 1])
     assert holder["pid"] == os.getpid() and {"host", "since", "slurm_job_id"} <= set(holder)
     assert "--output-dir" in said
     lock.release()
-    assert _other_process(tmp_path / "run") == "acquired"
+    assert other_process_locks(tmp_path / "run") == "acquired"
 
 
 def test_release_is_idempotent_and_the_lock_can_be_taken_again(tmp_path):
@@ -66,7 +66,7 @@ def test_the_lock_is_not_left_to_a_forked_child(tmp_path):
         os._exit(0)
     try:
         lock.release()
-        assert _other_process(tmp_path) == "acquired"
+        assert other_process_locks(tmp_path) == "acquired"
     finally:
         os.write(go, b"x")
         os.waitpid(pid, 0)
