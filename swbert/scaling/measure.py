@@ -197,8 +197,7 @@ def start_job(cmd: list[str], cwd: Path | None, env: dict[str, str], out: Any) -
     """Start a training job (torchrun and its ranks) writing to `out`: in its own process group, so
     a time limit kills it whole, and tied to this process. On Linux the launcher gets SIGTERM the
     moment this process dies, however it dies (kill -9 included); its ranks then checkpoint and stop
-    (`die_with_launcher`) rather than train on as orphans that hold the run folder's lock, which
-    made the study's next run find the folder in use and record the point as failed."""
+    (`die_with_launcher`) rather than train on as orphans holding the run folder's lock."""
     parent = os.getpid()
     return subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
