@@ -103,10 +103,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The DeepSpeed accelerator of a job's environment unless it asks for another, and so the one the fork
+# server has: DeepSpeed picks its accelerator once, the first time it is asked, and keeps it.
+SERVER_ACCELERATOR = "cpu"
+
+
 def job_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
-        DS_ACCELERATOR="cpu",
+        DS_ACCELERATOR=SERVER_ACCELERATOR,
         PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
         # torchrun/deepspeed of this interpreter's environment, as in an activated venv
         OMP_NUM_THREADS="1",
@@ -158,8 +163,9 @@ def launch(
 
     The ranks are real processes on gloo, each running `script` as `python script args` would, with
     the environment a launcher gives (RANK, WORLD_SIZE, MASTER_ADDR, ...), but forked from a server
-    that has imported the job's modules (`RANK_PRELOAD`), as DeepSpeed's own tests run theirs. Like
-    torchrun, a rank that fails stops the others (SIGTERM, then SIGKILL). `torchrun=True` (or
+    that has imported the job's modules (`RANK_PRELOAD`), as DeepSpeed's own tests run theirs; ranks
+    whose DS_ACCELERATOR is not the server's start in a fresh interpreter instead (`_rank_process`).
+    Like torchrun, a rank that fails stops the others (SIGTERM, then SIGKILL). `torchrun=True` (or
     SWBERT_TEST_LAUNCHER=torchrun) launches under torchrun, for the tests of launching itself.
     A job past `timeout` is killed whole, so a hung test leaves no orphaned rank behind."""
     if torchrun or LAUNCHER == "torchrun":
@@ -175,15 +181,12 @@ def launch(
 def _forked(
     script: str, args: list[str], envs: list[dict[str, str]], timeout: float
 ) -> subprocess.CompletedProcess:
-    """`python script args` in one process per environment of `envs`, forked from the server;
-    their outputs joined in order."""
+    """`python script args` in one process per environment of `envs` (`_rank_process`); their
+    outputs joined in order."""
     logs = Path(tempfile.mkdtemp(prefix="ranks-"))
-    context = _rank_context()
-    start_method = multiprocessing.get_start_method()  # a fresh `python script`'s, not the server's
     ranks = []
     for rank, env in enumerate(envs):
-        log = str(logs / str(rank))
-        ranks.append(context.Process(target=_run_rank, args=(script, args, env, log, start_method)))
+        ranks.append(_rank_process(script, args, env, str(logs / str(rank))))
         ranks[-1].start()
     try:
         returncode = _wait_ranks(ranks, timeout)
@@ -215,8 +218,21 @@ def _rank_context() -> multiprocessing.context.BaseContext:
     return context
 
 
+def _rank_process(
+    script: str, args: list[str], env: dict[str, str], log: str
+) -> multiprocessing.process.BaseProcess:
+    """The process (not started) of one rank that runs `python script args` with `env`, its output
+    into `log`.out and `log`.err: forked from the server when `env` asks for the server's DeepSpeed
+    accelerator, else spawned, a fresh interpreter that imports DeepSpeed under `env`'s DS_ACCELERATOR
+    (a rank forked from the server would keep the server's, picked when it imported DeepSpeed)."""
+    on_server = env.get("DS_ACCELERATOR") == SERVER_ACCELERATOR
+    context = _rank_context() if on_server else multiprocessing.get_context("spawn")
+    start_method = multiprocessing.get_start_method()  # a fresh `python script`'s, not the server's
+    return context.Process(target=_run_rank, args=(script, args, env, log, start_method))
+
+
 def _run_rank(script: str, args: list[str], env: dict[str, str], log: str, start_method: str) -> None:
-    """One rank, in a process forked from the server: `python script args` with `env`."""
+    """One rank, in a process forked from the server or spawned: `python script args` with `env`."""
     multiprocessing.set_start_method(start_method, force=True)
     for fd, suffix in ((1, "out"), (2, "err")):
         os.dup2(os.open(f"{log}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
@@ -296,7 +312,7 @@ def run_single(
     args: list[str], timeout: float = 300, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """`python launchers/pretrain.py ...`: one process, no launcher (start-up errors, small runs),
-    forked from the server as `launch` forks ranks (`torchrun` launches: a new interpreter)."""
+    started as `launch` starts a rank (`torchrun` launches: a new interpreter)."""
     if LAUNCHER == "torchrun":
         return subprocess.run(
             [sys.executable, "launchers/pretrain.py", *args],
@@ -310,13 +326,11 @@ def run_single(
 
 
 class Forked:
-    """`python launchers/pretrain.py args` forked from the server and left running: the handle a
-    test signals, polls and waits on as it would a `subprocess.Popen` (`kill_group` included)."""
+    """`python launchers/pretrain.py args` started as `launch` starts a rank and left running: the
+    handle a test signals, polls and waits on as it would a `subprocess.Popen` (`kill_group` included)."""
 
     def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
-        start_method = multiprocessing.get_start_method()
-        target_args = ("launchers/pretrain.py", args, env, str(log), start_method)
-        self.process = _rank_context().Process(target=_run_rank, args=target_args)
+        self.process = _rank_process("launchers/pretrain.py", args, env, str(log))
         self.process.start()
         self.pid, self.args = self.process.pid, args
 

@@ -1,0 +1,34 @@
+"""tests/launch_utils.py, the launcher of the multi-process tests: a rank runs with the DeepSpeed
+accelerator its environment asks for, and the usual (CPU) rank is still forked from the server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.launch_utils import job_env, launch
+
+SCRIPT = "tests/scripts/which_accelerator.py"
+
+
+def _accelerator_of(env: dict[str, str]) -> dict:
+    result = launch(1, [], env=env, script=SCRIPT, timeout=120)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_rank_gets_the_accelerator_its_environment_asks_for():
+    """DS_ACCELERATOR=cuda gives DeepSpeed's CUDA accelerator (which it builds without a GPU too),
+    not the CPU one the fork server chose when it imported DeepSpeed."""
+    assert _accelerator_of(job_env(DS_ACCELERATOR="cuda")) == {
+        "accelerator": "CUDA_Accelerator",
+        "preloaded": False,  # a fresh interpreter
+    }
+
+
+@pytest.mark.slow
+def test_a_cpu_rank_is_forked_from_the_server():
+    """The default, the launcher of most tests: forked with DeepSpeed already imported."""
+    assert _accelerator_of(job_env()) == {"accelerator": "CPU_Accelerator", "preloaded": True}
