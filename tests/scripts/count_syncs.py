@@ -8,12 +8,15 @@ device (`torch.cuda.synchronize`, DeepSpeed's `get_accelerator().synchronize`) a
 tensor from host data on the device (`torch.tensor(x, device=...)`: a copy from pageable memory,
 which waits for the kernels queued before it). On a CPU they do not wait, but they are the same
 calls at the same places, so counting them here counts what an H100 would wait for. Every call is
-counted with the stack that made it, from the first step on (set-up is not counted); the test
-decides which (if any) are host-only (see tests/training/test_host_syncs.py).
+counted with the stack and the thread that made it, from the first step on (set-up is not counted),
+on every thread: on a GPU the backward, and every DeepSpeed gradient hook with it, runs on
+autograd's device thread. The reader decides which (if any) are host-only (see
+tests/training/test_host_syncs.py); those of a DataLoader's pin-memory thread
+(`on_pin_memory_thread`), which copies host tensors into page-locked host memory, always are.
 
 The optimizer is the one `--optimizer auto` picks on a GPU (`gpu_optimizer`). Each rank writes
 DIR/rank<r>.json: for every step (1-based, the loop's iteration: the step itself, its logging and
-saving) the list of calls, each as `kind` and its innermost frames.
+saving) the list of calls, each as `kind`, `thread` (its name) and `stack` (its innermost frames).
 """
 
 from __future__ import annotations
@@ -30,9 +33,12 @@ import torch
 REPO = Path(__file__).resolve().parents[2].as_posix()
 TENSOR_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
 
-calls: list[dict] = []  # of the current step
+# torch's DataLoader leaves the Python name of its pin-memory thread unset, so Python names it after
+# the thread's target: "Thread-<n> (_pin_memory_loop)".
+PIN_MEMORY_THREAD = "(_pin_memory_loop)"
+
+calls: list[dict] = []  # of the current step, from every thread
 steps: dict[int, list[dict]] = {}
-main_thread = threading.get_ident()
 
 
 def _where() -> list[str]:
@@ -51,9 +57,13 @@ def _where() -> list[str]:
 
 
 def _record(kind: str) -> None:
-    if threading.get_ident() != main_thread:  # the loader's pin-memory thread: host tensors only
-        return
-    calls.append({"kind": kind, "stack": _where()})
+    calls.append({"kind": kind, "thread": threading.current_thread().name, "stack": _where()})
+
+
+def on_pin_memory_thread(call: dict) -> bool:
+    """Whether a recorded call was made on a DataLoader's pin-memory thread, which reads and copies
+    host tensors only: none of its calls makes the host wait for the device."""
+    return call["thread"].endswith(PIN_MEMORY_THREAD)
 
 
 def _counting(kind: str, original):
@@ -124,8 +134,9 @@ def main() -> None:
     step_of_calls = [0]  # the step the calls now being counted belong to (0: set-up)
 
     def close_step() -> None:
-        steps[step_of_calls[0]] = list(calls)
-        calls.clear()
+        closed = list(calls)
+        del calls[: len(closed)]  # not clear(): a call another thread records meanwhile stays
+        steps[step_of_calls[0]] = closed
 
     train_step, checkpoint_now = trainer.train_step, trainer.checkpoint_now
 

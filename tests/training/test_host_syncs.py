@@ -16,7 +16,8 @@ The budget per step, by who makes the call:
   are used in and checks it against every rank's, one read per module.
 
 Excluded, as host memory on a GPU too: calls made inside torch's DataLoader (the base seed it draws
-on the host when its workers start). Everything else counts.
+on the host when its workers start) and on its pin-memory thread (a GPU's loader pins its batches).
+Everything else counts, on every thread (on a GPU the backward runs on autograd's device thread).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections import Counter
 import pytest
 
 from tests.launch_utils import job_env, launch
+from tests.scripts.count_syncs import on_pin_memory_thread
 
 STEPS, LOG_EVERY = 6, 3
 SWBERT = Counter({"tolist@_agree": 1})
@@ -66,6 +68,8 @@ def _owner(stack: list[str]) -> tuple[str, str] | None:
 def _count(calls: list[dict]) -> dict[str, Counter]:
     counts: dict[str, Counter] = {"swbert": Counter(), "deepspeed": Counter()}
     for call in calls:
+        if on_pin_memory_thread(call):
+            continue
         owner = _owner(call["stack"])
         if owner is not None:
             counts[owner[0]][f"{call['kind']}@{owner[1]}"] += 1
