@@ -128,7 +128,19 @@ class RunPlan:
 
 
 def plan_run(cfg: TrainConfig) -> RunPlan:
+    """What `cfg` resolves to with the launcher's ranks. A rank's share of the global batch smaller
+    than `cfg.micro_batch_size` becomes the micro-batch (`TrainConfig.batch_layout`): `cfg` is
+    lowered to it, with a status line, so the loader, the memory check and the saved config all
+    use the micro-batch that runs."""
     dims = ParallelDims.from_env(cfg.tensor_parallel)
+    batch = BatchShape(*cfg.batch_layout(dims.dp_size))
+    if batch.micro_batch != cfg.micro_batch_size:
+        status.info(
+            "micro-batch %d per rank: global batch %d over %d data-parallel ranks is %d sequences each, "
+            "fewer than micro_batch_size=%d (the most per pass); one pass per step, no accumulation",
+            batch.micro_batch, batch.global_batch, dims.dp_size, batch.micro_batch, cfg.micro_batch_size,
+        )  # fmt: skip
+        cfg.micro_batch_size = batch.micro_batch
     on_gpu = torch.cuda.is_available()
     precision = resolve_precision(cfg.precision, on_gpu)
     compile_model = cfg.compile == "on" or (cfg.compile == "auto" and on_gpu and not cfg.document_attention)
@@ -136,7 +148,6 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
     if compile_model:
         check_compiler(torch.device("cuda" if on_gpu else "cpu"), cfg.compile_backend)
     ds_config = pretraining_ds_config(cfg, dims.dp_size, precision)
-    batch = BatchShape(*cfg.batch_layout(dims.dp_size))
     check_sequence_fits(cfg, on_gpu, device_memory(on_gpu))
     return RunPlan(dims, on_gpu, precision, cpu_kernels, compile_model, ds_config, batch)
 

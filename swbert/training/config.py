@@ -81,7 +81,9 @@ class TrainConfig:
     num_workers: int = 2  # loader worker processes per rank; 0 builds batches on the training thread
     # batch: global = micro x data-parallel ranks x accumulation; give any two of the three
     global_batch_size: int = 32  # sequences per optimizer step, over all ranks
-    micro_batch_size: int = 16  # sequences per forward pass on one data-parallel rank
+    # the most sequences per forward pass on one data-parallel rank; a rank whose share of the global
+    # batch is smaller runs its share in one pass (lowered, logged; see batch_layout)
+    micro_batch_size: int = 16
     grad_accum_steps: int | None = None  # derived from the other two when None
     # optimisation
     optimizer: Literal["auto", "torch_adamw", "fused_adam", "cpu_adam"] = "auto"  # auto: fused AdamW on GPU
@@ -248,7 +250,17 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
 
     def batch_layout(self, dp_size: int) -> tuple[int, int, int]:
-        """(global, micro, accumulation) for `dp_size` data-parallel ranks; errors say what to change."""
+        """(global, micro, accumulation) for `dp_size` data-parallel ranks, with global = micro x
+        `dp_size` x accumulation; errors say what to change.
+
+        `micro_batch_size` is the most sequences one rank runs per forward pass: a rank whose share of
+        the global batch (global / `dp_size`) is smaller runs its whole share in one pass (the
+        micro-batch lowered to it, no accumulation), so a recipe keeps its global batch, which sets
+        the numerics, on any data-parallel size that divides it (base_shared's 4096 on 64 ranks: 64
+        each). A larger share must be a whole number of micro-batches, and a global batch that does
+        not split evenly between the ranks is refused, naming the nearest global batches that run.
+        With `grad_accum_steps` given, all three must agree exactly: nothing is derived or lowered.
+        """
         per_step = self.micro_batch_size * dp_size
         if self.grad_accum_steps is not None:
             expected = per_step * self.grad_accum_steps
@@ -258,16 +270,51 @@ class TrainConfig:
                     f"{dp_size} data-parallel ranks x grad_accum_steps={self.grad_accum_steps} (= {expected}); "
                     "drop --grad-accum-steps to derive it, or fix one of the three"
                 )
-        if self.global_batch_size % per_step != 0:
+            return self.global_batch_size, self.micro_batch_size, self.grad_accum_steps
+        nearest = " or ".join(
+            f"--global-batch-size {g}"
+            for g in nearest_global_batches(self.global_batch_size, self.micro_batch_size, dp_size)
+        )
+        if self.global_batch_size % dp_size:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not divisible by {dp_size} data-parallel ranks "
+                f"(GPUs / --tensor-parallel): every rank takes the same number of sequences per step; the "
+                f"nearest global batches that run on {dp_size} ranks: {nearest} (or launch a data-parallel "
+                f"size that divides {self.global_batch_size})"
+            )
+        share = self.global_batch_size // dp_size  # sequences per rank per step
+        if share < self.micro_batch_size:  # the whole share in one pass
+            return self.global_batch_size, share, 1
+        if share % self.micro_batch_size:
+            fits = max(d for d in range(1, self.micro_batch_size + 1) if share % d == 0)
             raise ValueError(
                 f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size="
-                f"{self.micro_batch_size} x {dp_size} data-parallel ranks (= {per_step}); pick a global batch "
-                f"that is a multiple of {per_step} or change --micro-batch-size"
+                f"{self.micro_batch_size} x {dp_size} data-parallel ranks (= {per_step}): {share} sequences "
+                f"per rank are not a whole number of micro-batches; keep the global batch with "
+                f"--micro-batch-size {fits}, or take the nearest global batches that run: {nearest}"
             )
-        return self.global_batch_size, self.micro_batch_size, self.global_batch_size // per_step
+        return self.global_batch_size, self.micro_batch_size, share // self.micro_batch_size
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def nearest_global_batches(global_batch: int, micro_batch: int, dp_size: int) -> list[int]:
+    """The global batches nearest `global_batch` that `dp_size` ranks of at most `micro_batch`
+    sequences per pass can make (`TrainConfig.batch_layout`): the one below it (none when there is
+    none) and the one above. A rank's share s is one pass when s < micro_batch, else a multiple of
+    micro_batch."""
+    out = []
+    below = (global_batch - 1) // dp_size  # the largest share under global_batch
+    if below >= micro_batch:
+        below -= below % micro_batch
+    if below >= 1:
+        out.append(below * dp_size)
+    above = global_batch // dp_size + 1  # the smallest share over global_batch
+    if above > micro_batch:
+        above = -(-above // micro_batch) * micro_batch
+    out.append(above * dp_size)
+    return out
 
 
 def build_config(recipe: str | Path | None, overrides: list[str]) -> TrainConfig:
