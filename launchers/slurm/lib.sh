@@ -163,7 +163,19 @@ swbert_job() {
     # NCCL: turn a timed-out collective into an error that ends the job instead of a hang.
     export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
     export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-    # Set NCCL_SOCKET_IFNAME / NCCL_IB_HCA for your fabric in the environment; they are passed on.
+    # NCCL's choice of network (docs/multinode.md, "Network interfaces"), when set: NCCL_SOCKET_IFNAME
+    # (the IP interfaces: bootstrap, and the data without InfiniBand), NCCL_IB_HCA (the InfiniBand/RoCE
+    # adapters). Set them in the environment you submit from, or in a copy of the sbatch script; they
+    # are exported here (a plain assignment in the script reaches the ranks too), passed to every
+    # task with the rest of this environment (the step runs with --export=ALL), and recorded in
+    # job.txt. Unset, NCCL picks for itself.
+    local nccl_net="" var
+    for var in NCCL_SOCKET_IFNAME NCCL_IB_HCA; do
+        if [[ -n ${!var:-} ]]; then
+            export "${var?}"
+            nccl_net+=" $var=${!var}"
+        fi
+    done
 
     # Per-job folders: logs of every node and every restart; outputs default to runs/JOBNAME-JOBID.
     local name=${SLURM_JOB_NAME:-swbert}
@@ -202,11 +214,13 @@ swbert_job() {
         echo "job=$SLURM_JOB_ID tag=$tag nodes=$SLURM_JOB_NODELIST nnodes=$nnodes per_node=$per_node launcher=$launch_mode"
         echo "cpus: node=$node_cpus per_task=$task_cpus per_process=$rank_cpus"
         echo "master=$MASTER_ADDR:$MASTER_PORT rdzv_timeout=${RDZV_TIMEOUT}s dist_timeout=${SWBERT_DIST_TIMEOUT_MIN}min"
+        echo "nccl: NCCL_DEBUG=$NCCL_DEBUG${nccl_net:- (network chosen by NCCL)}"
         printf 'command: %s' "$entry"
         printf ' %q' "${args[@]}"
         echo
     } >>"$SWBERT_LOG_DIR/job.txt"
     swbert_log "job $tag restart $restart: $nnodes node(s) x $per_node process(es), $rank_cpus CPU(s) each, master $MASTER_ADDR:$MASTER_PORT, logs in $SWBERT_LOG_DIR"
+    [[ -z $nccl_net ]] || swbert_log "NCCL network settings passed to every rank:$nccl_net"
     if ((rank_cpus == 1 && node_cpus < $(nproc --all))); then
         local per="node, for its $per_node process(es)"
         [[ $launch_mode == srun ]] && per="process"
@@ -216,13 +230,16 @@ swbert_job() {
 
     # The step's CPUs are --cpus-per-task alone: a job submitted with --cpus-per-gpu has them in its
     # allocation already, and srun would also read SLURM_CPUS_PER_GPU as a request of the step.
+    # --export=ALL: every task gets this script's environment (MASTER_ADDR, the NCCL settings, the
+    # activated venv), also in a job submitted with --export=NONE or under a site's
+    # SLURM_EXPORT_ENV=NONE, which a step would otherwise inherit and start with an empty one.
     local step_cmd
     if [[ $launch_mode == srun ]]; then
         # One task per GPU: the trainer maps SLURM_PROCID/LOCALID/NTASKS to RANK/LOCAL_RANK/WORLD_SIZE.
-        step_cmd=(env -u SLURM_CPUS_PER_GPU srun --cpus-per-task="$task_cpus" --kill-on-bad-exit=1
+        step_cmd=(env -u SLURM_CPUS_PER_GPU srun --export=ALL --cpus-per-task="$task_cpus" --kill-on-bad-exit=1
             --output="$SWBERT_LOG_DIR/rank%t-r$restart.log" python "$entry" "${args[@]}")
     else
-        step_cmd=(env -u SLURM_CPUS_PER_GPU srun --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1
+        step_cmd=(env -u SLURM_CPUS_PER_GPU srun --export=ALL --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1
             --cpus-per-task="$task_cpus" --kill-on-bad-exit=1
             --output="$SWBERT_LOG_DIR/node%n-r$restart.log"
             bash "$SWBERT_ROOT/launchers/slurm/node_launch.sh" "$entry" "${args[@]}")
