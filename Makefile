@@ -92,10 +92,12 @@ test-long: setup
 test-faults: setup
 	SWBERT_FULL_FAULT_MATRIX=1 DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n 2 --dist loadgroup tests/e2e/test_fault_matrix.py tests/e2e/test_nonfinite.py
 
-# The first hour on a GPU machine (benchmarks/gpu_hour.py): tests/e2e/test_cuda.py, then the GPU checks and
-# benchmarks, each with a timeout; one table in runs/gpu-report.md. Without CUDA: one line, exit 77.
-test-gpu: setup
-	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python benchmarks/gpu_hour.py
+# The GPU window (benchmarks/gpu_window.py): on a lent GPU machine with no index and no venv, the wheels of
+# `make gpu-wheels` installed offline, then each check with its own timeout, within 9 minutes; the report
+# in runs/gpu-window/ (gpu-window.md, gpu-window.json). Its interpreter's torch must see the GPU. No
+# `setup` first: that machine cannot reach an index. `--rehearse` runs it at tiny sizes on a CPU.
+test-gpu:
+	$(PYTHON) benchmarks/gpu_window.py $(GPU_WINDOW_FLAGS)
 
 # Rewrite the golden loss curves (tests/assets/losses/) after a change of numerics on purpose;
 # the commit that does it says why (tests/golden.py).

@@ -37,7 +37,8 @@ EAGER_PASSES = 2 * 2 + 2 * 2.5 + 2 * 3 + 8
 COMPILED_PASSES = EAGER_PASSES / 2
 SHARED_EXTRA_PASSES = 2  # Q = S * (dq * dk): one read, one write (dv rides in the output weight)
 # The halving above is an assumption no CPU test measures (inductor's CPU kernels are not a GPU's);
-# what tests it is the GPU hour's two MFU rows, eager and compiled (benchmarks/gpu_hour.py).
+# what tests it is a GPU's own figure: the GPU window's trainer MFU (benchmarks/gpu_window.py), or
+# benchmarks/train_step.py --device cuda with and without --compile.
 
 # When ZeRO's first gradient reduce can start, as a share of the backward's wall time, for each way
 # of running the model: measured by benchmarks/compile_overlap.py (ZeRO-2 on gloo, one process,
@@ -46,7 +47,7 @@ SHARED_EXTRA_PASSES = 2  # Q = S * (dq * dk): one read, one write (dv rides in t
 # communication can hide behind the rest of the backward, 1 - share: 95% compiled per block (what
 # `--compile auto` runs on a GPU), 96% eager, 17% compiled as one graph (DeepSpeed's
 # engine.compile), whose backward holds every gradient hook to its end. `--first-reduce-json` takes
-# a fresh measurement (compile_overlap.py --json, or the GPU hour's runs/gpu-hour/compile_overlap.json).
+# a fresh measurement (compile_overlap.py --json).
 FIRST_REDUCE_AT = {"eager": 0.035, "per_block": 0.053, "whole_model": 0.829}
 DS_CONFIG = Path(__file__).resolve().parents[1] / "ds_configs" / "zero2.json"
 

@@ -4,7 +4,7 @@ Every attention variant trains a bf16 step on the flash-attention kernel (static
 attention mask: what pretraining batches are), a compiled step gives the eager loss, the model
 compiled per block as the trainer wraps it gives the eager loss and gradients in bf16, the fused
 AdamW step gives the plain one's update, and a 1-GPU ZeRO-2 pretraining job runs 5 steps with MFU
-logged. `make test-gpu` (benchmarks/gpu_hour.py) runs this file first.
+logged. `make test-gpu` (benchmarks/gpu_window.py) runs this file as its last step.
 """
 
 from __future__ import annotations
