@@ -104,6 +104,15 @@ test-gpu:
 golden: setup
 	SWBERT_UPDATE_GOLDEN=1 DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m golden
 
+# The wheels a lent GPU machine (Python 3.12, torch 2.11, no package index) lacks for a pretraining
+# check: deepspeed (built here, ops left to JIT), megatron-core and transformers at constraints-cpu.txt's
+# versions, protobuf (data_prep), and the requirements its image does not hold, for cp312 x86_64 Linux,
+# into .whl/ (git-ignored, emptied first, at most 40 MiB; benchmarks/gpu_wheels.py says why each).
+# There: pip install --no-index --no-deps --target DIR .whl/*.whl, then DIR first on PYTHONPATH and PATH.
+.PHONY: gpu-wheels
+gpu-wheels: setup
+	$(BIN)/python benchmarks/gpu_wheels.py --dest .whl
+
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 

@@ -189,6 +189,8 @@ class Window:
             SWBERT_WINDOW_ABSENT=",".join(ABSENT_THERE),
         )
         env.pop("MLFLOW_TRACKING_URI", None)
+        # the wheels' scripts (ninja, for an op DeepSpeed compiles on first use) before the image's
+        env["PATH"] = os.pathsep.join([*(str(Path(p) / "bin") for p in self.pythonpath), env.get("PATH", "")])
         if self.rehearse:
             env["OMP_NUM_THREADS"] = "1"
         return env
