@@ -6,7 +6,8 @@ megatron-core assumes CUDA in two places that tensor parallelism reaches:
    `device=torch.cuda.current_device()` (`tensor_parallel.mappings`, the sequence-parallel branch
    of `tensor_parallel.layers`, `utils.GlobalMemoryBuffer`). A CPU-only torch raises there.
 2. The RNG tracker (`tensor_parallel.random`) saves and restores CUDA generator states, so
-   `get_cuda_rng_tracker().fork()` (dropout inside the tensor-parallel region) cannot work.
+   seeding it (`swbert.parallel.manual_seed`), checkpointing it or `get_cuda_rng_tracker().fork()`
+   cannot work. (swbert's own dropout never forks it: see `swbert.parallel.layers.ShardedDropout`.)
 
 `apply()` fixes both without touching torch itself: those megatron modules see a `torch` whose
 `cuda.current_device()` is `"cpu"` (everything else is the real torch), and the RNG tracker is

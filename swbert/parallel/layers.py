@@ -18,13 +18,13 @@ from megatron.core.tensor_parallel import (
     VocabParallelEmbedding,
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
-    get_cuda_rng_tracker,
     reduce_from_tensor_model_parallel_region,
     vocab_parallel_cross_entropy,
 )
 from torch import nn
 
 from swbert.models import SWBertForMaskedLM
+from swbert.models.attention import EagerKernel, Mask
 from swbert.models.modeling import IGNORE_INDEX, labelled_mean
 from swbert.parallel.sequence import reduce_scatter_seq
 
@@ -173,27 +173,60 @@ def copy_input_to_tp_region(module: nn.Module, args: tuple, group: dist.ProcessG
     return (copy_to_tensor_model_parallel_region(x, group=group), *rest)
 
 
-class ForkedRNG(nn.Module):
-    """Runs `module` (an attention kernel, a dropout) under megatron's per-rank RNG state in training.
+class ShardedDropout(nn.Module):
+    """`nn.Dropout` on this rank's chunk (along `dim`) of a tensor split over the tensor-parallel
+    group: the mask is this rank's chunk of the mask TP=1's dropout draws for the whole tensor.
 
-    The default generator is identical across a tensor-parallel group (see `manual_seed`); where
-    ranks hold different data (their own heads, or their own tokens under sequence parallelism)
-    the dropout masks must be independent draws. A module that draws nothing (dropout 0) runs
-    without the fork: swapping generator states is a graph break under torch.compile, which
-    then compiles each block whole.
+    The chunks' masks are then independent draws (the ranks hold different heads, or different
+    tokens under sequence parallelism) while every rank draws from the default generator, which is
+    identical across the group (see `swbert.parallel.manual_seed`), as the replicated activations'
+    dropout needs. This is DTensor's rule for random ops on a sharded tensor (the shard of the
+    unsharded draw), and it swaps no generator state: megatron's RNG-tracker fork is a graph break
+    under torch.compile, this traces into the block's graph. It costs the whole tensor's random
+    draw on every rank (the dropout TP=1 runs); only this rank's chunk of the mask is kept for the
+    backward, as a bool.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, p: float, dim: int, rank: int, size: int) -> None:
         super().__init__()
-        self.module = module
-        rate = getattr(module, "p", getattr(module, "dropout", None))  # nn.Dropout's p, a kernel's rate
-        self.draws = not isinstance(rate, (int, float)) or rate > 0
+        self.p, self.dim, self.rank, self.size = p, dim, rank, size
 
-    def forward(self, *args: torch.Tensor | None) -> torch.Tensor:
-        if not self.training or not self.draws:
-            return self.module(*args)
-        with get_cuda_rng_tracker().fork():
-            return self.module(*args)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if self.p >= 1.0:
+            return x * 0.0
+        full = list(x.shape)
+        full[self.dim] *= self.size
+        # F.dropout of ones: TP=1's own draw for the whole tensor, whatever the device's kernel
+        keep = F.dropout(x.new_ones(full), self.p).chunk(self.size, self.dim)[self.rank] != 0
+        return x * keep * (1.0 / (1.0 - self.p))
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, dim={self.dim}, chunk {self.rank} of {self.size}"
+
+
+class TensorParallelKernel(nn.Module):
+    """The attention kernel on this rank's heads; in training with attention dropout, the model's
+    eager kernel with `ShardedDropout` over the heads, so the masks are TP=1's for these heads.
+
+    A fused kernel (SDPA: flash, memory-efficient) draws its dropout from the default generator
+    inside the kernel, which cannot be told to draw a chunk: every rank would draw the same masks
+    for its own heads. Without dropout (or in evaluation) `kernel` runs as given.
+    """
+
+    def __init__(self, kernel: nn.Module, rank: int, size: int) -> None:
+        super().__init__()
+        self.kernel = kernel
+        rate = kernel.dropout  # SDPAKernel: the rate; EagerKernel: an nn.Dropout
+        self.p = float(rate.p if isinstance(rate, nn.Dropout) else rate)
+        self.dropped = EagerKernel(0.0)
+        self.dropped.dropout = ShardedDropout(self.p, dim=1, rank=rank, size=size)  # (B, H/tp, S, S)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
+        if self.training and self.p > 0.0:
+            return self.dropped(q, k, v, mask)
+        return self.kernel(q, k, v, mask)
 
 
 class TensorParallelMaskedLM(SWBertForMaskedLM):

@@ -18,8 +18,9 @@ from swbert.models import SWBertForMaskedLM
 from swbert.parallel import plan, sequence
 from swbert.parallel.layers import (
     ColumnLinear,
-    ForkedRNG,
     RowLinear,
+    ShardedDropout,
+    TensorParallelKernel,
     TensorParallelMaskedLM,
     VocabEmbedding,
     VocabParallelDecoder,
@@ -78,7 +79,7 @@ def parallelize(model: SWBertForMaskedLM, tp_size: int, sequence_parallel: bool 
         step("sequence parallelism: off")
         return model
     step("sequence parallelism: LayerNorm/dropout/residual on S/%d tokens per rank", tp_size)
-    _sequence_parallel(model, d.tp_group)
+    _sequence_parallel(model, d)
     return model
 
 
@@ -114,16 +115,17 @@ def _split_layers(
         _split_by_plan(layer.attn, attention_plan, mcfg, d.tp_rank, d.tp_size, region_entry=True, seq=sp)
         _split_by_plan(layer.mlp, plan.MLP_PLAN, mcfg, d.tp_rank, d.tp_size, region_entry=sp, seq=sp)
 
-    step("attention: one input-gradient all-reduce for all projections; kernel forks the per-rank RNG")
+    step("attention: one input-gradient all-reduce for all projections; dropout: TP=1's masks of these heads")
     for layer in layers:
         if not sp:  # with sequence parallelism the region entry is the all-gather of step 7
             layer.attn.register_forward_pre_hook(functools.partial(copy_input_to_tp_region, group=d.tp_group))
-        layer.attn.kernel = ForkedRNG(layer.attn.kernel)  # independent dropout per head
+        layer.attn.kernel = TensorParallelKernel(layer.attn.kernel, d.tp_rank, d.tp_size)
 
 
-def _sequence_parallel(model: SWBertForMaskedLM, group: dist.ProcessGroup) -> None:
+def _sequence_parallel(model: SWBertForMaskedLM, d: ParallelDims) -> None:
     """Scatter the embeddings' output over the sequence, gather it around each tensor-parallel
     region and at the encoder's end; the norms' and row-parallel biases' gradients summed."""
+    group = d.tp_group
     # the split region holds whole sequence chunks: the last layer computes every position
     model.last_layer_on_labels = False
     model.bert.embeddings.register_forward_hook(sequence.scatter_output_hook(group))
@@ -131,7 +133,8 @@ def _sequence_parallel(model: SWBertForMaskedLM, group: dist.ProcessGroup) -> No
     for layer in model.bert.encoder.layers:
         layer.attn.register_forward_pre_hook(sequence.gather_seq_pre_hook(group))
         layer.mlp.register_forward_pre_hook(sequence.gather_seq_pre_hook(group))
-        layer.dropout = ForkedRNG(layer.dropout)  # each rank drops out its own tokens
+        # each rank drops out its own tokens (B, S/tp, d), with TP=1's masks for them
+        layer.dropout = ShardedDropout(layer.dropout.p, dim=1, rank=d.tp_rank, size=d.tp_size)
         for param in (
             *layer.attn_norm.parameters(),
             *layer.mlp_norm.parameters(),

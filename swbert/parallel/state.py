@@ -104,9 +104,12 @@ def manual_seed(seed: int) -> None:
 
     Within a tensor-parallel group every rank must draw the same dropout masks on the replicated
     activations (embeddings, residual branches), or the copies of the residual stream drift apart;
-    the default generator is therefore seeded by data-parallel rank only. Attention-probability
-    dropout acts on each rank's own heads and forks megatron's "model-parallel-rng" state, which
-    differs on every rank.
+    the default generator is therefore seeded by data-parallel rank only. Dropout on what a rank
+    holds alone (its heads' attention probabilities; its tokens under sequence parallelism) draws
+    from that generator too, keeping its chunk of the whole tensor's mask
+    (`swbert.parallel.layers.ShardedDropout`): no generator state is swapped, which torch.compile
+    could not trace. megatron's "model-parallel-rng" tracker, which differs on every rank, is
+    still seeded (and checkpointed) for megatron-core code that forks it; swbert's layers do not.
     """
     d = dims()
     torch.manual_seed(seed + d.dp_rank)  # also seeds CUDA when present

@@ -11,7 +11,9 @@ tensor-parallel size. One encoder block (post-LN, `Block.forward`) keeps, per to
     2 x residual sum (LayerNorm input)    2 p d
     2 x LayerNorm mean and 1/std          2 x 8    (fp32 on a GPU; a CPU keeps them in p bytes each)
     2 x dropout mask                      2 m d    (m = 1 on a GPU: a bool mask; p on a CPU, whose
-                                                    dropout keeps a float noise tensor; 0 without dropout)
+                                                    dropout keeps a float noise tensor; 0 without dropout;
+                                                    1 under sequence parallelism, whose dropout keeps its
+                                                    chunk as a bool: swbert.parallel.layers.ShardedDropout)
     MLP input, GELU input, GELU output    p d + 2 p f
 
 At bf16 with f = 4d and a GPU's masks that is 34 d (Korthikanti et al., 2022, "Reducing Activation
@@ -243,6 +245,8 @@ def activation_memory(
     T = B * S
     N = B * (predictions_per_seq or max(1, round(S * MLM_PROBABILITY)))
     m = 0 if config.hidden_dropout_prob == 0 else (1 if device == "gpu" else p)
+    # a block's masks under sequence parallelism: a bool chunk on every device (ShardedDropout)
+    block_m = 1 if sequence_parallel and m else m
     stats = LN_STATS_BYTES if device == "gpu" else 2 * p  # a CPU's LayerNorm keeps them in its dtype
     split = tp if sequence_parallel else 1  # the divisor of what lies between the tensor-parallel regions
 
@@ -256,7 +260,7 @@ def activation_memory(
             # scales its d x d weight
             attention += p * d * R - trace.scaled_out_weight
         x = p * d * T  # the attention input (with sequence parallelism: the gathered one)
-        residual = R * (2 * (p * d + stats) + 2 * m * d) / split
+        residual = R * (2 * (p * d + stats) + 2 * block_m * d) / split
         mlp = p * d * R + 2 * p * f * R / tp  # MLP input (whole per rank), GELU input and output
         none = x + attention / tp + residual + mlp
         if checkpointing == "none":

@@ -21,11 +21,10 @@ on the instances, nothing is wrapped in a new module.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch import nn
@@ -47,57 +46,15 @@ def _selective_context() -> tuple:
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
-class _TrackerReplay:
-    """Checkpoint contexts that give the recompute the tensor-parallel RNG states (megatron's
-    tracker: per-rank attention dropout) the forward started with, as megatron's own checkpoint
-    does. torch's checkpoint restores the default generator only; without this, a forked dropout
-    would draw new masks in the recompute and the gradients would be those of other masks."""
-
-    def __init__(self, tracker: Any, inner: Callable[[], tuple] | None) -> None:
-        self.tracker, self.inner = tracker, inner
-
-    def __call__(self) -> tuple:
-        inner = self.inner() if self.inner else (contextlib.nullcontext(), contextlib.nullcontext())
-        box: dict[str, Any] = {}
-        return self._remember(box, inner[0]), self._replay(box, inner[1])
-
-    @contextlib.contextmanager
-    def _remember(self, box: dict[str, Any], inner: Any) -> Iterator[None]:
-        box["states"] = {k: v.clone() for k, v in self.tracker.get_states().items()}
-        with inner:
-            yield
-
-    @contextlib.contextmanager
-    def _replay(self, box: dict[str, Any], inner: Any) -> Iterator[None]:
-        now = self.tracker.get_states()
-        self.tracker.set_states({k: v.clone() for k, v in box["states"].items()})
-        try:
-            with inner:
-                yield
-        finally:
-            self.tracker.set_states(now)
-
-
-def _tensor_parallel_tracker() -> Any:
-    """megatron's RNG tracker when tensor parallelism seeded it, else None."""
-    from megatron.core.tensor_parallel import random as mcore_random
-
-    tracker = mcore_random.get_cuda_rng_tracker()
-    return tracker if tracker.get_states() else None
-
-
-def checkpointed(forward: Callable, mode: ActivationCheckpointing, replay_tracker: bool = False) -> Callable:
+def checkpointed(forward: Callable, mode: ActivationCheckpointing) -> Callable:
     """`forward` whose activations are recomputed in the backward (`full`: all of them; `selective`:
-    all but the outputs of `SELECTIVE_SAVED_OPS` (swbert.runtime.recompute)). Non-reentrant, so it composes with compile; the default
-    RNG state is restored for the recompute, so dropout draws the same masks, and with
-    `replay_tracker` the tensor-parallel tracker's states too (eager tensor-parallel runs)."""
+    all but the outputs of `SELECTIVE_SAVED_OPS` (swbert.runtime.recompute)). Non-reentrant, so it
+    composes with compile; the default RNG state is restored for the recompute, so dropout draws
+    the same masks (under tensor parallelism too: every dropout draws from the default generator,
+    see `swbert.parallel.layers.ShardedDropout`)."""
     if mode == "none":
         return forward
-    context = _selective_context if mode == "selective" else None
-    tracker = _tensor_parallel_tracker() if replay_tracker else None
-    if tracker is not None:
-        context = _TrackerReplay(tracker, context)
-    extra = {"context_fn": context} if context is not None else {}
+    extra = {"context_fn": _selective_context} if mode == "selective" else {}
 
     @functools.wraps(forward)
     def run(*args: object, **kwargs: object) -> object:
@@ -144,10 +101,7 @@ def wrap_model(
     else:
         say("wrap 1/4: tensor parallel 1 (model unchanged)")
     for block in model.bert.encoder.layers:
-        # compiled, the tracker's fork is a graph break and torch's partitioner never recomputes a
-        # random op (it saves the mask), so only eager tensor-parallel runs need the replay
-        replay = tp_size > 1 and not compile
-        block.forward = checkpointed(block.forward, activation_checkpointing, replay_tracker=replay)
+        block.forward = checkpointed(block.forward, activation_checkpointing)
     say("wrap 2/4: activation checkpointing %s", activation_checkpointing)
     units = compile_units(model)
     if compile:
