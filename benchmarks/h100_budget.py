@@ -42,8 +42,7 @@ SHARED_EXTRA_PASSES = 2  # Q = S * (dq * dk): one read, one write (dv rides in t
 
 # When ZeRO's first gradient reduce can start, as a share of the backward's wall time, for each way
 # of running the model: measured by benchmarks/compile_overlap.py (ZeRO-2 on gloo, one process,
-# 6 layers, d = 256, seq 128, batch 8; CPU, docs/performance.md "Where the H100 budget's
-# assumptions come from"), and held by tests/training/test_compile.py (per block: under half). Gradient
+# 6 layers, d = 256, seq 128, batch 8; CPU, docs/performance.md "An H100 time budget"), and held by tests/training/test_compile.py (per block: under half). Gradient
 # communication can hide behind the rest of the backward, 1 - share: 95% compiled per block (what
 # `--compile auto` runs on a GPU), 96% eager, 17% compiled as one graph (DeepSpeed's
 # engine.compile), whose backward holds every gradient hook to its end. `--first-reduce-json` takes
