@@ -107,3 +107,23 @@ def test_document_attention_benchmark_smoke(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text()) == out
     assert set(out["step_s"]) == set(document_attention.MODES) and min(out["step_s"].values()) > 0
     assert out["documents_per_sample"] > 1 and out["documents_over_plain"] > 0
+
+
+@pytest.mark.slow
+def test_host_overhead_benchmark_smoke(tmp_path, capsys):
+    """benchmarks/host_overhead.py at a tiny size: the trainer's and the reference's figures, all of
+    them positive where they must be, written as the JSON the issue asks for."""
+    from benchmarks import host_overhead
+
+    out = tmp_path / "host.json"
+    results = host_overhead.main(["--variants", "shared", "--size", "2x64", "--micro-batch", "2", "--accum", "2",
+                                  "--seq-len", "32", "--warmup", "1", "--steps", "1", "--backend", "aot_eager",
+                                  "--json", str(out)])  # fmt: skip
+    assert json.loads(out.read_text()) == results
+    for side in ("trainer", "reference"):
+        figures = results["shared"][side]
+        assert set(figures) == set(host_overhead.KEYS)
+        assert figures["ops_per_step"] >= 2 * figures["ops_per_microbatch"] > 0  # two micro-batches a step
+        assert figures["host_ms_per_step"] >= figures["host_ms_per_microbatch"] > 0
+    assert results["shared"]["trainer"]["syncs_per_step"] >= 1  # Trainer._agree's read, at least
+    assert "ratio" in capsys.readouterr().out
