@@ -15,6 +15,9 @@ naming this command):
                             is gone and no --tokenizer DIR: no tokenizer is recorded (say so)
     NumPy RNG files         rng_rank*.pt held NumPy arrays: rewritten as tensors and plain values,
                             which load with weights_only=True and no NumPy types allowed
+    converted, no marker    a universal checkpoint `swbert.parallel.convert universal` wrote before
+                            conversions recorded hashes (no marker, or its source's): the marker is
+                            written, with every file's hash
     separate projections    q_proj, k_proj, v_proj from before their fusion into in_proj: ZeRO keeps
                             the optimizer state in flat buffers in the old parameter order, so the
                             checkpoint becomes a universal one (one folder per parameter) with the
@@ -48,6 +51,8 @@ from swbert.runtime.checkpoint_format import (
     COMPLETE,
     TAG_RE,
     checkpoint_tags,
+    is_complete,
+    is_universal,
     outdated,
     read_meta,
     separate_projections,
@@ -104,6 +109,11 @@ def rewrite(staged: Path, run: Path, tokenizer: Path | None) -> list[str]:
             f"{staged.name}: no readable swbert_meta.json, so not a swbert checkpoint to upgrade"
         )
     changes = []
+    format1 = (
+        "checkpoint_format" not in meta and not (staged / COMPLETE).is_file()
+    )  # before a conversion adds one
+    if is_universal(staged) and "checkpoint_format" in meta and not is_complete(staged):
+        changes.append("converted checkpoint: completeness marker written, with every file's hash")
     if _rng_as_tensors(staged):
         changes.append("RNG files: NumPy arrays -> tensors")
     tokenizer_dir = meta.get("tokenizer_dir")
@@ -117,7 +127,7 @@ def rewrite(staged: Path, run: Path, tokenizer: Path | None) -> list[str]:
         changes.append(f"{', '.join(separate)} -> in_proj (now a universal checkpoint, optimizer state too)")
     for key, value in MODEL_FIELDS.items():  # what a checkpoint that did not record them was made with
         meta["model_config"].setdefault(key, value)
-    if "checkpoint_format" not in meta and not (staged / COMPLETE).is_file():
+    if format1:
         _count_skipped_steps(staged)
         changes.append("format 1 -> 2: skipped-step count and completeness marker written")
     (staged / COMPLETE).unlink(missing_ok=True)  # rewritten below: the files and hashes changed

@@ -12,6 +12,9 @@ python -m swbert.parallel.convert reshard CKPT_DIR OUT_DIR --tensor-parallel K [
 
 CKPT_DIR is the folder given to `engine.save_checkpoint`; the tag defaults to its `latest`. A
 checkpoint an older swbert wrote is refused, naming `python -m swbert.upgrade`, which rewrites it.
+Every file of a swbert checkpoint is checked against the hash its marker records before anything
+reads it (a damaged or incomplete one is refused in one line, exit 2); the checkpoints written here
+(universal, reshard) carry a marker with every file's hash, as a save does.
 The model config comes from the checkpoint's swbert_meta.json or `--config`. Every file is
 read with weights_only=True (swbert.safe_load, DeepSpeed's converter included): nothing pickled runs.
 """
@@ -42,10 +45,30 @@ from swbert.parallel.checkpoint import (
     shard_state_dict,
     universal_checkpoint_info,
 )
-from swbert.runtime.checkpoint_format import COMPLETE, LATEST, META, OutdatedCheckpoint, require_current
+from swbert.runtime.checkpoint_format import (
+    COMPLETE,
+    LATEST,
+    META,
+    TAG_RE,
+    DamagedCheckpoint,
+    OutdatedCheckpoint,
+    read_meta,
+    require_current,
+    require_intact,
+    write_marker,
+)
 from swbert.safe_load import UnsafeCheckpointError, load, weights_only_loads
 
 log = logging.getLogger("swbert.convert")
+INSTEAD = "convert an earlier checkpoint (--tag) or a good copy of this one"
+
+
+def _checked(ckpt_dir: str | Path, tag: str | None) -> str:
+    """The tag to convert, once its checkpoint is today's form and every file matches its hash."""
+    tag = resolve_tag(ckpt_dir, tag)
+    require_current(Path(ckpt_dir) / tag)
+    require_intact(Path(ckpt_dir) / tag, INSTEAD)
+    return tag
 
 
 def _load(path: Path) -> dict:
@@ -109,8 +132,7 @@ def to_hf(
     from swbert.models.remote_code import save_loadable
     from swbert.runtime.run_tokenizer import copy_tokenizer, tokenizer_for_export
 
-    tag = resolve_tag(ckpt_dir, tag)
-    require_current(Path(ckpt_dir) / tag)
+    tag = _checked(ckpt_dir, tag)
     state, config = full_state_dict(ckpt_dir, tag, config)
     model = SWBertForMaskedLM(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -138,8 +160,7 @@ def to_universal(
     The parameter layout comes from the checkpoint when DeepSpeed's `universal_checkpoint_info` is
     in it, else is derived from the model config (`config`, or the one recorded in the checkpoint).
     """
-    tag = resolve_tag(ckpt_dir, tag)
-    require_current(Path(ckpt_dir) / tag)
+    tag = _checked(ckpt_dir, tag)
     return universal_files(ckpt_dir, out_dir, tag, config)
 
 
@@ -169,6 +190,7 @@ def universal_files(
     for meta in (Path(ckpt_dir) / tag).glob("*.json"):  # the trainer's metadata travels along
         if meta.name != COMPLETE:  # the source's marker: it lists the source's files
             shutil.copy2(meta, Path(out_dir) / tag / meta.name)
+    write_marker(Path(out_dir) / tag, _step(Path(ckpt_dir) / tag))  # last: the conversion is complete
     return Path(out_dir)
 
 
@@ -196,8 +218,7 @@ def reshard(
     config: SWBertConfig | None = None,
 ) -> Path:
     """Weights-only DeepSpeed files for TP=`tp_size` (no optimizer state)."""
-    tag = resolve_tag(ckpt_dir, tag)
-    require_current(Path(ckpt_dir) / tag)
+    tag = _checked(ckpt_dir, tag)
     state, config = full_state_dict(ckpt_dir, tag, config)
     meta = {k: v for k, v in _load(model_state_files(ckpt_dir, tag)[0]).items() if k not in _SHAPE_KEYS}
     folder = Path(out_dir) / tag
@@ -208,8 +229,18 @@ def reshard(
             {**meta, "module": shard, "mp_world_size": tp_size},
             folder / f"mp_rank_{rank:02d}_model_states.pt",
         )
+    write_marker(folder, _step(Path(ckpt_dir) / tag))
     (Path(out_dir) / LATEST).write_text(tag)
     return Path(out_dir)
+
+
+def _step(tag_dir: Path) -> int:
+    """The step a checkpoint was saved at (its meta file's, else its tag's; 0 when neither says)."""
+    step = (read_meta(tag_dir) or {}).get("step")
+    if isinstance(step, int):
+        return step
+    named = TAG_RE.match(tag_dir.name)
+    return int(named.group(1)) if named else 0
 
 
 @dataclass
@@ -238,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     config = SWBertConfig.from_json_file(args.config) if args.config else None
     try:
         out = _convert(args, config)
-    except (UnsafeCheckpointError, OutdatedCheckpoint) as err:
+    except (UnsafeCheckpointError, OutdatedCheckpoint, DamagedCheckpoint) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     print(f"wrote {out}")

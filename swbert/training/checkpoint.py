@@ -14,7 +14,8 @@ Layout under `<output_dir>/checkpoints/`:
 A save writes into `step_N.partial/` and rank 0 renames it to `step_N/` once it is complete, so a
 save never writes into an existing step folder (a rewind re-saving a step the abandoned line holds
 has moved that line aside first). Every rank hashes (xxh3-128) the files it wrote, in parallel, and
-the marker records them; a resume checks them before anything loads (`verify`).
+the marker records them; a resume checks them before anything loads (`verify`): a marker without
+usable hashes is damage too (`swbert.runtime.checkpoint_format.mismatched`).
 
 A checkpoint counts only once every rank has written and fsynced its files: after DeepSpeed's
 save and a barrier, rank 0 writes the meta file and then the marker (atomically, the folder
@@ -64,16 +65,21 @@ from swbert.runtime.checkpoint_format import (  # noqa: F401 - the format, re-ex
     PARTIAL,
     PARTIAL_RE,
     TAG_RE,
+    atomic_write,
     checkpoint_tags,
+    damage,
     file_hash,
     is_complete,
     is_universal,
     marker_hashes,
+    marker_unreadable,
+    mismatched,
     newest_complete,
     read_latest,
     require_current,
     require_current_folder,
     tag_for,
+    write_marker,
 )
 from swbert.safe_load import load as safe_load, weights_only_loads
 from swbert.training.faults import kill_point, kill_requested
@@ -121,14 +127,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         tracker.set_rng_tracker_states(state["tensor_parallel"])
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
+_atomic_write = atomic_write
 
 
 def _fsync_tree(root: Path) -> None:
@@ -359,12 +358,7 @@ def mark_complete(
     """Write the meta file, then the marker listing every file of the folder with its size and hash
     (`hashes`: those the writing ranks computed; rank 0 hashes the rest, e.g. the meta file)."""
     _atomic_write(tag_dir / META, json.dumps({**meta, "checkpoint_format": CHECKPOINT_FORMAT}, indent=1))
-    paths = [p for p in sorted(tag_dir.rglob("*")) if p.is_file() and p.name != COMPLETE]
-    files = {str(p.relative_to(tag_dir)): p.stat().st_size for p in paths}
-    known = dict(hashes or {})
-    known.update(hash_files(tag_dir, [p for p in paths if str(p.relative_to(tag_dir)) not in known]))
-    marker = {"step": step, "files": files, "hash": HASH, "hashes": {k: known[k] for k in files}}
-    _atomic_write(tag_dir / COMPLETE, json.dumps(marker, indent=1))
+    write_marker(tag_dir, step, hashes)
 
 
 def prune(ckpt_root: Path, keep: int, step: int = 0) -> None:
@@ -399,6 +393,13 @@ def set_aside_incomplete(ckpt_root: Path) -> list[Path]:
     moved = []
     partials = sorted(p.name for p in ckpt_root.iterdir() if p.is_dir() and PARTIAL_RE.match(p.name))
     for name in [*(t for t in checkpoint_tags(ckpt_root) if not is_complete(ckpt_root / t)), *partials]:
+        if marker_unreadable(ckpt_root / name):  # written atomically: damaged at rest, not cut off
+            target = move_aside(ckpt_root, name, DAMAGED_DIR)
+            log.warning(
+                "moved checkpoint %s to %s: its %s does not parse (nothing deleted)", name, target, COMPLETE
+            )
+            moved.append(target)
+            continue
         target = move_aside(ckpt_root, name, INCOMPLETE_DIR)
         log.warning(
             "moved incomplete checkpoint %s to %s (its save did not finish; nothing deleted)", name, target
@@ -428,51 +429,83 @@ def abandon_newer(ckpt_root: Path, tag: str) -> Path | None:
     return ckpt_root / folder
 
 
-def mismatched(tag_dir: Path, rank: int = 0, world: int = 1) -> list[str]:
-    """The files of `tag_dir` (this rank's share of them: the ranks split the reading) whose bytes
-    no longer match the hash its marker records; a file that cannot be read counts too. A universal
-    (converted) checkpoint has no marker of its own: conversions before this check copied the
-    source's, which lists files the converted folder does not hold."""
-    hashes = {} if is_universal(tag_dir) else marker_hashes(tag_dir)
-    by_size = sorted(hashes, key=lambda n: (-_size(tag_dir / n), n))
-    bad = []
-    for name in by_size[rank::world]:
-        try:
-            if file_hash(tag_dir / name) != hashes[name]:
-                bad.append(name)
-        except OSError:
-            bad.append(name)
-    return bad
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
 def verify(tag_dir: Path) -> list[str]:
     """Collective: the files of `tag_dir` that do not match their recorded hashes, on every rank;
     every rank hashes its share of the files, so the check reads the checkpoint once in all."""
     mine = mismatched(tag_dir, dist.get_rank(), dist.get_world_size())
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
-    return sorted(name for part in gathered for name in part)
+    return sorted({name for part in gathered for name in part})  # a marker's fault: once, not per rank
 
 
 def load(engine, load_dir: Path, tag: str) -> dict[str, Any]:
     """Load model, optimizer and scheduler; restore this rank's RNG. Returns the client state.
-    Every file DeepSpeed reads is loaded with weights_only=True (swbert.safe_load)."""
+    Every file DeepSpeed reads is loaded with weights_only=True (swbert.safe_load). What DeepSpeed
+    restores from the checkpoint over this run's configuration is put back (`_keep_configured`)."""
+    configured = _configured(engine)
     with weights_only_loads():
         _, client_state = engine.load_checkpoint(
             str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
         )
     if client_state is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {load_dir / tag}")
+    changed = _keep_configured(engine, configured)
+    if changed and dist.get_rank() == 0:
+        log.warning("resume keeps this run's %s over the checkpoint's", "; ".join(changed))
     rng_file = load_dir / tag / f"rng_rank{dist.get_rank():05d}.pt"
     if rng_file.is_file():
         set_rng_state(load_rng_state(rng_file))
     else:
         log.warning("%s missing (world size changed?): RNG streams restart from the seed", rng_file.name)
     return client_state
+
+
+# Optimizer group settings the resume applies itself, logged and tagged as --allow-resume-change
+# lets them through (swbert.runtime.optim.apply_hyperparameters), and the schedule's state.
+_APPLIED_ON_RESUME = ("lr", "initial_lr", "betas", "eps", "weight_decay")
+
+
+def _configured(engine) -> dict[str, Any]:
+    """What DeepSpeed's load overwrites with the checkpoint's values although this run configures it:
+    the clipping of its ZeRO-1/2, bf16 and fp16 optimizers (`clip_grad`, restored by their
+    `load_state_dict`), the loss scaler (another precision's, after --allow-resume-change precision)
+    and the optimizer groups' other options (e.g. torch's `fused`, `foreach`)."""
+    optimizer = engine.optimizer
+    groups = getattr(optimizer, "param_groups", None) or []
+    return {
+        "clip_grad": getattr(optimizer, "clip_grad", None),
+        "loss_scaler": getattr(optimizer, "loss_scaler", None),
+        "dynamic_loss_scale": getattr(optimizer, "dynamic_loss_scale", None),
+        "groups": [
+            {k: v for k, v in g.items() if k != "params" and k not in _APPLIED_ON_RESUME} for g in groups
+        ],
+    }
+
+
+def _keep_configured(engine, configured: dict[str, Any]) -> list[str]:
+    """Put back what `_configured` recorded before the load; returns what differed ("clip_grad: 1.0
+    -> 0.25"). A dynamic loss scaler of the same kind is the checkpoint's: its scale is state."""
+    optimizer, changed = engine.optimizer, []
+    clip = configured["clip_grad"]
+    if clip is not None and optimizer.clip_grad != clip:
+        changed.append(f"clip_grad: {optimizer.clip_grad!r} -> {clip!r} (--grad-clip)")
+        optimizer.clip_grad = clip
+    fresh = configured["loss_scaler"]
+    restored = getattr(optimizer, "loss_scaler", None)
+    if fresh is not None and restored is not fresh and _scaler(restored) != _scaler(fresh):
+        changed.append(f"loss scaling: {_scaler(restored)} -> {_scaler(fresh)} (--precision)")
+        optimizer.loss_scaler = fresh
+        optimizer.dynamic_loss_scale = configured["dynamic_loss_scale"]
+    for group, options in zip(getattr(optimizer, "param_groups", None) or [], configured["groups"]):
+        for key, value in options.items():
+            if group.get(key, value) != value:
+                changed.append(f"{key}: {group[key]!r} -> {value!r}")
+            group[key] = value
+    return list(dict.fromkeys(changed))
+
+
+def _scaler(scaler: Any) -> str:
+    """A loss scaler's kind: dynamic (its scale is state), or static at its scale."""
+    if getattr(scaler, "dynamic", False):
+        return "dynamic"
+    return f"static {getattr(scaler, 'cur_scale', None)!r}"

@@ -15,10 +15,12 @@ from swbert.runtime.checkpoint_format import META, is_universal
 
 
 def check_compatible(
-    tag_dir: Path, meta: dict[str, Any], allow: list[str] | tuple[str, ...] = ()
+    tag_dir: Path, meta: dict[str, Any], allow: list[str] | tuple[str, ...] = (), tensors: bool = True
 ) -> list[str]:
     """Refuse a checkpoint of another model shape, parallel layout or training setting, naming what
-    differs. Returns the changes `allow` let through ("key: saved -> now"), for the run's records."""
+    differs. Returns the changes `allow` let through ("key: saved -> now"), for the run's records.
+    Reads the meta file, and with `tensors` the model file's tensor names: call it once their hashes
+    are checked (`swbert.training.resume`)."""
     saved_path = tag_dir / META
     if not saved_path.is_file():
         raise FileNotFoundError(f"{tag_dir} has no swbert_meta.json: not a complete swbert checkpoint")
@@ -41,7 +43,7 @@ def check_compatible(
             f"uses {meta.get('tensor_parallel', 1)}; convert it first: python -m swbert.parallel.convert universal "
             f"{tag_dir.parent} NEW_DIR --tag {tag_dir.name}, then pass --resume NEW_DIR"
         )
-    if "model_config" in meta:
+    if "model_config" in meta and tensors:
         check_parameter_names(tag_dir, meta["model_config"])
     return _check_run_settings(tag_dir, saved.get("run"), meta.get("run"), allow)
 

@@ -8,8 +8,10 @@ README.md on loading it: with swbert installed, `AutoModelForMaskedLM.from_pretr
 `pipeline("fill-mask", model=DIR, trust_remote_code=True)`. A `standard` model also converts to
 transformers' own `BertForMaskedLM` (`swbert-convert to-hf DIR OUT`).
 
-Nothing in the checkpoint is unpickled into code: every file (DeepSpeed's zero_to_fp32 included) is
-read with weights_only=True (swbert.safe_load), and the weights are written as safetensors.
+Every file of the checkpoint is checked against the hash its marker records before anything reads
+it (a damaged one is refused in one line naming the files, exit 2). Nothing in the checkpoint is
+unpickled into code: every file (DeepSpeed's zero_to_fp32 included) is read with weights_only=True
+(swbert.safe_load), and the weights are written as safetensors.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from swbert.models.attention import attention_class
 from swbert.models.remote_code import save_loadable
 from swbert.runtime.checkpoint_format import (
     META,
+    DamagedCheckpoint,
     OutdatedCheckpoint,
     require_current,
     require_current_folder,
+    require_intact,
 )
 from swbert.runtime.run_tokenizer import copy_tokenizer, tokenizer_for_export
 from swbert.safe_load import UnsafeCheckpointError, load, weights_only_loads
@@ -57,6 +61,9 @@ def load_model_from_checkpoint(tag_dir: Path) -> SWBertForMaskedLM:
     if not meta_file.is_file():
         raise FileNotFoundError(f"{tag_dir} has no swbert_meta.json: not a complete swbert checkpoint")
     require_current(tag_dir)
+    require_intact(
+        tag_dir, f"export an earlier checkpoint (--tag step_N of {tag_dir.parent}) or a good copy of it"
+    )
     meta = json.loads(meta_file.read_text())
     config = SWBertConfig(**meta["model_config"])
     if meta.get("tensor_parallel", 1) > 1:
@@ -132,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     try:
         out = export(tag_dir, args.output, args.tokenizer)
-    except (UnsafeCheckpointError, OutdatedCheckpoint) as err:
+    except (UnsafeCheckpointError, OutdatedCheckpoint, DamagedCheckpoint) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     print(f"exported {tag_dir} -> {out}")

@@ -2,10 +2,13 @@
 
 `resolve_resume` is the one step. `Trainer.setup` calls it twice with the same arguments: before the
 process group exists, every rank decides alone, so an incompatible checkpoint (another model, tensor-
-parallel size, ZeRO stage, setting) is refused at once on every rank, naming what differs; with the
-process group, the call is collective: rank 0's choice on every rank (each checks it can see the
-folder), every file checked against the hashes its marker records (the ranks share the reading), a
-damaged checkpoint set aside and the previous complete one taken instead, then checked again.
+parallel size, ZeRO stage, setting) is refused at once on every rank, naming what differs, from its
+meta file once that file and the marker pass their check (one whose do not is looked past, or
+refused when named explicitly); with the process group, the call is collective: rank 0's choice on
+every rank (each checks it can see the folder), every file checked against the hashes its marker
+records (the ranks share the reading), a damaged checkpoint set aside and the previous complete one
+taken instead, then checked again, its tensors' names too. Nothing of a checkpoint is read before
+its hash is checked.
 
 `find_checkpoint` is what a `--resume` value (or a path given to the export) names: the newest
 complete checkpoint of a checkpoints/ folder (`latest` is a convenience only), an explicit step
@@ -28,10 +31,13 @@ from swbert.runtime.checkpoint_format import (
     DAMAGED_DIR,
     LATEST,
     LATEST_UNIVERSAL,
+    META,
     TAG_RE,
     checkpoint_tags,
+    damage,
     is_complete,
     is_universal,
+    mismatched,
     newest_complete,
     read_latest,
     require_current,
@@ -97,10 +103,15 @@ def find_checkpoint(resume: str, ckpt_root: Path, warn: bool = True) -> tuple[Pa
         if tag is None:
             raise FileNotFoundError(f"--resume {resume}: its '{LATEST_UNIVERSAL}' names a missing checkpoint")
         require_current(path / tag, f"--resume {resume}: ")
+        if not is_complete(path / tag):
+            raise CheckpointDamaged(
+                f"--resume {resume}: {path / tag} is incomplete (a file listed in its {COMPLETE} is missing "
+                "or has another size: the conversion did not finish?); convert the checkpoint again"
+            )
         return path, tag
     if path.is_dir() and TAG_RE.match(path.name):
         require_current(path, f"--resume {resume}: ")
-        if not is_universal(path) and not is_complete(path):
+        if not is_complete(path):
             newest = newest_complete(path.parent)
             raise CheckpointDamaged(
                 f"--resume {resume}: this checkpoint is incomplete (its save did not finish, or a file "
@@ -120,12 +131,45 @@ def find_checkpoint(resume: str, ckpt_root: Path, warn: bool = True) -> tuple[Pa
     )
 
 
-def _checked(cfg: TrainConfig, choice: tuple[Path, str] | None, record: dict[str, Any]) -> Resume | None:
-    """`choice` against this run (`compat.check_compatible`: model, tensor-parallel size, settings)."""
+def _checked(
+    cfg: TrainConfig, choice: tuple[Path, str] | None, record: dict[str, Any], tensors: bool = True
+) -> Resume | None:
+    """`choice` against this run (`compat.check_compatible`: model, tensor-parallel size, settings;
+    with `tensors`, the names of the tensors it holds: its files' hashes checked already)."""
     if choice is None:
         return None
-    changes = check_compatible(choice[0] / choice[1], record, cfg.allow_resume_change)
+    changes = check_compatible(choice[0] / choice[1], record, cfg.allow_resume_change, tensors)
     return Resume(choice[0], choice[1], tuple(changes))
+
+
+def _explicit(cfg: TrainConfig) -> bool:
+    """Whether --resume names one checkpoint (a step folder, or a converted folder): refused when
+    damaged, where a checkpoints/ folder's newest is set aside for the previous one."""
+    path = Path(cfg.resume)
+    return bool(TAG_RE.match(path.name)) or (path / LATEST_UNIVERSAL).is_file()
+
+
+def _damaged(cfg: TrainConfig, tag_dir: Path, bad: list[str]) -> CheckpointDamaged:
+    return CheckpointDamaged(
+        f"--resume {cfg.resume}: {tag_dir} is damaged ({damage(bad)}; damaged on disk?); resume from an "
+        "earlier checkpoint, or --resume auto to fall back to the newest intact one"
+    )
+
+
+def _meta_checked(cfg: TrainConfig, choice: tuple[Path, str] | None) -> tuple[Path, str] | None:
+    """Before the process group: `choice`, or the newest older complete checkpoint, whose marker and
+    meta file pass their check (`mismatched`), so that compatibility is judged on a meta file that is
+    what was saved (the collective check sets a damaged one aside). Named explicitly, one that fails
+    is refused."""
+    while choice is not None:
+        bad = mismatched(choice[0] / choice[1], only=[META])
+        if not bad:
+            return choice
+        if _explicit(cfg):
+            raise _damaged(cfg, choice[0] / choice[1], bad)
+        older = [t for t in checkpoint_tags(choice[0]) if t < choice[1] and is_complete(choice[0] / t)]
+        choice = (choice[0], older[-1]) if older else None
+    return None
 
 
 def resolve_resume(cfg: TrainConfig, ckpt_root: Path, record: dict[str, Any]) -> Resume | None:
@@ -134,7 +178,8 @@ def resolve_resume(cfg: TrainConfig, ckpt_root: Path, record: dict[str, Any]) ->
     Without a process group, this rank's choice, refused here if incompatible; with one (collective),
     the one every rank loads: agreed, its hashes verified, a damaged one set aside for the previous."""
     if not (dist.is_available() and dist.is_initialized()):
-        return _checked(cfg, find_checkpoint(cfg.resume, ckpt_root), record)
+        choice = _meta_checked(cfg, find_checkpoint(cfg.resume, ckpt_root))
+        return _checked(cfg, choice, record, tensors=False)  # the tensors: once their hashes are checked
     warn = False  # said already, by the call before the process group
     while True:
         found: tuple[Path, str] | Exception | None = None
@@ -157,18 +202,13 @@ def _set_aside_if_damaged(cfg: TrainConfig, choice: tuple[Path, str]) -> bool:
     bad = ckpt.verify(tag_dir)
     if not bad:
         return False
-    named = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-    if TAG_RE.match(Path(cfg.resume).name):
-        raise CheckpointDamaged(
-            f"--resume {cfg.resume}: {named} in {tag_dir} no longer match the hashes its "
-            f"{COMPLETE} records (damaged on disk?); resume from an earlier checkpoint, or "
-            "--resume auto to fall back to the newest intact one"
-        )
+    if _explicit(cfg):
+        raise _damaged(cfg, tag_dir, bad)
     if dist.get_rank() == 0:
         moved = ckpt.move_aside(choice[0], choice[1], DAMAGED_DIR)
         log.warning(
-            "checkpoint %s: %s do not match the hashes it recorded; moved to %s (nothing deleted), "
-            "falling back to the previous complete checkpoint", tag_dir, named, moved,
+            "checkpoint %s is damaged (%s); moved to %s (nothing deleted), falling back to the previous "
+            "complete checkpoint", tag_dir, damage(bad), moved,
         )  # fmt: skip
     dist.barrier()
     return True

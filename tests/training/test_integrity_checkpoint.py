@@ -48,10 +48,11 @@ def test_the_marker_records_every_files_hash_and_a_same_size_flip_is_named(tmp_p
     # the ranks split the reading: together they see it, once
     shares = [ckpt.mismatched(tag_dir, rank, 2) for rank in (0, 1)]
     assert sorted(shares[0] + shares[1]) == ["zero_pp_rank_0_mp_rank_00_optim_states.pt"]
-    # a universal (converted) folder holds other files; a marker copied from its source says nothing
+    # a universal (converted) folder is checked like any other: a marker copied from its source
+    # (as conversions wrote before they recorded their own) names the source's files it lacks
     (tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
     (tag_dir / "zero").mkdir()
-    assert ckpt.mismatched(tag_dir) == []
+    assert ckpt.mismatched(tag_dir) == ["zero_pp_rank_0_mp_rank_00_optim_states.pt"]
 
 
 def _verify_resume(tmp: str) -> None:
@@ -287,3 +288,86 @@ def test_export_takes_the_checkpoint_resume_would_and_refuses_a_cut_off_one(trai
     with pytest.raises(ValueError, match="this checkpoint is incomplete.*step_00000002, the newest complete"):
         _tag_dir(ExportConfig(root / "step_00000004", tmp_path / "hf"))
     assert _tag_dir(ExportConfig(root, tmp_path / "hf", tag="step_00000002")) == root / "step_00000002"
+
+
+# ---- integrity, round two (issue #46): export, conversion and the resumed engine ----------------
+
+
+@pytest.mark.slow  # the trained run
+def test_export_and_conversion_check_the_hashes_first_and_conversions_record_theirs(
+    trained, tmp_path, capsys
+):
+    """Issue #46: an export of a checkpoint with a flipped optimizer byte differed by 0.0156 and
+    exited 0, and a universal (converted) checkpoint carried no hashes. Now both refuse a damaged
+    checkpoint in one line naming the file (exit 2, nothing written), and a conversion's marker
+    records every file it wrote, checked like any other."""
+    from swbert.parallel import convert
+    from swbert.runtime.checkpoint_format import marker_hashes
+    from swbert.training import export
+
+    run = _copy(trained, tmp_path)
+    step = run / "checkpoints" / "step_00000004"
+    converted = convert.to_universal(run / "checkpoints", tmp_path / "universal", "step_00000004")
+    universal = converted / "step_00000004"
+    written = {str(p.relative_to(universal)) for p in universal.rglob("*") if p.is_file()}
+    recorded = marker_hashes(universal)
+    assert recorded and set(recorded) == written - {ckpt.COMPLETE} and ckpt.META in recorded
+    assert ckpt.is_complete(universal) and ckpt.mismatched(universal) == []
+
+    shard = step / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    flip_byte(shard, at=shard.stat().st_size // 2)  # in the weights: it loads, and differs
+    with pytest.raises(SystemExit) as exit_:
+        export.main([str(step), "--output", str(tmp_path / "hf")])
+    assert exit_.value.code == 2 and not (tmp_path / "hf").exists()
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1 and shard.name in lines[0] and "--tag" in lines[0], lines
+    for argv in (["universal", str(step.parent), str(tmp_path / "u2"), "--tag", step.name],
+                 ["hf", str(step.parent), str(tmp_path / "hf2"), "--tag", step.name]):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            convert.main(argv)
+        assert exit_.value.code == 2 and not Path(argv[2]).exists()
+        lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error: ")]
+        assert len(lines) == 1 and shard.name in lines[0], lines
+
+    fp32 = sorted((universal / "zero").glob("*/fp32.pt"))[0]
+    flip_byte(fp32, at=fp32.stat().st_size // 2)
+    with pytest.raises(SystemExit) as exit_:
+        convert.main(["hf", str(converted), str(tmp_path / "hf3")])
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error: ")]
+    assert exit_.value.code == 2 and len(lines) == 1 and str(fp32.relative_to(universal)) in lines[0]
+
+
+def _resumed_settings(out: str, data_dir: str, extra: list[str]) -> None:
+    """Set up a resume of `out` in this rank; the values the engine uses must be the resolved config's."""
+    import yaml
+
+    from swbert.training import build
+    from swbert.training.cli import parse_args
+    from swbert.training.trainer import Trainer
+
+    argv = _args(Path(data_dir), Path(out), "--resume", "auto", "--train-steps", "6", *extra)
+    trainer = Trainer(parse_args(argv))
+    run = trainer.setup()
+    try:
+        resolved = yaml.safe_load((Path(out) / "resolved_config.yaml").read_text())
+        ds_config = json.loads((Path(out) / "ds_config.json").read_text())
+        optimizer = run.engine.optimizer
+        assert resolved["grad_clip"] == ds_config["gradient_clipping"] == 0.25
+        assert optimizer.clip_grad == resolved["grad_clip"], optimizer.clip_grad  # ZeRO-1/2's own copy
+        for group in optimizer.param_groups:
+            assert group["lr"] == pytest.approx(resolved["lr"])  # step 5 of 5 warm-up: the peak
+            assert group["betas"] == (resolved["adam_beta1"], resolved["adam_beta2"])
+            assert group["eps"] == resolved["adam_eps"]
+    finally:
+        build.release(run.folder)
+        trainer.close_batches()
+
+
+@pytest.mark.slow  # the trained run
+def test_a_grad_clip_changed_on_resume_is_the_one_the_engine_uses(trained, data_dir, tmp_path):
+    """Issue #46: under ZeRO-1/2, DeepSpeed restores its optimizer's clip_grad from the checkpoint:
+    a --grad-clip given on resume showed in resolved_config.yaml and ds_config.json, and was ignored."""
+    from tests.parallel.test_parallel_harness import run_ranks
+
+    run = _copy(trained, tmp_path)
+    run_ranks(_resumed_settings, 2, str(run), str(data_dir), ["--grad-clip", "0.25"])
