@@ -26,6 +26,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from data_prep.outdir import locks_off, no_locks
 from data_prep.preprocess import preprocess
 from data_prep.train_tokenizer import train_tokenizer
 from swbert.data.corpus import open_corpus
@@ -157,7 +158,13 @@ def ensure_default_data(
     )
     tokenizer_dir, data_dir = root / f"tokenizer-{suffix}", root / f"shards-{suffix}"
     with open(root / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if not locks_off():
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+            except OSError as err:
+                if error := no_locks(str(root), err):
+                    raise error from None
+                raise
         if (data_dir / MANIFEST_NAME).is_file():
             open_corpus(data_dir)  # size checks: raises if the shards were damaged since
             return data_dir

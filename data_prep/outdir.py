@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import shutil
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,63 @@ LOCK_NAME = ".preprocess.lock"
 WAIT_SECONDS = 10.0
 PLAN_NAME = "plan.json"
 TASKS_NAME = "tasks.json"  # how many tasks share the folder's shards (`--num-tasks`)
+NO_LOCK_VAR = "SWBERT_DATA_LOCK"  # "off": preprocess without locks (a file system that has none)
+# what a file system without (working) locks answers: NFS without lockd, Lustre without -o flock
+_NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
+def locks_off() -> bool:
+    """Whether the user turned the data locks off (`SWBERT_DATA_LOCK=off`)."""
+    return os.environ.get(NO_LOCK_VAR, "").lower() == "off"
+
+
+def no_locks(folder: str, err: OSError) -> InputError | None:
+    """The one-line error for a file system without locks (`folder` as the user named it), or None
+    when `err` is another failure."""
+    if err.errno not in _NO_LOCKS:
+        return None
+    return InputError(
+        f"{folder}: its file system does not support file locks ({os.strerror(err.errno)}), which keep "
+        "two preprocessing runs from writing one folder at once; put it on a file system with locks (a "
+        "local disk, NFS with lockd, Lustre mounted with -o flock), or set "
+        f"{NO_LOCK_VAR}=off if you are sure nothing else writes it"
+    )
+
+
+class DiskFull(InputError):
+    """The output folder's file system is full (or the user's quota is used up); the message says
+    what was kept and how to resume."""
+
+    def __init__(self, output_dir: Path, what: str, err: OSError) -> None:
+        why = "" if err.errno == errno.ENOSPC else f" ({os.strerror(err.errno or errno.ENOSPC)})"
+        kept = sum(1 for _ in output_dir.glob("shard_*.json"))
+        super().__init__(
+            f"{output_dir}: no space left on device{why} while writing {what}: {kept} finished shard(s) "
+            "are kept, and the half-written files of the others are removed when the run resumes; free "
+            "space there (or move the folder to a larger disk), then re-run the same command to resume"
+        )
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether `err` says the disk is full or the quota used up (`shutil.copytree` gathers its
+    failures into one `shutil.Error`, whose list names them in words)."""
+    if isinstance(err, shutil.Error) and err.args and isinstance(err.args[0], list):
+        words = {os.strerror(code) for code in _DISK_FULL}
+        return any(any(word in str(entry) for word in words) for entry in err.args[0])
+    return isinstance(err, OSError) and err.errno in _DISK_FULL
+
+
+@contextmanager
+def disk_full_named(output_dir: Path, what: str) -> Iterator[None]:
+    """Turn a full disk while writing `what` into `output_dir` into `DiskFull`, one line that says
+    what was kept and how to resume; other errors pass."""
+    try:
+        yield
+    except OSError as err:
+        if not is_disk_full(err):
+            raise
+        raise DiskFull(output_dir, what, err) from None
 
 
 class OutputLock:
@@ -26,7 +86,8 @@ class OutputLock:
     `name` picks the lock file: the folder's own (held while a run sets the folder up or writes the
     manifest) or one task's (held while that task writes its shards, so a task started twice, as
     after a requeue whose old run is still exiting, waits or stops). On a cluster the folder must be
-    on a file system that shares `flock` between nodes (NFS; Lustre mounted with `-o flock`)."""
+    on a file system that shares `flock` between nodes (NFS; Lustre mounted with `-o flock`). With
+    `SWBERT_DATA_LOCK=off` it locks nothing (`fd` stays None)."""
 
     def __init__(self, output_dir: Path, name: str = LOCK_NAME, wait: float = WAIT_SECONDS) -> None:
         self.path = output_dir / name
@@ -34,6 +95,8 @@ class OutputLock:
         self.fd: int | None = None
 
     def __enter__(self) -> OutputLock:
+        if locks_off():
+            return self
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + self.wait  # the processes of a killed run may still be exiting
         while True:
@@ -50,13 +113,23 @@ class OutputLock:
                     f"another preprocess (pid {holder}) is writing {self.path.parent}; wait for it to "
                     "finish or stop it, then re-run this command to resume"
                 ) from None
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()} on {socket.gethostname()}".encode(), 0)
+            except OSError as err:
+                os.close(self.fd)
+                if error := no_locks(f"--output {self.path.parent}", err):
+                    raise error from None
+                raise
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, f"{os.getpid()} on {socket.gethostname()}".encode(), 0)
+        except OSError as err:  # the holder's name is a courtesy: a full disk is reported where it matters
+            if not is_disk_full(err):
+                raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        assert self.fd is not None
-        os.close(self.fd)  # closing the descriptor releases the lock
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor releases the lock
+            self.fd = None
 
 
 def check_output_dir(output_dir: str | Path) -> None:
@@ -101,14 +174,21 @@ def task_lock_name(task_index: int) -> str:
 
 
 def tasks_running(output_dir: Path) -> list[str]:
-    """The task locks of `output_dir` held now, by any process (on any node sharing `flock`)."""
-    busy = []
+    """The task locks of `output_dir` held now, by any process (on any node sharing `flock`); none
+    with `SWBERT_DATA_LOCK=off`, where nobody can tell."""
+    busy: list[str] = []
+    if locks_off():
+        return busy
     for path in sorted(output_dir.glob(".preprocess.task-*.lock")):
         fd = os.open(path, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             busy.append(path.name)
+        except OSError as err:
+            if error := no_locks(f"--output {output_dir}", err):
+                raise error from None
+            raise
         finally:
             os.close(fd)
     return busy
@@ -200,6 +280,14 @@ def finished_record(output_dir: Path, name: str, plan_id: str) -> dict[str, Any]
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    if not isinstance(record, dict):
+        return None
+    if record.get("name") != name:  # the name decides which files are hashed, moved aside, listed
+        raise InputError(
+            f"{path}: names shard {record.get('name')!r}, not {name!r}: the record was edited or damaged "
+            "(a record names its own shard, in its folder); move it aside (it is yours to inspect) and "
+            "re-run the same command to write the shard again"
+        )
     if record.get("plan_id") != plan_id or not _files_match(output_dir, name, record):
         return None
     return record

@@ -26,17 +26,27 @@ from typing import Any
 from data_prep import cli
 from data_prep.outdir import (
     PLAN_NAME,
+    TASKS_NAME,
     WAIT_SECONDS,
     OutputLock,
     check_existing,
     check_output_dir,
+    disk_full_named,
     finished_record,
     remove_stale_temporaries,
     task_lock_name,
 )
 from data_prep.shard_writer import ShardJob
 from data_prep.sources import InputError, ReadOptions, Source, plan_chunks, refuse_non_utf8, resolve_inputs
-from data_prep.tasks import check_task_flags, claim_tasks, owns, reject, verify_records
+from data_prep.tasks import (
+    check_task_flags,
+    claim_tasks,
+    describe_missing,
+    owns,
+    reject,
+    rejected_here,
+    verify_records,
+)
 from data_prep.workers import run_jobs
 from swbert.cli import parse_or_exit
 from swbert.data.manifest import (
@@ -255,9 +265,12 @@ def _set_up(run: _Run, overwrite: bool) -> str | dict[str, Any]:
         existing = check_existing(run.output_dir, run.plan, run.plan_id, run.tokenizer_dir, overwrite)
         if existing is not None:
             return existing
-        claim_tasks(run.output_dir, run.plan_id, run.num_tasks)
-        write_json_atomic(run.output_dir / PLAN_NAME, {**run.plan, "plan_id": run.plan_id})
-        tokenizer = _copy_tokenizer(run.tokenizer_dir, run.output_dir, run.plan["tokenizer"]["hash"])
+        with disk_full_named(run.output_dir, TASKS_NAME):
+            claim_tasks(run.output_dir, run.plan_id, run.num_tasks)
+        with disk_full_named(run.output_dir, PLAN_NAME):
+            write_json_atomic(run.output_dir / PLAN_NAME, {**run.plan, "plan_id": run.plan_id})
+        with disk_full_named(run.output_dir, f"the tokenizer copy ({TOKENIZER_SUBDIR}/)"):
+            tokenizer = _copy_tokenizer(run.tokenizer_dir, run.output_dir, run.plan["tokenizer"]["hash"])
     return str(tokenizer / SPM_MODEL_NAME)
 
 
@@ -285,12 +298,29 @@ def _write(run: _Run, jobs: list[ShardJob], lock: OutputLock) -> tuple[set[str],
 
 def _finish(run: _Run, jobs: list[ShardJob], written: set[str], lock: OutputLock) -> dict[str, Any] | None:
     """Write the manifest if every shard is finished, after checking the sha256 of those this call
-    did not write (another task's, or an earlier run's); None while other tasks still write."""
+    did not write (another task's, or an earlier run's); None while shards of other tasks are missing.
+
+    Shards that a finishing task moved aside (`rejected/`) are this call's to write again, whichever
+    task wrote them first: that task is done, so after a finishing task killed mid-repair nobody
+    else would."""
+    close_fds = (lock.fd,) if lock.fd is not None else ()
     records = {job.index: finished_record(run.output_dir, job.name, run.plan_id) for job in jobs}
-    missing = [job.name for job in jobs if records[job.index] is None]
+    owed = [
+        job
+        for job in jobs
+        if records[job.index] is None and rejected_here(run.output_dir, job.name, run.plan_id)
+    ]
+    if owed:
+        log.info("%d shard(s) moved aside by a finishing task are not written again yet (%s, ...): writing "
+                 "them", len(owed), owed[0].name)  # fmt: skip
+        repaired: dict[int, dict[str, Any]] = {}
+        run_jobs(owed, run.workers, repaired, progress=False, total=0, done=0, close_fds=close_fds)
+        records.update(repaired)
+        written = written | {job.name for job in owed}
+    missing = [job for job in jobs if records[job.index] is None]
     if missing:
-        log.info("%d of %d shards are still being written by other tasks (%s, ...); the task that finishes "
-                 "last writes the manifest", len(missing), len(jobs), missing[0])  # fmt: skip
+        owners = [job.index % run.num_tasks for job in missing]
+        log.info("%s", describe_missing(run.output_dir, [job.name for job in missing], owners, len(jobs)))
         return None
     others = [rec for job in jobs if job.name not in written and (rec := records[job.index])]
     if bad := verify_records(run.output_dir, others, run.workers):
@@ -298,7 +328,7 @@ def _finish(run: _Run, jobs: list[ShardJob], written: set[str], lock: OutputLock
             reject(run.output_dir, name)
         redo = [job for job in jobs if job.name in bad]
         fixed: dict[int, dict[str, Any]] = {}
-        run_jobs(redo, run.workers, fixed, progress=False, total=0, done=0, close_fds=(lock.fd,))
+        run_jobs(redo, run.workers, fixed, progress=False, total=0, done=0, close_fds=close_fds)
         records.update(fixed)
     with OutputLock(run.output_dir, wait=run.lock_wait()):
         if (run.output_dir / MANIFEST_NAME).is_file():  # another task finished at the same time
@@ -308,7 +338,8 @@ def _finish(run: _Run, jobs: list[ShardJob], written: set[str], lock: OutputLock
             raise InputError(
                 f"the inputs hold no document ({_fmt_counts(manifest['counts']) or 'all empty'})"
             )
-        write_json_atomic(run.output_dir / MANIFEST_NAME, manifest)
+        with disk_full_named(run.output_dir, MANIFEST_NAME):
+            write_json_atomic(run.output_dir / MANIFEST_NAME, manifest)
     return manifest
 
 

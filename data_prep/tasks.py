@@ -18,13 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from data_prep.outdir import TASKS_NAME
+from data_prep.outdir import TASKS_NAME, locks_off, task_lock_name, tasks_running
 from data_prep.shard_writer import hash_and_size
 from data_prep.sources import InputError
 from swbert.data.manifest import SPLITS, write_json_atomic
 
 log = logging.getLogger("data_prep.preprocess")
 REJECTED_DIR = "rejected"  # shards whose files no longer match their records are moved here
+NO_LOCK_VAR_TEXT = "SWBERT_DATA_LOCK=off"
 
 
 def check_task_flags(num_tasks: int, task_index: int) -> None:
@@ -62,12 +63,31 @@ def claim_tasks(output_dir: Path, plan_id: str, num_tasks: int) -> None:
         write_json_atomic(path, {"plan_id": plan_id, "num_tasks": num_tasks})
 
 
+def plain_name(name: object) -> str:
+    """`name` when it names a shard inside its folder; a `ValueError` for anything that could reach
+    outside it (absolute, a path separator, `..`), since records and names decide which files are
+    hashed and moved."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or ".." in name
+        or any(sep in name for sep in ("/", "\\", os.sep))
+    ):
+        raise ValueError(
+            f"{name!r} is not a shard name (a plain file name inside the output folder, like shard_00000): "
+            "a record was edited or damaged; move the shard_*.json that holds it aside and re-run"
+        )
+    return name
+
+
 def _shard_files(output_dir: Path, record: dict[str, Any]) -> list[tuple[Path, str, int]]:
     """(path, sha256, bytes) of each file of a shard, as its record states them."""
     files = []
+    name = plain_name(record["name"])
     for split in SPLITS:
         for suffix in ("bin", "idx"):
-            path = output_dir / f"{record['name']}.{split}.{suffix}"
+            path = output_dir / f"{name}.{split}.{suffix}"
             files.append((path, record[split][f"{suffix}_sha256"], record[split][f"{suffix}_bytes"]))
     return files
 
@@ -94,6 +114,7 @@ def verify_records(output_dir: Path, records: list[dict[str, Any]], threads: int
 def reject(output_dir: Path, name: str) -> Path:
     """Move a shard whose files do not match its record aside (never deleted), so it counts as
     unwritten and is written again."""
+    plain_name(name)
     target = output_dir / REJECTED_DIR / time.strftime("%Y%m%d-%H%M%S")
     target.mkdir(parents=True, exist_ok=True)
     for path in output_dir.glob(f"{name}.*"):
@@ -103,3 +124,40 @@ def reject(output_dir: Path, name: str) -> Path:
             pass  # another task moved it first
     log.warning("%s: its files differ from its record (sha256); moved to %s and written again", name, target)
     return target
+
+
+def rejected_here(output_dir: Path, name: str, plan_id: str) -> bool:
+    """Whether a finishing task of this plan moved shard `name` aside (`reject`): its repair is then
+    the finishing task's to do, whichever task first wrote it (that task is done and will not)."""
+    for path in (output_dir / REJECTED_DIR).glob(f"*/{plain_name(name)}.json"):
+        try:
+            if json.loads(path.read_text()).get("plan_id") == plan_id:
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
+
+
+def describe_missing(output_dir: Path, missing: list[str], owners: list[int], total: int) -> str:
+    """Why shards are missing, truthfully: the tasks that write them and whether each holds its lock
+    now (is running) or not (not started yet, or killed: it must be started or re-run)."""
+    busy = set(tasks_running(output_dir))
+    tasks = sorted(set(owners))
+    running = [i for i in tasks if task_lock_name(i) in busy]
+    idle = [i for i in tasks if i not in running]
+    head = f"{len(missing)} of {total} shards are missing ({missing[0]}, ...)"
+    if locks_off():
+        named = ", ".join(f"task {i} (--task-index {i})" for i in tasks)
+        return f"{head}: {named} write(s) them ({NO_LOCK_VAR_TEXT}: whether they run cannot be told)"
+    parts = []
+    if running:
+        named = " and ".join(f"task {i}" for i in running)
+        parts.append(f"{named} {'is' if len(running) == 1 else 'are'} running and still writing")
+    if idle:
+        named = " and ".join(f"task {i} (--task-index {i})" for i in idle)
+        one = len(idle) == 1
+        parts.append(
+            f"{named} {'is' if one else 'are'} not running: start {'it' if one else 'them'} (or re-run, "
+            f"if killed) with the same command and {'that' if one else 'each its own'} --task-index"
+        )
+    return f"{head}: {'; '.join(parts)}. The task that finds every shard finished writes manifest.json"

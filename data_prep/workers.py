@@ -10,9 +10,11 @@ import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 from queue import Empty
 from typing import Any
 
+from data_prep.outdir import DiskFull, is_disk_full
 from data_prep.shard_writer import ShardJob, write_shard
 from data_prep.sources import InputError
 from swbert.data._megatron import indexed_dataset
@@ -143,6 +145,8 @@ def _result(future: Any, job: ShardJob) -> dict[str, Any]:
     except InputError as err:
         raise InputError(f"{job.name}: {err}") from err
     except Exception as err:
+        if is_disk_full(err):  # one line that says what was kept and how to resume, not a traceback
+            raise DiskFull(Path(job.output_dir), job.name, err) from None
         raise RuntimeError(
             f"writing {job.name} (from {job.source.path}, {job.chunk.start} to {job.chunk.end}) failed: "
             f"{type(err).__name__}: {err}"

@@ -3,8 +3,10 @@
 `open_corpus` checks sizes only (cheap, every open). A flipped byte that keeps token ids inside the
 vocabulary passes that check and the reader's id check, and trains silently on other text; only the
 content hash catches it. Hashing every shard at every start costs a pass over the data, so each
-verified file is remembered by its identity (resolved path, size, mtime_ns, inode) together with
-the hash it matched: a restart re-hashes only files that were replaced or touched since. The work
+verified file is remembered by its identity (resolved path, size, mtime_ns, ctime_ns, inode) together
+with the hash it matched: a restart re-hashes only files that were replaced or touched since. The
+ctime is what catches an edit in place whose mtime was put back (`touch -r`, `os.utime`, a restore
+tool): only the kernel sets it, to the time of the last change of the file's data or metadata. The work
 is split over the job's ranks by file size, and the results are combined with a gather the caller
 provides (this module imports nothing distributed), so every rank reaches the same verdict.
 """
@@ -70,9 +72,12 @@ def manifest_files(data_dir: str | Path, manifest: dict[str, Any]) -> list[Shard
 
 
 def file_identity(path: str) -> list[int]:
-    """(size, mtime_ns, inode): what changes when a file is rewritten, replaced or edited in place."""
+    """(size, mtime_ns, inode, ctime_ns): what changes when a file is rewritten, replaced or edited in
+    place. The mtime can be set back by anyone who may write the file; the ctime cannot (any write,
+    `utime` included, moves it on), so an edit hidden behind a restored mtime is hashed again. A
+    cache written before the ctime was part of the key matches no file: the first start re-hashes."""
     stat = os.stat(path)
-    return [stat.st_size, stat.st_mtime_ns, stat.st_ino]
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns]
 
 
 def read_cache(path: Path) -> dict[str, dict[str, Any]]:

@@ -4,6 +4,10 @@ Any micro-batch is a function of its stream position (`swbert.data.stream.Masked
 `batch_loader` runs `torch.utils.data.DataLoader` workers in which worker `w` of `W` builds
 micro-batches `w, w + W, w + 2W, ...`; the DataLoader hands them out round-robin, which is
 their order, so the stream is the same for any number of workers (0: on the calling thread).
+
+A worker that builds nothing for `SWBERT_LOADER_TIMEOUT_S` seconds (stopped, stuck on a file system,
+hung) is named, with its pid and state, by the rank that waits for it (`LoaderStalled`), instead of
+the rank waiting silently while its peers sit in a collective until its timeout (30 minutes).
 """
 
 from __future__ import annotations
@@ -15,9 +19,13 @@ import math
 import multiprocessing
 import os
 import signal
+import socket
 import sys
+import time
 from collections.abc import Iterator
 from functools import partial
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -208,14 +216,69 @@ def _start_shielded(loader: torch.utils.data.DataLoader) -> Iterator:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+TIMEOUT_VAR = "SWBERT_LOADER_TIMEOUT_S"
+# A micro-batch takes milliseconds to build (a gather from memory-mapped shards and a few numpy
+# operations; a worker's first one also draws the epoch's permutation, seconds at most), so 2 minutes
+# is generous, yet well inside the heartbeat's lost-rank window (SWBERT_LOST_RANK_MIN, 5 minutes):
+# the rank stops and its peers name it long before the 30-minute collective timeout. Ours.
+DEFAULT_TIMEOUT_S = 120.0
+# The wait is counted in slices of at most this many seconds, and a slice that ran much longer than
+# asked means this process itself was stopped (a whole job suspended, `scontrol suspend`): the count
+# starts again, so a resumed job is not taken for a stalled worker.
+WAIT_SLICE_S = 5.0
+_STATES = {  # /proc/PID/stat's state letter, in words
+    "T": "stopped (SIGSTOP, or a job-control stop)",
+    "t": "stopped by a debugger (tracing stop)",
+    "D": "waiting on I/O (a hung file system or disk?)",
+    "R": "running, but built no batch (busy, or starved of CPU)",
+    "S": "sleeping, but built no batch (blocked in a call)",
+    "Z": "dead",
+}
+
+
+class LoaderStalled(RuntimeError):
+    """A DataLoader worker built no batch within the loader timeout; the message names it."""
+
+
+def loader_timeout() -> float:
+    """Seconds a rank waits for its next micro-batch before `LoaderStalled` (`SWBERT_LOADER_TIMEOUT_S`,
+    default 120; 0: for ever)."""
+    raw = os.environ.get(TIMEOUT_VAR, "")
+    try:
+        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ValueError(
+            f"{TIMEOUT_VAR}={raw!r} is not a number of seconds >= 0 (the longest wait for a micro-batch "
+            f"before the loader worker is named; default {DEFAULT_TIMEOUT_S:g}; 0: wait for ever)"
+        )
+    return 0.0 if math.isinf(seconds) else seconds
+
+
+def _process_state(pid: int) -> str:
+    """What a process is doing, in words, from /proc (Linux); "in an unknown state" elsewhere."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone" if sys.platform.startswith("linux") else "in an unknown state"
+    state = stat.rsplit(")", 1)[-1].split()[0]  # the name in parentheses may hold spaces
+    return _STATES.get(state, f"in state {state!r}")
+
+
 class BatchLoader:
     """Iterator over a rank's micro-batches; `next_sample` is the stream position of the global
     micro-batch the next one belongs to (what a checkpoint taken now would resume from)."""
 
     def __init__(
-        self, loader: torch.utils.data.DataLoader, start_sample: int, samples_per_micro_step: int
+        self,
+        loader: torch.utils.data.DataLoader,
+        start_sample: int,
+        samples_per_micro_step: int,
+        timeout: float = 0.0,
     ) -> None:
         self.loader = loader
+        self.timeout = timeout  # seconds without a batch before LoaderStalled (0: for ever)
         self.next_sample = start_sample
         self._step = samples_per_micro_step
         self._iterator: Iterator[dict[str, torch.Tensor] | PackedBatch] | None = _start_shielded(loader)
@@ -226,9 +289,43 @@ class BatchLoader:
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._iterator is None:
             raise StopIteration
-        batch = next(self._iterator)
+        waited = 0.0
+        while True:
+            asked, started = self.loader.timeout, time.monotonic()
+            try:
+                batch = next(self._iterator)
+                break
+            except RuntimeError as err:  # torch's iterator is unchanged by a timeout: ask again
+                if not (asked > 0 and str(err).startswith("DataLoader timed out")):
+                    raise
+            took = time.monotonic() - started
+            waited = 0.0 if took > 2 * asked else waited + took  # a long slice: this process was stopped
+            if waited >= self.timeout:
+                raise LoaderStalled(self._stalled()) from None
         self.next_sample += self._step
         return batch if isinstance(batch, dict) else batch.unpack()
+
+    def _stalled(self) -> str:
+        """The worker the rank waits for (the DataLoader takes them round-robin), and what it does."""
+        iterator: Any = self._iterator
+        workers = getattr(iterator, "_workers", [])
+        try:  # torch's own bookkeeping (private): the worker that owes the next batch
+            waiting = [iterator._task_info[iterator._rcvd_idx][0]]
+        except (AttributeError, KeyError, IndexError, TypeError):
+            waiting = list(range(len(workers)))
+        named = "; ".join(
+            f"worker {w} (pid {workers[w].pid} on {socket.gethostname()}) is {_process_state(workers[w].pid)}"
+            for w in waiting
+            if w < len(workers)
+        )
+        timeout = self.timeout
+        return (
+            f"no micro-batch came from the DataLoader for {timeout:g} s ({TIMEOUT_VAR}={timeout:g}): "
+            f"{named or 'no worker is running'}. This rank stops rather than hold the job in a "
+            "collective until its timeout: find what stopped or holds that process (kill -STOP, a "
+            "debugger, a hung file system under the data folder), then restart the job with --resume "
+            f"auto; if a micro-batch really takes longer here, raise {TIMEOUT_VAR} (0: wait for ever)"
+        )
 
     def close(self) -> None:
         """Stop the workers now (they also stop when this object is garbage collected)."""
@@ -249,6 +346,7 @@ def batch_loader(
     pin_memory: bool = False,
     prefetch_factor: int = 4,
     multiprocessing_context: str | None = None,
+    timeout: float | None = None,
 ) -> BatchLoader:
     """A rank's micro-batches from `start_sample` on, built by `num_workers` DataLoader processes.
 
@@ -256,10 +354,13 @@ def batch_loader(
     0 builds them on the calling thread. Each worker keeps `prefetch_factor` micro-batches ready. Workers touch no
     CUDA (batches are CPU tensors; `pin_memory` pins them in the main process), so they may be
     forked from a process that uses a GPU; `multiprocessing_context` ("fork", "spawn",
-    "forkserver"; None: torch's default) picks how they start.
+    "forkserver"; None: torch's default) picks how they start. A worker that builds no batch for
+    `timeout` seconds (None: `SWBERT_LOADER_TIMEOUT_S`, default 120; 0: wait for ever) makes the next
+    batch raise `LoaderStalled`, naming it.
     """
     if num_workers < 0:
         raise ValueError(f"num_workers={num_workers} must be 0 (batches on the training thread) or more")
+    timeout = loader_timeout() if timeout is None else timeout
     workers = num_workers
     # a forkserver's workers are its children, not this process's: they keep DataLoader's watchdog
     # (forkserver is also the default start method from Python 3.14 on, and in a forkserver's child)
@@ -282,5 +383,7 @@ def batch_loader(
         # loader at another step than the uninterrupted one). Masks do not use it: they are hashed.
         generator=torch.Generator().manual_seed(0),
         worker_init_fn=partial(_leave_stop_signals_to_the_trainer, parent) if workers > 0 else None,
+        # a stopped or stuck worker is named (`BatchLoader`) instead of hanging the job in silence
+        timeout=min(timeout, WAIT_SLICE_S) if workers > 0 else 0,
     )
-    return BatchLoader(loader, start_sample, micro_bs * dp_size)
+    return BatchLoader(loader, start_sample, micro_bs * dp_size, timeout if workers > 0 else 0.0)

@@ -51,16 +51,20 @@ def write_json_atomic(path: str | Path, payload: Any) -> None:
     """Write JSON so a reader sees either the old file or the complete new one, never a torn one.
 
     The data is fsync'ed before the rename: a node crash must not leave a record pointing at
-    shard bytes that never reached the disk.
+    shard bytes that never reached the disk. A failed write (a full disk) removes its own temporary.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as stream:
-        json.dump(payload, stream, indent=1, sort_keys=True)
-        stream.write("\n")
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as stream:
+            json.dump(payload, stream, indent=1, sort_keys=True)
+            stream.write("\n")
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # our own half-written copy (a full disk, say); the old file stands
+        raise
 
 
 def read_manifest(data_dir: str | Path) -> dict[str, Any]:
