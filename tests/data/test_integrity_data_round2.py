@@ -25,7 +25,7 @@ from data_prep.verify import verify_dir
 from swbert.data.integrity import CACHE_NAME, ShardCorrupt, verify_shards
 from swbert.data.manifest import read_manifest
 from swbert.training.data import TrainingData
-from tests.launch_utils import write_corpus
+from tests.launch_utils import slowdown, write_corpus
 
 ARGS = {"workers": 1, "shard_bytes": 8 << 10, "valid_fraction": 0.1, "progress": False}
 
@@ -76,9 +76,12 @@ def test_an_in_place_edit_whose_mtime_was_put_back_is_hashed_again(corpus, tmp_p
 # 2. a stopped loader worker -----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a loader worker process, stopped: seconds
 def test_a_stopped_loader_worker_is_named_within_the_timeout(corpus, monkeypatch) -> None:
     """A real DataLoader worker sent SIGSTOP: the rank's next batch raises, naming the worker's pid,
-    that it is stopped, and what to do, instead of waiting for the collective timeout."""
+    that it is stopped, and what to do, instead of waiting for the collective timeout. The message
+    names the 3 s setting that fired; the 60 s the loader gets (longer under load) only tell it from
+    a wait on the stopped worker, which lasts until it is continued."""
     monkeypatch.setenv("SWBERT_LOADER_TIMEOUT_S", "3")
     data = TrainingData(corpus["single"], seq_len=32, mlm_probability=0.15, seed=0)
     loader = data.loader(0, 2, 0, 1, num_workers=1, prefetch_factor=1)
@@ -94,33 +97,37 @@ def test_a_stopped_loader_worker_is_named_within_the_timeout(corpus, monkeypatch
             outcome["error"] = err
 
     os.kill(pid, signal.SIGSTOP)
-    stopped = time.monotonic()
     thread = threading.Thread(target=drain, daemon=True)
     thread.start()
     try:
-        thread.join(timeout=60)
+        thread.join(timeout=60 * slowdown())
         assert not thread.is_alive(), "a stopped worker hung the loader"
-        waited = time.monotonic() - stopped
     finally:
         os.kill(pid, signal.SIGCONT)  # a loader still waiting (before the fix) gets its batches
         thread.join(timeout=60)
         loader.close()
     error = outcome.get("error")
-    assert error is not None and waited < 30, (error, waited)
+    assert error is not None
     message = _one_line(str(error))
     assert f"pid {pid}" in message and "stopped" in message, message
     assert "SWBERT_LOADER_TIMEOUT_S=3" in message and "--resume auto" in message, message
 
 
+@pytest.mark.slow  # a loader worker process and this one stopped: seconds
 def test_a_job_suspended_and_resumed_is_not_taken_for_a_stalled_worker(corpus, monkeypatch) -> None:
     """The worker, then the rank (this process) stopped for longer than the timeout and resumed, as
-    `scontrol suspend` / `resume` do to a whole job: the batches come again, nothing is named."""
-    monkeypatch.setenv("SWBERT_LOADER_TIMEOUT_S", "2")
+    `scontrol suspend` / `resume` do to a whole job: the batches come again, nothing is named. The
+    rank waits on the stopped worker from the first stop to the second (0.5 s, and the helper's
+    start-up: longer under load) before it is stopped itself: the timeout is 2 s on an idle machine,
+    longer under load, and the stop three times it."""
+    timeout = round(2 * slowdown())
+    monkeypatch.setenv("SWBERT_LOADER_TIMEOUT_S", str(timeout))
     data = TrainingData(corpus["single"], seq_len=32, mlm_probability=0.15, seed=0)
     loader = data.loader(0, 2, 0, 1, num_workers=1, prefetch_factor=1)
     next(loader)
     worker = loader._iterator._workers[0].pid
-    script = f"kill -STOP {worker}; sleep 0.5; kill -STOP {os.getpid()}; sleep 6; kill -CONT {worker} {os.getpid()}"
+    stop = 3 * timeout
+    script = f"kill -STOP {worker}; sleep 0.5; kill -STOP {os.getpid()}; sleep {stop}; kill -CONT {worker} {os.getpid()}"
     helper = subprocess.Popen(["sh", "-c", script])
     try:
         for _ in range(20):  # waiting for the stopped worker when the rank itself is stopped
