@@ -1,4 +1,4 @@
-"""Tiny synthetic tasks in GLUE's TSV and SQuAD's JSON formats, plus a tiny checkpoint.
+"""Tiny synthetic tasks in GLUE's TSV and SQuAD's JSON formats, and a tokenizer of their words.
 
 For tests, smoke runs and the offline quick start (`make finetune`), which must not download
 anything: the files have the exact layouts of the real ones (CoLA without a header, MNLI with
@@ -21,7 +21,7 @@ from typing import Literal
 
 from transformers import BertTokenizer
 
-from swbert import SWBertConfig, SWBertForMaskedLM, cli
+from swbert import cli
 from swbert.finetune.tasks import GlueTask, get_task
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -34,20 +34,6 @@ VOCAB = SPECIALS + FILLER + MARKERS + SQUAD_WORDS
 def make_tokenizer() -> BertTokenizer:
     """A WordPiece tokenizer over :data:`VOCAB` (``[PAD]``=0 ... ``[MASK]``=4, as the real exports)."""
     return BertTokenizer(vocab={w: i for i, w in enumerate(VOCAB)}, do_lower_case=True)
-
-
-def make_checkpoint(folder: str | Path, attention_type: str = "shared", seed: int = 0) -> Path:
-    """Save a tiny, randomly initialised masked-LM checkpoint and its tokenizer to ``folder``."""
-    import torch
-
-    folder = Path(folder)
-    torch.manual_seed(seed)
-    config = SWBertConfig.from_size(
-        "tiny", vocab_size=len(VOCAB), attention_type=attention_type, max_position_embeddings=128
-    )
-    SWBertForMaskedLM(config).save_pretrained(folder)
-    make_tokenizer().save_pretrained(folder)
-    return folder
 
 
 def _sentence(rng: random.Random, marker: str | None, length: int = 6) -> str:
@@ -138,35 +124,6 @@ def write_squad_fixture(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"version": f"v{version}", "data": articles}), encoding="utf-8")
-    return path
-
-
-def write_triviaqa_fixture(root: str | Path, split: str = "train", n: int = 32, seed: int = 0) -> Path:
-    """TriviaQA's RC release layout under ``root``: ``qa/wikipedia-<split>.json`` naming evidence files in
-    ``evidence/wikipedia/``. "where is key ?" is answered by the marker after "key"; each question has one
-    document holding the answer (in a different case, as an alias) and one that does not, which the
-    conversion to SQuAD's form drops."""
-    rng = random.Random(seed)
-    root = Path(root)
-    evidence = root / "evidence" / "wikipedia"
-    evidence.mkdir(parents=True, exist_ok=True)
-    items = []
-    for i in range(n):
-        target = rng.choice(MARKERS)
-        words = [rng.choice(FILLER) for _ in range(30)]
-        pos = rng.randrange(len(words) - 1)
-        words[pos : pos + 2] = ["key", target.capitalize()]
-        pages = []
-        for j, text in enumerate([" ".join(words), " ".join(rng.choice(FILLER) for _ in range(30))]):
-            name = f"{split}_{i}_{j}.txt"
-            (evidence / name).write_text(text, encoding="utf-8")
-            pages.append({"DocSource": "TagMe", "Filename": name, "Title": name})
-        answer = {"Value": target, "Aliases": [target, target.upper()], "Type": "WikipediaEntity"}
-        items.append({"Question": "where is key ?", "QuestionId": f"tq{split}{i}", "Answer": answer,
-                      "EntityPages": pages, "SearchResults": []})  # fmt: skip
-    path = root / "qa" / f"wikipedia-{split}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"Data": items, "Domain": "Wikipedia", "Version": 1.0}), encoding="utf-8")
     return path
 
 

@@ -17,7 +17,7 @@ from swbert.models.attention import (
     register_attention,
     unregister_attention,
 )
-from swbert.models.config import ATTENTION_TYPES, SIZES, SWBertConfig
+from swbert.models.config import SIZES, SWBertConfig
 from swbert.models.modeling import (
     SWBertForMaskedLM,
     SWBertForQuestionAnswering,
@@ -34,7 +34,6 @@ AutoModelForQuestionAnswering.register(SWBertConfig, SWBertForQuestionAnswering,
 
 __all__ = [
     "ATTENTION_CLASSES",
-    "ATTENTION_TYPES",
     "SIZES",
     "SWBertConfig",
     "SWBertForMaskedLM",

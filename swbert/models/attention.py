@@ -95,7 +95,11 @@ class SDPAKernel(nn.Module):
 
 
 class EagerKernel(nn.Module):
-    """The same computation written out, as a reference and for debugging (unpadded: per sequence)."""
+    """The same computation written out, its dropout an `nn.Dropout` module (unpadded: per sequence).
+
+    Not a model setting: every model builds `SDPAKernel`. Tensor parallelism runs this one in
+    training with attention dropout, its dropout replaced (`swbert.parallel.layers.TensorParallelKernel`),
+    and tests hold the fused kernel to it."""
 
     def __init__(self, dropout: float) -> None:
         super().__init__()
@@ -113,9 +117,6 @@ class EagerKernel(nn.Module):
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         return self.dropout(scores.softmax(dim=-1)) @ v  # (B, H, S, Dh)
-
-
-KERNELS: dict[str, type[nn.Module]] = {"sdpa": SDPAKernel, "eager": EagerKernel}
 
 
 class OutProjection(nn.Linear):
@@ -166,7 +167,8 @@ class SelfAttention(nn.Module):
     def __init__(self, config: SWBertConfig) -> None:
         super().__init__()
         self.head_dim = config.head_dim
-        self.kernel = KERNELS[config.attention_kernel](config.attention_probs_dropout_prob)
+        # the one kernel; a CPU's or tensor parallelism's replacement is put in from outside
+        self.kernel = SDPAKernel(config.attention_probs_dropout_prob)
         self.out_proj = OutProjection(config.hidden_size, config.hidden_size)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -274,18 +276,6 @@ _REGISTRY: dict[str, type[SelfAttention]] = {}
 # name -> class, in registration order; a read-only view (register with `register_attention`)
 ATTENTION_CLASSES: Mapping[str, type[SelfAttention]] = MappingProxyType(_REGISTRY)
 A = TypeVar("A", bound=type[SelfAttention])
-_ON_CHANGE: list[Callable[[], None]] = []
-
-
-def on_registry_change(callback: Callable[[], None]) -> None:
-    """Call `callback` after every later registration or removal (what is derived from the whole
-    registry, e.g. the Hugging Face weight conversions, stays in step with it)."""
-    _ON_CHANGE.append(callback)
-
-
-def _changed() -> None:
-    for callback in _ON_CHANGE:
-        callback()
 
 
 def register_attention(name: str) -> Callable[[A], A]:
@@ -309,9 +299,7 @@ def register_attention(name: str) -> Callable[[A], A]:
         if bad:
             raise ValueError(f"{cls.__qualname__}.qkv_plan: {bad} are not among {get_args(Split)}")
         cls.attention_type = name
-        if name not in _REGISTRY:
-            _REGISTRY[name] = cls
-            _changed()
+        _REGISTRY[name] = cls
         return cls
 
     return register
@@ -321,7 +309,6 @@ def unregister_attention(name: str) -> None:
     """Remove a registered variant (for tests and plugins that registered one for a while)."""
     attention_class(name)  # the same error as an unknown name elsewhere
     del _REGISTRY[name]
-    _changed()
 
 
 def attention_types() -> tuple[str, ...]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from transformers import PretrainedConfig
 
@@ -13,9 +13,6 @@ from swbert.models.attention import attention_class
 # The paper's four variants, for type hints and docs. Which names are valid is the registry's say
 # (`swbert.models.attention.attention_types()`), so a registered fifth variant is accepted too.
 AttentionType = Literal["standard", "shared", "symmetric", "pairwise"]
-AttentionKernel = Literal["sdpa", "eager"]
-ATTENTION_TYPES: tuple[str, ...] = get_args(AttentionType)
-ATTENTION_KERNELS: tuple[str, ...] = get_args(AttentionKernel)
 
 HEAD_DIM = 64  # head width of the layers x width sizes below (BERT's)
 
@@ -98,7 +95,6 @@ class SWBertConfig(PretrainedConfig):
         pad_token_id: int = 0,  # id of [PAD]
         classifier_dropout: float | None = None,  # dropout before classification heads (None: hidden)
         attention_type: AttentionType | str = "shared",  # a registered Q/K/V variant (attention.py)
-        attention_kernel: AttentionKernel = "sdpa",  # inner kernel: fused SDPA or the eager reference
         # shared attention's bias bs in S = X Ws + bs. Ours, not the paper's: its Table 3 counts Ws with
         # no bias (d^2 + 3d per layer), which False gives exactly. True keeps older checkpoints' bias.
         shared_bias: bool = True,
@@ -123,10 +119,13 @@ class SWBertConfig(PretrainedConfig):
         self.layer_norm_eps = layer_norm_eps
         self.classifier_dropout = classifier_dropout
         self.attention_type = attention_type
-        self.attention_kernel = attention_kernel
         self.shared_bias = shared_bias
         self.pad_vocab_multiple = pad_vocab_multiple
         kwargs.setdefault("tie_word_embeddings", True)
+        # Older swbert wrote the inner attention kernel into every config (`"attention_kernel":
+        # "sdpa"`); every kernel computes the same function and none is a setting now, so a folder
+        # or checkpoint that has it loads as before and is saved without it.
+        kwargs.pop("attention_kernel", None)
         super().__init__(pad_token_id=pad_token_id, **kwargs)
         self.check()
 
@@ -144,10 +143,6 @@ class SWBertConfig(PretrainedConfig):
     def check(self) -> None:
         """Raise a ValueError naming the field and the allowed values when the config is invalid."""
         attention_class(self.attention_type)  # a ValueError listing the registered variants
-        if self.attention_kernel not in ATTENTION_KERNELS:
-            raise ValueError(
-                f"attention_kernel={self.attention_kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}"
-            )
         for name in (
             "vocab_size",
             "hidden_size",

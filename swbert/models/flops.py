@@ -79,11 +79,6 @@ def layer_forward_flops(config: SWBertConfig, seq_len: int) -> float:
     return projections + 2 * d * d + 4 * d * f + 4 * seq_len * d
 
 
-def qkv_params_weights(config: SWBertConfig) -> int:
-    """Weight-matrix entries of the Q/K/V projections that take part in a GEMM on every token."""
-    return meta_attention(config).projection_weights()
-
-
 def masked_lm_flops(
     config: SWBertConfig, seq_len: int, predicted_fraction: float = 0.15, last_layer_on_predicted: bool = True
 ) -> FlopCount:

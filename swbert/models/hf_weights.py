@@ -22,13 +22,7 @@ import torch
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter
 
-from swbert.models.attention import (
-    ATTENTION_CLASSES,
-    attention_class,
-    on_registry_change,
-    pack_heads,
-    unpack_heads,
-)
+from swbert.models.attention import ATTENTION_CLASSES, attention_class, pack_heads, unpack_heads
 from swbert.models.config import SWBertConfig
 
 BLOCK = "attn"  # the attention module's attribute in an encoder block (swbert.models.modeling.Block)
@@ -115,9 +109,8 @@ def weight_conversions() -> list[WeightConverter]:
 
 
 def register_hf_weight_conversions() -> None:
-    """Register the packing for the `swbert` model type with transformers; done again by itself
-    whenever a variant is registered or removed, since a new variant may pack other names."""
+    """Register the packing of the variants registered now with transformers, for the `swbert` model
+    type. Every model calls it when it is built (`SWBertPreTrainedModel.__init__`), before
+    transformers reads the mapping to load or save it, so a variant registered later (a plugin's,
+    which may pack other names) is converted too."""
     register_checkpoint_conversion_mapping(SWBertConfig.model_type, weight_conversions(), overwrite=True)
-
-
-on_registry_change(register_hf_weight_conversions)

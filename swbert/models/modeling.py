@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import (
@@ -25,10 +24,6 @@ from swbert.models.hf_weights import register_hf_weight_conversions
 from swbert.models.varlen import SeqLens, pad_by_seqlens
 
 IGNORE_INDEX = -100
-
-# save_pretrained / from_pretrained keep the attention projections separate in the folder's files
-register_hf_weight_conversions()
-
 
 # An attribute of the word embedding and the MLM decoder when their tables are padded
 # (config.pad_vocab_multiple): the number of real rows; the rows after them are padding.
@@ -131,10 +126,12 @@ class Block(nn.Module):
 
 
 class Encoder(nn.Module):
+    """The blocks in order. Activation checkpointing is applied per block from outside
+    (`swbert.training.wrappers`), as every other wrapper is."""
+
     def __init__(self, config: SWBertConfig) -> None:
         super().__init__()
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
-        self.gradient_checkpointing = False  # set by PreTrainedModel.gradient_checkpointing_enable()
 
     def forward(
         self,
@@ -152,10 +149,7 @@ class Encoder(nn.Module):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             rows = kept if i == last else None
-            if self.gradient_checkpointing and self.training:
-                x = checkpoint(layer, x, mask, rows, use_reentrant=False)
-            else:
-                x = layer(x, mask, rows)
+            x = layer(x, mask, rows)
             if output_hidden_states:
                 hidden_states = hidden_states + (x,)
         return x, hidden_states
@@ -191,8 +185,14 @@ def key_padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None
 class SWBertPreTrainedModel(PreTrainedModel):
     config_class = SWBertConfig
     base_model_prefix = "bert"
-    supports_gradient_checkpointing = True
     _no_split_modules = ["Block"]
+
+    def __init__(self, config: SWBertConfig, *inputs: object, **kwargs: object) -> None:
+        # save_pretrained / from_pretrained keep the attention projections separate in the folder's
+        # files: the conversions of every variant registered by now (a plugin's too), in place
+        # before transformers reads them to load or save this model
+        register_hf_weight_conversions()
+        super().__init__(config, *inputs, **kwargs)
 
     def optimize_for_inference(self) -> SWBertPreTrainedModel:
         """Fold parameters that training keeps apart into a cheaper equivalent; returns self in eval mode.

@@ -19,7 +19,9 @@ from contextlib import contextmanager, suppress
 
 import torch
 
+from swbert._startup import import_deepspeed
 from swbert.logs import known_prints_dropped
+from swbert.runtime.extensions import load_shm_comm
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +126,7 @@ def init_distributed(timeout_minutes: float | None = None) -> tuple[int, int, in
     the groups DeepSpeed and megatron-core create later). With more than one rank, a heartbeat
     starts, so that a failed collective can name the rank that died or hangs (`lost_ranks_named`).
     """
-    import deepspeed
-
+    deepspeed = import_deepspeed()  # when the process's first: without MLflow (swbert._startup)
     if timeout_minutes is None:
         raw = os.environ.get("SWBERT_DIST_TIMEOUT_MIN", "30")
         try:
@@ -168,22 +169,6 @@ def init_distributed(timeout_minutes: float | None = None) -> tuple[int, int, in
 
 
 _timeout: datetime.timedelta | None = None
-
-
-def load_shm_comm() -> None:
-    """Build or load DeepSpeed's shared-memory CPU collectives before its process group does.
-
-    DeepSpeed's CPU backend JIT-loads this op in every rank at start-up; loaded here, through
-    `extensions.load_op`, a rank killed during that load cannot leave a lock that hangs every later
-    job (DeepSpeed's own load then returns the op this process already has)."""
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
-
-    from swbert.runtime.extensions import load_op
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-        load_op(builder, "DeepSpeed's CPU collectives (deepspeed_shm_comm)")
 
 
 SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"

@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from swbert._startup import import_deepspeed
+
 log = logging.getLogger(__name__)
 
 STALE_S = 600.0  # a FusedAdam build takes 1-2 minutes; a foreign lock older than this was left behind
@@ -110,6 +112,22 @@ def _alive(pid: int) -> bool:
     return pid != os.getpid()
 
 
+def load_shm_comm() -> None:
+    """Build or load DeepSpeed's shared-memory CPU collectives before its process group does.
+
+    DeepSpeed's CPU backend JIT-loads this op in every rank at start-up (`swbert.runtime.dist.
+    init_distributed` calls this first); loaded here, through `load_op`, a rank killed during that
+    load cannot leave a lock that hangs every later job (DeepSpeed's own load then returns the op
+    this process already has)."""
+    import_deepspeed()
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        load_op(builder, "DeepSpeed's CPU collectives (deepspeed_shm_comm)")
+
+
 def prebuild() -> str:
     """Build now the ops every job on this machine loads at start-up, so that no job (or test) pays
     for the build: DeepSpeed's shared-memory collectives on a CPU machine; nothing on a GPU, whose
@@ -118,8 +136,6 @@ def prebuild() -> str:
 
     if torch.cuda.is_available():
         return "nothing to build ahead on a GPU machine (DeepSpeed builds a chosen op on first use)"
-    from swbert.runtime.dist import load_shm_comm
-
     started = time.monotonic()
     load_shm_comm()
     return f"DeepSpeed's CPU collectives are built ({time.monotonic() - started:.0f} s), in {build_dir('deepspeed_shm_comm')}"

@@ -67,9 +67,6 @@ class Fit:
         for i, name in enumerate(("E", "A", "alpha")):
             self.intervals[name] = percentile_interval(self.replicates[:, i], self.level)
 
-    def replicate_laws(self) -> list[PowerLaw]:
-        return [PowerLaw(*map(float, row)) for row in self.replicates]
-
     def band(self, x: Any) -> tuple[np.ndarray, np.ndarray]:
         """The pointwise interval of the fitted curve at `x`, from the replicates."""
         x = np.asarray(x, dtype=float)

@@ -125,17 +125,18 @@ class TrainConfig:
     system_metrics: bool = True  # MLflow's system metrics (CPU, memory, disk, network; GPUs when present)
     progress_bar: bool = True  # a tqdm bar on rank 0
     num_threads: int | None = None  # CPU: torch threads per rank (default: cores / local ranks)
-    # torch.compile per unit (embeddings, each block, MLM head), so ZeRO's gradient reduce overlaps
-    # the backward (weights and checkpoints unchanged); auto = on for CUDA runs, off on CPU (where
-    # eager with the CPU kernels is faster)
+    # torch.compile per unit (each encoder block, the MLM head; the embeddings stay eager), so ZeRO's
+    # gradient reduce overlaps the backward (weights and checkpoints unchanged); auto = on for CUDA
+    # runs, off on CPU (where eager with the CPU kernels is faster) and with document_attention
     compile: Literal["auto", "on", "off"] = "auto"
     # attention within each packed document only (ours, as ModernBERT; the paper packs without it):
     # the documents of a batch become the sequences of the variable-length attention path; eager
     # only for now (compile auto is then off), without tensor parallelism
     document_attention: bool = False
     compile_backend: str = "inductor"  # torch.compile's backend (a name torch._dynamo.list_backends() gives)
-    # CPU kernels from swbert.runtime.cpu (dropout, attention, decoder; same results, faster on a CPU):
-    # auto = on for CPU runs in eager mode; off = exactly the model path a GPU runs; on = required
+    # the CPU attention kernel from swbert.runtime.cpu (same results, faster in training with attention
+    # dropout): auto = on for CPU runs in eager mode; off = exactly the model path a GPU runs; on =
+    # required (an error on a GPU or with compile)
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
     # what a resume may change on purpose (comma-separated): data, seed, seq_len, mlm_probability,
     # max_predictions_per_seq, global_batch_size, precision, and the optimizer's lr, min_lr,
@@ -232,7 +233,15 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be 0 or more")
 
     def _check_optimisation(self) -> None:
-        """Rates and optimizer settings in the ranges where AdamW and the schedule mean something."""
+        """Rates and optimizer settings in the ranges where AdamW and the schedule mean something:
+        finite first (inf passes `> 0`, and NaN fails every range with a misleading message)."""
+        import math
+
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "adam_eps", "adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            if isinstance(value, (int, float)) and not math.isfinite(value):
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{name}={value} must be a finite number: give {flag} one")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr} must be positive (the peak learning rate)")
         if not 0 <= self.min_lr <= self.lr:

@@ -16,8 +16,9 @@ from swbert.finetune.robustness import (
     evaluate_under_noise,
     mean_embedding_norm,
 )
-from swbert.finetune.synthetic import make_checkpoint, make_tokenizer, write_glue_fixture
+from swbert.finetune.synthetic import make_tokenizer, write_glue_fixture
 from swbert.finetune.tasks import get_task
+from tests.finetune_fixtures import make_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,9 @@ import json
 import pytest
 
 from swbert.finetune.squad_data import SquadDataError
-from swbert.finetune.synthetic import write_squad_fixture, write_triviaqa_fixture
+from swbert.finetune.synthetic import write_squad_fixture
 from swbert.finetune.triviaqa import find_answer, from_hub_rows, head_words, read_triviaqa_json
+from tests.finetune_fixtures import write_triviaqa_fixture
 
 
 def test_answer_search_is_case_insensitive_on_word_boundaries():

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from swbert import ATTENTION_TYPES, SWBertForMaskedLM
+from swbert import SWBertForMaskedLM
 from swbert.models.attention import SDPAKernel
 from swbert.runtime.cpu import (
     CPU_KERNELS,
@@ -21,6 +21,7 @@ from swbert.runtime.cpu import (
     resolve_cpu_kernels,
     unfused_attention,
 )
+from tests.model_helpers import PAPER_VARIANTS
 from tests.models.test_perf_optimisations import batch, grads, randomise, tiny
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -175,7 +176,7 @@ def custom_autograd_nodes(loss: torch.Tensor) -> set[str]:
     return custom
 
 
-@pytest.mark.parametrize("variant", ATTENTION_TYPES)
+@pytest.mark.parametrize("variant", PAPER_VARIANTS)
 def test_plain_model_runs_pytorch_ops_only(variant):
     """What a GPU runs: in training on this CPU the model calls SDPA and PyTorch's dropout (the op
     that dispatches to the fused `native_dropout` on CUDA; on a CPU it draws with `bernoulli_`), and
@@ -197,7 +198,7 @@ def test_plain_model_runs_pytorch_ops_only(variant):
 
 
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("variant", ATTENTION_TYPES)
+@pytest.mark.parametrize("variant", PAPER_VARIANTS)
 def test_cpu_kernels_give_the_plain_models_loss_and_gradients(variant, padded):
     """The whole model with every CPU kernel against the plain model, in training. Dropout
     probabilities of 1e-9 run every dropout path (the unfused attention kernel included) while

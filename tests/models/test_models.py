@@ -1,5 +1,6 @@
 """The attention variants, the heads and the Hugging Face integration."""
 
+import json
 import math
 
 import pytest
@@ -14,7 +15,6 @@ from transformers import (
 )
 
 from swbert import (
-    ATTENTION_TYPES,
     SWBertConfig,
     SWBertForMaskedLM,
     SWBertForQuestionAnswering,
@@ -22,7 +22,15 @@ from swbert import (
     SWBertModel,
 )
 from swbert.convert import fused_projections, separate_projections
-from swbert.models.attention import SharedAttention, build_attention, pack_heads, unpack_heads
+from swbert.models.attention import (
+    EagerKernel,
+    SDPAKernel,
+    SharedAttention,
+    build_attention,
+    pack_heads,
+    unpack_heads,
+)
+from tests.model_helpers import PAPER_VARIANTS, with_eager_kernels
 
 
 def tiny(**overrides) -> SWBertConfig:
@@ -87,6 +95,29 @@ def test_shared_without_bias_saves_and_loads_as_such(tmp_path):
         tiny(shared_bias="no")
 
 
+def test_an_export_with_the_old_attention_kernel_field_loads_and_is_saved_without_it(tmp_path):
+    """swbert once wrote the inner kernel (`"attention_kernel": "sdpa"`) into every config.json; such
+    folders load (to the one kernel every model builds) and are saved without the field."""
+    torch.manual_seed(0)
+    model = SWBertForMaskedLM(tiny()).eval()
+    model.save_pretrained(tmp_path / "new")
+    written = json.loads((tmp_path / "new" / "config.json").read_text())
+    assert "attention_kernel" not in written
+    model.save_pretrained(tmp_path / "old")
+    (tmp_path / "old" / "config.json").write_text(json.dumps({**written, "attention_kernel": "eager"}))
+    loaded = AutoModelForMaskedLM.from_pretrained(tmp_path / "old").eval()
+    assert not hasattr(loaded.config, "attention_kernel")
+    assert {type(m) for m in loaded.modules()} >= {SDPAKernel} and EagerKernel not in map(
+        type, loaded.modules()
+    )
+    inputs = batch()
+    assert torch.equal(loaded(**inputs).logits, model(**inputs).logits)
+    loaded.save_pretrained(tmp_path / "resaved")
+    assert "attention_kernel" not in json.loads((tmp_path / "resaved" / "config.json").read_text())
+    with pytest.raises(ValueError, match="unknown SWBertConfig field 'attention_kernel'"):
+        tiny(attention_kernel="eager")  # not a setting: an override naming it is a typo
+
+
 def test_shared_scores_are_symmetric_in_the_tokens():
     """Q K^T = S diag(dq*dk) S^T: symmetric for any fixed dq*dk (property over random draws)."""
     config = tiny(attention_type="shared")
@@ -113,7 +144,7 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+@pytest.mark.parametrize("attention_type", PAPER_VARIANTS)
 @pytest.mark.parametrize("form", ["labels", "positions"])
 @pytest.mark.parametrize("masked_only", [True, False])
 @pytest.mark.parametrize("last_layer_on_labels", [True, False])
@@ -170,8 +201,8 @@ def test_masked_lm_defaults_follow_transformers_in_eval_and_the_rows_in_training
 
 def test_sdpa_and_eager_kernels_agree():
     torch.manual_seed(0)
-    a = SWBertForMaskedLM(tiny(attention_kernel="sdpa")).eval()
-    b = SWBertForMaskedLM(tiny(attention_kernel="eager")).eval()
+    a = SWBertForMaskedLM(tiny()).eval()
+    b = with_eager_kernels(SWBertForMaskedLM(tiny()).eval())
     b.load_state_dict(a.state_dict())
     inputs = batch()
     valid = inputs["attention_mask"].bool()
@@ -325,7 +356,7 @@ def test_separate_projections_are_the_folder_form_and_state_dicts_hold_the_fused
     )
 
 
-@pytest.mark.parametrize("variant", ATTENTION_TYPES)
+@pytest.mark.parametrize("variant", PAPER_VARIANTS)
 def test_every_variant_trains_and_round_trips(variant, tmp_path):
     torch.manual_seed(0)
     model = SWBertForMaskedLM(tiny(attention_type=variant))
@@ -378,7 +409,7 @@ def test_classification_and_qa_heads_round_trip_through_the_auto_classes(variant
 
 def test_variants_differ_in_attention_parameters_only():
     counts = {}
-    for variant in ATTENTION_TYPES:
+    for variant in PAPER_VARIANTS:
         model = SWBertModel(tiny(attention_type=variant), add_pooling_layer=False)
         counts[variant] = {
             n: p.numel() for n, p in model.named_parameters() if ".attn." in n and "out_proj" not in n

@@ -2,10 +2,11 @@
 
 import pytest
 
-from swbert import ATTENTION_TYPES, SWBertConfig
+from swbert import SWBertConfig
 from swbert.models.attention import attention_class
 from swbert.models.flops import layer_forward_flops, masked_lm_flops, masked_lm_params, qkv_params
 from swbert.params import PAPER_BASE_TOTALS, count_attention_block, count_instantiated, table
+from tests.model_helpers import PAPER_VARIANTS
 
 EXPECTED_BASE = {
     "standard": 109_514_298,
@@ -15,7 +16,7 @@ EXPECTED_BASE = {
 }
 
 
-@pytest.mark.parametrize("variant", ATTENTION_TYPES)
+@pytest.mark.parametrize("variant", PAPER_VARIANTS)
 def test_base_counts_from_instantiated_models(variant):
     config = SWBertConfig.from_size("base", attention_type=variant)
     assert count_instantiated(config) == EXPECTED_BASE[variant]
@@ -33,7 +34,7 @@ def test_paper_figures_and_reconciliation():
 
 @pytest.mark.parametrize("size", ["tiny", "small", "large"])
 def test_formula_matches_models_at_other_sizes(size):
-    for variant in ATTENTION_TYPES:
+    for variant in PAPER_VARIANTS:
         config = SWBertConfig.from_size(size, attention_type=variant)
         assert count_instantiated(config) == masked_lm_params(config)
 
@@ -50,7 +51,7 @@ def test_attention_block_counts_from_instantiated_layers():
         "symmetric": 2 * (d * d + d),
         "pairwise": 2 * (d * d + d) + h * dh * dh,
     }
-    for variant in ATTENTION_TYPES:
+    for variant in PAPER_VARIANTS:
         config = SWBertConfig.from_size("base", attention_type=variant)
         assert count_attention_block(config) == qkv_params(config) == expected[variant], variant
     assert count_attention_block(SWBertConfig.from_size("base", attention_type="shared")) == 592_896

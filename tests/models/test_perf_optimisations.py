@@ -10,9 +10,11 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from benchmarks.train_step import activation_bytes
-from swbert import ATTENTION_TYPES, SWBertConfig, SWBertForMaskedLM, SWBertForSequenceClassification
+from swbert import SWBertConfig, SWBertForMaskedLM, SWBertForSequenceClassification
 from swbert.models.attention import SelfAttention, SharedAttention
 from swbert.models.modeling import SWBertModel, key_padding_mask
+from swbert.training.wrappers import wrap_model
+from tests.model_helpers import PAPER_VARIANTS, with_eager_kernels
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -70,9 +72,9 @@ def plain_shared(monkeypatch):
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_shared_layer_fast_path_equals_plain_path(kernel, padded, dropout):
     torch.manual_seed(0)
-    attn = SharedAttention(
-        tiny(attention_type="shared", attention_kernel=kernel, attention_probs_dropout_prob=dropout)
-    )
+    attn = SharedAttention(tiny(attention_type="shared", attention_probs_dropout_prob=dropout))
+    if kernel == "eager":
+        with_eager_kernels(attn)
     randomise(attn)
     x = torch.randn(3, 12, 64)
     mask = torch.ones(3, 12, dtype=torch.bool)
@@ -102,7 +104,7 @@ def test_shared_masked_lm_loss_and_gradients_equal_plain_path(plain_shared, chec
     model = SWBertForMaskedLM(tiny(attention_type="shared"))
     randomise(model)
     if checkpointing:  # recomputation in backward takes the same path
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        wrap_model(model, activation_checkpointing="full", log_steps=False)
     inputs = batch()
     loss = model(**inputs).loss
     loss.backward()
@@ -139,7 +141,7 @@ def test_shared_keeps_less_for_backward_than_standard_and_the_plain_path(plain_s
 
 
 @pytest.mark.parametrize(
-    ("variant", "signs"), [(v, "mixed") for v in ATTENTION_TYPES] + [("shared", "positive")]
+    ("variant", "signs"), [(v, "mixed") for v in PAPER_VARIANTS] + [("shared", "positive")]
 )
 def test_optimize_for_inference_keeps_outputs(variant, signs, tmp_path):
     torch.manual_seed(0)
@@ -257,15 +259,15 @@ def test_out_projection_scales_its_input_through_the_weight():
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("variant", ATTENTION_TYPES)
+@pytest.mark.parametrize("variant", PAPER_VARIANTS)
 def test_last_layer_on_labels_equals_the_full_last_layer(variant, padded, checkpointing):
     """With labels the last layer computes only the labelled positions: loss, logits and every
     gradient are those of computing all positions and selecting after."""
     torch.manual_seed(0)
     model = SWBertForMaskedLM(tiny(attention_type=variant))
     randomise(model)
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:  # per block, as pretraining applies it
+        wrap_model(model, activation_checkpointing="full", log_steps=False)
     inputs = batch(padded=padded)
     n_labelled = int((inputs["labels"] != -100).sum())
     rows_seen = []

@@ -16,6 +16,7 @@ from swbert.models.attention import (
 )
 from swbert.models.varlen import SeqLens, pad_output, unpad_input, unpad_like
 from swbert.runtime.cpu import optimize_for_cpu
+from tests.model_helpers import with_eager_kernels
 
 VARIANTS = ("standard", "symmetric", "pairwise", "shared")
 LENGTHS = (1, 12, 5, 9)  # ragged: a length-1 sequence and a full-length one (S = 12)
@@ -109,7 +110,7 @@ def test_unpadded_equals_padded(variant, head):
 
 def test_unpadded_equals_padded_with_eager_and_cpu_kernels():
     torch.manual_seed(0)
-    eager = perturbed(SWBertForQuestionAnswering(tiny("shared", attention_kernel="eager")))
+    eager = perturbed(with_eager_kernels(SWBertForQuestionAnswering(tiny("shared"))))
     assert_same(eager, "qa")
     cpu = build("pairwise", "classification")
     assert optimize_for_cpu(cpu) == ["attention"]

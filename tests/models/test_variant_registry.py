@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from swbert.models import ATTENTION_TYPES, SWBertConfig, SWBertForMaskedLM
+from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.attention import (
     SelfAttention,
     attention_class,
@@ -31,6 +31,7 @@ from swbert.scaling.grid import build_grid, estimate
 from swbert.scaling.memory import Layout, model_state_bytes, model_tensors, params_per_rank
 from swbert.scaling.report import line_style
 from swbert.training.config import TrainConfig
+from tests.model_helpers import PAPER_VARIANTS
 from tests.parallel.test_parallel_harness import run_ranks, tiny_config
 from tests.parallel.test_parallel_model import _check_variant
 
@@ -71,7 +72,7 @@ def registered():
 
 
 def test_the_registry_accepts_the_new_name_everywhere_a_name_is_checked():
-    assert attention_types() == (*ATTENTION_TYPES, NAME)
+    assert attention_types() == (*PAPER_VARIANTS, NAME)
     assert attention_class(NAME) is KVGainAttention and KVGainAttention.attention_type == NAME
     assert SWBertConfig.from_size("tiny", attention_type=NAME).attention_type == NAME
     TrainConfig(size="tiny", attention_type=NAME).check()
@@ -167,14 +168,14 @@ def test_the_builtin_closed_forms_equal_the_derived_counts(size):
     """The hand formulas (standard 3(d^2+d) as in the paper's Table 3; shared d^2+d+3d, the paper's
     d^2+3d plus our bias bs; ...) stay as documentation that must agree with what is read off the built
     layers; the new variant has none."""
-    for variant in ATTENTION_TYPES:
+    for variant in PAPER_VARIANTS:
         config = SWBertConfig.from_size(size, attention_type=variant)
         assert attention_class(variant).closed_form_qkv_params(config) == qkv_params(config), variant
     assert KVGainAttention.closed_form_qkv_params(tiny_config(NAME)) is None
 
 
 def test_plot_styles_follow_the_registration_order():
-    assert [line_style(v) for v in ATTENTION_TYPES] == ["--", "-", ":", "-."]  # as before the registry
+    assert [line_style(v) for v in PAPER_VARIANTS] == ["--", "-", ":", "-."]  # as before the registry
     assert line_style(NAME) == "--" and line_style("not-registered") == "-"
 
 

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from swbert import ATTENTION_TYPES
 from swbert.models import SWBertForMaskedLM
 from swbert.parallel import (
     check_divisible,
@@ -22,6 +21,7 @@ from swbert.parallel import (
     shard_state_dict,
 )
 from swbert.parallel.layers import ColumnLinear, RowLinear, TensorParallelMaskedLM, VocabEmbedding
+from tests.model_helpers import PAPER_VARIANTS
 from tests.parallel.test_parallel_harness import mlm_batch, reference_model, run_ranks, tiny_config
 
 
@@ -82,7 +82,7 @@ def _check_variant(attention_type: str, sequence_parallel: bool, **overrides: ob
 
 
 def _all_variants() -> None:
-    for attention_type in ATTENTION_TYPES:
+    for attention_type in PAPER_VARIANTS:
         for sequence_parallel in (False, True):
             _check_variant(attention_type, sequence_parallel)
     _check_variant("shared", False, shared_bias=False)  # the paper's form, no bs

@@ -21,10 +21,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from swbert.models import ATTENTION_TYPES, SWBertConfig, SWBertForMaskedLM
+from swbert.models import SWBertConfig, SWBertForMaskedLM
 from swbert.models.attention import attention_class
 from swbert.scaling.activations import activation_memory, attention_trace
 from swbert.training.wrappers import wrap_model
+from tests.model_helpers import PAPER_VARIANTS
 from tests.parallel.test_parallel_harness import run_ranks
 
 B, S, P = 4, 64, 10  # sequences, tokens per sequence, predicted positions per sequence
@@ -106,7 +107,7 @@ def measure(model: SWBertForMaskedLM, batch: dict[str, torch.Tensor]) -> tuple[i
     return kept, births.recompute_peak
 
 
-CASES = [(a, "fp32", 0.0) for a in ATTENTION_TYPES] + [(a, "bf16", 0.1) for a in ("standard", "shared")]
+CASES = [(a, "fp32", 0.0) for a in PAPER_VARIANTS] + [(a, "bf16", 0.1) for a in ("standard", "shared")]
 
 
 @pytest.mark.parametrize(("attention_type", "precision", "attention_dropout"), CASES)
@@ -148,7 +149,7 @@ def test_traced_attention_agrees_with_the_declared_activation_units():
     """`SelfAttention.activation_units` (Korthikanti's units at 16 bits, 34 for BERT's Q, K, V) is what
     the module keeps: per token, (units - 26) d bytes for Q/K/V-side tensors and the kernel output,
     plus the fp32 log-sum-exp of each head."""
-    for attention_type in ATTENTION_TYPES:
+    for attention_type in PAPER_VARIANTS:
         config = SWBertConfig.from_size("base", attention_type=attention_type)
         d, h = config.hidden_size, config.num_attention_heads
         # two token counts: the difference leaves out what a layer keeps once (shared's scaled weight)
