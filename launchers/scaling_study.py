@@ -20,7 +20,6 @@ checkpointing with it) are refused before anything runs.
 
 from __future__ import annotations
 
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 from swbert import cli
 from swbert.logs import setup_logging
 from swbert.scaling.study import StudyConfig, collect, emit_slurm, exit_status, quality_requested, run_study
+from swbert.studies.runner import stop_on_sigterm
 
 USAGE = "usage: launchers/scaling_study.py [--config FILE] [--key value ...]"
 
@@ -94,9 +94,7 @@ def quality_main(argv: list[str]) -> int:
     setup_logging()  # the console filters pretraining has: libraries' chatter and known noise off
 
     def work() -> list:
-        # SIGTERM (a scheduler's stop, `kill`) unwinds like Ctrl-C: the point in flight is told to stop
-        # (it checkpoints) before the study exits, so a re-run resumes it and finds no run still going
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        stop_on_sigterm()  # the point in flight checkpoints before the study exits
         if cfg.data_dir is None:  # the embedded default corpus (it has a validation split)
             from data_prep.default_corpus import ensure_default_data
 

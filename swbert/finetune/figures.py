@@ -16,8 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-# report imports this module inside build_report, so importing it here makes no cycle
-from swbert.finetune.report import Table, Timing, noise_metric, variant_key
+from swbert.finetune.table import Table, Timing, noise_metric, variant_key
 from swbert.finetune.tasks import GLUE_TASKS, get_task, split_label
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,6 @@ paper does not say how it combined seeds. GLUE numbers are in percent (correlati
 
 from __future__ import annotations
 
-import csv
 import logging
 import math
 import os
@@ -38,14 +37,20 @@ import numpy as np
 
 from swbert.finetune.cross_domain import CROSS_DOMAIN_TASKS
 from swbert.finetune.results import Summary, Trial, summarize
-from swbert.finetune.tasks import COLUMN_ORDERS, PAPER_AVG_METRIC, GlueTask, get_task, split_label
+from swbert.finetune.table import (
+    TRIVIAQA_SUFFIX,
+    Table,
+    Timing,
+    noise_metric,
+    variant_key,
+    variant_label,
+)
+from swbert.finetune.tasks import COLUMN_ORDERS, PAPER_AVG_METRIC, get_task, split_label
 from swbert.finetune.tracking import DEFAULT_EXPERIMENT, KIND, TASK, VARIANT
 
 log = logging.getLogger(__name__)
 
-VARIANT_ORDER = ("standard", "symmetric", "pairwise", "shared")  # the paper's row order
 METRIC_ABBREV = {"accuracy": "Acc", "f1": "F1", "matthews": "MCC", "pearson": "P", "spearman": "S"}
-TRIVIAQA_SUFFIX = "+triviaqa"  # a variant fine-tuned on TriviaQA before SQuAD (swbert.finetune.squad)
 NOISE_TABLES = {"unit": "table5_noise", "norm": "table5_noise_relative"}
 NOISE_TITLES = {
     "norm": "Table 5: dev accuracy under Gaussian embedding noise of RMS norm level x the mean input "
@@ -114,48 +119,6 @@ class ReportConfig:
 
 
 @dataclass
-class Table:
-    """One table: markdown header/rows (formatted) and CSV header/rows (raw numbers)."""
-
-    title: str
-    header: list[str]
-    rows: list[list[str]]
-    csv_header: list[str]
-    csv_rows: list[list[object]]
-    note: str = ""  # a line under the markdown table (what a column means, where a number comes from)
-
-    def markdown(self) -> str:
-        lines = [f"### {self.title}", "", "| " + " | ".join(self.header) + " |"]
-        lines.append("|" + "|".join(["---"] + ["---:"] * (len(self.header) - 1)) + "|")
-        lines += ["| " + " | ".join(r) + " |" for r in self.rows]
-        if self.note:
-            lines += ["", self.note]
-        return "\n".join(lines) + "\n"
-
-    def write(self, out_dir: Path, stem: str) -> list[Path]:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        md, cs = out_dir / f"{stem}.md", out_dir / f"{stem}.csv"
-        md.write_text(self.markdown(), encoding="utf-8")
-        with open(cs, "w", newline="", encoding="utf-8") as f:
-            w = csv.writer(f)
-            w.writerow(self.csv_header)
-            w.writerows(self.csv_rows)
-        return [md, cs]
-
-
-@dataclass
-class Timing:
-    """One trial's training time (Figure 3)."""
-
-    variant: str
-    task: str
-    batch_size: int
-    seconds_per_epoch: float
-    attention_type: str = ""
-    batching: str = "padded"  # the trial's `batching` param (--unpad); runs from before it padded
-
-
-@dataclass
 class Collected:
     glue: list[Trial] = field(default_factory=list)
     squad: list[Trial] = field(default_factory=list)
@@ -167,17 +130,6 @@ class Collected:
     timings: list[Timing] = field(default_factory=list)
 
 
-def variant_key(name: str) -> tuple[int, str, str]:
-    """The paper's row order; ``NAME+triviaqa`` right after ``NAME``."""
-    base, _, suffix = name.partition("+")
-    return (VARIANT_ORDER.index(base) if base in VARIANT_ORDER else len(VARIANT_ORDER), base, suffix)
-
-
-def variant_label(name: str) -> str:
-    """``shared+triviaqa`` -> ``shared + TriviaQA`` (Table 2's "single + TriviaQA" rows)."""
-    return name[: -len(TRIVIAQA_SUFFIX)] + " + TriviaQA" if name.endswith(TRIVIAQA_SUFFIX) else name
-
-
 def _pct(value: float | None, digits: int = 1) -> str:
     """``value`` (a fraction) in percent with ``digits`` decimals; '–' for a missing value."""
     return "–" if value is None or math.isnan(value) else f"{100 * value:.{digits}f}"
@@ -185,11 +137,6 @@ def _pct(value: float | None, digits: int = 1) -> str:
 
 def _csv(value: float) -> object:
     return "" if value is None or math.isnan(value) else round(100 * value, 4)
-
-
-def noise_metric(task: GlueTask) -> str:
-    """What Table 5 reports for ``task``: accuracy, or the task's own metric where it has none."""
-    return "accuracy" if "accuracy" in task.metrics else task.metrics[0]
 
 
 # ---------------------------------------------------------------------------------------- collecting

@@ -8,30 +8,27 @@ came from), so the report of the new run is complete. Any change of a trial's fl
 checkpoint makes the record not match, and the trial runs again.
 
 A killed sweep leaves its MLflow runs RUNNING for ever; `<output-dir>/sweep_run.json` names the
-sweep's run, so the next sweep in that folder marks it and its running children KILLED.
+sweep's run, so the next sweep in that folder marks it and its running children KILLED
+(`swbert.studies.tracking.Tracker.sweep`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 from swbert.finetune.results import Trial
-from swbert.finetune.tracking import Tracker
+from swbert.studies.records import Records
+from swbert.studies.tracking import REUSED_FROM, Tracker
 
 log = logging.getLogger("swbert.finetune")
 
-RECORD_FORMAT = "swbert-trial/1"
-SWEEP_RUN_NAME = "sweep_run.json"
-REUSED_FROM = "swbert.reused_from"
 
-
-def record_path(output_dir: Path, variant: str, task: str, folder: str) -> Path:
-    """Where one trial's record lives: beside, not inside, its model folder (pruning removes those)."""
-    return Path(output_dir) / "trials" / variant / task / f"{folder}.json"
+def trial_records(output_dir: Path) -> Records:
+    """Trial records, `<output-dir>/trials/<variant>/<task>/<folder>.json`: beside, not inside, the
+    model folders (pruning removes those)."""
+    return Records(Path(output_dir) / "trials", "swbert-trial/1")
 
 
 def checkpoint_fingerprint(folder: Path) -> list[list[Any]]:
@@ -60,47 +57,11 @@ def trial_key(
     }
 
 
-def _write_json_atomic(path: Path, payload: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as stream:
-        json.dump(payload, stream, indent=1, sort_keys=True)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(tmp, path)
-
-
-def save_finished(
-    path: Path, key: dict[str, Any], trial: Trial, run_id: str | None, metrics: dict[str, float]
-) -> None:
-    """Record a finished trial (rank 0, after its model is saved: the record says it is complete)."""
-    payload = {
-        "format": RECORD_FORMAT,
-        "key": key,
-        "run_id": run_id,
-        "metrics": metrics,
-        "trial": {
-            "variant": trial.variant,
-            "task": trial.task,
-            "learning_rate": trial.learning_rate,
-            "seed": trial.seed,
-            "metrics": trial.metrics,
-            "model_dir": trial.model_dir,
-            "later_lrs": list(trial.later_lrs),
-        },
-    }
-    _write_json_atomic(path, payload)
-
-
-def load_finished(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
-    """The record of this very trial (same flags, same checkpoint files), or None: run it."""
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT or record.get("key") != key:
-        return None
-    return record
+def trial_payload(trial: Trial, run_id: str | None, metrics: dict[str, float]) -> dict[str, Any]:
+    """What a finished trial's record holds besides its key: its MLflow run and best metrics."""
+    fields = ("variant", "task", "learning_rate", "seed", "metrics", "model_dir")
+    t = {name: getattr(trial, name) for name in fields}
+    return {"run_id": run_id, "metrics": metrics, "trial": {**t, "later_lrs": list(trial.later_lrs)}}
 
 
 def trial_from_record(record: dict[str, Any]) -> Trial:
@@ -115,24 +76,3 @@ def log_reused(tracker: Tracker, name: str, tags: dict[str, str], params: dict, 
     """The recorded result as a FINISHED child of this sweep's run, tagged with the run it came from."""
     with tracker.run(name, {**tags, REUSED_FROM: str(record.get("run_id"))}, params) as run_id:
         tracker.log(run_id, record["metrics"])
-
-
-def mark_killed_sweep(tracker: Tracker, output_dir: Path) -> list[str]:
-    """Mark the sweep run named in `output_dir/sweep_run.json`, and its children, KILLED where they
-    are still RUNNING (their sweep was killed: nothing else ends them). Returns the runs marked."""
-    if not tracker.enabled:
-        return []
-    try:
-        previous = json.loads((Path(output_dir) / SWEEP_RUN_NAME).read_text(encoding="utf-8"))["run_id"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-    marked = tracker.kill_running(previous)
-    if marked:
-        log.info("marked %d run(s) of the killed sweep %s as KILLED", len(marked), previous)
-    return marked
-
-
-def remember_sweep(tracker: Tracker, output_dir: Path, run_id: str | None) -> None:
-    """Name this sweep's MLflow run in `output_dir`, for the next sweep there (rank 0)."""
-    if tracker.enabled and run_id is not None:
-        _write_json_atomic(Path(output_dir) / SWEEP_RUN_NAME, {"run_id": run_id, "tracking_uri": tracker.uri})

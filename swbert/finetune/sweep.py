@@ -25,21 +25,13 @@ from swbert.finetune.engine import process_group
 from swbert.finetune.glue_data import pad_collate
 from swbert.finetune.metrics import selection_value
 from swbert.finetune.results import Trial, nest_metrics
-from swbert.finetune.resume import (
-    load_finished,
-    log_reused,
-    mark_killed_sweep,
-    record_path,
-    remember_sweep,
-    save_finished,
-    trial_from_record,
-    trial_key,
-)
+from swbert.finetune.resume import log_reused, trial_from_record, trial_key, trial_payload, trial_records
 from swbert.finetune.tracking import DEFAULT_EXPERIMENT, Tracker
 from swbert.finetune.trainer import FinetuneConfig, default_device, fit, set_seed
 from swbert.models.plugins import load_plugins
 from swbert.runtime.ranks import ParallelDims
 from swbert.runtime.tracking import tracking_uri
+from swbert.studies.tracking import flat_params
 
 log = logging.getLogger("swbert.finetune")
 
@@ -171,11 +163,7 @@ class SweepConfig:
 
     def params(self) -> dict[str, str]:
         """The flags as MLflow params of the parent run (lists joined with spaces)."""
-        out = {}
-        for key, value in dataclasses.asdict(self).items():
-            if value is not None:
-                out[key] = " ".join(map(str, value)) if isinstance(value, list) else str(value)
-        return out
+        return flat_params(dataclasses.asdict(self))
 
 
 def run_sweep(sweep: SweepConfig, kind: str, run: Callable[[Any, Tracker], object]) -> int:
@@ -185,11 +173,10 @@ def run_sweep(sweep: SweepConfig, kind: str, run: Callable[[Any, Tracker], objec
 
     setup_logging()
     tracker = open_tracker(sweep)
-    mark_killed_sweep(tracker, sweep.output_dir)  # a killed sweep's runs would stay RUNNING
     name = sweep.run_name or f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
-    # one process group for the sweep's runs (a 1-rank one in a plain process: see `process_group`)
-    with process_group(), tracker.sweep(name, f"{kind}_sweep", sweep.params()) as parent:
-        remember_sweep(tracker, sweep.output_dir, parent)
+    # one process group for the sweep's runs (a 1-rank one in a plain process: see `process_group`);
+    # a new parent run, the killed sweep's (named in the folder) marked KILLED where still RUNNING
+    with process_group(), tracker.sweep(name, f"{kind}_sweep", sweep.params(), sweep.output_dir) as parent:
         run(sweep, tracker)
     report_sweep(tracker, sweep, parent)
     return 0
@@ -352,11 +339,11 @@ def run_trial(
         "attention_type": getattr(spec.ckpt.config, "attention_type", ""),
         **spec.params,
     }
-    record = record_path(sweep.output_dir, spec.ckpt.name, spec.task, spec.folder)
+    records, record = trial_records(sweep.output_dir), f"{spec.ckpt.name}/{spec.task}/{spec.folder}"
     key = trial_key(params, tags, spec.ckpt.path, sweep.params())
-    finished = load_finished(record, key)
+    finished = records.load(record, key)
     if finished is not None:  # a re-run of the sweep: this trial's result is already recorded
-        log.info("%s: finished before (%s), not trained again", spec.name, record)
+        log.info("%s: finished before (%s), not trained again", spec.name, records.path(record))
         log_reused(tracker, spec.name, tags, params, finished)
         return trial_from_record(finished)
     with tracker.run(spec.name, tags, params) as run_id:
@@ -383,5 +370,5 @@ def run_trial(
         spec.ckpt.name, spec.task, spec.lr, spec.seed, nest_metrics(best), model_dir, tuple(spec.lrs[1:])
     )
     if ParallelDims.from_env().is_main:  # last: the record says the trial (and its model) is complete
-        save_finished(record, key, trial, run_id, logged)
+        records.save(record, trial_payload(trial, run_id, logged), key)
     return trial

@@ -8,27 +8,24 @@ reason and the sweep goes on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import re
 import shutil
 import signal
-import subprocess
-import sys
 import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from swbert.runtime.dist import signal_on_parent_death
+from swbert.runtime.exits import PREEMPTED_EXIT
 from swbert.scaling.grid import GridPoint, activation_args
 from swbert.scaling.memory import GIB
+from swbert.studies import jobs
 
-REPO = Path(__file__).resolve().parents[2]  # the checkout, when run from one
 RUNTIME_GIB_PER_RANK = 0.8  # resident memory of a rank before the model: torch, DeepSpeed, data
 # Peaks of measured CPU runs over their whole life (start-up, optimizer swaps, the final checkpoint)
 # were 1.5-1.75x the steady-state estimate of the model states and activations (docs/scaling.md):
@@ -102,7 +99,7 @@ class Hardware:
 
 @dataclass
 class Measurement:
-    status: str  # "measured" or "failed"
+    status: str  # "measured", "failed", or "stopped" (on request, or its folder held: runs again)
     reason: str = ""
     wall_s: float = 0.0
     tokens_per_s: float | None = None
@@ -193,35 +190,6 @@ def pretrain_args(point: GridPoint, ds_config: Path, output_dir: Path, steps: in
     ]  # fmt: skip
 
 
-def start_job(cmd: list[str], cwd: Path | None, env: dict[str, str], out: Any) -> subprocess.Popen:
-    """Start a training job (torchrun and its ranks) writing to `out`: in its own process group, so
-    a time limit kills it whole, and tied to this process. On Linux the launcher gets SIGTERM the
-    moment this process dies, however it dies (kill -9 included); its ranks then checkpoint and stop
-    (`die_with_launcher`) rather than train on as orphans holding the run folder's lock."""
-    parent = os.getpid()
-    return subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        preexec_fn=lambda: signal_on_parent_death(signal.SIGTERM, parent),
-    )  # fmt: skip
-
-
-_ERROR = re.compile(r"^(?:\[rank\d+\]: )?(error: .*|\w*(?:Error|Exception)\b.*)")
-
-
-def _last_error(log: Path, offset: int = 0) -> str:
-    """The training processes' own error line (not the launcher's summary), else the last line, in
-    what `log` holds from byte `offset` on."""
-    with open(log, "rb") as f:
-        f.seek(offset)
-        text = f.read().decode(errors="replace")
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for line in reversed(lines):
-        m = _ERROR.match(line)
-        if m and "ChildFailedError" not in line:
-            return m.group(1)[:300]
-    return lines[-1][:300] if lines else "no output"
-
-
 def point_command(
     point: GridPoint,
     ds_config: Path,
@@ -242,12 +210,7 @@ def point_command(
         args += ["--data-dir", str(Path(data_dir).resolve())]
     if plugins:  # a .py file by its absolute path; a dotted module name as given
         args += ["--plugins", *(str(Path(p).resolve()) if p.endswith(".py") else p for p in plugins)]
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        # the launcher as a module (swbert.launchers: the checkout's launchers/ or the wheel's copy)
-        "--nproc-per-node", str(ranks), "-m", "swbert.launchers.pretrain", *args,
-    ]  # fmt: skip
-    return cmd, REPO if (REPO / "launchers").is_dir() else None
+    return jobs.pretrain_command(ranks, args)
 
 
 def run_point(
@@ -266,41 +229,36 @@ def run_point(
     output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     cmd, cwd = point_command(point, ds_config, output_dir, hardware.ranks, steps, data_dir, plugins)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
-    env.pop("MLFLOW_TRACKING_URI", None)  # the study records the point; the run keeps no store
+    env = jobs.job_env(extra_env)
     if hardware.accelerator == "cpu":
         env.setdefault("DS_ACCELERATOR", "cpu")
-    log = output_dir / "run.log"
-    start = time.perf_counter()
-    with open(log, "w") as out:
-        proc = start_job(cmd, cwd, env, out)
-        limit = hardware.headroom * hardware.host_bytes if hardware.accelerator == "cpu" else None
-        sampler = MemorySampler(proc.pid, limit)
-        sampler.start()
+    limit = hardware.headroom * hardware.host_bytes if hardware.accelerator == "cpu" else None
+    samplers: list[MemorySampler] = []
+
+    @contextlib.contextmanager
+    def watch(pid: int) -> Iterator[None]:
+        samplers.append(MemorySampler(pid, limit))
+        samplers[-1].start()
         try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = None
+            yield
         finally:
-            sampler.stop()
-    wall = time.perf_counter() - start
-    m = Measurement(status="failed", wall_s=wall)
+            samplers[-1].stop()
+
+    end = jobs.run_job(cmd, cwd, env, output_dir / "run.log", timeout_s, watch)
+    sampler = samplers[-1]
+    m = Measurement(status="failed", wall_s=end.wall_s)
     m.peak_rss_gib = sampler.peak_total / GIB
     m.peak_rank_rss_gib = sampler.peak_single / GIB
-    if sampler.exceeded is not None:
+    if sampler.exceeded is not None and limit is not None:
         m.reason = (
             f"stopped at {sampler.exceeded / GIB:.1f} GiB, above the {limit / GIB:.1f} GiB planned for "
-            f"measured runs (--memory-limit-gib, free memory); log: {log}"
+            f"measured runs (--memory-limit-gib, free memory); log: {end.log}"
         )
         return m
-    if rc is None:
-        m.reason = f"timed out after {timeout_s:.0f} s (--point-timeout); log: {log}"
-        return m
-    if rc != 0:
-        killed = f"killed by signal {-rc} (out of memory?)" if rc < 0 else f"exit status {rc}"
-        m.reason = f"{killed}: {_last_error(log)}; log: {log}"
+    reason = end.reason(timeout_s)
+    if reason is not None:  # stopped on request, or its folder still held: runs again next time
+        m.status = "stopped" if end.busy or end.rc == PREEMPTED_EXIT else "failed"
+        m.reason = reason
         return m
     return parse_metrics(output_dir, point, m, hardware.ranks // point.layout.tp)
 

@@ -23,11 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import shlex
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -35,9 +31,25 @@ from pathlib import Path
 from typing import Any
 
 from swbert.models.config import SWBertConfig, check_size
-from swbert.models.flops import layer_params, masked_lm_flops, masked_lm_params
+from swbert.models.flops import masked_lm_flops, masked_lm_params
 from swbert.models.plugins import load_plugins
+from swbert.runtime.exits import PREEMPTED_EXIT
+from swbert.runtime.tracking import tracking_uri
 from swbert.scaling.fit import MIN_POINTS, MIN_SIZES
+from swbert.scaling.quality_report import non_embedding_params, write_outputs
+from swbert.studies import jobs
+from swbert.studies.records import Records, check_study, study_options
+from swbert.studies.runner import (
+    ChildRun,
+    PointRunner,
+    Settled,
+    StudyLog,
+    absolute,
+    absolute_plugins,
+    run_points,
+)
+from swbert.studies.slurm import array_command, without_switches, write_submit
+from swbert.studies.tracking import KIND, Tracker, flat_params
 
 log = logging.getLogger("swbert.scaling.quality")
 
@@ -86,6 +98,9 @@ class QualityConfig:
     collect: bool = False
     gpus_per_node: int = 0  # --emit-slurm: GPUs per array task (0: CPU nodes); sets --nproc on them
     experiment: str = "swbert-quality"  # MLflow experiment
+    # run in a folder that holds this study with other options: the new points beside the finished ones
+    # (default: refused, naming what differs)
+    allow_study_change: bool = False
 
     def check(self) -> None:
         """Bad input stops here, one line naming the flag, before anything trains."""
@@ -144,12 +159,6 @@ class Point:
     @property
     def train_flops(self) -> float:
         return self.train_flops_per_token * self.tokens
-
-
-def non_embedding_params(config: SWBertConfig) -> int:
-    """Encoder layers and the MLM transform (dense + LayerNorm): Kaplan et al.'s N for an encoder."""
-    d = config.hidden_size
-    return config.num_hidden_layers * layer_params(config) + d * d + 3 * d
 
 
 def kaplan_lr(n: int) -> float:
@@ -247,10 +256,7 @@ def pretrain_command(
     ]  # fmt: skip
     if cfg.plugins:
         args += ["--plugins", *cfg.plugins]
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cfg.nproc),
-        "-m", "swbert.launchers.pretrain", *args,  # the checkout's launchers/ or the wheel's copy
-    ]  # fmt: skip
+    return jobs.pretrain_command(cfg.nproc, args)[0]
 
 
 def read_run(run_dir: Path, point: Point) -> PointResult | None:
@@ -279,124 +285,84 @@ def read_run(run_dir: Path, point: Point) -> PointResult | None:
     return PointResult("done", val_loss=val, train_loss=float(last["loss"]), curve=curve)
 
 
-# The trainer's refusal of a run folder that another job holds (swbert.training.runlock), and how long
-# a point waits for it to be freed (ours): the job of a study that was killed is still checkpointing
-# on its way out (SIGTERM when the study died, `start_job`) when the study is run again.
-BUSY = "is in use by another job"
-BUSY_WAIT_S, BUSY_RETRY_S = 600.0, 10.0
-
-
 def train_point(point: Point, cfg: QualityConfig, run_dir: Path, data_dir: str) -> PointResult:
-    """Run (or continue) `point` with the real trainer; a failure becomes a result with its reason."""
-    from swbert.runtime.exits import PREEMPTED_EXIT
+    """Run (or continue) `point` with the real trainer; a failure becomes a result with its reason
+    (a folder still held by another job after the wait: `stopped`, not the point's failure)."""
     from swbert.scaling.grid import write_ds_config
-    from swbert.scaling.measure import REPO, _last_error, start_job
     from swbert.scaling.memory import Layout
 
     run_dir.mkdir(parents=True, exist_ok=True)
     ds_config = write_ds_config(Layout(zero=cfg.zero), cfg.output_dir / "ds_configs")
     cmd = pretrain_command(point, cfg, run_dir, data_dir, ds_config)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("MLFLOW_TRACKING_URI", None)  # the study records the point; the run keeps no store
-    cwd = REPO if (REPO / "launchers").is_dir() else None
-    start, busy_until = time.perf_counter(), time.monotonic() + BUSY_WAIT_S
-    log_path = run_dir / "run.log"
-    with open(log_path, "a") as out:
-        while True:
-            out.flush()
-            offset = out.tell()  # this attempt's output starts here
-            rc = _wait_job(start_job(cmd, cwd, env, out), cfg.point_timeout_s)
-            error = _last_error(log_path, offset) if rc not in (0, None) else ""
-            if BUSY not in error or time.monotonic() > busy_until:
-                break
-            log.info("%s: its run folder is still in use; trying again in %.0f s", point.name, BUSY_RETRY_S)
-            time.sleep(BUSY_RETRY_S)
-    wall = time.perf_counter() - start
-    if rc is None:
-        return PointResult(
-            "failed",
-            f"timed out after {cfg.point_timeout_s:.0f} s (--point-timeout); log: {log_path}",
-            wall_s=wall,
-        )
-    if rc == PREEMPTED_EXIT:  # stopped on request after a checkpoint: not a failure, resumes next time
-        return PointResult(
-            "stopped", f"stopped on request (exit status {rc}); re-run to resume it", wall_s=wall
-        )
-    if BUSY in error:  # not the point's failure: nothing recorded, the next run trains it
-        return PointResult("stopped", f"{error}; re-run the study when that job has ended", wall_s=wall)
-    if rc != 0:
-        kind = (
-            "diverged"
-            if "non-finite" in error
-            else (f"killed by signal {-rc} (out of memory?)" if rc < 0 else f"exit status {rc}")
-        )
-        return PointResult("failed", f"{kind}: {error}; log: {log_path}", wall_s=wall)
-    result = read_run(run_dir, point) or PointResult(
-        "failed", f"the run ended without a held-out loss at step {point.steps}; log: {log_path}"
+    end = jobs.run_job(
+        cmd, jobs.pretrain_command(1, [])[1], jobs.job_env(), run_dir / "run.log", cfg.point_timeout_s
     )
-    result.wall_s = wall
+    reason = end.reason(cfg.point_timeout_s)
+    if reason is not None:
+        stopped = end.rc == PREEMPTED_EXIT or end.busy  # resumes (or runs) on the next run of the study
+        return PointResult("stopped" if stopped else "failed", reason, wall_s=end.wall_s)
+    result = read_run(run_dir, point) or PointResult(
+        "failed", f"the run ended without a held-out loss at step {point.steps}; log: {end.log}"
+    )
+    result.wall_s = end.wall_s
     return result
-
-
-def _wait_job(proc: subprocess.Popen, timeout_s: float) -> int | None:
-    """The job's exit status, or None when it ran past `timeout_s` (then killed whole). A study that
-    stops (Ctrl-C, SIGTERM) stops its job too, which checkpoints: the point resumes on the next run."""
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return None
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait()
-        raise
 
 
 # ---- the study -----------------------------------------------------------------------------------
 
 Trainer = Callable[[Point, QualityConfig, Path, str], PointResult]
 
+# Flags that choose where results go, how the study is run or reported, not what its points train:
+# a re-run may change them; any other flag changed is refused (`swbert.studies.records.check_study`).
+NOT_IN_STUDY = (
+    "quality output_dir plugins nproc zero retry_failed point_timeout_s mlflow emit_slurm point_index "
+    "collect gpus_per_node experiment reference extrapolate_to bootstrap level allow_study_change"
+).split()
 
-def point_result(
-    point: Point, cfg: QualityConfig, data_dir: str, trainer: Trainer
-) -> tuple[PointResult, bool]:
+
+def runner(cfg: QualityConfig) -> PointRunner[PointResult]:
+    """Settles the ladder's points against their point.json records."""
+    records = Records(cfg.output_dir / "points", "swbert-quality-point/1", "{name}/point.json")
+    return PointRunner(records, lambda d: PointResult(**d), cfg.retry_failed)
+
+
+def settle_point(point: Point, cfg: QualityConfig, data_dir: str, trainer: Trainer) -> Settled[PointResult]:
     """The point's result and whether it was trained now: a finished point is read back, never
     retrained; a failed one keeps its reason unless --retry-failed; anything else (new, or in flight
     when a study stopped) is run, resuming from its newest checkpoint."""
     run_dir = cfg.output_dir / "points" / point.name
-    saved = run_dir / "point.json"
-    if saved.is_file():
-        previous = PointResult(**json.loads(saved.read_text())["result"])
-        if previous.status == "done" or not cfg.retry_failed:
-            return previous, False
-    finished = read_run(run_dir, point)
-    if finished is not None and finished.status == "done":
-        result, trained = finished, False  # the study stopped after the run ended, before recording it
-    else:
-        result, trained = trainer(point, cfg, run_dir, data_dir), True
-    if result.status in ("stopped", "missing"):
-        return result, trained  # nothing recorded: the next run resumes (or runs) it
-    saved.parent.mkdir(parents=True, exist_ok=True)
-    tmp = saved.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"point": asdict(point), "result": asdict(result)}, indent=2))
-    os.replace(tmp, saved)  # whole or not at all
-    return result, trained
+    return runner(cfg).settle(
+        point.name, lambda: trainer(point, cfg, run_dir, data_dir), lambda: read_run(run_dir, point)
+    )
+
+
+def point_result(
+    point: Point, cfg: QualityConfig, data_dir: str, trainer: Trainer
+) -> tuple[PointResult, bool]:
+    """`settle_point` as (result, trained now)."""
+    settled = settle_point(point, cfg, data_dir, trainer)
+    return settled.result, settled.trained
+
+
+def prepare(cfg: QualityConfig) -> list[Point]:
+    """Paths made absolute, the data checked, the study's options checked against the folder's,
+    and the ladder planned (every budget checked before the first point trains)."""
+    cfg.output_dir = absolute(cfg.output_dir)
+    cfg.plugins = absolute_plugins(cfg.plugins)
+    if cfg.data_dir is None:
+        raise ValueError("--data-dir: no data folder (the launcher builds the embedded default corpus)")
+    cfg.data_dir = absolute(cfg.data_dir)
+    points = plan(cfg, check_data(cfg.data_dir))
+    cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    check_study(cfg.output_dir, "quality", study_options(cfg, NOT_IN_STUDY), cfg.allow_study_change)
+    return points
 
 
 def run_quality(cfg: QualityConfig, trainer: Trainer = train_point) -> list[dict[str, Any]]:
     """Every point of the ladder (trained, resumed or read back), then fits, table, plots and
     MLflow; returns the points' rows."""
-    from swbert.scaling.quality_report import Recorder, write_outputs
-
-    cfg.output_dir = cfg.output_dir.resolve()
-    cfg.plugins = [str(Path(p).resolve()) if p.endswith(".py") else p for p in cfg.plugins]
-    if cfg.data_dir is None:
-        raise ValueError("--data-dir: no data folder (the launcher builds the embedded default corpus)")
-    cfg.data_dir = str(Path(cfg.data_dir).resolve())
-    vocab = check_data(cfg.data_dir)
-    points = plan(cfg, vocab)  # every budget checked before the first point trains
-    cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    points = prepare(cfg)
+    assert cfg.data_dir is not None
     if cfg.point_index is not None:  # one task of a job array: its point, recorded; no fits
         if not 0 <= cfg.point_index < len(points):
             raise ValueError(f"--point-index {cfg.point_index}: the ladder has points 0-{len(points) - 1}")
@@ -406,20 +372,39 @@ def run_quality(cfg: QualityConfig, trainer: Trainer = train_point) -> list[dict
         return [point_row(point, result, trained)]
     if cfg.collect:
         trainer = not_run
-    recorder = Recorder(cfg) if cfg.mlflow else None
-    rows: list[dict[str, Any]] = []
-    try:
-        for i, point in enumerate(points):
-            result, trained = point_result(point, cfg, cfg.data_dir, trainer)
-            rows.append(point_row(point, result, trained))
-            log.info("[%d/%d] %s: %s %s", i + 1, len(points), point.name, result.status, result.reason)
-            if recorder is not None:
-                recorder.point(rows[-1], result.curve)
-        write_outputs(cfg, rows, recorder)
-    finally:
-        if recorder is not None:
-            recorder.close()
+    data_dir, by_name = cfg.data_dir, {p.name: p for p in points}
+
+    def one(point: Point) -> Settled[PointResult]:
+        return settle_point(point, cfg, data_dir, trainer)
+
+    def rows_of(done: list) -> list[dict[str, Any]]:
+        return [point_row(by_name[s.name], s.result, s.trained) for s in done]
+
+    if not cfg.mlflow:
+        rows = rows_of(run_points(points, lambda p: p.name, one))
+        write_outputs(cfg, rows)
+        return rows
+    tracker = Tracker(tracking_uri(cfg.output_dir), cfg.experiment, system_metrics=False)
+    name = f"quality-{time.strftime('%Y%m%d-%H%M%S')}"
+    with tracker.sweep(
+        name, "quality_study", flat_params(asdict(cfg)), cfg.output_dir, resume=True
+    ) as parent:
+        done = run_points(points, lambda p: p.name, one, child_run, StudyLog(tracker, cfg.output_dir))
+        rows = rows_of(done)
+        write_outputs(cfg, rows, tracker, parent)
     return rows
+
+
+def child_run(point: Point, settled: Any) -> ChildRun:
+    """The point's MLflow child run: its plan, status, figures and held-out loss curve."""
+    row = point_row(point, settled.result, settled.trained)
+    return ChildRun(
+        tags={KIND: "quality_point", "status": row["status"], "reason": str(row["reason"])[:5000]},
+        params={k: row[k] for k in ("size", "attention", "seed", "tokens", "steps", "lr", "warmup_steps")},
+        metrics={k: row[k] for k in ("params", "non_embedding_params", "train_flops", "val_loss", "wall_s")},
+        curve=settled.result.curve,
+        curve_keys=("loss", "val_loss"),
+    )
 
 
 def not_run(point: Point, cfg: QualityConfig, run_dir: Path, data_dir: str) -> PointResult:
@@ -427,39 +412,20 @@ def not_run(point: Point, cfg: QualityConfig, run_dir: Path, data_dir: str) -> P
     return PointResult("missing", "not run yet: its array task has not finished (submit.sh runs it)")
 
 
-def _without_switches(argv: list[str], names: tuple[str, ...]) -> list[str]:
-    """`argv` less the boolean flags `names`, in any spelling: `--x`, `--x=VALUE`, `--x VALUE`."""
-    out, skip = [], False
-    for i, arg in enumerate(argv):
-        if skip:
-            skip = False
-        elif arg in names:
-            following = argv[i + 1].lower() if i + 1 < len(argv) else ""
-            skip = following in ("true", "false", "yes", "no", "1", "0", "on", "off")
-        elif not arg.startswith(tuple(f"{name}=" for name in names)):
-            out.append(arg)
-    return out
-
-
 def emit_slurm(cfg: QualityConfig, argv: list[str], vocab: int) -> tuple[Path, str, str]:
     """OUTPUT_DIR/submit.sh: one array task per point of the ladder (launchers/slurm/quality.sbatch
     runs `--point-index $SLURM_ARRAY_TASK_ID` with the same flags); returns it, its command and the
     --collect command to run after it."""
     points = plan(cfg, vocab)
-    flags = _without_switches(argv, ("--quality", "--emit-slurm"))
+    flags = without_switches(argv, ("--quality", "--emit-slurm"))
     if not any(a.startswith(("--data-dir", "--data_dir")) for a in flags):  # the tasks read one folder
         flags += ["--data-dir", str(cfg.data_dir)]
-    gres = [f"--gpus-per-node={cfg.gpus_per_node}"] if cfg.gpus_per_node else []
     nproc = ["--nproc", str(cfg.gpus_per_node)] if cfg.gpus_per_node else []
-    command = shlex.join(
-        ["sbatch", f"--array=0-{len(points) - 1}", *gres, "launchers/slurm/quality.sbatch", *flags, *nproc]
+    command = array_command(
+        len(points), "launchers/slurm/quality.sbatch", [*flags, *nproc], None, cfg.gpus_per_node
     )
     collect = shlex.join(["python", "launchers/scaling_study.py", "--quality", "--collect", *flags])
-    cfg.output_dir.mkdir(parents=True, exist_ok=True)
-    submit = cfg.output_dir / "submit.sh"
-    submit.write_text(
-        f"#!/bin/bash\n# from the repository root; {len(points)} point(s); afterwards: {collect}\n{command}\n"
-    )
+    submit = write_submit(cfg.output_dir, command, f"{len(points)} point(s); afterwards: {collect}")
     return submit, command, collect
 
 

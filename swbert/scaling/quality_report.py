@@ -10,19 +10,25 @@ at every measured size and at the `--extrapolate-to` sizes.
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from swbert.models.config import SIZES, SWBertConfig
+from swbert.models.flops import layer_params
 from swbert.scaling.fit import Fit, FitError, equivalent_size, fit_power_law
 from swbert.scaling.report import line_style, write_csv
+from swbert.studies.tracking import Tracker
 
 PLOTS = {"non_embedding_params": "loss_vs_params", "train_flops": "loss_vs_flops"}
 POINT_KEYS = ("name", "size", "seed", "params", "non_embedding_params", "tokens", "train_flops", "val_loss")
+
+
+def non_embedding_params(config: SWBertConfig) -> int:
+    """Encoder layers and the MLM transform (dense + LayerNorm): Kaplan et al.'s N for an encoder."""
+    d = config.hidden_size
+    return config.num_hidden_layers * layer_params(config) + d * d + 3 * d
 
 
 def fit_variant(rows: list[dict[str, Any]], x_key: str, draws: int, level: float) -> tuple[Fit | None, str]:
@@ -37,8 +43,6 @@ def fit_variant(rows: list[dict[str, Any]], x_key: str, draws: int, level: float
 
 def extrapolation_sizes(names: list[str], attention: str) -> list[float]:
     """Non-embedding parameters of each `--extrapolate-to` entry: a size name or a number."""
-    from swbert.scaling.quality import non_embedding_params
-
     out = []
     for name in names:
         if name in SIZES:
@@ -89,8 +93,11 @@ def build_fits(cfg: Any, rows: list[dict[str, Any]]) -> tuple[dict[str, Any], di
     return {"study": spec, "variants": variants, "efficiency": efficiency}, by_n
 
 
-def write_outputs(cfg: Any, rows: list[dict[str, Any]], recorder: Any) -> dict[str, Any]:
-    """fits.json, points.csv and plots/ under cfg.output_dir (and to MLflow); returns the fits."""
+def write_outputs(
+    cfg: Any, rows: list[dict[str, Any]], tracker: Tracker | None = None, parent: str | None = None
+) -> dict[str, Any]:
+    """fits.json, points.csv and plots/ under cfg.output_dir (and to the study's MLflow run: each
+    variant's alpha and E, the files); returns the fits."""
     out = Path(cfg.output_dir)
     fits, by_n = build_fits(cfg, rows)
     fits_path = out / "fits.json"
@@ -101,8 +108,12 @@ def write_outputs(cfg: Any, rows: list[dict[str, Any]], recorder: Any) -> dict[s
     csv_path = write_csv(rows, out / "points.csv")
     if not unchanged:  # a re-run that found every point finished draws the same plots: keep them
         plots = plot_fits(rows, by_n, fits, out / "plots", cfg.level)
-    if recorder is not None:
-        recorder.study(fits, [fits_path, csv_path, *plots])
+    if tracker is not None:
+        for attention, entry in fits["variants"].items():
+            law = entry["L(N)"]
+            if "alpha" in law:
+                tracker.log(parent, {f"{attention}.alpha": law["alpha"], f"{attention}.E": law["E"]})
+        tracker.log_files(parent, [fits_path, csv_path, *plots])
     return fits
 
 
@@ -145,83 +156,3 @@ def plot_fits(
         plt.close(fig)
         written.append(path)
     return written
-
-
-RUN_ID = "mlflow_run_id"  # the run's id, in the study's folder and in each point's (as pretraining keeps it)
-
-
-class Recorder:
-    """MLflow: one parent run for the study, a nested run per point holding its loss curve. A re-run
-    of the study continues its parent run and logs only the points trained since (or never logged),
-    as a resumed pretraining run continues its own run; a store that no longer has the parent (a
-    new MLFLOW_TRACKING_URI, a deleted run, another --experiment) gets a new one with every point."""
-
-    def __init__(self, cfg: Any) -> None:
-        import mlflow
-
-        from swbert.runtime.tracking import experiment_id, tracking_uri
-
-        self.mlflow = mlflow
-        self.output_dir = Path(cfg.output_dir)
-        uri = tracking_uri(self.output_dir)
-        mlflow.set_tracking_uri(uri)
-        self.experiment = experiment_id(uri, cfg.experiment)
-        mlflow.set_experiment(experiment_id=self.experiment)
-        saved = _live_run(mlflow, self.output_dir / RUN_ID, self.experiment)
-        self.fresh = saved is None  # a new parent: every point is logged under it
-        if saved is not None:
-            mlflow.start_run(run_id=saved)
-            return
-        run = mlflow.start_run(run_name=f"quality-{time.strftime('%Y%m%d-%H%M%S')}")
-        (self.output_dir / RUN_ID).write_text(run.info.run_id)
-        spec = {k: (",".join(map(str, v)) if isinstance(v, list) else str(v)) for k, v in asdict(cfg).items()}
-        mlflow.log_params(spec)
-
-    def point(self, row: dict[str, Any], curve: list[dict[str, float]]) -> None:
-        mlflow = self.mlflow
-        id_file = self.output_dir / "points" / row["name"] / RUN_ID
-        logged = None if self.fresh else _live_run(mlflow, id_file, self.experiment)
-        if logged is not None and not row["trained_now"]:
-            return  # logged by an earlier run of the study and unchanged since
-        with mlflow.start_run(run_id=logged, run_name=row["name"], nested=True) as run:
-            if logged is None:
-                id_file.parent.mkdir(parents=True, exist_ok=True)
-                id_file.write_text(run.info.run_id)
-                mlflow.log_params(
-                    {
-                        k: row[k]
-                        for k in ("size", "attention", "seed", "tokens", "steps", "lr", "warmup_steps")
-                    }
-                )
-            mlflow.set_tags({"status": row["status"], "reason": str(row["reason"])[:5000]})
-            numbers = {
-                k: row[k] for k in ("params", "non_embedding_params", "train_flops", "val_loss", "wall_s")
-            }
-            mlflow.log_metrics({k: float(v) for k, v in numbers.items() if v is not None})
-            for record in curve:
-                step = int(record["step"])
-                mlflow.log_metrics({k: v for k, v in record.items() if k in ("loss", "val_loss")}, step=step)
-
-    def study(self, fits: dict[str, Any], artifacts: list[Path]) -> None:
-        for attention, entry in fits["variants"].items():
-            law = entry["L(N)"]
-            if "alpha" in law:
-                self.mlflow.log_metrics({f"{attention}.alpha": law["alpha"], f"{attention}.E": law["E"]})
-        for path in artifacts:
-            self.mlflow.log_artifact(str(path))
-
-    def close(self) -> None:
-        self.mlflow.end_run()
-
-
-def _live_run(mlflow: Any, id_file: Path, experiment: str) -> str | None:
-    """The run id saved in `id_file` if the current store still has that run, not deleted, in
-    `experiment` (another --experiment starts a new parent)."""
-    if not id_file.is_file():
-        return None
-    run_id = id_file.read_text().strip()
-    try:
-        run = mlflow.MlflowClient().get_run(run_id)
-    except mlflow.exceptions.MlflowException:
-        return None
-    return run_id if run.info.lifecycle_stage == "active" and run.info.experiment_id == experiment else None

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shlex
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from swbert.models.plugins import load_plugins
-from swbert.runtime.tracking import experiment_id, tracking_uri
+from swbert.runtime.tracking import tracking_uri
 from swbert.scaling.activations import Checkpointing
 from swbert.scaling.grid import (
     BERT_VOCAB,
@@ -28,6 +27,18 @@ from swbert.scaling.grid import (
 from swbert.scaling.measure import Hardware, Measurement, parse_metrics, run_point
 from swbert.scaling.memory import Layout, Precision
 from swbert.scaling.report import plot, write_csv
+from swbert.studies.records import Records, check_study, study_options
+from swbert.studies.runner import (
+    ChildRun,
+    PointRunner,
+    Settled,
+    StudyLog,
+    absolute,
+    absolute_plugins,
+    run_points,
+)
+from swbert.studies.slurm import array_command, switch_given, write_submit
+from swbert.studies.tracking import KIND, Tracker, flat_params
 
 log = logging.getLogger("swbert.scaling")
 
@@ -79,6 +90,10 @@ class StudyConfig:
     # the quality study instead: train a ladder of sizes x variants x seeds to a token budget and fit
     # held-out loss against size and compute (its own flags: --quality --help; docs/scaling.md)
     quality: bool = False
+    retry_failed: bool = False  # measure points whose run failed before again (default: keep their reason)
+    # run in a folder that holds this study with other options: the new points beside the finished ones
+    # (default: refused, naming what differs)
+    allow_study_change: bool = False
 
     def check(self) -> None:
         load_plugins(self.plugins)
@@ -100,49 +115,6 @@ def grid_of(cfg: StudyConfig, precision: Precision) -> list[GridPoint]:
     )
 
 
-def _numeric(row: dict[str, Any]) -> dict[str, float]:
-    out = {}
-    for key, value in row.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        if math.isfinite(value):
-            out[key] = float(value)
-    return out
-
-
-class Recorder:
-    """MLflow: a parent run for the study, a nested run per grid point."""
-
-    def __init__(self, cfg: StudyConfig) -> None:
-        import mlflow
-
-        self.mlflow = mlflow
-        self.uri = tracking_uri(cfg.output_dir)
-        mlflow.set_tracking_uri(self.uri)
-        mlflow.set_experiment(experiment_id=experiment_id(self.uri, cfg.experiment))
-        self.parent = mlflow.start_run(run_name=f"scaling-{time.strftime('%Y%m%d-%H%M%S')}")
-        spec = {k: (",".join(map(str, v)) if isinstance(v, list) else str(v)) for k, v in asdict(cfg).items()}
-        mlflow.log_params(spec)
-
-    def point(self, row: dict[str, Any], records: list[dict[str, Any]]) -> None:
-        mlflow = self.mlflow
-        with mlflow.start_run(run_name=row["name"], nested=True):
-            params = ("size", "attention", "layout", "tp", "zero", "offload", "sequence_parallel",
-                      "activation_checkpointing", "precision", "seq_len", "micro_batch", "gpus", "dp",
-                      "vocab_size")  # fmt: skip
-            mlflow.log_params({k: row[k] for k in params if k in row})
-            mlflow.set_tags({"status": row["status"], "reason": row.get("reason", "")[:5000]})
-            mlflow.log_metrics(_numeric({k: v for k, v in row.items() if k not in params}))
-            for record in records:
-                step = int(record["step"])
-                mlflow.log_metrics(_numeric({k: record.get(k) for k in ("loss", "tokens_per_s")}), step=step)
-
-    def close(self, artifacts: list[Path]) -> None:
-        for path in artifacts:
-            self.mlflow.log_artifact(str(path))
-        self.mlflow.end_run()
-
-
 def _prepare_data(cfg: StudyConfig) -> tuple[str, int]:
     """The shards measured runs read (the entry point builds the default corpus when none is given)
     and their vocabulary."""
@@ -154,16 +126,9 @@ def _prepare_data(cfg: StudyConfig) -> tuple[str, int]:
 
 
 def absolute_paths(cfg: StudyConfig) -> None:
-    """Make the study's paths absolute, relative to the caller's working directory.
-
-    Measured runs start in the checkout (where the launchers are), so a relative path given on the
-    command line would name another folder there, or none."""
-    cfg.output_dir = cfg.output_dir.resolve()
-    if cfg.data_dir is not None:
-        cfg.data_dir = str(Path(cfg.data_dir).resolve())
-    if cfg.nvme_path is not None:
-        cfg.nvme_path = Path(cfg.nvme_path).resolve()
-    cfg.plugins = [str(Path(p).resolve()) if p.endswith(".py") else p for p in cfg.plugins]
+    """Make the study's paths absolute, relative to the caller's working directory (`absolute`)."""
+    cfg.output_dir, cfg.data_dir, cfg.nvme_path = map(absolute, (cfg.output_dir, cfg.data_dir, cfg.nvme_path))
+    cfg.plugins = absolute_plugins(cfg.plugins)
 
 
 def exit_status(rows: list[dict[str, Any]]) -> int:
@@ -172,8 +137,55 @@ def exit_status(rows: list[dict[str, Any]]) -> int:
     return 3 if "failed" in statuses and "measured" not in statuses else 0
 
 
+# Flags that choose where results go or what this machine may run, not what the points are: a re-run
+# may change them; any other flag changed is refused (`swbert.studies.records.check_study`).
+NOT_IN_STUDY = (
+    "output_dir measure_max_params point_timeout_s memory_limit_gib nvme_path keep_checkpoints experiment "
+    "emit_slurm nodes gpus_per_node collect plugins quality retry_failed allow_study_change"
+).split()
+
+
+@dataclass
+class PointRow:
+    """A grid point's row of scaling.csv, and the steps its measured run logged."""
+
+    status: str  # measured, estimated, skipped, failed; stopped (not recorded: runs again next time)
+    reason: str
+    row: dict[str, Any]
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, row: dict[str, Any]) -> PointRow:
+        records = row.pop("_records", [])
+        return cls(row["status"], row.get("reason", ""), row, records)
+
+
+def child_run(point: GridPoint, settled: Settled[PointRow]) -> ChildRun:
+    """The point's MLflow child run: its columns as params, status and reason, figures, steps."""
+    row = settled.result.row
+    params = {k: row[k] for k in POINT_PARAMS if k in row}
+    tags = {KIND: "scaling_point", "status": row["status"], "reason": row.get("reason", "")}
+    metrics = {k: v for k, v in row.items() if k not in POINT_PARAMS}
+    return ChildRun(tags, params, metrics, settled.result.records, ("loss", "tokens_per_s"))
+
+
+POINT_PARAMS = ("size", "attention", "layout", "tp", "zero", "offload", "sequence_parallel",
+                "activation_checkpointing", "precision", "seq_len", "micro_batch", "gpus", "dp", "vocab_size")  # fmt: skip
+
+
+def record_rows(cfg: StudyConfig, tracker: Tracker, parent: str | None, rows: list[dict[str, Any]]) -> None:
+    """scaling.csv and the plots, as artifacts of the study's run."""
+    csv_path = write_csv(rows, cfg.output_dir / "scaling.csv")
+    tracker.log_files(parent, [csv_path, *plot(rows, cfg.output_dir / "plots")])
+
+
+def open_tracker(cfg: StudyConfig) -> Tracker:
+    return Tracker(tracking_uri(cfg.output_dir), cfg.experiment, system_metrics=False)
+
+
 def run_study(cfg: StudyConfig) -> list[dict[str, Any]]:
-    """Every grid point: closed forms, then a measured run if it fits; rows as written to the CSV."""
+    """Every grid point: closed forms, then a measured run if it fits (a measured point is read back
+    on a re-run, a failed one keeps its reason unless --retry-failed); rows as written to the CSV."""
     absolute_paths(cfg)
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -186,22 +198,27 @@ def run_study(cfg: StudyConfig) -> list[dict[str, Any]]:
     if cfg.measure:
         data_dir, data_vocab = _prepare_data(cfg)
         vocab = cfg.vocab_size or data_vocab
-    recorder = Recorder(cfg)
-    rows: list[dict[str, Any]] = []
-    csv_path = out / "scaling.csv"
-    artifacts: list[Path] = []
-    try:
-        for i, point in enumerate(grid):
-            row = evaluate_point(
-                point, cfg, hardware, gpus, vocab, data_dir, fused=not (cfg.measure and on_cpu)
-            )
-            rows.append(row)
-            recorder.point(row, row.pop("_records", []))
-            write_csv(rows, csv_path)  # after every point: an interrupted sweep keeps what it has
-            log.info("[%d/%d] %s: %s %s", i + 1, len(grid), point.name, row["status"], row.get("reason", ""))
-        artifacts = [csv_path, *plot(rows, out / "plots")]
-    finally:
-        recorder.close(artifacts)
+    check_study(out, "scaling", study_options(cfg, NOT_IN_STUDY), cfg.allow_study_change)
+    records = Records(out / "points", "swbert-scaling-point/1", "{name}/point.json")
+    runner = PointRunner(records, lambda d: PointRow(**d), cfg.retry_failed, frozenset({"measured"}),
+                         frozenset({"estimated", "skipped", "stopped"}))  # fmt: skip
+    fused = not (cfg.measure and on_cpu)
+
+    def one(point: GridPoint) -> Settled[PointRow]:
+        return runner.settle(
+            point.name,
+            lambda: PointRow.of(evaluate_point(point, cfg, hardware, gpus, vocab, data_dir, fused)),
+        )
+
+    def table(done: list[Settled[PointRow]]) -> None:  # after every point: an interrupted sweep keeps it
+        write_csv([s.result.row for s in done], out / "scaling.csv")
+
+    tracker = open_tracker(cfg)
+    name = f"scaling-{time.strftime('%Y%m%d-%H%M%S')}"
+    with tracker.sweep(name, "scaling_study", flat_params(asdict(cfg)), out, resume=True) as parent:
+        done = run_points(grid, lambda p: p.name, one, child_run, StudyLog(tracker, out), table)
+        rows = [s.result.row for s in done]
+        record_rows(cfg, tracker, parent, rows)
     return rows
 
 
@@ -337,14 +354,11 @@ def emit_slurm(
         common += ["--data-dir", cfg.data_dir]
     if cfg.plugins:
         common += ["--plugins", *cfg.plugins]
-    # gpus_per_node = 0: CPU nodes, one process each, no GPU request.
-    gres = [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
-    command = shlex.join(
-        ["sbatch", f"--array=0-{len(names) - 1}", f"--nodes={nodes}", *gres,
-         "--job-name=swbert-scaling", "launchers/slurm/pretrain.sbatch", "--sweep", str(sweep), *common,
-         *(extra or [])]
-    )  # fmt: skip
-    (out / "submit.sh").write_text(f"#!/bin/bash\n# from the repository root\n{command}\n")
+    args = ["--sweep", str(sweep), *common, *(extra or [])]
+    command = array_command(
+        len(names), "launchers/slurm/pretrain.sbatch", args, nodes, gpus_per_node, "swbert-scaling"
+    )
+    write_submit(out, command)
     return sweep, command
 
 
@@ -367,28 +381,24 @@ def collect(output_dir: Path) -> list[dict[str, Any]]:
     if not any(m.status == "measured" for m in found.values()):
         # the array has not run yet: no table, no MLflow runs of nothing (nor the closed forms' imports)
         return [{"name": name, **m.row()} for name, m in found.items()]
-    recorder = Recorder(cfg)
-    rows = []
-    for name, m in found.items():
-        row = estimate(grid[name], world, vocab)
-        row.update(m.row())
-        rows.append(row)
-        recorder.point(row, m.records)
-    csv_path = write_csv(rows, output_dir / "scaling.csv")
-    artifacts = [csv_path, *plot(rows, output_dir / "plots")]
-    recorder.close(artifacts)
+    tracker = open_tracker(cfg)
+    with tracker.sweep(f"scaling-{time.strftime('%Y%m%d-%H%M%S')}", "scaling_study", flat_params(study),
+                       output_dir, resume=True) as parent:  # fmt: skip
+        study_log, rows = StudyLog(tracker, output_dir), []
+        for name, m in found.items():
+            row = estimate(grid[name], world, vocab)
+            row.update(m.row())
+            rows.append(row)
+            settled = Settled(name, PointRow(row["status"], row.get("reason", ""), row, m.records), False)
+            study_log.point(name, False, child_run(grid[name], settled))
+        record_rows(cfg, tracker, parent, rows)
     return rows
 
 
 def quality_requested(argv: list[str]) -> bool:
     """Whether a command line asks for the quality study (`--quality`, `--quality true`), whose flags
     are its own (`swbert.scaling.quality.QualityConfig`)."""
-    for i, arg in enumerate(argv):
-        if arg == "--quality":
-            return i + 1 >= len(argv) or argv[i + 1].lower() not in ("false", "no", "0", "off")
-        if arg.startswith("--quality="):
-            return arg.split("=", 1)[1].lower() not in ("false", "no", "0", "off")
-    return False
+    return switch_given(argv, "--quality")
 
 
 __all__ = [

@@ -46,8 +46,9 @@ def test_a_rerun_sweep_skips_finished_trials_and_marks_the_killed_runs(tmp_path)
     from pathlib import Path
 
     from swbert.finetune.report import collect
-    from swbert.finetune.resume import REUSED_FROM
-    from swbert.finetune.synthetic import make_checkpoint, write_glue_fixture
+    from swbert.finetune.synthetic import write_glue_fixture
+    from swbert.studies.tracking import REUSED_FROM
+    from tests.finetune_fixtures import make_checkpoint
 
     root = Path(__file__).resolve().parents[2]
     write_glue_fixture(tmp_path / "glue", ["sst2"], n_train=64, n_dev=16)

@@ -13,17 +13,18 @@ from collections import Counter
 import pytest
 import torch
 
-from swbert.models import ATTENTION_TYPES, SIZES, SWBertConfig, SWBertForMaskedLM
+from swbert.models import SIZES, SWBertConfig, SWBertForMaskedLM
 from swbert.models.flops import masked_lm_params
 from swbert.scaling.grid import build_grid, estimate
 from swbert.scaling.memory import Layout, model_state_bytes, model_tensors, params_per_rank
 from swbert.scaling.report import read_csv
 from tests.launch_utils import REPO, job_env
+from tests.model_helpers import PAPER_VARIANTS
 from tests.parallel.test_parallel_harness import run_ranks
 
 
 @pytest.mark.parametrize("size", list(SIZES))
-@pytest.mark.parametrize("attention", ATTENTION_TYPES)
+@pytest.mark.parametrize("attention", PAPER_VARIANTS)
 def test_tensor_table_matches_the_instantiated_model(size, attention):
     """Every parameter tensor of the real model, by formula: same count, same sizes."""
     config = SWBertConfig.from_size(size, attention_type=attention)
@@ -239,13 +240,13 @@ def _tensor_parallel_command_line_prints_the_closed_forms() -> None:
     # its closing destroy_process_group is left to the harness, which still needs the group below
     with contextlib.redirect_stdout(printed), mock.patch.object(dist, "destroy_process_group"):
         memory_check.main(["--size", "tiny", "--vocab-size", "512", "--tensor-parallel", "2",
-                           "--attention-type", *ATTENTION_TYPES])  # fmt: skip
+                           "--attention-type", *PAPER_VARIANTS])  # fmt: skip
     mine = [json.loads(line) for line in printed.getvalue().splitlines() if line.startswith("{")]
     rows: list = [None] * dist.get_world_size()
     dist.all_gather_object(rows, mine)
     if dist.get_rank() == 0:
         rows = [row for rank_rows in rows for row in rank_rows]
-        assert len(rows) == 2 * len(ATTENTION_TYPES)
+        assert len(rows) == 2 * len(PAPER_VARIANTS)
         for row in rows:
             assert row["held"] == row["closed_form"], row
 
@@ -325,7 +326,7 @@ def test_memory_watchdog_stops_a_process_tree_above_its_limit(tmp_path):
 
 
 def test_failed_points_report_the_workers_error_not_the_launchers_summary(tmp_path):
-    from swbert.scaling.measure import _last_error
+    from swbert.studies.jobs import last_error
 
     log = tmp_path / "run.log"
     log.write_text(
@@ -334,7 +335,7 @@ def test_failed_points_report_the_workers_error_not_the_launchers_summary(tmp_pa
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
         "launchers/pretrain.py FAILED\n"
     )
-    assert _last_error(log) == "AssertionError: Not enough buffers 0 for swapping 1"
+    assert last_error(log) == "AssertionError: Not enough buffers 0 for swapping 1"
 
 
 def test_a_relative_output_dir_from_another_folder_reaches_the_runs_as_absolute_paths(tmp_path, monkeypatch):

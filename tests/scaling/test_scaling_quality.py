@@ -21,6 +21,7 @@ from swbert.models.config import SIZES, SWBertConfig
 from swbert.scaling import quality
 from swbert.scaling.quality import Point, PointResult, QualityConfig, non_embedding_params, plan, run_quality
 from swbert.scaling.report import read_csv
+from swbert.studies import jobs
 from swbert.training.runlock import RunLock
 from tests.launch_utils import REPO, job_env, wait_for
 from tests.training.test_training_runlock import other_process_locks
@@ -281,8 +282,8 @@ def test_a_run_folder_still_held_is_waited_for_and_never_recorded_as_failed(
         return [sys.executable, "-c", FAKE_JOB, str(run_dir), str(point.steps), attempts, refusal]
 
     monkeypatch.setattr(quality, "pretrain_command", fake)
-    monkeypatch.setattr(quality, "BUSY_RETRY_S", 0.05)
-    monkeypatch.setattr(quality, "BUSY_WAIT_S", 2.0 if status != "stopped" else 0.3)
+    monkeypatch.setattr(jobs, "BUSY_RETRY_S", 0.05)
+    monkeypatch.setattr(jobs, "BUSY_WAIT_S", 2.0 if status != "stopped" else 0.3)
     result, trained = quality.point_result(point, cfg, cfg.data_dir, quality.train_point)
     assert trained and result.status == status, result
     assert (run_dir / "point.json").is_file() == (status != "stopped")  # held: nothing recorded
@@ -306,7 +307,7 @@ def test_a_killed_study_stops_its_job_instead_of_leaving_it_to_train_on(tmp_path
     )
     study = textwrap.dedent(f"""
         import os, sys, time
-        from swbert.scaling.measure import start_job
+        from swbert.studies.jobs import start_job
         with open({str(tmp_path / "log")!r}, "a") as out:
             job = start_job([sys.executable, "-c", {job!r}, {str(up)!r}, {str(got)!r}], None, dict(os.environ), out)
         print(job.pid, flush=True)

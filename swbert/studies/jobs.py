@@ -1,0 +1,159 @@
+"""A point's training job: started tied to the study, given a time limit, waited for while another
+job still holds its run folder, and its failure put in one line.
+
+Every study's point that trains (a measured run of the systems grid, a rung of the quality ladder)
+is `launchers/pretrain.py` under torchrun in a session of its own, its output in the point's
+`run.log`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from swbert.runtime.dist import signal_on_parent_death
+from swbert.runtime.exits import PREEMPTED_EXIT
+
+log = logging.getLogger("swbert.studies")
+
+REPO = Path(__file__).resolve().parents[2]  # the checkout, when run from one
+
+# The trainer's refusal of a run folder that another job holds (swbert.training.runlock), and how long
+# a point waits for it to be freed (ours): the job of a study that was killed is still checkpointing
+# on its way out (SIGTERM when the study died, `start_job`) when the study is run again.
+BUSY = "is in use by another job"
+BUSY_WAIT_S, BUSY_RETRY_S = 600.0, 10.0
+
+
+def start_job(cmd: list[str], cwd: Path | None, env: dict[str, str], out: Any) -> subprocess.Popen:
+    """Start a training job (torchrun and its ranks) writing to `out`: in its own process group, so
+    a time limit kills it whole, and tied to this process. On Linux the launcher gets SIGTERM the
+    moment this process dies, however it dies (kill -9 included); its ranks then checkpoint and stop
+    (`die_with_launcher`) rather than train on as orphans holding the run folder's lock."""
+    parent = os.getpid()
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        preexec_fn=lambda: signal_on_parent_death(signal.SIGTERM, parent),
+    )  # fmt: skip
+
+
+def wait_job(proc: subprocess.Popen, timeout_s: float) -> int | None:
+    """The job's exit status, or None when it ran past `timeout_s` (then killed whole). A study that
+    stops (Ctrl-C, SIGTERM) stops its job too, which checkpoints: the point resumes on the next run."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return None
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+        raise
+
+
+_ERROR = re.compile(r"^(?:\[rank\d+\]: )?(error: .*|\w*(?:Error|Exception)\b.*)")
+
+
+def last_error(log_path: Path, offset: int = 0) -> str:
+    """The training processes' own error line (not the launcher's summary), else the last line, in
+    what `log_path` holds from byte `offset` on."""
+    with open(log_path, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for line in reversed(lines):
+        m = _ERROR.match(line)
+        if m and "ChildFailedError" not in line:
+            return m.group(1)[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def pretrain_command(nproc: int, args: Sequence[str]) -> tuple[list[str], Path | None]:
+    """`launchers/pretrain.py ARGS` under torchrun on `nproc` local processes, and the folder it
+    starts in (the checkout, where the launchers are; the wheel's copy of them elsewhere)."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+        "-m", "swbert.launchers.pretrain", *args,  # the checkout's launchers/ or the wheel's copy
+    ]  # fmt: skip
+    return cmd, REPO if (REPO / "launchers").is_dir() else None
+
+
+def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a point's job: unbuffered output, and no MLflow store of its own (the
+    study records the point)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra or {}))
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+@dataclass
+class JobEnd:
+    """How a point's job ended."""
+
+    rc: int | None  # exit status; None: ran past its time limit and was killed
+    error: str  # its own error line ("" when it succeeded)
+    wall_s: float
+    log: Path
+
+    @property
+    def busy(self) -> bool:
+        """Refused because another job still held the run folder (not the point's failure)."""
+        return self.rc not in (0, None) and BUSY in self.error
+
+    def reason(self, timeout_s: float) -> str | None:
+        """Why the job did not succeed, in one line with its log, or None when it did."""
+        if self.rc is None:
+            return f"timed out after {timeout_s:.0f} s (--point-timeout); log: {self.log}"
+        if self.rc == PREEMPTED_EXIT:
+            return f"stopped on request (exit status {self.rc}); re-run to resume it"
+        if self.busy:
+            return f"{self.error}; re-run the study when that job has ended"
+        if self.rc != 0:
+            kind = "diverged" if "non-finite" in self.error else ""
+            kind = kind or (
+                f"killed by signal {-self.rc} (out of memory?)" if self.rc < 0 else f"exit status {self.rc}"
+            )
+            return f"{kind}: {self.error}; log: {self.log}"
+        return None
+
+
+Watch = Callable[[int], AbstractContextManager[Any]]
+
+
+def run_job(
+    cmd: list[str],
+    cwd: Path | None,
+    env: dict[str, str],
+    log_path: Path,
+    timeout_s: float,
+    watch: Watch | None = None,
+) -> JobEnd:
+    """Run a point's job to its end, its output appended to `log_path`; `watch(pid)` is entered
+    around each attempt (a memory watchdog). A job refused because its folder is still held by
+    another one (a killed study's job, checkpointing on its way out) is started again every
+    BUSY_RETRY_S for up to BUSY_WAIT_S."""
+    start, busy_until = time.perf_counter(), time.monotonic() + BUSY_WAIT_S
+    with open(log_path, "a") as out:
+        while True:
+            out.flush()
+            offset = out.tell()  # this attempt's output starts here
+            proc = start_job(cmd, cwd, env, out)
+            with watch(proc.pid) if watch else contextlib.nullcontext():
+                rc = wait_job(proc, timeout_s)
+            error = last_error(log_path, offset) if rc not in (0, None) else ""
+            if BUSY not in error or time.monotonic() > busy_until:
+                return JobEnd(rc, error, time.perf_counter() - start, log_path)
+            log.info("%s is still in use; trying again in %.0f s", log_path.parent, BUSY_RETRY_S)
+            time.sleep(BUSY_RETRY_S)

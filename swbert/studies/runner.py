@@ -1,0 +1,162 @@
+"""The point runner every study uses: plan points, skip the finished, resume the one in flight,
+record failures with their reason, log one MLflow child run per point under the study's parent.
+
+A study is a small description: the names of its points, what running one does (`attempt`), how a
+point's result is read back from what its run left when the study stopped before recording it
+(`recover`), and the row and MLflow run a result makes. `settle` decides, per point:
+
+- a record says the point finished: read back, never run again (a failure too, unless
+  `retry_failed`);
+- else its run's own files say it ended (`recover`): recorded now, not run;
+- else it runs (`attempt`; a point that was in flight resumes from its newest checkpoint).
+
+A result whose status is in `unrecorded` (stopped on request, its folder held by another job, not
+run yet) is reported, not recorded: the next run of the study runs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
+
+from swbert.studies.records import Records, read_json, write_json_atomic
+from swbert.studies.tracking import Tracker, finite
+
+log = logging.getLogger("swbert.studies")
+
+
+class Result(Protocol):
+    """What a study's point result has besides its own figures (a dataclass, recorded as JSON)."""
+
+    status: str
+    reason: str
+
+
+R = TypeVar("R", bound=Result)
+P = TypeVar("P")
+
+CHILDREN_FILE = "mlflow_points.json"  # in a study's folder: point name -> its MLflow child run
+
+
+def absolute(path: str | Path | None) -> Any:
+    """`path` made absolute against the caller's working directory (the type it came as): a study's
+    runs start in the checkout, where a relative path would name another folder, or none."""
+    if path is None:
+        return None
+    return type(path)(Path(path).resolve()) if isinstance(path, str) else Path(path).resolve()
+
+
+def absolute_plugins(plugins: Iterable[str]) -> list[str]:
+    """Plugin files by their absolute paths; dotted module names as given."""
+    return [str(Path(p).resolve()) if p.endswith(".py") else p for p in plugins]
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (a scheduler's stop, `kill`) unwinds like Ctrl-C: the point in flight is told to stop
+    (it checkpoints) before the study exits, so a re-run resumes it and finds no run still going."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+@dataclass
+class Settled(Generic[R]):
+    """A point's result, and whether it ran now (False: read back from its record or its run)."""
+
+    name: str
+    result: R
+    trained: bool
+
+
+@dataclass
+class PointRunner(Generic[R]):
+    """Settles points against a study's records (see the module's docstring)."""
+
+    records: Records
+    load: Callable[[dict[str, Any]], R]  # a recorded result (its payload's "result") back
+    retry_failed: bool = False
+    final: frozenset[str] = frozenset({"done"})  # statuses never run again, even with retry_failed
+    unrecorded: frozenset[str] = frozenset({"stopped", "missing"})
+
+    def settle(
+        self,
+        name: str,
+        attempt: Callable[[], R],
+        recover: Callable[[], R | None] = lambda: None,
+        key: Any = None,
+    ) -> Settled[R]:
+        record = self.records.load(name, key)
+        if record is not None:
+            previous = self.load(record["result"])
+            if previous.status in self.final or not self.retry_failed:
+                return Settled(name, previous, False)
+        recovered = recover()
+        if recovered is not None and recovered.status in self.final:
+            result, trained = recovered, False  # the study stopped after the run ended, before recording it
+        else:
+            result, trained = attempt(), True
+        if result.status not in self.unrecorded:
+            self.records.save(name, {"result": asdict(result)}, key)  # type: ignore[call-overload]
+        return Settled(name, result, trained)
+
+
+@dataclass
+class ChildRun:
+    """What a point's MLflow child run holds."""
+
+    tags: dict[str, str]
+    params: dict[str, Any]
+    metrics: dict[str, Any]
+    curve: list[dict[str, Any]] = field(default_factory=list)
+    curve_keys: tuple[str, ...] = ("loss",)
+
+
+class StudyLog:
+    """A point's child run under the study's parent: a parent continued from an earlier run of the
+    study gets only the points trained since (or never logged); a new parent gets every point."""
+
+    def __init__(self, tracker: Tracker, folder: Path) -> None:
+        self.tracker, self.path = tracker, Path(folder) / CHILDREN_FILE
+        saved = read_json(self.path) if tracker.continued else None
+        self.children: dict[str, str] = saved if isinstance(saved, dict) else {}
+
+    def point(self, name: str, trained: bool, child: ChildRun) -> None:
+        tracker = self.tracker
+        logged = self.children.get(name)
+        logged = logged if logged and tracker.live(logged) else None
+        if logged is not None and not trained:
+            return  # logged by an earlier run of the study and unchanged since
+        with tracker.run(name, child.tags, child.params, run_id=logged) as run_id:
+            tracker.set_tags(run_id, child.tags)
+            tracker.log(run_id, finite(child.metrics))
+            tracker.log_curve(run_id, child.curve, child.curve_keys)
+        if run_id is not None:
+            self.children[name] = run_id
+            write_json_atomic(self.path, self.children)
+
+
+def run_points(
+    points: Sequence[P],
+    name: Callable[[P], str],
+    settle: Callable[[P], Settled[R]],
+    child: Callable[[P, Settled[R]], ChildRun] | None = None,
+    study_log: StudyLog | None = None,
+    after: Callable[[list[Settled[R]]], None] | None = None,
+) -> list[Settled[R]]:
+    """Settle every point in order, logging each (`after` runs on what is settled so far: a table
+    written after every point keeps what an interrupted study has)."""
+    done: list[Settled[R]] = []
+    for i, point in enumerate(points):
+        settled = settle(point)
+        done.append(settled)
+        result = settled.result
+        status, reason = result.status, result.reason
+        log.info("[%d/%d] %s: %s %s", i + 1, len(points), name(point), status, reason)
+        if study_log is not None and child is not None:
+            study_log.point(settled.name, settled.trained, child(point, settled))
+        if after is not None:
+            after(done)
+    return done

@@ -1,0 +1,221 @@
+"""A study in MLflow: one parent run, one child run per point, only rank 0 logging.
+
+The store is ``MLFLOW_TRACKING_URI`` when set (a server), else a SQLite file in the study's folder
+(swbert.runtime.tracking). The study's folder names its parent run (`PARENT_FILE`), so the next run
+of the study there either continues that run, logging only the points it trained (the scaling
+studies), or starts a new one and marks the old one and its children KILLED where a killed study
+left them RUNNING (the fine-tuning sweeps, whose report reads one parent's children). A store that
+no longer holds the saved run (another MLFLOW_TRACKING_URI, a deleted run, another --experiment)
+gets a new parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from swbert.runtime.tracking import experiment_id
+from swbert.studies.records import read_json, write_json_atomic
+
+log = logging.getLogger("swbert.studies")
+
+KIND = "swbert.kind"  # the tag that says what a run is: glue_sweep, glue_trial, quality_point, ...
+REUSED_FROM = "swbert.reused_from"  # a child logged from a record: the run that trained it
+PARENT_FILE = "sweep_run.json"  # in a study's folder: {"run_id", "tracking_uri"} of its parent run
+
+
+def flat_params(values: dict[str, Any]) -> dict[str, str]:
+    """Values as MLflow params: lists joined with spaces, None left out."""
+    return {
+        k: " ".join(map(str, v)) if isinstance(v, list | tuple) else str(v)
+        for k, v in values.items()
+        if v is not None
+    }
+
+
+def finite(values: dict[str, Any]) -> dict[str, float]:
+    """The finite numbers of `values` (not booleans): what MLflow takes as metrics."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            out[key] = float(value)
+    return out
+
+
+class Tracker:
+    """A thin MLflow client wrapper; ``enabled=False`` (non-zero ranks) makes every call a no-op."""
+
+    def __init__(self, uri: str, experiment: str, enabled: bool = True, system_metrics: bool = True) -> None:
+        self.enabled = enabled
+        self.parent_id: str | None = None
+        self.continued = False  # the parent run is an earlier run of the study, continued
+        self.uri = uri
+        self.system_metrics = system_metrics
+        if not enabled:
+            return
+        from mlflow import MlflowClient
+
+        self.client = MlflowClient(uri)
+        self.experiment_id = experiment_id(uri, experiment)
+
+    def _create(self, name: str, tags: dict[str, str], params: dict | None) -> str | None:
+        if not self.enabled:
+            return None
+        if self.parent_id:
+            tags = {**tags, "mlflow.parentRunId": self.parent_id}
+        run_id = self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
+        if params:
+            from mlflow.entities import Param
+
+            self.client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
+        return run_id
+
+    def log(self, run_id: str | None, metrics: dict[str, float], step: int = 0) -> None:
+        """Log finite metrics at ``step`` (MLflow rejects nan; a missing value reads as missing)."""
+        if not self.enabled or run_id is None:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, v, now, step) for k, v in finite(metrics).items()]
+        for i in range(0, len(batch), 1000):  # MLflow's per-request limit
+            self.client.log_batch(run_id, metrics=batch[i : i + 1000])
+
+    def log_curve(self, run_id: str | None, records: list[dict[str, Any]], keys: tuple[str, ...]) -> None:
+        """`keys` of each record at its "step" (a loss curve)."""
+        for record in records:
+            self.log(run_id, {k: record[k] for k in keys if record.get(k) is not None}, int(record["step"]))
+
+    def set_tags(self, run_id: str | None, tags: dict[str, str]) -> None:
+        if self.enabled and run_id is not None:
+            for key, value in tags.items():
+                self.client.set_tag(run_id, key, str(value)[:5000])
+
+    def live(self, run_id: str | None) -> bool:
+        """Whether this store holds `run_id`, not deleted, in this experiment."""
+        from mlflow.exceptions import MlflowException
+
+        if not self.enabled or not run_id:
+            return False
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException:
+            return False
+        return run.info.lifecycle_stage == "active" and run.info.experiment_id == self.experiment_id
+
+    @contextlib.contextmanager
+    def sweep(
+        self,
+        name: str,
+        kind: str,
+        params: dict | None = None,
+        folder: Path | None = None,
+        resume: bool = False,
+    ) -> Iterator[str | None]:
+        """The parent run of a study; its children are nested under it in the MLflow UI. With
+        `folder`, the run is named there for the next run of the study, which continues it
+        (`resume`) or marks it and its children KILLED where they are still RUNNING.
+
+        The study's system metrics (MLflow's monitor: CPU, memory, GPU) are logged to it."""
+        run_id = self._open_parent(name, kind, params, folder, resume)
+        monitor = None
+        if run_id is not None and self.system_metrics:
+            from swbert.runtime.monitor import start_system_metrics
+
+            monitor = start_system_metrics(run_id, self.uri)
+        try:
+            yield run_id
+        except BaseException:
+            self._stop(monitor)
+            self._end(run_id, "FAILED")
+            raise
+        finally:
+            self.parent_id = None
+        self._stop(monitor)
+        self._end(run_id, "FINISHED")
+
+    def _open_parent(
+        self, name: str, kind: str, params: dict | None, folder: Path | None, resume: bool
+    ) -> str | None:
+        saved = read_json(Path(folder) / PARENT_FILE) if folder is not None and self.enabled else None
+        previous = saved.get("run_id") if isinstance(saved, dict) else None
+        if resume and self.live(previous):
+            self.client.update_run(previous, status="RUNNING")
+            self.parent_id, self.continued = previous, True
+            return previous
+        if previous and not resume:
+            marked = self.kill_running(previous)  # a killed study's runs would stay RUNNING
+            if marked:
+                log.info("marked %d run(s) of the killed study %s as KILLED", len(marked), previous)
+        run_id = self._create(name, {KIND: kind}, params)
+        self.parent_id, self.continued = run_id, False
+        if folder is not None and run_id is not None:
+            write_json_atomic(Path(folder) / PARENT_FILE, {"run_id": run_id, "tracking_uri": self.uri})
+        return run_id
+
+    @staticmethod
+    def _stop(monitor: object) -> None:
+        from swbert.runtime.monitor import stop_system_metrics
+
+        stop_system_metrics(monitor)
+
+    def log_artifacts(self, run_id: str | None, folder: str | Path, artifact_path: str | None = None) -> None:
+        """Files of ``folder`` (reports, figures) as artifacts of ``run_id``."""
+        if self.enabled and run_id is not None and Path(folder).is_dir():
+            self.client.log_artifacts(run_id, str(folder), artifact_path)
+
+    def log_files(self, run_id: str | None, paths: list[Path]) -> None:
+        """Files (a table, plots) as artifacts of ``run_id``, at its top."""
+        if self.enabled and run_id is not None:
+            for path in paths:
+                self.client.log_artifact(run_id, str(path))
+
+    @contextlib.contextmanager
+    def run(
+        self, name: str, tags: dict[str, str], params: dict | None = None, run_id: str | None = None
+    ) -> Iterator[str | None]:
+        """A child run, marked FAILED (and the error re-raised) if its body raises; `run_id`
+        continues that child (a point logged by an earlier run of the study) instead."""
+        if run_id is not None and self.live(run_id):
+            self.client.update_run(run_id, status="RUNNING")
+            self.set_tags(run_id, tags)
+        else:
+            run_id = self._create(name, tags, params)
+        try:
+            yield run_id
+        except BaseException:
+            self._end(run_id, "FAILED")
+            raise
+        self._end(run_id, "FINISHED")
+
+    def kill_running(self, run_id: str) -> list[str]:
+        """Set `run_id` and its children KILLED where they are still RUNNING (a killed study's runs);
+        returns those marked. A run this store does not hold is left alone."""
+        from mlflow.exceptions import MlflowException
+
+        if not self.enabled:
+            return []
+        try:
+            parent = self.client.get_run(run_id)
+        except MlflowException:
+            return []
+        if parent.info.status != "RUNNING":
+            return []
+        children = self.client.search_runs(
+            [parent.info.experiment_id],
+            f"tags.mlflow.parentRunId = '{run_id}' and attributes.status = 'RUNNING'",
+            max_results=50000,
+        )
+        marked = [child.info.run_id for child in children] + [run_id]
+        for rid in marked:
+            self.client.set_terminated(rid, "KILLED")
+        return marked
+
+    def _end(self, run_id: str | None, status: str) -> None:
+        if self.enabled and run_id is not None:
+            self.client.set_terminated(run_id, status)

@@ -1,0 +1,147 @@
+"""The point runner every study uses: finished points read back, failures kept with their reason,
+a changed study refused naming what differs, one MLflow child per point under a parent that a
+re-run continues (or, for sweeps, replaces, marking the killed one), and job arrays."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+
+from swbert.studies.records import Records, check_study, study_options
+from swbert.studies.runner import ChildRun, PointRunner, StudyLog, run_points
+from swbert.studies.slurm import array_command, switch_given, without_switches, write_submit
+
+
+@dataclass
+class Res:
+    status: str
+    reason: str = ""
+    value: float | None = None
+
+
+def runner(tmp_path, retry_failed=False) -> PointRunner[Res]:
+    return PointRunner(
+        Records(tmp_path / "points", "test/1", "{name}/point.json"), lambda d: Res(**d), retry_failed
+    )
+
+
+def test_finished_points_are_read_back_and_failures_keep_their_reason(tmp_path):
+    calls = []
+
+    def attempt(name, status):
+        return lambda: calls.append(name) or Res(status, "boom" if status == "failed" else "", 1.0)
+
+    r = runner(tmp_path)
+    assert r.settle("a", attempt("a", "done")).trained
+    assert r.settle("b", attempt("b", "failed")).result.reason == "boom"
+    assert r.settle("c", attempt("c", "stopped")).trained  # not recorded: runs again next time
+    assert not (tmp_path / "points" / "c" / "point.json").exists()
+    again = runner(tmp_path)
+    settled = [again.settle(n, attempt(n, "done")) for n in "abc"]
+    assert [s.trained for s in settled] == [False, False, True] and calls == ["a", "b", "c", "c"]
+    assert settled[1].result == Res("failed", "boom", 1.0)
+    retry = runner(tmp_path, retry_failed=True)
+    assert (
+        retry.settle("b", attempt("b", "done")).trained and not retry.settle("a", attempt("a", "x")).trained
+    )
+    # a run that ended before the study recorded it is read back from its own files, not run again
+    recovered = runner(tmp_path).settle("d", attempt("d", "done"), recover=lambda: Res("done", value=2.0))
+    assert not recovered.trained and recovered.result.value == 2.0 and calls[-1] == "b"
+
+
+def test_a_record_stands_only_for_its_key(tmp_path):
+    records = Records(tmp_path, "test/1")
+    records.save("x/y", {"result": {"status": "done"}}, key={"lr": 1e-3})
+    assert records.load("x/y", {"lr": 1e-3})["result"] == {"status": "done"}
+    assert records.load("x/y", {"lr": 2e-3}) is None and records.load("x/y") is not None
+    assert Records(tmp_path, "other/1").load("x/y") is None
+    assert (tmp_path / "x" / "y.json").is_file()
+
+
+def test_a_changed_study_is_refused_in_one_line_naming_what_differs(tmp_path):
+    check_study(tmp_path, "quality", {"sizes": ["1x64", "2x64"], "seq_len": 128})
+    check_study(tmp_path, "quality", {"sizes": ["1x64", "2x64"], "seq_len": 128})  # the same: fine
+    with pytest.raises(ValueError) as err:
+        check_study(tmp_path, "quality", {"sizes": ["1x64"], "seq_len": 64})
+    message = str(err.value)
+    assert "\n" not in message and "--allow-study-change" in message
+    assert "--sizes 1x64 (was 1x64 2x64)" in message and "--seq-len 64 (was 128)" in message
+    check_study(tmp_path, "quality", {"sizes": ["1x64"], "seq_len": 64}, allow_change=True)
+    check_study(tmp_path, "quality", {"sizes": ["1x64"], "seq_len": 64})  # the new options kept
+
+    @dataclass
+    class Cfg:
+        sizes: tuple = ("a",)
+        output_dir: str = "x"
+
+    assert study_options(Cfg(), ["output_dir"]) == {"sizes": ("a",)}
+
+
+def test_job_array_commands_and_switches():
+    argv = ["--quality", "true", "--emit-slurm=yes", "--sizes", "a", "b", "--collect"]
+    assert without_switches(argv, ("--quality", "--emit-slurm")) == ["--sizes", "a", "b", "--collect"]
+    assert switch_given(argv, "--quality") and switch_given(argv, "--collect")
+    assert not switch_given(["--quality", "false"], "--quality") and not switch_given([], "--quality")
+    assert array_command(3, "s.sbatch", ["--x", "a b"], nodes=2, gpus_per_node=8, job_name="j") == (
+        "sbatch --array=0-2 --nodes=2 --gpus-per-node=8 --job-name=j s.sbatch --x 'a b'"
+    )
+    assert array_command(1, "s.sbatch", []) == "sbatch --array=0-0 s.sbatch"
+
+
+def test_submit_file(tmp_path):
+    submit = write_submit(tmp_path / "out", "sbatch x", "2 point(s)")
+    assert submit.read_text() == "#!/bin/bash\n# from the repository root; 2 point(s)\nsbatch x\n"
+
+
+@pytest.mark.slow  # an MLflow store created (a few seconds)
+def test_a_rerun_continues_its_parent_and_logs_only_what_it_ran(tmp_path):
+    from mlflow import MlflowClient
+
+    from swbert.studies.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    folder = tmp_path / "study"
+
+    def study(names, ran):
+        tracker = Tracker(uri, "e", system_metrics=False)
+        with tracker.sweep("s", "test_study", {"a": 1}, folder, resume=True) as parent:
+            r = runner(folder)
+
+            def child(point, settled):
+                return ChildRun(
+                    {"status": settled.result.status}, {"p": point}, {"v": 1.0}, [{"step": 1, "loss": 2.0}]
+                )
+
+            run_points(names, str, lambda n: r.settle(n, lambda: ran.append(n) or Res("done")), child,
+                       StudyLog(tracker, folder))  # fmt: skip
+        return parent
+
+    ran: list[str] = []
+    first = study(["a", "b"], ran)
+    second = study(["a", "b", "c"], ran)
+    assert first == second and ran == ["a", "b", "c"]
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("e").experiment_id])
+    children = sorted(r.info.run_name for r in runs if r.data.tags.get("mlflow.parentRunId") == first)
+    assert children == ["a", "b", "c"] and len(runs) == 4
+    assert all(r.info.status == "FINISHED" for r in runs)
+    assert json.loads((folder / "sweep_run.json").read_text())["run_id"] == first
+
+
+@pytest.mark.slow  # an MLflow store created (a few seconds)
+def test_a_new_sweep_marks_the_killed_ones_runs(tmp_path):
+    from mlflow import MlflowClient
+
+    from swbert.studies.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(uri, "e", system_metrics=False)
+    killed = tracker._open_parent("killed", "glue_sweep", None, tmp_path, resume=False)
+    child = tracker._create("trial", {}, None)  # left RUNNING: the sweep was killed
+    with Tracker(uri, "e", system_metrics=False).sweep("next", "glue_sweep", None, tmp_path) as parent:
+        assert parent != killed
+    client = MlflowClient(uri)
+    assert {client.get_run(r).info.status for r in (killed, child)} == {"KILLED"}
+    assert client.get_run(parent).info.status == "FINISHED"
