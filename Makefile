@@ -66,12 +66,14 @@ docs-check: setup
 TEST_WORKERS ?= 2
 test: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not long"
 
 # The unit tier: every test that starts no job and takes under about 2 s (under 2 minutes in all);
 # `make test` runs these and the end-to-end tests (marked slow) together.
 test-fast: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow and not long"
 
 # The cases `make test` leaves out to stay within its time, each a repeat of a CI case in another
