@@ -3,12 +3,32 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import make_data_dir, make_second_folder
+
+def _set_what_make_test_sets() -> None:
+    """What the Makefile gives `make test`, for a bare `pytest` too, before anything imports
+    DeepSpeed (which picks its accelerator once, and JIT-builds its ops under TORCH_EXTENSIONS_DIR):
+    the ops built in this environment's own folder, ~/.cache/swbert/torch_extensions/<cksum of the
+    environment's absolute path> (the Makefile's folder, so `make setup`'s builds are found; a build
+    against another environment's torch in the shared default cache is rebuilt, or breaks it), and
+    DeepSpeed's CPU accelerator. Either, when set and not empty, is left as it is."""
+    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+        venv = f"{os.path.abspath(sys.prefix)}\n"  # `echo $(abspath $(VENV)) | cksum` in the Makefile
+        cksum = subprocess.run(["cksum"], input=venv, capture_output=True, text=True, check=True)
+        folder = Path.home() / ".cache" / "swbert" / "torch_extensions" / cksum.stdout.split()[0]
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
+    if not os.environ.get("DS_ACCELERATOR"):
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+_set_what_make_test_sets()
+
+from tests.launch_utils import HANG_S, make_data_dir, make_second_folder  # noqa: E402
 
 # The environment's own tools first, as in an activated environment (CI does not activate it): the
 # launched jobs need its torchrun/deepspeed, and ranks forked inside the test process JIT-build
@@ -50,11 +70,29 @@ LONGEST_FIRST = [
 ]  # fmt: skip
 
 
-def pytest_collection_modifyitems(config, items):
-    """The longest files first (`LONGEST_FIRST`), the rest in their usual order.
+# Session fixtures that run the data_prep CLIs (seconds of CPU each, more on a loaded machine): a test
+# that uses one is slow, whether or not its file says so.
+SLOW_FIXTURES = {"data_dir", "mix_dirs"}
 
-    `make test` hands whole files to its 2 workers (`--dist loadfile`) in this order: starting with
-    the longest files and ending with short ones keeps both workers busy to the end, instead of one
-    worker running a long file alone after the other has finished (longest-first scheduling)."""
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """The tiers, then the order.
+
+    A test that uses a fixture of `SLOW_FIXTURES` is marked slow, so `make test-fast` builds no data.
+    Every slow or long test gets the one hang guard of a test that starts jobs (`HANG_S` as its
+    pytest-timeout limit, unless it sets its own): far above the slowest case on a loaded machine,
+    where pyproject's 900 s, ample for a unit test, could end a test of three launches still running.
+
+    Then the longest files first (`LONGEST_FIRST`), the rest in their usual order: `make test` hands
+    whole files to its 2 workers (`--dist loadfile`) in this order; starting with the longest files
+    and ending with short ones keeps both workers busy to the end, instead of one worker running a
+    long file alone after the other has finished (longest-first scheduling)."""
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+        starts_jobs = item.get_closest_marker("slow") or item.get_closest_marker("long")
+        if starts_jobs and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(HANG_S))
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

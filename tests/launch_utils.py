@@ -21,6 +21,12 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The one limit on waiting for a job, a file or a log line: a hang guard, which only needs to end a
+# hung test, so far above the slowest case on a loaded 2-core machine (a 3-launch test at load 17);
+# never a measure of speed. tests/conftest.py gives every slow test the same limit (pytest-timeout),
+# so a slow job is never ended before its test would be. SWBERT_TEST_HANG_S sets it.
+HANG_S = float(os.environ.get("SWBERT_TEST_HANG_S", "1800"))
+
 NOUNS = "cat dog bird fish horse mouse lion tiger bear wolf fox owl".split()
 ADJS = "big small red blue old young fast slow happy sad".split()
 VERBS = "sees chases likes finds follows watches helps meets".split()
@@ -97,6 +103,23 @@ def make_second_folder(data_dir: Path, root: Path, documents: int = 200, own_tok
     return root / "data"
 
 
+def slowdown() -> float:
+    """How many times longer CPU-bound work takes here now than on an idle core (at least 1): the
+    1-minute load average per usable CPU, or a 50 ms busy loop's wall time over its CPU time,
+    whichever is higher (the first sees the minute a timed action took, the second the moment now).
+
+    For the few tests that bound how long something takes, where no event can show it (a stall that
+    must not happen, a failure that must come within a timeout): their limits are written for an
+    idle machine and multiplied by this, so other jobs on the machine (or `make test`'s own workers)
+    lengthen them instead of failing them."""
+    load = os.getloadavg()[0] / len(os.sched_getaffinity(0))
+    wall, cpu = time.perf_counter(), time.thread_time()
+    while time.thread_time() - cpu < 0.05:
+        pass
+    probe = (time.perf_counter() - wall) / (time.thread_time() - cpu)
+    return max(1.0, load, probe)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -154,7 +177,7 @@ LAUNCHER = os.environ.get("SWBERT_TEST_LAUNCHER", "fork")
 def launch(
     nproc: int,
     args: list[str],
-    timeout: float = 300,
+    timeout: float = HANG_S,
     env: dict[str, str] | None = None,
     script: str = "launchers/pretrain.py",
     torchrun: bool = False,
@@ -167,7 +190,8 @@ def launch(
     whose DS_ACCELERATOR is not the server's start in a fresh interpreter instead (`_rank_process`).
     Like torchrun, a rank that fails stops the others (SIGTERM, then SIGKILL). `torchrun=True` (or
     SWBERT_TEST_LAUNCHER=torchrun) launches under torchrun, for the tests of launching itself.
-    A job past `timeout` is killed whole, so a hung test leaves no orphaned rank behind."""
+    A job past `timeout` (a hang guard, `HANG_S`), or whose test is ended meanwhile (pytest-timeout,
+    Ctrl-C), is killed whole, so a hung test leaves no orphaned rank behind."""
     if torchrun or LAUNCHER == "torchrun":
         return _launch_torchrun(nproc, args, timeout, env, script)
     env = dict(env or job_env())
@@ -191,8 +215,8 @@ def _forked(
     try:
         returncode = _wait_ranks(ranks, timeout)
         out, err = (_read_logs(logs, len(envs), suffix) for suffix in ("out", "err"))
-    except subprocess.TimeoutExpired:
-        _stop_ranks(ranks, signal.SIGKILL)
+    except BaseException:  # past `timeout`, or the test ended (pytest-timeout's failure, Ctrl-C)
+        _stop_ranks(ranks, signal.SIGKILL)  # else the interpreter would wait for them at exit
         raise
     finally:
         shutil.rmtree(logs, ignore_errors=True)
@@ -302,14 +326,14 @@ def _launch_torchrun(
     )
     try:
         out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except BaseException:  # past `timeout`, or the test ended meanwhile
         kill_group(proc)
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def run_single(
-    args: list[str], timeout: float = 300, env: dict[str, str] | None = None
+    args: list[str], timeout: float = HANG_S, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """`python launchers/pretrain.py ...`: one process, no launcher (start-up errors, small runs),
     started as `launch` starts a rank (`torchrun` launches: a new interpreter)."""
@@ -387,16 +411,18 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 def wait_for(
-    predicate, timeout: float = 240, interval: float = 0.2, proc: subprocess.Popen | None = None
+    predicate, timeout: float = HANG_S, interval: float = 0.2, proc: subprocess.Popen | None = None
 ) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    """Poll `predicate` until it holds: the event a test waits on (a file, a log line, a step logged).
+    `proc` ending first fails at once; `timeout` is a hang guard (`HANG_S`), not a measure of speed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         if predicate():
             return
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"process exited with {proc.returncode} before the condition held")
         time.sleep(interval)
-    raise TimeoutError("condition not reached in time")
+    raise TimeoutError(f"condition not reached in {timeout:.0f} s")
 
 
 def _not_json(constant: str) -> None:

@@ -8,13 +8,15 @@ import threading
 import time
 from pathlib import Path
 
+from data_prep import default_corpus
 from data_prep.default_corpus import ensure_default_data
 from swbert.data import PackedSequences, open_corpus
+from tests.launch_utils import HANG_S
 
 SMALL = {"vocab_size": 600, "workers": 2, "max_corpus_bytes": 150_000}
 
 
-def test_default_data_builds_once_and_opens(tmp_path: Path) -> None:
+def test_default_data_builds_once_and_opens(tmp_path: Path, monkeypatch) -> None:
     data_dir = ensure_default_data(tmp_path, **SMALL)
     train, valid = open_corpus(data_dir, "train"), open_corpus(data_dir, "valid")
     assert train.vocab_size == 600 and train.tokenizer_dir is not None
@@ -28,9 +30,14 @@ def test_default_data_builds_once_and_opens(tmp_path: Path) -> None:
     assert "PSF" in info["license"] and info["bytes"] >= SMALL["max_corpus_bytes"]
 
     manifest = (data_dir / "manifest.json").read_text()
-    started = time.perf_counter()
-    assert ensure_default_data(tmp_path, **SMALL) == data_dir
-    assert time.perf_counter() - started < 2.0 and (data_dir / "manifest.json").read_text() == manifest
+
+    def built(*_args, **_kwargs):
+        raise AssertionError("the default data was built a second time")
+
+    for step in ("write_default_corpus", "train_tokenizer", "preprocess"):
+        monkeypatch.setattr(default_corpus, step, built)
+    assert ensure_default_data(tmp_path, **SMALL) == data_dir  # found, not built again
+    assert (data_dir / "manifest.json").read_text() == manifest
 
 
 def test_other_callers_wait_for_the_one_building(tmp_path: Path) -> None:
@@ -41,5 +48,5 @@ def test_other_callers_wait_for_the_one_building(tmp_path: Path) -> None:
         worker.start()
         time.sleep(1.0)
         assert worker.is_alive() and not result and not (tmp_path / "corpus").exists()
-    worker.join(timeout=300)
+    worker.join(timeout=HANG_S)
     assert result and (result[0] / "manifest.json").is_file()

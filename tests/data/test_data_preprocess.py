@@ -20,6 +20,7 @@ from data_prep.train_tokenizer import train_tokenizer
 from data_prep.verify import verify_dir
 from swbert.data import open_corpus
 from swbert.training.checkpoint import mark_complete
+from tests.launch_utils import HANG_S
 
 REPO = Path(__file__).resolve().parents[2]
 ARGS = {"workers": 1, "shard_bytes": 32 << 10, "valid_fraction": 0.1, "progress": False}
@@ -88,7 +89,7 @@ def test_kill_9_then_resume_gives_the_same_manifest(setup: dict, reference: Path
                "--valid-fraction", "0.1", "--no-progress"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + HANG_S
     while not (out / "shard_00001.json").exists():
         assert process.poll() is None, process.stderr.read().decode()
         assert time.monotonic() < deadline, "preprocess never finished a shard"

@@ -16,7 +16,7 @@ import pytest
 
 from swbert.data.integrity import CACHE_NAME, ShardCorrupt, assign, manifest_files, verify_shards
 from swbert.data.manifest import read_manifest
-from tests.launch_utils import _rank_context, free_port, run_single
+from tests.launch_utils import HANG_S, _rank_context, free_port, run_single
 
 
 def corrupt_token(data_dir: Path) -> Path:
@@ -95,10 +95,10 @@ def _two_ranks(data_dir: Path, run_dir: Path) -> dict[int, tuple]:
         process.start()
     out = {}
     for _ in ranks:
-        rank, *rest = results.get(timeout=120)
+        rank, *rest = results.get(timeout=HANG_S)
         out[rank] = tuple(rest)
     for process in ranks:
-        process.join(timeout=60)
+        process.join(timeout=HANG_S)
         assert process.exitcode == 0
     return out
 

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import signal
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +17,7 @@ from swbert.safe_load import UnsafeCheckpointError
 from swbert.training import checkpoint as ckpt, compat
 from swbert.training.resume import agree_on_resume, find_checkpoint
 from tests.launch_utils import (
+    HANG_S,
     Forked,
     job_env,
     kill_group,
@@ -110,13 +110,13 @@ def interrupted(data_dir, tmp_path_factory) -> SimpleNamespace:
     killed = Forked(args, job_env(SWBERT_FAULT_KILL="after_step:14"), out.parent / "killed")
     try:
         # metrics.jsonl is made in set-up, with the lock held, seconds before the first step
-        wait_for(lambda: (out / "metrics.jsonl").is_file(), timeout=240, proc=killed)
+        wait_for(lambda: (out / "metrics.jsonl").is_file(), proc=killed)
         killed.send_signal(signal.SIGSTOP)
         first_alive = killed.poll() is None
         second = run_single([*args, "--resume", "auto", "--train-steps", "2"])
         holder = json.loads((out / ".swbert.lock").read_text())
         killed.send_signal(signal.SIGCONT)
-        killed.wait(timeout=240)
+        killed.wait(timeout=HANG_S)
     finally:
         kill_group(killed)
     before = read_metrics(out)
@@ -226,9 +226,9 @@ def test_sigterm_under_torchrun_saves_and_the_run_resumes(sig, data_dir, tmp_pat
     log = tmp_path / "first.log"
     first = start(2, [*args, "--train-steps", "100000"], log=log)
     try:
-        wait_for(lambda: (out / "metrics.jsonl").is_file(), timeout=240, proc=first)
+        wait_for(lambda: (out / "metrics.jsonl").is_file(), proc=first)
         os.kill(first.pid, sig)
-        first.wait(timeout=60)
+        first.wait(timeout=HANG_S)  # torchrun's own 30 s grace is what must not end the ranks
     finally:
         kill_group(first)
     text = log.read_text()
@@ -275,11 +275,9 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_the_run_resumes(data_dir, 
         "--config", "tiny_cpu", "--data-dir", str(data_dir), "--output-dir", str(out), "--mlflow", "false",
         "--train-steps", "4", "--save-interval", "2", "--export", "false", "--log-interval", "1",
     ]  # fmt: skip
-    # the timeout bounds a regression (a rank left in a barrier) to a minute
+    # the timeout bounds a regression (a rank left in a barrier) to a minute, and says so
     env = job_env(SWBERT_TEST_FSIZE="1:step_00000004.partial:100000", SWBERT_DIST_TIMEOUT_MIN="1")
-    started = time.monotonic()
     full = launch(2, args, env=env, script="tests/scripts/pretrain_fsize_limit.py")
-    took = time.monotonic() - started
     assert full.returncode != 0
     error = f"error: checkpoint step_00000004 could not be saved in {root}: rank 1 on "
     assert full.stderr.count(error) == 2, full.stderr[-5000:]  # from each rank
@@ -287,7 +285,7 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_the_run_resumes(data_dir, 
     assert "could not write zero_pp_rank_1_mp_rank_00_optim_states.pt" in line
     assert "file size limit (ulimit -f) 100000 bytes" in line and "Free space on the file system" in line
     assert "--resume auto continues from step_00000002, the newest complete checkpoint" in line
-    assert took < 60, took
+    assert "Timed out" not in full.stderr and "lost rank" not in full.stderr, full.stderr[-5000:]
     assert ckpt.newest_complete(root) == "step_00000002" and (root / "latest").read_text() == "step_00000002"
     assert (root / "step_00000004.partial").is_dir() and not (root / "step_00000004").exists()
 
@@ -312,14 +310,15 @@ def test_a_rank_killed_mid_run_ends_the_job_naming_it(data_dir, tmp_path):
     log = tmp_path / "job.log"
     job = start(2, args, log=log)
     try:
-        wait_for(lambda: (out / "metrics.jsonl").is_file(), timeout=240, proc=job)
+        wait_for(lambda: (out / "metrics.jsonl").is_file(), proc=job)
         # the launcher's own children: a rank's DataLoader workers inherit its RANK but are not ranks
         workers = [p for p in psutil.Process(job.pid).children() if p.environ().get("RANK") == "1"]
         assert len(workers) == 1
         workers[0].kill()
-        started = time.monotonic()
-        job.wait(timeout=60)
-        assert time.monotonic() - started < 60 and job.returncode != 0
+        # ended by the launcher, not by the collective timeout (30 minutes): a third of it is ample
+        # however loaded the machine
+        job.wait(timeout=30 * 60 / 3)
+        assert job.returncode != 0
     finally:
         kill_group(job)
     text = log.read_text()

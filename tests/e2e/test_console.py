@@ -83,7 +83,8 @@ def test_a_longer_resume_says_how_the_lr_goes_on_and_the_summary_shows_without_e
 
 @pytest.mark.slow
 def test_a_tiny_glue_sweep_keeps_to_its_console_budget(tmp_path):
-    from swbert.finetune.synthetic import make_checkpoint, write_glue_fixture
+    from swbert.finetune.synthetic import write_glue_fixture
+    from tests.finetune_fixtures import make_checkpoint
 
     glue = write_glue_fixture(tmp_path / "glue", ["sst2", "stsb"], n_train=32, n_dev=16)
     ckpt = make_checkpoint(tmp_path / "ckpt")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import REPO, job_env
+from tests.launch_utils import HANG_S, REPO, job_env
 
 # top-level folders of a checkout that are not part of the source (runs, caches, environments)
 NOT_SOURCE = {".git", ".venv", "runs", "data", "build", "dist", ".pytest_cache", ".ruff_cache", "mlruns"}
@@ -104,7 +104,7 @@ def wheel_run(installed, data_dir, tmp_path_factory) -> tuple[Path, subprocess.C
         env=outside_env(installed, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1"),  # MLflow's default: 10 s
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_S,
     )  # fmt: skip
     return here, run
 

@@ -16,7 +16,11 @@ import pytest
 from swbert.runtime.dist import Heartbeat
 from swbert.training import checkpoint as ckpt
 from swbert.training.runlock import RunLock
-from tests.launch_utils import REPO, free_port, job_env, kill_group, read_metrics, wait_for
+from tests.launch_utils import HANG_S, REPO, free_port, job_env, kill_group, read_metrics, wait_for
+
+# The collective timeout a lost rank must never be waited for (SWBERT_DIST_TIMEOUT_MIN's default):
+# a survivor still running at a third of it waits on it, however loaded the machine.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 30 * 60
 
 
 def start_rank(rank: int, world: int, port: int, args: list[str], log: Path, **env: str) -> subprocess.Popen:
@@ -51,7 +55,9 @@ def test_a_lost_rank_without_a_launcher_is_named_by_the_others(fault, victim, da
     """srun-style ranks, no launcher to end the job: one rank killed (-9) or hung (SIGSTOP) mid-run.
     The other exits on its own with an error naming the lost rank, its host and pid (rank 0, which
     holds the rendezvous store, by the store going silent): at once for a dead peer, after
-    SWBERT_DIST_TIMEOUT_MIN (here 15 s) for a hung one, never the default 30 minutes."""
+    SWBERT_DIST_TIMEOUT_MIN (here 15 s) for a hung one, never the default 30 minutes. What ended it
+    is read from the backend's error the message quotes (a closed connection, or a timeout), not from
+    a clock a loaded machine would stretch."""
     out = tmp_path / "run"
     args = [
         "--config", "tiny_cpu", "--data-dir", str(data_dir), "--output-dir", str(out), "--mlflow", "false",
@@ -61,10 +67,10 @@ def test_a_lost_rank_without_a_launcher_is_named_by_the_others(fault, victim, da
     logs = [tmp_path / f"rank{r}.log" for r in (0, 1)]
     ranks = [start_rank(r, 2, port, args, logs[r], SWBERT_DIST_TIMEOUT_MIN="0.25") for r in (0, 1)]
     try:
-        wait_for(lambda: logged_steps(out) >= 3, timeout=240, proc=ranks[0])
+        wait_for(lambda: logged_steps(out) >= 3, proc=ranks[0])
         os.kill(ranks[victim].pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
         started = time.monotonic()
-        ranks[survivor].wait(timeout=90)
+        ranks[survivor].wait(timeout=DEFAULT_COLLECTIVE_TIMEOUT_S / 3)
         took = time.monotonic() - started
     finally:
         for p in ranks:
@@ -81,10 +87,12 @@ def test_a_lost_rank_without_a_launcher_is_named_by_the_others(fault, victim, da
     else:
         named = f"error: the rendezvous store at 127.0.0.1:{port}, held by rank 0, no longer answers"
     assert named in text and f"Rank {survivor} stops" in text and "--resume auto" in text, text[-3000:]
-    if fault == "killed":  # gloo sees the closed connection at once; the heartbeat check takes 5 s
-        assert took < 20, took
-    else:  # the collective timeout, then the heartbeat check
-        assert 15 <= took < 35, took
+    assert "its collective failed with: " in text, text[-3000:]
+    failed_with = text.split("its collective failed with: ")[-1].split(". Restart")[0]
+    if fault == "killed":  # gloo sees the closed connection at once, never waiting for the timeout
+        assert "Timed out" not in failed_with, text[-3000:]
+    else:  # the collective timeout (15 s, not 30 minutes), then the heartbeat check
+        assert "Timed out" in failed_with and 15 <= took, (took, text[-3000:])
         assert "SWBERT_DIST_TIMEOUT_MIN=0.25" in text
 
 
@@ -93,7 +101,9 @@ def test_a_hung_neighbour_ends_the_job_before_the_collective_timeout(data_dir, t
     """Under NCCL a collective with a dead peer waits the whole collective timeout and is then
     aborted without a word; the heartbeat watch does not wait for it. Here the collective timeout is
     30 minutes and SWBERT_LOST_RANK_MIN 0.2 (12 s): rank 0 names the stopped rank 1 and exits
-    with status 3 long before, from its watch thread (its main thread is blocked in the collective)."""
+    with status 3 long before, from its watch thread (its main thread is blocked in the collective):
+    the watch's message, and a wait far shorter than the collective timeout, however loaded the
+    machine (a watch whose reads come late starts its clocks again, so load lengthens the 12 s)."""
     out = tmp_path / "run"
     args = [
         "--config", "tiny_cpu", "--data-dir", str(data_dir), "--output-dir", str(out), "--mlflow", "false",
@@ -104,10 +114,10 @@ def test_a_hung_neighbour_ends_the_job_before_the_collective_timeout(data_dir, t
     env = {"SWBERT_DIST_TIMEOUT_MIN": "30", "SWBERT_LOST_RANK_MIN": "0.2"}
     ranks = [start_rank(r, 2, port, args, logs[r], **env) for r in (0, 1)]
     try:
-        wait_for(lambda: logged_steps(out) >= 3, timeout=240, proc=ranks[0])
+        wait_for(lambda: logged_steps(out) >= 3, proc=ranks[0])
         os.kill(ranks[1].pid, signal.SIGSTOP)
         started = time.monotonic()
-        ranks[0].wait(timeout=120)
+        ranks[0].wait(timeout=DEFAULT_COLLECTIVE_TIMEOUT_S / 3)
         took = time.monotonic() - started
     finally:
         for p in ranks:
@@ -118,8 +128,9 @@ def test_a_hung_neighbour_ends_the_job_before_the_collective_timeout(data_dir, t
     named = f"error: lost rank 1 (on {socket.gethostname()} pid {ranks[1].pid}): its heartbeat stood still for 12 s"
     assert named in text and "SWBERT_LOST_RANK_MIN=0.2" in text and "--resume auto" in text, text[-3000:]
     # the window runs from when rank 0 saw rank 1's last beat, written up to an interval before rank
-    # 1 stopped (more on a loaded machine, whose beat thread runs late): allow two
-    assert 12 - 2 * Heartbeat.MIN_INTERVAL <= took < 60, took
+    # 1 stopped (more on a loaded machine, whose beat thread runs late): allow two. The watch's own
+    # message above says it, not the collective, ended the job, within the wait's third of its timeout.
+    assert 12 - 2 * Heartbeat.MIN_INTERVAL <= took, took
 
 
 def start_deepspeed(args: list[str], log: Path) -> subprocess.Popen:
@@ -164,27 +175,25 @@ def test_signals_under_the_deepspeed_launcher_checkpoint_and_the_run_resumes(dat
     first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
     first = start_deepspeed(args, first_log)
     try:
-        wait_for(lambda: logged_steps(out) >= 2, timeout=240, proc=first)
+        wait_for(lambda: logged_steps(out) >= 2, proc=first)
         family = psutil.Process(first.pid).children(recursive=True)  # launch.py and the two workers
         os.kill(first.pid, signal.SIGTERM)
-        started = time.monotonic()
-        _, alive = psutil.wait_procs(family, timeout=30)
+        _, alive = psutil.wait_procs(family, timeout=HANG_S)
         assert not alive, alive
-        took = time.monotonic() - started
     finally:
         kill_group(first)
     text = first_log.read_text()
     saved = saved_step(text)
+    # a worker killed at the end of launch.py's grace would have left no checkpoint
     assert f"the deepspeed launcher (pid {first.pid}) exited: checkpointing and stopping" in text
-    assert took < 30, took
     assert ckpt.newest_complete(root) == ckpt.tag_for(saved) and max(read_metrics(out)) == saved
 
     second = start_deepspeed([*args, "--resume", "auto"], second_log)
     try:
-        wait_for(lambda: logged_steps(out) >= saved + 2, timeout=240, proc=second)
+        wait_for(lambda: logged_steps(out) >= saved + 2, proc=second)
         family = [psutil.Process(second.pid), *psutil.Process(second.pid).children(recursive=True)]
         os.killpg(second.pid, signal.SIGUSR1)
-        _, alive = psutil.wait_procs(family, timeout=30)
+        _, alive = psutil.wait_procs(family, timeout=HANG_S)
         assert not alive, alive
     finally:
         kill_group(second)

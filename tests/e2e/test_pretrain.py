@@ -14,6 +14,7 @@ from transformers import AutoModelForMaskedLM
 import swbert  # noqa: F401  (registers the Auto classes)
 from tests.golden import check_golden
 from tests.launch_utils import (
+    HANG_S,
     REPO,
     free_port,
     job_env,
@@ -379,7 +380,7 @@ def test_make_pretrain_job_on_the_gpu_model_path(tmp_path):
         "launchers/pretrain.py", "--output-dir", str(out), "--cpu-kernels", "off", "--train-steps", "10",
         "--log-interval", "5", "--mlflow", "false", "--progress-bar", "false",
     ]  # fmt: skip
-    result = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=HANG_S)
     check_ok(result)
     log = result.stdout + result.stderr
     assert "model path: plain PyTorch ops, the path a GPU runs" in log

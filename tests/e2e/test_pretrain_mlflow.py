@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from mlflow import MlflowClient
 
-from tests.launch_utils import free_port, job_env, read_metrics, start, wait_for
+from tests.launch_utils import HANG_S, free_port, job_env, kill_group, read_metrics, slowdown, start, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def mlflow_server(tmp_path_factory):
             return False
 
     try:
-        wait_for(healthy, timeout=120, proc=proc)
+        wait_for(healthy, proc=proc)
         yield uri, proc
     finally:
         import signal
@@ -92,7 +92,10 @@ def test_params_metrics_and_artifacts_reach_the_server(mlflow_server, data_dir, 
         env=job_env(MLFLOW_TRACKING_URI=uri),
         log=tmp_path / "log",
     )
-    assert proc.wait(timeout=300) == 0, (tmp_path / "log").read_text()[-4000:]
+    try:
+        assert proc.wait(timeout=HANG_S) == 0, (tmp_path / "log").read_text()[-4000:]
+    finally:
+        kill_group(proc)
     printed = (tmp_path / "log").read_text()  # rank 0 ends by saying where everything is
     assert f"model (Hugging Face folder): {out / 'export'}" in printed and f"{out}/metrics.jsonl" in printed
     assert f"MLflow tracking server:      {uri}" in printed
@@ -131,18 +134,24 @@ def test_training_continues_when_the_server_goes_away(mlflow_server, data_dir, t
             return False
         return len(client.get_metric_history((out / "mlflow_run_id").read_text().strip(), "loss")) >= 2
 
-    wait_for(some_metrics_arrived, timeout=240, proc=proc)
-    run_name = client.get_run((out / "mlflow_run_id").read_text().strip()).info.run_name
-    import os
-    import signal
+    try:
+        wait_for(some_metrics_arrived, proc=proc)
+        run_name = client.get_run((out / "mlflow_run_id").read_text().strip()).info.run_name
+        import os
+        import signal
 
-    os.killpg(server.pid, signal.SIGKILL)  # the tracking server disappears mid-run
-    server.wait(timeout=30)
-    started = time.time()
-    assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+        os.killpg(server.pid, signal.SIGKILL)  # the tracking server disappears mid-run
+        server.wait(timeout=30)
+        started = time.monotonic()
+        assert proc.wait(timeout=HANG_S) == 0, log.read_text()[-4000:]
+        took = time.monotonic() - started
+    finally:
+        kill_group(proc)
     text = log.read_text()
     assert text.count("MLflow logging to") == 1, text[-4000:]  # warned once
     assert sorted(read_metrics(out)) == list(range(1, 61))  # metrics.jsonl holds everything
-    assert time.time() - started < 200
+    # the rest of the 60 steps, the export, and at most the sink's 120 s wait at close: never a
+    # stall on the lost server per step. The 200 s of an idle machine, longer under load
+    assert took < 200 * slowdown(), took
     assert (out / "export" / "model.safetensors").is_file()
     assert run_name == "tiny-shared"  # with no --run-name, the run is named by size and variant

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import REPO
+from tests.launch_utils import HANG_S, REPO
 
 SLURM_DIR = REPO / "launchers" / "slurm"
 
@@ -75,7 +75,7 @@ def run_job(tmp_path: Path, command: str, **env: str) -> tuple[subprocess.Comple
         "GPUS_PER_NODE": "8",
     }
     result = subprocess.run(
-        ["bash", "-c", command], cwd=REPO, env={**base, **env}, capture_output=True, text=True, timeout=60
+        ["bash", "-c", command], cwd=REPO, env={**base, **env}, capture_output=True, text=True, timeout=HANG_S
     )
     assert result.returncode == 0, result.stdout + result.stderr
     args = (tmp_path / "srun.args").read_text().splitlines()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from mlflow import MlflowClient
 
 from swbert.runtime.tracking import experiment_id, tracking_uri
 
 
+@pytest.mark.slow  # an MLflow SQLite store created (about 5 s)
 def test_a_new_experiment_keeps_its_artifacts_beside_its_sqlite_store(tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)  # not where the store is
