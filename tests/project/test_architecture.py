@@ -98,6 +98,37 @@ def _targets(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import path that comes back to where it started, as the modules along it."""
+    circles = []
+
+    def walk(path: list[str]) -> None:
+        for nxt in sorted(graph[path[-1]]):
+            if nxt == path[0]:
+                circles.append([*path, nxt])
+            elif nxt not in path and nxt > path[0]:  # each circle once, from its smallest module
+                walk([*path, nxt])
+
+    for start in sorted(graph):
+        walk([start])
+    return circles
+
+
+def test_the_runtime_modules_import_one_another_without_a_circle():
+    """One way, function-level imports included: a circle hides which module a piece belongs to,
+    and breaks when one of them is imported first."""
+    files = [p for p in (REPO / "swbert" / "runtime").glob("*.py") if p.stem != "__init__"]
+    modules = {_module_name(p) for p in files}
+    graph = {_module_name(p): (_targets(p, modules) & modules) - {_module_name(p)} for p in files}
+    assert "swbert.runtime.extensions" in graph["swbert.runtime.dist"]  # the check sees imports
+    assert not _circles(graph), _circles(graph)
+
+
+def test_the_circle_check_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(graph) == [["a", "b", "c", "a"]]
+
+
 def _layers() -> list[list[set[str]]]:
     """docs/architecture.md's `layers` block, lowest first: per layer, its groups of units (peers
     apart)."""
