@@ -50,7 +50,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import xxhash
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from swbert.fsutil import fsync_path
 from swbert.runtime.checkpoint_format import (  # noqa: F401 - the format, re-exported for callers
@@ -256,6 +255,10 @@ class _RecordedWrites:
             return None
 
     def save(self, state_dict: Any, path: str) -> None:
+        # imported here, not at the module's top: the first `import deepspeed` of a rank is then
+        # init_distributed's, which keeps MLflow out of it (swbert._startup.import_deepspeed)
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
         if isinstance(self.inner, TorchCheckpointEngine):  # torch.save: hashed as it writes
             self.guard(path, self._save_hashed, state_dict, Path(path))
         else:
