@@ -49,6 +49,7 @@ def test_a_rerun_sweep_skips_finished_trials_and_marks_the_killed_runs(tmp_path)
     from swbert.finetune.synthetic import write_glue_fixture
     from swbert.studies.tracking import REUSED_FROM
     from tests.finetune_fixtures import make_checkpoint
+    from tests.launch_utils import HANG_S
 
     root = Path(__file__).resolve().parents[2]
     write_glue_fixture(tmp_path / "glue", ["sst2"], n_train=64, n_dev=16)
@@ -60,7 +61,7 @@ def test_a_rerun_sweep_skips_finished_trials_and_marks_the_killed_runs(tmp_path)
     job = subprocess.Popen([sys.executable, "launchers/finetune_glue.py", *argv], cwd=root, env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     first = out / "trials" / "tiny" / "sst2" / "lr0.001-seed1.json"
-    deadline = time.time() + 240
+    deadline = time.time() + HANG_S  # a hang guard: the first trial's record is the event
     while not first.exists() and job.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     job.send_signal(signal.SIGKILL)

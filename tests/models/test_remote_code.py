@@ -14,7 +14,7 @@ from torch.testing import assert_close
 
 from swbert.models import SWBertConfig, SWBertForMaskedLM, SWBertForSequenceClassification
 from swbert.models.remote_code import add_remote_code
-from tests.launch_utils import job_env
+from tests.launch_utils import HANG_S, job_env
 
 VARIANTS = ["shared", "standard", "pairwise"]
 IDS = [[2, 10, 11, 4, 12, 13, 3], [2, 20, 4, 21, 3, 0, 0]]
@@ -102,7 +102,7 @@ def test_exported_code_loads_without_swbert_and_gives_swbert_logits(folders, tmp
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,  # a hang guard
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.count(" ok ") == len(VARIANTS)

@@ -131,12 +131,15 @@ def _in_group(fn: Callable[..., None], args: tuple, deepspeed: bool) -> None:
 
 
 def run_ranks(
-    fn: Callable[..., None], world: int, *args: object, deepspeed: bool = False, timeout: float = 900
+    fn: Callable[..., None], world: int, *args: object, deepspeed: bool = False, timeout: float | None = None
 ) -> None:
     """Run `fn(*args)` in `world` processes on gloo; `deepspeed=True` starts them the DeepSpeed way.
     A rank that fails stops the others and fails the test with its traceback; ranks still running
-    after `timeout` seconds are killed and the test fails (a hang is reported, not waited out)."""
-    from tests.launch_utils import _rank_context, _stop_ranks, _wait_ranks
+    after `timeout` seconds (default: the suite's hang guard, HANG_S) are killed and the test fails
+    (a hang is reported, not waited out)."""
+    from tests.launch_utils import HANG_S, _rank_context, _stop_ranks, _wait_ranks
+
+    timeout = HANG_S if timeout is None else timeout
 
     context, port, env = _rank_context(), _free_port(), dict(os.environ)
     start_method = multiprocessing.get_start_method()  # the test process's, not the server's

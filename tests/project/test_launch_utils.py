@@ -13,7 +13,7 @@ SCRIPT = "tests/scripts/which_accelerator.py"
 
 
 def _accelerator_of(env: dict[str, str]) -> dict:
-    result = launch(1, [], env=env, script=SCRIPT, timeout=120)
+    result = launch(1, [], env=env, script=SCRIPT)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

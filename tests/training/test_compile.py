@@ -175,6 +175,7 @@ def _tp_checkpointed_rank(mode: str) -> None:
         )
 
 
+@pytest.mark.slow  # two ranks
 def test_activation_checkpointing_under_tensor_parallelism_redraws_the_same_dropout():
     """Attention dropout under TP keeps this rank's heads of a draw from the default generator,
     which the recompute restores: the same masks, the same gradients.
