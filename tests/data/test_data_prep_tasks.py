@@ -77,7 +77,10 @@ def test_two_tasks_give_the_single_run_folder_and_a_killed_task_rerun_finishes_i
     first.join()
     second.join(timeout=HANG_S)
     assert second.exitcode == 0, Path(f"{out}-1.log").read_text()
-    assert "task 0 (--task-index 0) is not running" in Path(f"{out}-1.log").read_text()  # killed
+    # task 1 says what task 0 was doing when it finished its own half: still running (it finished
+    # first) or not running (killed by then); which one depends on the machine's load
+    said = Path(f"{out}-1.log").read_text()
+    assert "task 0 is running and still writing" in said or "task 0 (--task-index 0) is not running" in said
     assert not (out / "manifest.json").exists()
     written = {int(p.name[6:11]) for p in out.glob("shard_*.json")}
     assert {i for i in range(total) if i % 2} <= written  # task 1's half, all of it

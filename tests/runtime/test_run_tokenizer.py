@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from swbert.data.tokenizer import tokenizer_hash
-from swbert.runtime.checkpoint_format import OutdatedCheckpoint
+from swbert.runtime.checkpoint_format import OutdatedCheckpoint, write_marker
 from swbert.runtime.run_tokenizer import keep_in_run, tokenizer_for_export
 from swbert.training import checkpoint as ckpt
 from swbert.training.export import export
@@ -108,10 +108,13 @@ def test_a_trained_run_exports_its_own_tokenizer_and_nothing_else(data_dir, tmp_
     fill = pipeline("fill-mask", model=str(tmp_path / "merged"), top_k=2)
     assert len(fill(f"the {fill.tokenizer.mask_token} of")) == 2
 
+    # an older run's checkpoint: the absolute path in its meta file, which its marker hashed
     (tag / "swbert_meta.json").write_text(json.dumps({**meta, "tokenizer_dir": str(data_dir / "tokenizer")}))
+    write_marker(tag, 2)
     with pytest.raises(OutdatedCheckpoint, match="absolute path.*python -m swbert.upgrade"):
         export(tag, tmp_path / "old-export")
     (tag / "swbert_meta.json").write_text(json.dumps(meta))
+    write_marker(tag, 2)
     with pytest.raises(ValueError, match="not the tokenizer the checkpoint was trained with"):
         foreign = tmp_path / "foreign"
         foreign.mkdir()
