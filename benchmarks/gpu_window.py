@@ -50,7 +50,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -107,27 +106,21 @@ class Row:
 
 
 def wheel_fits(filename: str, tags: set[str]) -> bool:
-    """Whether a wheel's tags (PEP 425: `name-version(-build)?-python-abi-platform.whl`) include one
-    this interpreter supports."""
-    parts = filename[: -len(".whl")].split("-")
-    if len(parts) < 5:
+    """Whether a wheel's tags include one of `tags` (this interpreter's: `supported_tags`)."""
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
+    try:
+        return any(str(tag) in tags for tag in parse_wheel_filename(filename)[3])
+    except InvalidWheelFilename:
         return False
-    pythons, abis, platforms = (p.split(".") for p in parts[-3:])
-    return any(f"{py}-{abi}-{plat}" in tags for py in pythons for abi in abis for plat in platforms)
 
 
 def supported_tags() -> set[str]:
-    """This interpreter's wheel tags: `packaging`'s list where it is importable (transformers needs
-    it, so it is on every machine that runs the steps), else the tags of a plain CPython build."""
-    try:
-        from packaging.tags import sys_tags
+    """This interpreter's wheel tags (`packaging`: transformers requires it, so every image that
+    runs the steps has it)."""
+    from packaging.tags import sys_tags
 
-        return {str(t) for t in sys_tags()}
-    except ImportError:
-        v = f"{sys.version_info.major}{sys.version_info.minor}"
-        plat = sysconfig.get_platform().replace("-", "_").replace(".", "_")
-        tags = {f"cp{v}-cp{v}-{plat}", f"cp{v}-abi3-{plat}", f"py3-none-{plat}", "py3-none-any"}
-        return tags | {f"py{v}-none-any", f"cp{v}-none-any"}
+    return {str(t) for t in sys_tags()}
 
 
 def install_wheels(wheels: Path, site: Path, log: Path) -> tuple[Row, bool]:

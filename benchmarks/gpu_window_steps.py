@@ -12,6 +12,7 @@ import json
 import os
 import random
 import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -374,7 +375,6 @@ def trainer(ctx: Ctx, attention_type: str) -> Result:
     micro = largest_micro_batch(ctx, attention_type, vocab, seq)
     steps, log_every = (8, 2) if ctx.rehearse else (42, 10)
     out = ctx.out / f"trainer_{attention_type}"
-    import shutil
 
     shutil.rmtree(out, ignore_errors=True)
     args = pretrain_args(ctx, out, attention_type, steps, micro, "--compile", "on",
@@ -433,7 +433,6 @@ def zero3_compile(ctx: Ctx) -> Result:
     runs, procs = {}, {}
     for mode in ("on", "off"):
         runs[mode] = ctx.out / f"zero3_compile_{mode}"
-        import shutil
 
         shutil.rmtree(runs[mode], ignore_errors=True)
         args = pretrain_args(ctx, runs[mode], "shared", steps, micro, *size_args, "--compile", mode)

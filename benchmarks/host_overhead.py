@@ -91,17 +91,31 @@ def range_ms(events, name: str) -> list[float]:
     return [e.time_range.elapsed_us() / 1e3 for e in events if e.name == name]
 
 
-def figures(prof, syncs: list[int], accum: int) -> dict[str, float]:
-    """The five figures of the measured steps, from the "step" and "microbatch" ranges."""
+def figures(prof, syncs: list[int]) -> dict[str, float]:
+    """The five figures of the measured steps: a micro-batch is a "forward" range and the "backward"
+    range after it, a step the "step" range around both and the optimizer."""
     events = prof.events()
-    micro_ops = leaf_aten_ops(events, "microbatch")
+    ops = map(sum, zip(leaf_aten_ops(events, "forward"), leaf_aten_ops(events, "backward")))
+    ms = map(sum, zip(range_ms(events, "forward"), range_ms(events, "backward")))
     return {
         "ops_per_step": statistics.median(leaf_aten_ops(events, "step")),
-        "ops_per_microbatch": statistics.median(micro_ops),
-        "host_ms_per_microbatch": round(statistics.median(range_ms(events, "microbatch")), 3),
+        "ops_per_microbatch": statistics.median(ops),
+        "host_ms_per_microbatch": round(statistics.median(ms), 3),
         "host_ms_per_step": round(statistics.median(range_ms(events, "step")), 3),
         "syncs_per_step": statistics.median(syncs),
     }
+
+
+def ranged(call, name: str):
+    """`call` inside a profiler range `name`."""
+
+    def wrapper(*args, **kwargs):
+        import torch
+
+        with torch.profiler.record_function(name):
+            return call(*args, **kwargs)
+
+    return wrapper
 
 
 class Syncs:
@@ -170,7 +184,9 @@ def run_trainer(args: argparse.Namespace, variant: str) -> tuple[dict, tuple]:
 
     def ranged_setup():
         gpu_optimizer()
-        return setup()
+        run = setup()
+        run.engine.backward = ranged(run.engine.backward, "backward")
+        return run
 
     trainer.setup = ranged_setup
     prof, syncs, step, batches = profile(activities=[ProfilerActivity.CPU]), None, [0], []
@@ -193,42 +209,12 @@ def run_trainer(args: argparse.Namespace, variant: str) -> tuple[dict, tuple]:
             return train_step()
 
     trainer._next_batch, trainer.train_step = keep_batch, counted
-    _microbatch_ranges(trainer)
+    trainer.forward_and_count = ranged(trainer.forward_and_count, "forward")
     summary = trainer.train()
     prof.stop()
     assert summary["status"] == "FINISHED", summary
     model_config = trainer.run.model_config
-    return figures(prof, syncs.per_step, args.accum), (model_config, batches[-args.accum :])
-
-
-def _microbatch_ranges(trainer) -> None:
-    """Each micro-batch's forward and backward inside one "microbatch" range."""
-    forward = trainer.forward_and_count
-
-    def ranged_forward(*a, **kw):
-        import torch
-
-        trainer._micro = torch.profiler.record_function("microbatch")
-        trainer._micro.__enter__()
-        return forward(*a, **kw)
-
-    trainer.forward_and_count = ranged_forward
-    setup = trainer.setup
-
-    def with_backward():
-        run = setup()
-        backward = run.engine.backward
-
-        def ranged_backward(*a, **kw):
-            try:
-                return backward(*a, **kw)
-            finally:
-                trainer._micro.__exit__(None, None, None)
-
-        run.engine.backward = ranged_backward
-        return run
-
-    trainer.setup = with_backward
+    return figures(prof, syncs.per_step), (model_config, batches[-args.accum :])
 
 
 def gpu_optimizer() -> None:
@@ -257,9 +243,11 @@ def run_reference(args: argparse.Namespace, model_config, batches: list[dict]) -
 
     def step() -> None:
         for batch in batches:
-            with torch.profiler.record_function("microbatch"):
-                inputs = {k: v for k, v in batch.items() if k != "mlm_labels"}
-                model(**inputs, mlm_targets=batch["mlm_labels"]).loss.backward()
+            inputs = {k: v for k, v in batch.items() if k != "mlm_labels"}
+            with torch.profiler.record_function("forward"):
+                loss = model(**inputs, mlm_targets=batch["mlm_labels"]).loss
+            with torch.profiler.record_function("backward"):
+                loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -273,7 +261,7 @@ def run_reference(args: argparse.Namespace, model_config, batches: list[dict]) -
         with measured("step", syncs):
             step()
     prof.stop()
-    return figures(prof, syncs.per_step, args.accum)
+    return figures(prof, syncs.per_step)
 
 
 def _free_port() -> int:
