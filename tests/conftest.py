@@ -60,7 +60,8 @@ def mix_dirs(data_dir, tmp_path_factory):
 # empty inductor cache on 2 cores, as CI starts); `pytest_collection_modifyitems` starts with them. A
 # file not listed runs after these.
 LONGEST_FIRST = [
-    "test_pretrain_compiled.py", "test_slurm.py", "test_launcher_faults.py", "test_pretrain.py",
+    "test_pretrain_compiled.py", "test_gpu_window.py", "test_slurm.py", "test_launcher_faults.py",
+    "test_pretrain.py",
     "test_checkpoint_safety.py", "test_pretrain_mlflow.py", "test_compile.py", "test_install.py",
     "test_scaling.py", "test_perf_optimisations.py", "test_multinode.py", "test_finetune_train.py",
     "test_integrity_run.py", "test_heartbeat.py", "test_fault_matrix.py", "test_cpu_kernels.py",
