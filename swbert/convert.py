@@ -148,6 +148,11 @@ def to_hf_bert(model: nn.Module) -> nn.Module:
             f"{', '.join(map(repr, convertible))} converts (the other variants load with swbert or "
             "AutoModel after `import swbert`)"
         )
+    if config.bert_differences():
+        raise ValueError(
+            f"{', '.join(config.bert_differences())} has no transformers BERT equivalent; this model "
+            "loads with swbert or with AutoModel and trust_remote_code (its exported folder)"
+        )
     target = next((theirs for theirs, ours in _PAIRS if type(model) is ours), None)
     if target is None:
         raise ValueError(f"no transformers equivalent for {type(model).__name__}")

@@ -12,6 +12,8 @@ from swbert.models.attention import EagerKernel, SDPAKernel, SelfAttention
 # The paper's four attention variants, in its order. The registry (`attention_types()`) holds these
 # first; a test that registers a fifth variant compares against this tuple.
 PAPER_VARIANTS: tuple[str, ...] = ("standard", "shared", "symmetric", "pairwise")
+# Every variant swbert registers: the paper's four, then the baselines of later QKV-sharing work (ours).
+BUILTIN_VARIANTS: tuple[str, ...] = (*PAPER_VARIANTS, "qkv_single", "kv_shared")
 
 M = TypeVar("M", bound=nn.Module)
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swbert.models.plugins import ENTRY_POINT_GROUP, load_installed
+from swbert.models.positions import Rotary, apply_rotary
 from swbert.models.varlen import SeqLens, per_sequence_attention, varlen_attention
 
 if TYPE_CHECKING:  # a type only: config.py imports this module to validate `attention_type`
@@ -239,13 +240,26 @@ class SelfAttention(nn.Module):
             return y[rows].flatten(1)  # (N, H*Dh): gathers only the kept rows
         return y.reshape(*y.shape[:2], -1)
 
-    def forward(self, x: torch.Tensor, mask: Mask = None, rows: Rows | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask: Mask = None, rows: Rows | None = None, rotary: Rotary | None = None
+    ) -> torch.Tensor:
         """x: (B, S, d) -> (B, S, d). With `rows`, only those positions come out, (N, d): every
         position is still a key and a value, but the output projection runs on N rows. Every
-        variant runs this forward; it differs only in `qkv` and `output_scale`."""
-        q, k, v = self.qkv(x)
+        variant runs this forward; it differs only in `qkv` and `output_scale`.
+
+        With `rotary` (cos, sin) the queries and keys are rotated by position before the kernel. They
+        are then `paper_qkv`'s, the variant's own: a rotation does not commute with a per-feature scale
+        moved from the keys to the queries (shared's `qkv` moves dk), so the cheaper form would be
+        another model. The values come scaled, and there is no output scale."""
+        if rotary is None:
+            q, k, v = self.qkv(x)
+            scale = self.output_scale()
+        else:
+            q, k, v = self.paper_qkv(x)
+            q, k = apply_rotary(q, k, rotary)
+            scale = None
         y = self.kernel(q, k, v, mask)  # (B, H, S, Dh)
-        return self.out_proj(self.merge_heads(y, rows), input_scale=self.output_scale())
+        return self.out_proj(self.merge_heads(y, rows), input_scale=scale)
 
 
 def pack_state_dict(
@@ -543,3 +557,59 @@ class PairwiseAttention(SelfAttention):
         q, v = self.split_packed_heads(self.in_proj(x), 2)  # 2 x (B, H, S, Dh)
         k = q @ self.pair.transpose(-1, -2)  # (B, H, S, Dh): q_i . k_j = q_i U q_j^T
         return q, k, v
+
+
+# ---- baselines of later QKV-sharing work (ours: not variants of the paper) ----------------------
+
+
+@register_attention("qkv_single")
+class SingleProjectionAttention(SelfAttention):
+    """Q = K = V = S = X Ws + bs: one projection and no diagonal scales, i.e. the shared variant
+    with dq = dk = dv fixed at 1 (ours: a baseline from later QKV-sharing work, not the paper's).
+
+    The bias follows `config.shared_bias`, as the shared variant's, so a shared layer with ones
+    on its diagonals computes the same function from the same Ws and bs."""
+
+    qkv_plan = {"proj": "column"}  # rank r holds the rows of Ws, bs for its heads
+    # keeps S only for backward: the queries, keys and values are one tensor
+    activation_units = 30
+    table_forms = {"qkv_single, no bs": {"shared_bias": False}}
+
+    @classmethod
+    def closed_form_qkv_params(cls, config: SWBertConfig) -> int:
+        d = config.hidden_size
+        return d * d + (d if config.shared_bias else 0)  # Ws and bs
+
+    def __init__(self, config: SWBertConfig) -> None:
+        super().__init__(config)
+        d = config.hidden_size
+        self.proj = nn.Linear(d, d, bias=config.shared_bias)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.split_heads(self.proj(x))  # (B, H, S, Dh)
+        return s, s, s
+
+
+@register_attention("kv_shared")
+class SharedKeyValueAttention(SelfAttention):
+    """Q = X Wq + bq;  K = V = X Wkv + bkv: the queries keep their own projection, the keys and
+    values share one (ours: a baseline from later QKV-sharing work, not the paper's). Wq, Wkv are
+    one (2d x d) GEMM, head-interleaved (H, 2, Dh) rows, as symmetric's Wq, Wv."""
+
+    qkv_plan = {"in_proj": "column"}  # by heads: each rank's rows hold whole heads' Wq, Wkv
+    packed = {"in_proj": ("q_proj", "kv_proj")}
+    activation_units = 32  # keeps Q and K = V: no separate values
+
+    @classmethod
+    def closed_form_qkv_params(cls, config: SWBertConfig) -> int:
+        d = config.hidden_size
+        return 2 * (d * d + d)  # Wq, Wkv and their biases
+
+    def __init__(self, config: SWBertConfig) -> None:
+        super().__init__(config)
+        d = config.hidden_size
+        self.in_proj = nn.Linear(d, 2 * d)  # [Wq; Wkv] head-interleaved, (H, 2, Dh) rows
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, kv = self.split_packed_heads(self.in_proj(x), 2)  # 2 x (B, H, S, Dh)
+        return q, kv, kv

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 from typing import Any, Literal
 
 from transformers import PretrainedConfig
@@ -13,6 +14,8 @@ from swbert.models.attention import attention_class
 # The paper's four variants, for type hints and docs. Which names are valid is the registry's say
 # (`swbert.models.attention.attention_types()`), so a registered fifth variant is accepted too.
 AttentionType = Literal["standard", "shared", "symmetric", "pairwise"]
+PositionEmbedding = Literal["learned", "rope"]
+POSITION_EMBEDDINGS: tuple[str, ...] = ("learned", "rope")
 
 HEAD_DIM = 64  # head width of the layers x width sizes below (BERT's)
 
@@ -88,7 +91,7 @@ class SWBertConfig(PretrainedConfig):
         hidden_act: str = "gelu",  # MLP activation (exact erf GELU, as BERT)
         hidden_dropout_prob: float = 0.1,  # dropout on embeddings and on each residual branch
         attention_probs_dropout_prob: float = 0.1,  # dropout on attention probabilities
-        max_position_embeddings: int = 512,  # learned absolute positions
+        max_position_embeddings: int = 512,  # learned positions' rows (rope: the longest sequence meant)
         type_vocab_size: int = 2,  # segment (token type) embeddings
         initializer_range: float = 0.02,  # std of the normal init of weights
         layer_norm_eps: float = 1e-12,  # LayerNorm epsilon (BERT's value)
@@ -103,6 +106,12 @@ class SWBertConfig(PretrainedConfig):
         # GEMM-friendly decoder shapes, divisible by tensor-parallel sizes. Rows from vocab_size on
         # are never inputs and never predicted (logits end at vocab_size); exports drop them.
         pad_vocab_multiple: int = 1,
+        # "learned" (BERT's table of max_position_embeddings rows) or "rope" (ours: rotary, no table;
+        # each head's Q and K rotated by position, transformers' rotate-half; swbert.models.positions)
+        position_embedding: PositionEmbedding | str = "learned",
+        rope_theta: float = 10000.0,  # rotary base (ours; RoFormer's 10000): larger for longer contexts
+        local_attention_window: int | None = None,  # ours, ModernBERT's: total window, W/2 each side; 0: off
+        global_attention_every: int = 3,  # with a window: layer i global when i % this == 0 (ModernBERT: 3)
         **kwargs: Any,
     ) -> None:
         self.vocab_size = vocab_size
@@ -121,6 +130,9 @@ class SWBertConfig(PretrainedConfig):
         self.attention_type = attention_type
         self.shared_bias = shared_bias
         self.pad_vocab_multiple = pad_vocab_multiple
+        self.position_embedding, self.rope_theta = position_embedding, rope_theta
+        self.local_attention_window = local_attention_window or None  # 0 is none: configs compare equal
+        self.global_attention_every = global_attention_every
         kwargs.setdefault("tie_word_embeddings", True)
         # Older swbert wrote the inner attention kernel into every config (`"attention_kernel":
         # "sdpa"`); every kernel computes the same function and none is a setting now, so a folder
@@ -163,6 +175,60 @@ class SWBertConfig(PretrainedConfig):
             )
         if not isinstance(self.shared_bias, bool):
             raise ValueError(f"shared_bias={self.shared_bias!r} must be true or false")
+        self._check_positions()
+        self._check_local_attention()
+
+    def _check_positions(self) -> None:
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(
+                f"position_embedding={self.position_embedding!r} is not one of {', '.join(POSITION_EMBEDDINGS)}"
+            )
+        if self.position_embedding == "rope" and self.head_dim % 2:
+            raise ValueError(
+                f"position_embedding=rope needs an even head dimension, got hidden_size={self.hidden_size} / "
+                f"num_attention_heads={self.num_attention_heads} = {self.head_dim}; change either, or use learned"
+            )
+        theta = self.rope_theta
+        if (
+            isinstance(theta, bool)
+            or not isinstance(theta, (int, float))
+            or not math.isfinite(theta)
+            or theta <= 1
+        ):
+            raise ValueError(
+                f"rope_theta={theta!r} must be a finite number above 1 (the rotary base, e.g. 10000)"
+            )
+
+    def _check_local_attention(self) -> None:
+        window, every = self.local_attention_window, self.global_attention_every
+        if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
+            raise ValueError(
+                f"global_attention_every={every!r} must be a positive integer (every Nth layer global, e.g. 3)"
+            )
+        if window is None:
+            return
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0 or window % 2:
+            raise ValueError(
+                f"local_attention_window={window!r} must be an even number of tokens (a total window, half "
+                "each side, as ModernBERT's 128), or 0/none for global attention only"
+            )
+
+    def attention_window(self, layer: int) -> int | None:
+        """Keys each side that a query of encoder layer `layer` sees, or None where it attends globally
+        (no window, or every `global_attention_every`th layer from layer 0, as ModernBERT)."""
+        if not self.local_attention_window or layer % self.global_attention_every == 0:
+            return None
+        return self.local_attention_window // 2
+
+    def bert_differences(self) -> list[str]:
+        """The settings that take this model away from BERT's architecture beside its attention variant
+        (a transformers BertModel has neither): empty for BERT's learned positions and global attention."""
+        out = []
+        if self.position_embedding != "learned":
+            out.append(f"position_embedding={self.position_embedding}")
+        if any(self.attention_window(i) is not None for i in range(self.num_hidden_layers)):
+            out.append(f"local_attention_window={self.local_attention_window}")
+        return out
 
     @classmethod
     def from_size(cls, name: str, **overrides: Any) -> SWBertConfig:

@@ -10,7 +10,9 @@ w the weight entries of the Q/K/V projections, one layer's forward FLOPs per tok
 
     2 w + 2 d^2 (output projection) + 4 d f (MLP) + 4 s d (Q K^T and A V)
 
-which is 24 d^2 + 4 s d for `standard` and 20 d^2 + 4 s d for `shared` when f = 4d.
+which is 24 d^2 + 4 s d for `standard` and 20 d^2 + 4 s d for `shared` when f = 4d; for our
+baselines, 20 d^2 + 4 s d for `qkv_single` (one d x d projection, as shared without its scalings)
+and 22 d^2 + 4 s d for `kv_shared` (Wq and the shared Wkv, as symmetric's Wq and Wv).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def layer_params(config: SWBertConfig) -> int:
 def embedding_params(config: SWBertConfig) -> int:
     d = config.hidden_size
     # the word table's padded rows (config.pad_vocab_multiple) are parameters too, though never trained
-    tables = config.padded_vocab_size + config.max_position_embeddings + config.type_vocab_size
+    positions = config.max_position_embeddings if config.position_embedding == "learned" else 0  # rope: none
+    tables = config.padded_vocab_size + positions + config.type_vocab_size
     return tables * d + 2 * d
 
 

@@ -21,6 +21,7 @@ from transformers.modeling_outputs import (
 from swbert.models.attention import Mask, Rows, SelfAttention, build_attention
 from swbert.models.config import SWBertConfig
 from swbert.models.hf_weights import register_hf_weight_conversions
+from swbert.models.positions import Rotary, RotaryEmbedding, local_attention_mask
 from swbert.models.varlen import SeqLens, pad_by_seqlens
 
 IGNORE_INDEX = -100
@@ -53,7 +54,9 @@ def _pad_vocab(module: nn.Embedding | nn.Linear, config: SWBertConfig) -> nn.Mod
 
 
 class Embeddings(nn.Module):
-    """Word + learned position + token type embeddings, then LayerNorm and dropout."""
+    """Word + learned position + token type embeddings, then LayerNorm and dropout. With rotary
+    positions (config.position_embedding "rope") there is no position table: the attention layers
+    rotate their queries and keys instead (swbert.models.positions)."""
 
     def __init__(self, config: SWBertConfig) -> None:
         super().__init__()
@@ -61,7 +64,8 @@ class Embeddings(nn.Module):
         # config.padded_vocab_size rows: the ones past vocab_size are never looked up
         word = nn.Embedding(config.vocab_size, d, padding_idx=config.pad_token_id)
         self.word_embeddings = _pad_vocab(word, config)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, d)
+        learned = config.position_embedding == "learned"
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, d) if learned else None
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, d)
         self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
@@ -75,20 +79,23 @@ class Embeddings(nn.Module):
     ) -> torch.Tensor:
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)  # (B, S, d)
-        S = inputs_embeds.shape[1]
-        if position_ids is None and S > self.position_embeddings.num_embeddings:
-            raise ValueError(
-                f"sequence length {S} exceeds max_position_embeddings="
-                f"{self.position_embeddings.num_embeddings}"
-            )
-        if position_ids is None:
-            position_ids = torch.arange(S, device=inputs_embeds.device)[None]  # (1, S)
-        x = inputs_embeds + self.position_embeddings(position_ids)
+        x = inputs_embeds
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(self._position_ids(position_ids, x))
         if token_type_ids is None:
             x = x + self.token_type_embeddings.weight[0]  # every token in segment 0
         else:
             x = x + self.token_type_embeddings(token_type_ids)
         return self.dropout(self.norm(x))
+
+    def _position_ids(self, position_ids: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        """The given ids, or 0..S-1 when the sequence fits the learned table (an error otherwise)."""
+        if position_ids is not None:
+            return position_ids
+        S, rows = x.shape[1], self.position_embeddings.num_embeddings
+        if S > rows:
+            raise ValueError(f"sequence length {S} exceeds max_position_embeddings={rows}")
+        return torch.arange(S, device=x.device)[None]  # (1, S)
 
 
 class MLP(nn.Module):
@@ -113,11 +120,15 @@ class Block(nn.Module):
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, x: torch.Tensor, mask: Mask = None, rows: Rows | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask: Mask = None, rows: Rows | None = None, rotary: Rotary | None = None
+    ) -> torch.Tensor:
         """(B, S, d) -> (B, S, d); with `rows` (batch and position indices) only those positions,
         (N, d). Every position still serves as a key and a value; what is saved is the output
-        projection, residual, LayerNorms and MLP on the positions not kept."""
-        a = self.attn(x, mask, rows)
+        projection, residual, LayerNorms and MLP on the positions not kept. `rotary`: the (cos, sin)
+        of rotary positions (swbert.models.positions), None with learned ones."""
+        # learned positions call the attention as before, so a forward written for (x, mask, rows) runs
+        a = self.attn(x, mask, rows) if rotary is None else self.attn(x, mask, rows, rotary)
         if rows is not None:
             x = x[rows]  # (N, d)
         x = self.attn_norm(x + self.dropout(a))
@@ -127,11 +138,14 @@ class Block(nn.Module):
 
 class Encoder(nn.Module):
     """The blocks in order. Activation checkpointing is applied per block from outside
-    (`swbert.training.wrappers`), as every other wrapper is."""
+    (`swbert.training.wrappers`), as every other wrapper is. With local attention
+    (config.local_attention_window) the layers that `config.attention_window` makes local read
+    the local mask, the others the global one."""
 
     def __init__(self, config: SWBertConfig) -> None:
         super().__init__()
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
+        self.local_layers = [config.attention_window(i) is not None for i in range(config.num_hidden_layers)]
 
     def forward(
         self,
@@ -139,9 +153,12 @@ class Encoder(nn.Module):
         mask: Mask = None,
         output_hidden_states: bool = False,
         output_rows: torch.Tensor | Rows | None = None,
+        rotary: Rotary | None = None,
+        local_mask: Mask = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """`output_rows`: the last layer computes only those positions (see `Block`), given as a
-        (B, S) bool mask or as (batch indices, positions); indices cost no device-to-host sync."""
+        (B, S) bool mask or as (batch indices, positions); indices cost no device-to-host sync.
+        `rotary`: every layer's (cos, sin); `local_mask`: the local layers' mask (`SWBertModel`)."""
         hidden_states = (x,) if output_hidden_states else None
         kept = output_rows
         if isinstance(output_rows, torch.Tensor):  # a mask: its indices, found once (one host sync)
@@ -149,7 +166,7 @@ class Encoder(nn.Module):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             rows = kept if i == last else None
-            x = layer(x, mask, rows)
+            x = layer(x, local_mask if self.local_layers[i] else mask, rows, rotary)
             if output_hidden_states:
                 hidden_states = hidden_states + (x,)
         return x, hidden_states
@@ -200,8 +217,11 @@ class SWBertPreTrainedModel(PreTrainedModel):
         For `shared`, dq*dk becomes one vector on the query side and dv moves into the output
         projection (`SharedAttention.fold_for_inference`); the other variants have nothing to fold.
         Eval outputs are unchanged up to float rounding. Fold after loading weights, not before
-        training: a folded shared layer leaves dk and dv unused.
+        training: a folded shared layer leaves dk and dv unused. With rotary positions nothing is
+        folded: the rotation does not commute with moving dk to the queries (`SelfAttention.forward`).
         """
+        if self.config.position_embedding == "rope":
+            return self.eval()
         for module in self.modules():
             if isinstance(module, SelfAttention):
                 module.fold_for_inference()
@@ -270,6 +290,8 @@ class SWBertModel(SWBertPreTrainedModel):
     def __init__(self, config: SWBertConfig, add_pooling_layer: bool = True) -> None:
         super().__init__(config)
         self.embeddings = Embeddings(config)
+        rope = config.position_embedding == "rope"
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta) if rope else None
         self.encoder = Encoder(config)
         self.pooler = Pooler(config) if add_pooling_layer else None
         self.post_init()
@@ -313,9 +335,11 @@ class SWBertModel(SWBertPreTrainedModel):
             input_ids, token_type_ids, position_ids, inputs_embeds = _as_stream(
                 seqlens, input_ids, token_type_ids, position_ids, inputs_embeds
             )
+        shape = (input_ids if input_ids is not None else inputs_embeds).shape[:2]  # (B, S) or (1, T)
         x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (B, S, d) or (1, T, d)
         mask = seqlens if seqlens is not None else key_padding_mask(attention_mask)
-        x, hidden_states = self.encoder(x, mask, output_hidden_states, output_rows)
+        rotary, local_mask = self._position_inputs(shape, position_ids, mask, x.device)
+        x, hidden_states = self.encoder(x, mask, output_hidden_states, output_rows, rotary, local_mask)
         if seqlens is not None and output_rows is None:
             x = x[0]  # (T, d)
         starts = None if seqlens is None else seqlens.starts()
@@ -323,6 +347,20 @@ class SWBertModel(SWBertPreTrainedModel):
         return BaseModelOutputWithPooling(
             last_hidden_state=x, pooler_output=pooled, hidden_states=hidden_states
         )
+
+    def _position_inputs(
+        self, shape: tuple[int, ...], position_ids: torch.Tensor | None, mask: Mask, device: torch.device
+    ) -> tuple[Rotary | None, Mask]:
+        """The encoder's rotary (cos, sin) and the local layers' mask, made once for every layer from
+        the whole sequence (before sequence parallelism splits the activations): None where off."""
+        rotary = local_mask = None
+        if self.rotary is not None:
+            if position_ids is None:  # a padded batch: 0..S-1 (an unpadded stream's restart per sequence)
+                position_ids = torch.arange(shape[1], device=device)[None]  # (1, S)
+            rotary = self.rotary(position_ids)  # (B or 1, 1, S, Dh) each
+        if any(self.encoder.local_layers):  # one band for every local layer: half the window each side
+            local_mask = local_attention_mask(mask, shape[1], self.config.local_attention_window // 2, device)
+        return rotary, local_mask
 
     def _seqlens(
         self, cu_seqlens: torch.Tensor, max_seqlen: int | None, attention_mask: torch.Tensor | None
@@ -335,7 +373,8 @@ class SWBertModel(SWBertPreTrainedModel):
         if max_seqlen is None:
             raise ValueError("cu_seqlens needs max_seqlen, the longest sequence's length")
         seqlens = SeqLens(cu_seqlens, max_seqlen)
-        seqlens.check_positions(self.config.max_position_embeddings)
+        if self.config.position_embedding == "learned":  # rotary positions have no table to run past
+            seqlens.check_positions(self.config.max_position_embeddings)
         return seqlens
 
 

@@ -177,7 +177,7 @@ def model_card(config: SWBertConfig) -> str:
     ]
     from swbert.models.attention import attention_class
 
-    if attention_class(config.attention_type).bert_equivalent:
+    if attention_class(config.attention_type).bert_equivalent and not config.bert_differences():
         lines += [
             "## As transformers' BertForMaskedLM",
             "",
@@ -195,9 +195,10 @@ def model_card(config: SWBertConfig) -> str:
             "",
         ]
     else:
+        what = ", ".join([f"the `{config.attention_type}` attention", *config.bert_differences()])
         lines += [
-            f"The `{config.attention_type}` attention has no transformers equivalent, so this model has",
-            "no BertForMaskedLM conversion; the code in this folder is the reference.",
+            f"This model ({what}) has no transformers BERT equivalent, so it has no",
+            "BertForMaskedLM conversion; the code in this folder is the reference.",
             "",
         ]
     return "\n".join(lines)

@@ -10,7 +10,9 @@ The attention kernel is the only place that sees the difference (`varlen_attenti
 variable-length flash kernel (flash-attn's varlen when importable, which has dropout; else
 `torch.nn.attention.varlen`, which has none and so serves only where attention dropout is off);
 elsewhere the reference, one dense kernel call per sequence, held equal to the padded path by
-tests/models/test_unpadded.py. `varlen_kernel(device)` says which one a device gets.
+tests/models/test_unpadded.py. `varlen_kernel(device)` says which one a device gets. Local attention
+layers get the boundaries with a band (`SeqLens.windowed`): the fused kernels as their `window_size`,
+the reference as a band mask on each sequence.
 """
 
 from __future__ import annotations
@@ -40,6 +42,18 @@ class SeqLens:
         self.cu_seqlens = cu_seqlens
         self.max_seqlen = int(max_seqlen)
         self._bounds: list[int] | None = None
+        # local attention: a query sees the keys of its sequence within this many positions each
+        # side (None: all of them); set by `windowed`
+        self.window: int | None = None
+        self._source: SeqLens | None = None  # the unwindowed boundaries whose host copy is shared
+
+    def windowed(self, half: int) -> SeqLens:
+        """The same boundaries for local attention layers: within each sequence, keys at most `half`
+        positions from the query. Shares the host copy of the bounds (still one sync per forward)."""
+        out = SeqLens(self.cu_seqlens, self.max_seqlen)
+        out.window = half
+        out._source = self
+        return out
 
     @property
     def num_seqs(self) -> int:
@@ -47,6 +61,8 @@ class SeqLens:
 
     def bounds(self) -> list[int]:
         """cu_seqlens on the host (one sync, once)."""
+        if self._source is not None:
+            return self._source.bounds()
         if self._bounds is None:
             self._bounds = self.cu_seqlens.tolist()
         return self._bounds
@@ -131,6 +147,13 @@ def pad_by_seqlens(x: torch.Tensor, seqlens: SeqLens, fill: float = 0.0) -> torc
     return out.index_put((seq, pos), x)
 
 
+def band_mask(length: int, half: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """(1, 1, L, L) bool, True where key j is within `half` positions of query i: local attention's
+    band (ModernBERT's `|i - j| <= window // 2`), for a kernel's boolean mask."""
+    index = torch.arange(length, device=device)
+    return ((index[:, None] - index[None, :]).abs() <= half)[None, None]
+
+
 # ---- the kernel -------------------------------------------------------------------------------------
 @functools.cache
 def _has_flash_attn() -> bool:
@@ -163,11 +186,13 @@ def _fused(
 ) -> torch.Tensor:
     """The fused kernel on (T, H, Dh) inputs."""
     cu, m = seqlens.cu_seqlens.int(), seqlens.max_seqlen
+    # both kernels take a band as (left, right): key j is seen by query i when i - left <= j <= i + right
+    window = (-1, -1) if seqlens.window is None else (seqlens.window, seqlens.window)
     if varlen_kernel(q.device, dropout_p) == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 
-        return flash_attn_varlen_func(q, k, v, cu, cu, m, m, dropout_p=dropout_p)
-    return _torch_varlen()(q, k, v, cu, cu, m, m)
+        return flash_attn_varlen_func(q, k, v, cu, cu, m, m, dropout_p=dropout_p, window_size=window)
+    return _torch_varlen()(q, k, v, cu, cu, m, m, window_size=window)
 
 
 def varlen_attention(
@@ -194,11 +219,13 @@ def varlen_attention(
 def per_sequence_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: SeqLens, dense: DenseAttention
 ) -> torch.Tensor:
-    """The reference: `dense` (unmasked) on each sequence's slice of the (1, H, T, Dh) stream."""
+    """The reference: `dense` on each sequence's slice of the (1, H, T, Dh) stream, unmasked, or with
+    the band of a local attention layer (`SeqLens.windowed`)."""
     bounds = seqlens.bounds()
     outs = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         if b > a:
             key = k[:, :, a:b]
-            outs.append(dense(q[:, :, a:b], key, key if v is k else v[:, :, a:b], None))  # (1, H, L, Dh)
+            band = None if seqlens.window is None else band_mask(b - a, seqlens.window, q.device)
+            outs.append(dense(q[:, :, a:b], key, key if v is k else v[:, :, a:b], band))  # (1, H, L, Dh)
     return torch.cat(outs, dim=2) if outs else q.new_empty(q.shape)

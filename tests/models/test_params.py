@@ -122,5 +122,5 @@ def test_the_training_config_sets_shared_bias():
 
     assert TrainConfig().shared_bias is True  # checkpoints trained so far have bs
     cfg = build_config("tiny_cpu", ["--shared-bias", "false"])
-    config = build_model_config(cfg, SimpleNamespace(vocab_size=96))
+    config = build_model_config(cfg, SimpleNamespace(vocab_size=96, special_ids=SimpleNamespace(pad=0)))
     assert config.shared_bias is False and count_attention_block(config) == 64 * 64 + 3 * 64

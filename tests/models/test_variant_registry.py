@@ -31,7 +31,7 @@ from swbert.scaling.grid import build_grid, estimate
 from swbert.scaling.memory import Layout, model_state_bytes, model_tensors, params_per_rank
 from swbert.scaling.report import line_style
 from swbert.training.config import TrainConfig
-from tests.model_helpers import PAPER_VARIANTS
+from tests.model_helpers import BUILTIN_VARIANTS, PAPER_VARIANTS
 from tests.parallel.test_parallel_harness import run_ranks, tiny_config
 from tests.parallel.test_parallel_model import _check_variant
 
@@ -72,12 +72,12 @@ def registered():
 
 
 def test_the_registry_accepts_the_new_name_everywhere_a_name_is_checked():
-    assert attention_types() == (*PAPER_VARIANTS, NAME)
+    assert attention_types() == (*BUILTIN_VARIANTS, NAME)
     assert attention_class(NAME) is KVGainAttention and KVGainAttention.attention_type == NAME
     assert SWBertConfig.from_size("tiny", attention_type=NAME).attention_type == NAME
     TrainConfig(size="tiny", attention_type=NAME).check()
     assert [p.attention for p in build_grid(["tiny"], [NAME], ["z0"])] == [NAME]
-    listed = f"standard, shared, symmetric, pairwise, {NAME}"
+    listed = f"{', '.join(BUILTIN_VARIANTS)}, {NAME}"
     with pytest.raises(ValueError, match=f"attention_type='nope' is not one of {listed}"):
         SWBertConfig(attention_type="nope")
     with pytest.raises(ValueError, match=f"attention_type='nope' is not one of {listed}"):
@@ -176,7 +176,7 @@ def test_the_builtin_closed_forms_equal_the_derived_counts(size):
 
 def test_plot_styles_follow_the_registration_order():
     assert [line_style(v) for v in PAPER_VARIANTS] == ["--", "-", ":", "-."]  # as before the registry
-    assert line_style(NAME) == "--" and line_style("not-registered") == "-"
+    assert line_style(NAME) == ":" and line_style("not-registered") == "-"  # the 7th: the cycle's 3rd
 
 
 def test_a_parameter_the_plan_does_not_place_is_refused():

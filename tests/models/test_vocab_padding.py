@@ -135,10 +135,13 @@ def test_pretraining_pads_to_128_by_default():
     from swbert.training.config import TrainConfig, build_config
 
     assert TrainConfig().pad_vocab_multiple == 128
-    built = build_model_config(build_config("tiny_cpu", []), SimpleNamespace(vocab_size=96))
+    built = build_model_config(
+        build_config("tiny_cpu", []), SimpleNamespace(vocab_size=96, special_ids=SimpleNamespace(pad=0))
+    )
     assert (built.vocab_size, built.padded_vocab_size) == (96, 128)  # the config keeps the tokenizer's
     off = build_model_config(
-        build_config("tiny_cpu", ["--pad-vocab-multiple", "1"]), SimpleNamespace(vocab_size=96)
+        build_config("tiny_cpu", ["--pad-vocab-multiple", "1"]),
+        SimpleNamespace(vocab_size=96, special_ids=SimpleNamespace(pad=0)),
     )
     assert off.padded_vocab_size == 96
     with pytest.raises(ValueError, match="pad_vocab_multiple=0 must be positive"):
