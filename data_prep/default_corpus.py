@@ -31,7 +31,7 @@ from data_prep.preprocess import preprocess
 from data_prep.train_tokenizer import train_tokenizer
 from swbert.data.corpus import open_corpus
 from swbert.data.manifest import MANIFEST_NAME, write_json_atomic
-from swbert.data.tokenizer import SPM_MODEL_NAME
+from swbert.data.tokenizer import SPM_MODEL_NAME, tokenizer_hash
 
 log = logging.getLogger("data_prep.default_corpus")
 CORPUS_NAME = "python-docs.jsonl"
@@ -137,6 +137,7 @@ def ensure_default_data(
     vocab_size: int = 8000,
     workers: int = 2,
     max_corpus_bytes: int | None = None,
+    tokenizer: str | Path | None = None,
 ) -> Path:
     """Build the default corpus, its tokenizer and its shards under `root` (`default_root()` when
     None), unless already there.
@@ -144,19 +145,22 @@ def ensure_default_data(
     Returns the data folder that `swbert.data.open_corpus` accepts. Idempotent, and safe to call
     from several processes at once: an exclusive lock on `root` makes one build while the others
     wait, then find it done. Every step is itself atomic or resumable, so a killed build
-    continues where it stopped. `max_corpus_bytes` truncates the corpus (for quick smoke runs).
+    continues where it stopped. `max_corpus_bytes` truncates the corpus (for quick smoke runs);
+    `tokenizer` (--tokenizer) replaces the trained one, into shards of its own (`shards-tok<hash>`).
     Worker processes are forked: call it before starting threads (the pretraining entry point calls
     it before any process group exists).
     """
     root = Path(root) if root is not None else default_root()
     root.mkdir(parents=True, exist_ok=True)
-    suffix = f"v{vocab_size}" + (f"-max{max_corpus_bytes}" if max_corpus_bytes else "")
+    suffix = f"v{vocab_size}" if tokenizer is None else f"tok{tokenizer_hash(tokenizer)[:12]}"
+    suffix += f"-max{max_corpus_bytes}" if max_corpus_bytes else ""
     corpus = (
         root
         / "corpus"
         / (CORPUS_NAME if not max_corpus_bytes else f"python-docs-max{max_corpus_bytes}.jsonl")
     )
-    tokenizer_dir, data_dir = root / f"tokenizer-{suffix}", root / f"shards-{suffix}"
+    tokenizer_dir = Path(tokenizer) if tokenizer is not None else root / f"tokenizer-{suffix}"
+    data_dir = root / f"shards-{suffix}"
     with open(root / ".build.lock", "w") as lock:
         if not locks_off():
             try:
@@ -173,7 +177,7 @@ def ensure_default_data(
             corpus.parent.mkdir(exist_ok=True)
             info = write_default_corpus(corpus, workers=workers, max_bytes=max_corpus_bytes)
             log.info("corpus: %(documents)d documents, %(bytes)d bytes (%(source)s)", info)
-        if not (tokenizer_dir / SPM_MODEL_NAME).is_file():
+        if tokenizer is None and not (tokenizer_dir / SPM_MODEL_NAME).is_file():
             train_tokenizer(
                 [str(corpus)], tokenizer_dir, vocab_size=vocab_size, threads=workers, overwrite=True
             )

@@ -57,7 +57,17 @@ from swbert.data.manifest import (
     shard_name,
     write_json_atomic,
 )
-from swbert.data.tokenizer import SPM_MODEL_NAME, TOKENIZER_INFO_NAME, tokenizer_hash
+from swbert.data.tokenizer import (
+    SPM_MODEL_NAME,
+    TOKENIZER_INFO_NAME,
+    hf_encoder,
+    is_swbert_tokenizer,
+    is_tokenizer_folder,
+    special_ids,
+    special_tokens,
+    tokenizer_folder_files,
+    tokenizer_hash,
+)
 
 log = logging.getLogger("data_prep.preprocess")
 DEFAULT_SHARD_BYTES = 16 << 20
@@ -72,7 +82,10 @@ USAGE = (
 class PreprocessConfig(cli.InputOptions):
     """The command line of `python -m data_prep.preprocess` (`swbert.cli`)."""
 
-    tokenizer: str  # tokenizer folder written by python -m data_prep.train_tokenizer
+    # tokenizer folder: one written by python -m data_prep.train_tokenizer, or a Hugging Face one
+    # (tokenizer.json and/or a WordPiece vocab.txt, with its tokenizer_config.json or
+    # special_tokens_map.json), whose own special tokens the manifest records
+    tokenizer: str
     output: str  # folder for the shards and manifest.json; re-running the same command resumes
     workers: int = DEFAULT_WORKERS  # worker processes, each tokenizing its own shards (default: CPUs - 1)
     # raw input bytes per shard, e.g. 16M; part of the manifest, since it decides where shards are cut
@@ -119,13 +132,19 @@ def _token_dtype(vocab_size: int) -> str:
 
 
 def _copy_tokenizer(tokenizer_dir: Path, output_dir: Path, expected_hash: str) -> Path:
-    """Keep a copy of the tokenizer next to the shards, so the folder is self-describing."""
+    """Keep a copy of the tokenizer next to the shards, so the folder is self-describing: swbert's
+    own folder whole, a Hugging Face one's tokenizer files (`tokenizer_folder_files`)."""
     target = output_dir / TOKENIZER_SUBDIR
-    if (target / SPM_MODEL_NAME).is_file() and tokenizer_hash(target) == expected_hash:
+    if is_tokenizer_folder(target) and tokenizer_hash(target) == expected_hash:
         return target
     tmp = output_dir / f".{TOKENIZER_SUBDIR}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(tokenizer_dir, tmp)
+    if is_swbert_tokenizer(tokenizer_dir):
+        shutil.copytree(tokenizer_dir, tmp)
+    else:
+        tmp.mkdir()
+        for name, data in tokenizer_folder_files(tokenizer_dir).items():
+            (tmp / name).write_bytes(data)
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target
@@ -135,22 +154,40 @@ def _plan(
     tokenizer_dir: Path, sources: list[Source], shard_bytes: int, valid_fraction: float, options: ReadOptions
 ) -> dict[str, Any]:
     """Everything that decides the shards' content; its hash identifies the run for resuming."""
+    tokenizer = _tokenizer_record(tokenizer_dir)
+    return {
+        "format": FORMAT,
+        "tokenizer": tokenizer,
+        "dtype": _token_dtype(tokenizer["vocab_size"]),
+        "inputs": [source.describe() for source in sources],
+        "config": {"shard_bytes": shard_bytes, "valid_fraction": valid_fraction, **asdict(options)},
+    }
+
+
+def _tokenizer_record(tokenizer_dir: Path) -> dict[str, Any]:
+    """The manifest's tokenizer record: its hash, vocabulary size and model type; for a Hugging
+    Face folder also its special tokens and their ids (swbert's own have the fixed ids, unrecorded,
+    so their shard folders keep their plan id)."""
+    tok_hash = tokenizer_hash(tokenizer_dir)
+    if not is_swbert_tokenizer(tokenizer_dir):
+        encoder = hf_encoder(tokenizer_dir)
+        vocab_size = max(encoder.get_vocab(with_added_tokens=True).values()) + 1
+        return {
+            "hash": tok_hash,
+            "vocab_size": vocab_size,
+            "model_type": type(encoder.model).__name__,  # WordPiece, BPE, Unigram
+            "special_ids": special_ids(tokenizer_dir).to_dict(),
+            "special_tokens": special_tokens(tokenizer_dir),
+        }
     import sentencepiece as spm
 
-    tok_hash = tokenizer_hash(tokenizer_dir)
     info_path = tokenizer_dir / TOKENIZER_INFO_NAME
     info = json.loads(info_path.read_text()) if info_path.is_file() else {}
     vocab_size = spm.SentencePieceProcessor(model_file=str(tokenizer_dir / SPM_MODEL_NAME)).get_piece_size()
     tokenizer = {"hash": tok_hash, "vocab_size": vocab_size, "model_type": info.get("model_type")}
     if info.get("lowercase"):  # recorded only when set, so cased shard folders keep their plan id
         tokenizer["lowercase"] = True
-    return {
-        "format": FORMAT,
-        "tokenizer": tokenizer,
-        "dtype": _token_dtype(vocab_size),
-        "inputs": [source.describe() for source in sources],
-        "config": {"shard_bytes": shard_bytes, "valid_fraction": valid_fraction, **asdict(options)},
-    }
+    return tokenizer
 
 
 def _check_settings(workers: int, valid_fraction: float, shard_bytes: int, tokenizer_dir: Path) -> None:
@@ -160,8 +197,9 @@ def _check_settings(workers: int, valid_fraction: float, shard_bytes: int, token
         raise InputError(f"--valid-fraction must be in [0, 1), not {valid_fraction}")
     if shard_bytes < 1:
         raise InputError(f"--shard-size must be positive, not {shard_bytes}")
-    try:
-        tokenizer_hash(tokenizer_dir)  # a missing tokenizer is reported before any input is read
+    try:  # a missing tokenizer, or one without a mask token, is reported before any input is read
+        special_ids(tokenizer_dir, "--tokenizer")
+        tokenizer_hash(tokenizer_dir)
     except ValueError as err:
         raise InputError(str(err)) from err
 
@@ -232,12 +270,12 @@ def preprocess(
     output_dir.mkdir(parents=True, exist_ok=True)
     run = _Run(output_dir, tokenizer_dir, sources, skipped_files, plan, plan_id, options, workers,
                num_tasks, task_index, progress)  # fmt: skip
-    spm_model = _set_up(run, overwrite)
-    if isinstance(spm_model, dict):  # already complete
+    ready = _set_up(run, overwrite)  # the tokenizer copy's folder, or the manifest of a complete run
+    if isinstance(ready, dict):  # already complete
         log.info("%s is already complete (its manifest.json matches these inputs and settings)", output_dir)
         elapsed = time.perf_counter() - started
-        return PreprocessResult(spm_model, output_dir, 0, len(spm_model["shards"]), elapsed, 0.0, 0, 0)
-    jobs = _jobs(run, spm_model, shard_bytes, valid_fraction)
+        return PreprocessResult(ready, output_dir, 0, len(ready["shards"]), elapsed, 0.0, 0, 0)
+    jobs = _jobs(run, ready, shard_bytes, valid_fraction)
     with OutputLock(output_dir, task_lock_name(task_index)) as task_lock:
         mine = [job for job in jobs if owns(job.index, num_tasks, task_index)]
         remove_stale_temporaries(output_dir, {job.name for job in mine})
@@ -249,18 +287,18 @@ def preprocess(
     return result
 
 
-def _jobs(run: _Run, spm_model: str, shard_bytes: int, valid_fraction: float) -> list[ShardJob]:
+def _jobs(run: _Run, tokenizer: str, shard_bytes: int, valid_fraction: float) -> list[ShardJob]:
     """Every shard of the plan, whichever task writes it (the plan does not depend on the tasks)."""
     return [
-        ShardJob(i, shard_name(i), chunk, run.sources[chunk.source], run.options, spm_model,
+        ShardJob(i, shard_name(i), chunk, run.sources[chunk.source], run.options, tokenizer,
                  run.plan["dtype"], valid_fraction, run.plan_id, str(run.output_dir))
         for i, chunk in enumerate(plan_chunks(run.sources, shard_bytes, run.options))
     ]  # fmt: skip
 
 
 def _set_up(run: _Run, overwrite: bool) -> str | dict[str, Any]:
-    """Under the folder's lock: the manifest when the folder is already complete, else the path of
-    the tokenizer copy, after checking what the folder holds and recording the plan and the tasks."""
+    """Under the folder's lock: the manifest when the folder is already complete, else the tokenizer
+    copy's folder, after checking what the folder holds and recording the plan and the tasks."""
     with OutputLock(run.output_dir, wait=run.lock_wait()):
         existing = check_existing(run.output_dir, run.plan, run.plan_id, run.tokenizer_dir, overwrite)
         if existing is not None:
@@ -271,7 +309,7 @@ def _set_up(run: _Run, overwrite: bool) -> str | dict[str, Any]:
             write_json_atomic(run.output_dir / PLAN_NAME, {**run.plan, "plan_id": run.plan_id})
         with disk_full_named(run.output_dir, f"the tokenizer copy ({TOKENIZER_SUBDIR}/)"):
             tokenizer = _copy_tokenizer(run.tokenizer_dir, run.output_dir, run.plan["tokenizer"]["hash"])
-    return str(tokenizer / SPM_MODEL_NAME)
+    return str(tokenizer)
 
 
 def _write(run: _Run, jobs: list[ShardJob], lock: OutputLock) -> tuple[set[str], int, tuple[float, int, int]]:

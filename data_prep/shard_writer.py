@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from data_prep.documents import DocumentReader, Piece
 from data_prep.sources import Chunk, ReadOptions, Source
 from swbert.data._megatron import indexed_dataset
 from swbert.data.manifest import SPLITS, shard_prefix, write_json_atomic
+from swbert.data.tokenizer import SPM_MODEL_NAME, hf_encoder, is_swbert_tokenizer
 from swbert.fsutil import fsync_path
 
 BATCH_CHARS = 1 << 20  # text tokenized per SentencePiece call: the worker's memory bound
@@ -29,7 +31,7 @@ class ShardJob:
     chunk: Chunk
     source: Source
     options: ReadOptions
-    spm_model: str
+    tokenizer: str  # the tokenizer folder (the copy beside the shards)
     dtype: str
     valid_fraction: float
     plan_id: str
@@ -100,6 +102,25 @@ class _AsNumpy:
         return self.array
 
 
+def encoder(tokenizer_dir: str) -> Callable[[list[str]], list[list[int]]]:
+    """Texts to token ids, without special tokens: SentencePiece for swbert's own tokenizers, else
+    the Hugging Face folder's `tokenizers` pipeline, with special-token text (a literal "[SEP]")
+    encoded as text, never as the special id packing and masking give their own meaning."""
+    if is_swbert_tokenizer(tokenizer_dir):
+        import sentencepiece as spm
+
+        return spm.SentencePieceProcessor(
+            model_file=str(Path(tokenizer_dir) / SPM_MODEL_NAME), num_threads=1
+        ).encode
+    tokenizer = hf_encoder(tokenizer_dir)
+    tokenizer.encode_special_tokens = True
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    return encode
+
+
 def write_shard(job: ShardJob, report: Any = None, parent_pid: int | None = None) -> dict[str, Any]:
     """Tokenize `job.chunk` into `{name}.train` and `{name}.valid`, then write `{name}.json`.
 
@@ -107,11 +128,9 @@ def write_shard(job: ShardJob, report: Any = None, parent_pid: int | None = None
     worker killed at any point leaves a shard that the next run redoes. `report(docs, tokens,
     progress)` is called after every batch.
     """
-    import sentencepiece as spm
-
     stats: Counter = Counter()
     reader = DocumentReader(job.source, job.chunk, job.options, stats)
-    tokenizer = spm.SentencePieceProcessor(model_file=job.spm_model, num_threads=1)
+    encode = encoder(job.tokenizer)
     out_dir = Path(job.output_dir)
     writers = {
         split: _SplitWriter(shard_prefix(out_dir, job.name, split), np.dtype(job.dtype).type)
@@ -124,7 +143,7 @@ def write_shard(job: ShardJob, report: Any = None, parent_pid: int | None = None
 
     def flush() -> None:
         nonlocal split_of_doc
-        for piece, ids in zip(batch, tokenizer.encode([p.text for p in batch])):
+        for piece, ids in zip(batch, encode([p.text for p in batch])):
             if piece.first:
                 split_of_doc = "valid" if in_valid_split(piece.text, job.valid_fraction) else "train"
             if piece.first and piece.last and not ids:  # e.g. only characters the normalizer drops

@@ -21,7 +21,7 @@ from data_prep import cli
 from swbert.cli import parse_or_exit
 from swbert.data._megatron import indexed_dataset
 from swbert.data.manifest import SPLITS, TOKENIZER_SUBDIR, read_manifest, shard_prefix
-from swbert.data.tokenizer import SPM_MODEL_NAME, tokenizer_hash
+from swbert.data.tokenizer import SPM_MODEL_NAME, is_tokenizer_folder, tokenizer_hash
 
 log = logging.getLogger("data_prep.verify")
 USAGE = "usage: python -m data_prep.verify DATA_DIR\n\n" + (__doc__ or "").split("\n\n")[0]
@@ -92,12 +92,12 @@ def verify_dir(data_dir: str | Path) -> tuple[list[str], dict[str, int]]:
     dtype = np.dtype(manifest["dtype"])
     vocab_size = int(manifest["tokenizer"]["vocab_size"])
     tok_dir = data_dir / TOKENIZER_SUBDIR
-    if not (tok_dir / SPM_MODEL_NAME).is_file():
-        problems.append(
-            f"{tok_dir / SPM_MODEL_NAME}: missing (the copy of the tokenizer the shards were made with)"
-        )
+    # swbert's own tokenizer is named by its spm.model; a Hugging Face one by its folder
+    named = tok_dir / SPM_MODEL_NAME if "special_ids" not in manifest["tokenizer"] else tok_dir
+    if not is_tokenizer_folder(tok_dir):
+        problems.append(f"{named}: missing (the copy of the tokenizer the shards were made with)")
     elif tokenizer_hash(tok_dir) != manifest["tokenizer"]["hash"]:
-        problems.append(f"{tok_dir / SPM_MODEL_NAME}: not the tokenizer the manifest names (sha256 differs)")
+        problems.append(f"{named}: not the tokenizer the manifest names (sha256 differs)")
     checked = {"shards": 0, "files": 0, "documents": 0, "tokens": 0}
     for shard in manifest["shards"]:
         checked["shards"] += 1

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
                 "data: the embedded default corpus under %s (no --data-dir; built on first use)",
                 default_root(),
             )
-            config.data_dir = str(ensure_default_data())
+            config.data_dir = str(ensure_default_data(tokenizer=config.tokenizer))
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

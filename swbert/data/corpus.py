@@ -15,8 +15,9 @@ from swbert.data.manifest import (
     Split,
     read_manifest,
     shard_prefix,
+    special_ids,
 )
-from swbert.data.tokenizer import SPM_MODEL_NAME, tokenizer_hash
+from swbert.data.tokenizer import is_tokenizer_folder, tokenizer_hash
 
 
 class Corpus:
@@ -35,8 +36,9 @@ class Corpus:
         self.manifest = manifest
         self.tokenizer_hash: str = manifest["tokenizer"]["hash"]
         self.vocab_size: int = int(manifest["tokenizer"]["vocab_size"])
+        self.special_ids = special_ids(manifest)  # [CLS], [SEP], [MASK], [PAD], [UNK] of its tokenizer
         tok_dir = data_dir / TOKENIZER_SUBDIR
-        self.tokenizer_dir: Path | None = tok_dir if (tok_dir / SPM_MODEL_NAME).is_file() else None
+        self.tokenizer_dir: Path | None = tok_dir if is_tokenizer_folder(tok_dir) else None
         # Empty shards have no data to map (numpy refuses to mmap an empty file).
         self.prefixes = [
             str(shard_prefix(data_dir, shard["name"], split))
@@ -193,9 +195,28 @@ def open_corpus(
             f"Preprocess the corpus with that tokenizer: {PREPROCESS_HINT.format(dir='NEW_DIR')}"
         )
     tok_dir = data_dir / TOKENIZER_SUBDIR
-    if (tok_dir / SPM_MODEL_NAME).is_file() and tokenizer_hash(tok_dir) != recorded:
+    if is_tokenizer_folder(tok_dir) and tokenizer_hash(tok_dir) != recorded:
         raise ValueError(
             f"{tok_dir} is not the tokenizer {data_dir / 'manifest.json'} names ({recorded[:12]}): "
             f"it was replaced after preprocessing. {verify_hint}"
         )
     return Corpus(data_dir, split, manifest)
+
+
+def check_tokenizer_matches(
+    tokenizer_dir: str | Path, data_dirs: list[str | Path], flag: str = "--tokenizer"
+) -> None:
+    """A one-line ValueError naming `flag` when a data folder's shards were made with another
+    tokenizer than `tokenizer_dir` (folders without a manifest yet are left to their own checks)."""
+    expected = tokenizer_hash(tokenizer_dir)
+    for data_dir in data_dirs:
+        try:
+            recorded = read_manifest(data_dir)["tokenizer"]["hash"]
+        except ValueError:
+            continue  # missing or damaged: the data's own checks say so, with what to run
+        if recorded != expected:
+            raise ValueError(
+                f"{flag} {tokenizer_dir} is not the tokenizer the shards of {data_dir} were made with "
+                f"({recorded[:12]}, not {expected[:12]}): drop {flag}, or preprocess the corpus with it: "
+                f"{PREPROCESS_HINT.format(dir='NEW_DIR').replace('TOKENIZER_DIR', str(tokenizer_dir))}"
+            )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from swbert.data.manifest import TOKENIZER_SUBDIR
-from swbert.data.tokenizer import SPM_MODEL_NAME
+from swbert.data.tokenizer import is_tokenizer_folder
 
 
 def prepare_data(data_dir: str | Path | None, flag: str = "--data-dir") -> Path:
@@ -23,9 +23,9 @@ def prepare_data(data_dir: str | Path | None, flag: str = "--data-dir") -> Path:
             f"{flag} {path} holds no manifest.json: make shards with "
             f"`python -m data_prep.preprocess --input FILES --tokenizer TOK_DIR --output {path}`"
         )
-    if not (path / TOKENIZER_SUBDIR / SPM_MODEL_NAME).is_file():  # else the export has no tokenizer
+    if not is_tokenizer_folder(path / TOKENIZER_SUBDIR):  # else the export has no tokenizer
         raise FileNotFoundError(
-            f"{flag} {path} has no {TOKENIZER_SUBDIR}/{SPM_MODEL_NAME} (the copy of the tokenizer the "
+            f"{flag} {path} has no {TOKENIZER_SUBDIR}/ tokenizer (the copy of the tokenizer the "
             f"shards were made with, which checkpoints and exports carry): copy that tokenizer folder to "
             f"{path / TOKENIZER_SUBDIR}, then check it with python -m data_prep.verify {path}"
         )

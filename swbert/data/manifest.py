@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
+from swbert.data.tokenizer import SpecialIds
+
 FORMAT = "swbert-shards/1"
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_SUBDIR = "tokenizer"
@@ -95,6 +97,30 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     return manifest
 
 
+def special_ids(manifest: dict[str, Any]) -> SpecialIds:
+    """The special ids the shards were made with: the tokenizer record's `special_ids` (a Hugging
+    Face tokenizer's own), else swbert's fixed ids (its own tokenizers; manifests written before
+    other tokenizers were supported have no record)."""
+    record = manifest["tokenizer"].get("special_ids")
+    return SpecialIds(**record) if record is not None else SpecialIds()
+
+
+def _special_ids_problem(tokenizer: dict[str, Any]) -> str | None:
+    """What is wrong with a tokenizer record's `special_ids` (absent is fine), or None."""
+    record = tokenizer.get("special_ids")
+    if record is None:
+        return None
+    roles = set(SpecialIds.__dataclass_fields__)
+    if not isinstance(record, dict) or set(record) != roles:
+        return f"its tokenizer's special_ids {record!r} do not name exactly {', '.join(sorted(roles))}"
+    for role, value in record.items():
+        if (value is not None or role != "unk") and not (
+            _is_count(value) and value < tokenizer["vocab_size"]
+        ):
+            return f"its tokenizer's special_ids give {role} {value!r}, not an id of its vocabulary"
+    return None
+
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -112,6 +138,8 @@ def _manifest_problem(manifest: dict[str, Any]) -> str | None:
         or not _is_count(tokenizer.get("vocab_size"))
     ):
         return "its tokenizer record (hash, vocab_size) is missing or malformed"
+    if problem := _special_ids_problem(tokenizer):
+        return problem
     if manifest.get("dtype") not in ("uint16", "int32"):
         return f"dtype {manifest.get('dtype')!r} is not uint16 or int32"
     shards = manifest.get("shards")

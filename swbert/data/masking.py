@@ -21,15 +21,21 @@ resumed run masks exactly as the uninterrupted one.
 
 Batches have static shapes, which a compiled step and the masked-LM head (gathering the
 predicted rows) need: `mlm_positions` / `mlm_labels` are (B, P) whatever the row's `k`.
+
+A masking-rate schedule (`MaskingRates`, ours) gives each sample the rate of the optimizer step it
+is drawn for, a pure function of its stream position; P is then sized for the larger rate.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from swbert.data.steps import BatchSchedule
 from swbert.data.tokenizer import MASK_ID, PAD_ID, SPECIAL_IDS
 
 IGNORE_INDEX = -100  # label of positions that are not predicted (ignored by the loss)
@@ -90,6 +96,28 @@ def resolve_max_predictions(seq_len: int, mlm_probability: float, max_prediction
     return max_predictions_per_seq
 
 
+@dataclass(frozen=True)
+class MaskingRates:
+    """The masking rate of a sample as a function of the optimizer step that draws it (ours; the paper
+    masks 15% throughout): linear from `start` at step 0 to `final` at the run's last step
+    (`total_steps - 1`), as some 2024-25 encoders go from 30% down to 15%. `steps` says which step
+    draws each stream position (the batch-size warm-up included)."""
+
+    start: float
+    final: float
+    total_steps: int
+    steps: BatchSchedule
+
+    def at_steps(self, steps: np.ndarray) -> np.ndarray:
+        """The rate at each (0-based) step; float64."""
+        progress = np.minimum(1.0, np.asarray(steps, dtype=np.float64) / max(1, self.total_steps - 1))
+        return self.start + (self.final - self.start) * progress
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        """The rate of the sample at each stream position; (B,) float64."""
+        return self.at_steps(self.steps.steps_of(positions))
+
+
 class MaskingCollator:
     """Stack sequences and mask them BERT-style with a fixed number of predictions per sequence.
 
@@ -117,6 +145,7 @@ class MaskingCollator:
         pad_token_id: int = PAD_ID,
         special_ids: Sequence[int] = SPECIAL_IDS,
         generator: torch.Generator | None = None,
+        rates: MaskingRates | None = None,
     ) -> None:
         if not 0.0 < mlm_probability < 1.0:
             raise ValueError(f"mlm_probability must be in (0, 1), not {mlm_probability}")
@@ -145,10 +174,25 @@ class MaskingCollator:
             raise ValueError(f"vocab_size={vocab_size} leaves no non-special token to draw")
         self.replacement_ids = torch.from_numpy(self._replacements)
         self.generator = generator
+        # a rate per sample from its stream position (`mask(..., positions=...)`); else mlm_probability
+        self.rates = rates
+
+    def highest_rate(self) -> float:
+        """The largest rate this collator masks at: what P must hold."""
+        scheduled = (self.rates.start, self.rates.final) if self.rates is not None else ()
+        return max((self.mlm_probability, *scheduled))
 
     def max_predictions(self, seq_len: int) -> int:
         """P for sequences of `seq_len` tokens (a ValueError naming `max_predictions_per_seq` if it cannot fit)."""
-        return resolve_max_predictions(seq_len, self.mlm_probability, self.max_predictions_per_seq)
+        return resolve_max_predictions(seq_len, self.highest_rate(), self.max_predictions_per_seq)
+
+    def at_fixed_rate(self, mlm_probability: float, seq_len: int) -> MaskingCollator:
+        """A copy that masks every sample at `mlm_probability`, with this collator's P at `seq_len`
+        (the same static shape: validation batches of a scheduled run)."""
+        fixed = copy.copy(self)
+        fixed.max_predictions_per_seq = self.max_predictions(seq_len)
+        fixed.mlm_probability, fixed.rates = mlm_probability, None
+        return fixed
 
     def __call__(
         self,
@@ -162,8 +206,11 @@ class MaskingCollator:
         keys = torch.randint(-(2**63), 2**63 - 1, (len(input_ids),), dtype=torch.int64, generator=gen)
         return self.mask(input_ids.numpy().astype(np.int64, copy=False), keys.numpy().view(np.uint64))
 
-    def mask(self, input_ids: np.ndarray, keys: np.ndarray) -> dict[str, torch.Tensor]:
-        """Mask `input_ids` (B, S) by the rows' 64-bit `keys` (B,); the input array is not modified."""
+    def mask(
+        self, input_ids: np.ndarray, keys: np.ndarray, positions: np.ndarray | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Mask `input_ids` (B, S) by the rows' 64-bit `keys` (B,); the input array is not modified.
+        With `rates`, each row at the rate of its stream position (`positions`, (B,))."""
         if input_ids.ndim != 2 or keys.shape != (input_ids.shape[0],):
             raise ValueError(
                 f"input_ids must be (B, S) and keys (B,), not {input_ids.shape} and {keys.shape}"
@@ -172,8 +219,9 @@ class MaskingCollator:
         predictions = self.max_predictions(seq_len)
         maskable = ~self._special_table[input_ids]  # (B, S)
         n = maskable.sum(axis=1)  # (B,)
+        rate = self.mlm_probability if self.rates is None or positions is None else self.rates(positions)
         # np.rint rounds half to even, as Python's round does.
-        k = np.where(n > 0, np.minimum(predictions, np.maximum(1, np.rint(n * self.mlm_probability))), 0)
+        k = np.where(n > 0, np.minimum(predictions, np.maximum(1, np.rint(n * rate))), 0)
         k = k.astype(np.int64)
 
         h = position_hashes(keys, seq_len)  # (B, S)

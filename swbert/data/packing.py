@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from swbert.data.corpus import Corpus
-from swbert.data.tokenizer import CLS_ID, SEP_ID
+from swbert.data.tokenizer import SEP_ID
 
 
 class PackedSequences(torch.utils.data.Dataset):
@@ -30,6 +30,7 @@ class PackedSequences(torch.utils.data.Dataset):
         self.corpus = corpus
         self.seq_len = seq_len
         self._content = seq_len - 2
+        self.cls_id, self.sep_id = corpus.special_ids.cls, corpus.special_ids.sep  # its tokenizer's
         lengths = corpus.doc_lengths.astype(np.int64)
         # Start of each document in the stream: previous lengths plus one [SEP] per document.
         self._doc_starts = np.concatenate(([0], np.cumsum(lengths + 1)[:-1])) if len(lengths) else lengths
@@ -65,16 +66,16 @@ class PackedSequences(torch.utils.data.Dataset):
         offset = stream - self._doc_starts[doc]  # (B, k) position within the document
         separator = offset == self.corpus.doc_lengths[doc]  # one past a document's end: its [SEP]
         out = np.empty((len(index), self.seq_len), dtype=np.int64)
-        out[:, 0] = CLS_ID
-        out[:, -1] = SEP_ID
+        out[:, 0] = self.cls_id
+        out[:, -1] = self.sep_id
         body = out[:, 1:-1]  # (B, k), a view
-        body[separator] = SEP_ID
+        body[separator] = self.sep_id
         text = ~separator
         body[text] = self.corpus.gather(doc[text], offset[text])
         return out
 
 
-def document_seqlens(input_ids: np.ndarray) -> tuple[torch.Tensor, int]:
+def document_seqlens(input_ids: np.ndarray, sep_id: int = SEP_ID) -> tuple[torch.Tensor, int]:
     """The documents of a packed batch (B, S) as the sequences of one token stream: `cu_seqlens`
     (int32, over the B x S tokens) and `max_seqlen`, for attention within each document only.
 
@@ -86,6 +87,6 @@ def document_seqlens(input_ids: np.ndarray) -> tuple[torch.Tensor, int]:
     batch, seq_len = input_ids.shape
     starts = np.zeros((batch, seq_len), dtype=bool)
     starts[:, 0] = True
-    starts[:, 2:] = input_ids[:, 1:-1] == SEP_ID  # the token after an inner [SEP]
+    starts[:, 2:] = input_ids[:, 1:-1] == sep_id  # the token after an inner [SEP]
     cu_seqlens = np.append(np.flatnonzero(starts), batch * seq_len).astype(np.int32)
     return torch.from_numpy(cu_seqlens), int(np.diff(cu_seqlens).max())

@@ -53,16 +53,17 @@ class MaskedStream:
         """The `count` masked samples at stream positions `[position, position + count)` (see MaskingCollator)."""
         indices = self.sampler.take(position, count)  # (B,)
         input_ids = self.sequences.get_batch(indices)  # (B, S)
-        keys = sample_keys(self.stream_seed, np.arange(position, position + count, dtype=np.int64))  # (B,)
-        return with_documents(self.collator.mask(input_ids, keys), input_ids, self.document_attention)
+        positions = np.arange(position, position + count, dtype=np.int64)  # (B,)
+        out = self.collator.mask(input_ids, sample_keys(self.stream_seed, positions), positions)
+        return with_documents(out, input_ids, self.document_attention, self.sequences.sep_id)
 
 
-def with_documents(out: dict, input_ids: np.ndarray, document_attention: bool) -> dict:
+def with_documents(out: dict, input_ids: np.ndarray, document_attention: bool, sep_id: int) -> dict:
     """`out` with the batch's documents as `cu_seqlens` and `max_seqlen` (a 0-d tensor: batches
     travel from the workers as one array) when attention stays within each document
     (`swbert.data.packing.document_seqlens`)."""
     if document_attention:
-        cu_seqlens, max_seqlen = document_seqlens(input_ids)
+        cu_seqlens, max_seqlen = document_seqlens(input_ids, sep_id)
         out["cu_seqlens"], out["max_seqlen"] = cu_seqlens, torch.tensor(max_seqlen)
     return out
 
@@ -119,8 +120,8 @@ class MixedStream:
             # a folder's draws among consecutive positions are consecutive draws of that folder
             sample[rows] = self.samplers[k].take(int(draw[rows][0]), int(rows.sum()))
             input_ids[rows] = self.folders[k].get_batch(sample[rows])
-        out = self.collator.mask(input_ids, sample_keys(self.stream_seed, positions))
-        out = with_documents(out, input_ids, self.document_attention)
+        out = self.collator.mask(input_ids, sample_keys(self.stream_seed, positions), positions)
+        out = with_documents(out, input_ids, self.document_attention, self.folders[0].sep_id)
         out["source"] = torch.from_numpy(folder)
         out["sample"] = torch.from_numpy(sample)
         return out

@@ -12,7 +12,13 @@ from torch import nn
 from swbert.runtime.extensions import StaleBuildLock, load_op
 
 OptimizerKind = Literal["auto", "torch_adamw", "fused_adam", "cpu_adam"]
-Schedule = Literal["linear", "cosine", "constant"]
+Schedule = Literal["linear", "cosine", "constant", "wsd", "one_minus_sqrt"]
+# Schedules that hold the peak LR after the warm-up and decay only in the last fraction of the run
+# (ours: the paper's schedule is BERT's linear decay). wsd decays linearly (warmup-stable-decay, as
+# MiniCPM: Hu et al. 2024); one_minus_sqrt decays as 1 - sqrt(progress) (Hägele et al. 2024, "Scaling
+# Laws and Compute-Optimal Training Beyond Fixed Training Durations").
+STABLE_THEN_DECAY = ("wsd", "one_minus_sqrt")
+DEFAULT_DECAY_FRACTION = 0.2  # ours: the last 20% of the steps, Hägele et al.'s usual choice
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -134,22 +140,39 @@ def fused_adam() -> type[torch.optim.Optimizer]:
     return FusedAdam
 
 
+def decay_start(total: int, warmup: int, schedule: Schedule, decay_fraction: float) -> int:
+    """The first step of the decay: right after the warm-up for linear and cosine; for the
+    stable-then-decay schedules, `round(decay_fraction x total)` steps before the end (at least one
+    step, never inside the warm-up)."""
+    if schedule not in STABLE_THEN_DECAY:
+        return warmup
+    return max(warmup, total - max(1, round(decay_fraction * total)))
+
+
 def lr_factor(
-    total: int, warmup: int, schedule: Schedule = "linear", floor: float = 0.0
+    total: int,
+    warmup: int,
+    schedule: Schedule = "linear",
+    floor: float = 0.0,
+    decay_fraction: float = DEFAULT_DECAY_FRACTION,
 ) -> Callable[[int], float]:
     """Multiplier of the peak LR at each step: linear warm-up over `warmup` steps, then linear or
-    cosine decay to `floor` at `total` (or constant)."""
+    cosine decay to `floor` at `total` (or constant); wsd and one_minus_sqrt stay at the peak until
+    `decay_start`, then decay to `floor` at `total`, linearly or as 1 - sqrt(progress)."""
     warmup = max(0, warmup)
+    start = decay_start(total, warmup, schedule, decay_fraction)
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        if schedule == "constant":
+        if schedule == "constant" or step < start:
             return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        progress = min(1.0, (step - start) / max(1, total - start))
         if schedule == "cosine":
             decay = 0.5 * (1 + math.cos(math.pi * progress))
-        else:
+        elif schedule == "one_minus_sqrt":
+            decay = 1.0 - math.sqrt(progress)
+        else:  # linear, wsd
             decay = 1.0 - progress
         return floor + (1 - floor) * decay
 
@@ -157,7 +180,14 @@ def lr_factor(
 
 
 def schedule_change(
-    old_total: int, new_total: int, step: int, lr: float, warmup: int, schedule: Schedule, floor: float
+    old_total: int,
+    new_total: int,
+    step: int,
+    lr: float,
+    warmup: int,
+    schedule: Schedule,
+    floor: float,
+    decay_fraction: float = DEFAULT_DECAY_FRACTION,
 ) -> str:
     """What a resume that changes the run's length (`--train-steps`, `--train-tokens`) does to the LR,
     in words: the schedule is a function of the total, so from the checkpoint's step on the LR follows
@@ -165,9 +195,15 @@ def schedule_change(
     decayed to its floor and is lifted back to where the longer schedule stands at that step."""
     if step >= new_total:
         return f"{new_total} steps instead of {old_total}, and the checkpoint is at step {step}: no step runs"
-    before = lr * lr_factor(old_total, warmup, schedule, floor)(step)
-    after = lr * lr_factor(new_total, warmup, schedule, floor)(step)
-    decay = {"linear": "decays linearly", "cosine": "follows the cosine"}.get(schedule)
+    before = lr * lr_factor(old_total, warmup, schedule, floor, decay_fraction)(step)
+    after = lr * lr_factor(new_total, warmup, schedule, floor, decay_fraction)(step)
+    start = decay_start(new_total, warmup, schedule, decay_fraction)
+    decay = {
+        "linear": "decays linearly",
+        "cosine": "follows the cosine",
+        "wsd": f"stays until step {start}, decays linearly from there",
+        "one_minus_sqrt": f"stays until step {start}, decays as 1 - sqrt(progress) from there",
+    }.get(schedule)
     then = (
         f"then {decay} to {lr * floor:.3g} at step {new_total}" if decay else "then stays (constant schedule)"
     )
@@ -183,6 +219,8 @@ def build_scheduler(
     warmup: int,
     schedule: Schedule = "linear",
     floor: float = 0.0,
+    decay_fraction: float = DEFAULT_DECAY_FRACTION,
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """`lr_factor` as a scheduler stepped once per optimizer step."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(total, warmup, schedule, floor))
+    factor = lr_factor(total, warmup, schedule, floor, decay_fraction)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -13,29 +13,21 @@ naming `python -m swbert.upgrade`, which copies that tokenizer into the run fold
 from __future__ import annotations
 
 import fnmatch
+import hashlib
+import json
 import logging
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-from swbert.data.tokenizer import SPM_MODEL_NAME, tokenizer_hash
+from swbert.data.tokenizer import HF_TOKENIZER_FILES, SPM_MODEL_NAME, tokenizer_hash
 from swbert.runtime.checkpoint_format import OutdatedCheckpoint, newest_complete, upgrade_command
 
 log = logging.getLogger(__name__)
 
 RUN_TOKENIZER_DIR = "tokenizer"
-TOKENIZER_NAMES = frozenset(
-    {
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "added_tokens.json",
-        "vocab.txt",
-        "vocab.json",
-        "merges.txt",
-    }
-)
+TOKENIZER_NAMES = frozenset(HF_TOKENIZER_FILES)
 TOKENIZER_PATTERNS = ("*.model", "*.vocab")  # SentencePiece: spm.model, and its piece list
 
 
@@ -149,3 +141,22 @@ def copy_tokenizer(folder: Path, output: Path, expected_hash: str | None = None)
     for item in files:
         shutil.copyfile(item, output / item.name)
     return [item.name for item in files]
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 of a Hugging Face tokenizer's vocabulary (token -> id): what a model's ids mean."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256("\n".join(f"{i}\t{t}" for t, i in vocab).encode()).hexdigest()
+
+
+def record_tokenizer(folder: Path) -> str:
+    """Write the fingerprint of `folder`'s tokenizer into its config.json (`tokenizer_sha256`), so that
+    fine-tuning refuses another tokenizer (swbert.finetune.checkpoint); returns it."""
+    from transformers import AutoTokenizer
+
+    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(folder)))
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_sha256"] = fingerprint
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return fingerprint

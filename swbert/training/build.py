@@ -252,9 +252,14 @@ def build_model_config(cfg: TrainConfig, data: TrainingData) -> SWBertConfig:
         shared_bias=cfg.shared_bias,
         pad_vocab_multiple=cfg.pad_vocab_multiple,
         vocab_size=data.vocab_size,
+        pad_token_id=data.special_ids.pad,
         max_position_embeddings=max(512, cfg.seq_len),
         hidden_dropout_prob=cfg.hidden_dropout,
         attention_probs_dropout_prob=cfg.attention_dropout,
+        position_embedding=cfg.position_embedding,
+        rope_theta=cfg.rope_theta,
+        local_attention_window=cfg.local_attention_window,
+        global_attention_every=cfg.global_attention_every,
     )
 
 
@@ -281,6 +286,10 @@ def run_record(
             "seed": cfg.seed,
             "seq_len": cfg.seq_len,
             "mlm_probability": cfg.mlm_probability,
+            # the masking-rate and batch-size schedules (ours; older checkpoints: none)
+            "mlm_probability_final": cfg.mlm_probability_final,
+            "batch_size_warmup_steps": cfg.batch_size_warmup_steps,
+            "batch_size_start": cfg.batch_size_start,
             "global_batch_size": cfg.global_batch_size,
             "precision": plan.precision,
             "zero_stage": plan.zero_stage,
@@ -288,6 +297,7 @@ def run_record(
             "max_predictions_per_seq": data.max_predictions_per_seq,
             # which tokens a position attends to (a checkpoint without the key predates the option: off)
             "document_attention": cfg.document_attention,
+            "rope_theta": cfg.rope_theta,  # context extension may raise it (--allow-resume-change rope_theta)
             # the optimizer: its kind cannot change (its state has another form); the rest is
             # applied to the restored optimizer when --allow-resume-change names it
             "optimizer": resolve_optimizer(cfg.optimizer, offloads_optimizer(plan.ds_config)),
@@ -363,7 +373,9 @@ def build_engine(
     # ZeRO 1-3 and fp16 check gradients for inf/NaN and skip; stage 0 in fp32/bf16 does not
     guard = skip_when_flagged(optimizer) if plan.zero_stage == 0 and plan.precision != "fp16" else None
     floor = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
-    scheduler = build_scheduler(optimizer, steps, cfg.warmup_steps, cfg.lr_schedule, floor)
+    scheduler = build_scheduler(
+        optimizer, steps, cfg.warmup_steps, cfg.lr_schedule, floor, cfg.lr_decay_fraction
+    )
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,
         optimizer=optimizer,

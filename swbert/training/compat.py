@@ -48,9 +48,15 @@ def check_compatible(
     return _check_run_settings(tag_dir, saved.get("run"), meta.get("run"), allow)
 
 
-# Model-config fields the training config sets that change the model's tensors, with the value a
-# checkpoint that does not record them was made with.
-MODEL_FIELDS = {"shared_bias": True, "pad_vocab_multiple": 1}
+# Model-config fields the training config sets that change the model's tensors or what attends to
+# what, with the value a checkpoint that does not record them was made with.
+MODEL_FIELDS = {
+    "shared_bias": True,
+    "pad_vocab_multiple": 1,
+    "position_embedding": "learned",
+    "local_attention_window": None,
+    "global_attention_every": 3,
+}
 
 
 def _check_model_fields(tag_dir: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:

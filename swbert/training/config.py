@@ -16,8 +16,10 @@ from typing import Any, Literal
 import yaml
 
 from swbert import cli
+from swbert.data.corpus import check_tokenizer_matches
 from swbert.data.masking import resolve_max_predictions
 from swbert.data.mix import check_mix_folders, parse_data_mix
+from swbert.data.tokenizer import special_ids
 from swbert.models.attention import attention_class
 from swbert.models.config import check_size
 from swbert.models.plugins import load_plugins
@@ -30,6 +32,7 @@ OPTIMIZER_SETTINGS = (
     "lr",
     "min_lr",
     "lr_schedule",
+    "lr_decay_fraction",
     "warmup_steps",
     "weight_decay",
     "adam_beta1",
@@ -42,10 +45,14 @@ RESUME_CHANGEABLE = (
     "seed",
     "seq_len",
     "mlm_probability",
+    "mlm_probability_final",
     "max_predictions_per_seq",
     "global_batch_size",
+    "batch_size_warmup_steps",
+    "batch_size_start",
     "precision",
     "document_attention",
+    "rope_theta",  # context extension: a longer seq_len with a larger rotary base
     *OPTIMIZER_SETTINGS,  # applied to the restored optimizer and schedule (Trainer._apply_optimizer_settings)
 )
 
@@ -65,6 +72,15 @@ class TrainConfig:
     # padded ids are never read nor predicted, and the export trims them
     pad_vocab_multiple: int = 128
     hidden_dropout: float = 0.1  # dropout on embeddings and residual branches
+    # positions (ours beyond BERT's learned table): learned | rope (rotary, no position table)
+    position_embedding: Literal["learned", "rope"] = "learned"
+    # rotary base (ours; 10000 as RoFormer): a resume at a longer seq_len may raise it (context
+    # extension, docs/pretraining.md; --allow-resume-change rope_theta)
+    rope_theta: float = 10000.0
+    # local attention (ours, ModernBERT's definition): a total window of this many tokens, half each
+    # side (128: 64 each side); 0 or none: global attention in every layer
+    local_attention_window: int | None = None
+    global_attention_every: int = 3  # with a window: layers 0, N, 2N, ... global, the others local
     attention_dropout: float = 0.1  # dropout on attention probabilities
     # data
     data_dir: str | None = None  # shards from data_prep.preprocess; None: the embedded default corpus
@@ -74,9 +90,13 @@ class TrainConfig:
     data_mix: list[str] = field(default_factory=list, metadata={"commas": False})
     seq_len: int = 128  # tokens per packed sequence, [CLS] and [SEP] included
     mlm_probability: float = 0.15  # fraction of tokens to predict (80% [MASK], 10% random, 10% kept)
+    # the masking rate at the run's last step (ours; None: mlm_probability throughout): a sample is
+    # masked at the rate of the step that draws it, linear from mlm_probability (0.30 -> 0.15, as some
+    # 2024-25 encoders); validation masks at this rate
+    mlm_probability_final: float | None = None
     # predicted positions per sequence, a static shape (the model gathers this many rows); each
     # sequence predicts round(mlm_probability x its maskable tokens) of them, the rest is padding.
-    # None: round(seq_len x mlm_probability), as NVIDIA's BERT
+    # None: round(seq_len x mlm_probability), as NVIDIA's BERT (the larger rate with mlm_probability_final)
     max_predictions_per_seq: int | None = None
     num_workers: int = 2  # loader worker processes per rank; 0 builds batches on the training thread
     # batch: global = micro x data-parallel ranks x accumulation; give any two of the three
@@ -85,11 +105,19 @@ class TrainConfig:
     # batch is smaller runs its share in one pass (lowered, logged; see batch_layout)
     micro_batch_size: int = 16
     grad_accum_steps: int | None = None  # derived from the other two when None
+    # batch-size warm-up (ours): the global batch rises linearly from batch_size_start at step 0 to
+    # global_batch_size at this step, rounded down to whole micro-batches per rank (fewer accumulated
+    # micro-batches per step; swbert.data.steps); 0: off
+    batch_size_warmup_steps: int = 0
+    batch_size_start: int | None = None  # sequences of step 0, over all ranks (with batch_size_warmup_steps)
     # optimisation
     optimizer: Literal["auto", "torch_adamw", "fused_adam", "cpu_adam"] = "auto"  # auto: fused AdamW on GPU
     lr: float = 1e-3  # peak learning rate, reached after the warm-up
     min_lr: float = 0.0  # floor of the decay
-    lr_schedule: Literal["linear", "cosine", "constant"] = "linear"  # decay after the warm-up, to min_lr
+    # decay after the warm-up, to min_lr; wsd (warmup-stable-decay, linear) and one_minus_sqrt (ours)
+    # hold lr until the last lr_decay_fraction of the steps (swbert.runtime.optim)
+    lr_schedule: Literal["linear", "cosine", "constant", "wsd", "one_minus_sqrt"] = "linear"
+    lr_decay_fraction: float = 0.2  # wsd / one_minus_sqrt: the last fraction of steps that decays (ours)
     warmup_steps: int = 100  # linear warm-up from 0 to lr
     weight_decay: float = 0.01  # not applied to biases, norms and the shared-attention diagonals
     adam_beta1: float = 0.9  # AdamW first-moment decay
@@ -121,6 +149,13 @@ class TrainConfig:
     resume: str = "none"  # none | auto (newest complete checkpoint in output_dir) | a checkpoint path
     max_nonfinite_steps: int = 5  # stop after this many skipped (non-finite) steps in a row
     export: bool = True  # write a Hugging Face folder at the end
+    # also write one from the checkpoint of every N-th step, to exports/step_N/ in the run folder (rank 0,
+    # listed in MLflow; ours); 0: off. A multiple of save_interval (an export is made from a checkpoint)
+    export_every: int = 0
+    # a tokenizer folder (Hugging Face tokenizer.json and/or WordPiece vocab.txt, or one data_prep.
+    # train_tokenizer wrote): without --data-dir, the default corpus is tokenized with it; with
+    # --data-dir (--data-mix), it must be the tokenizer the shards were made with. None: the data's
+    tokenizer: str | None = None
     mlflow: bool = True  # log to MLflow (MLFLOW_TRACKING_URI, else a SQLite store in output_dir)
     system_metrics: bool = True  # MLflow's system metrics (CPU, memory, disk, network; GPUs when present)
     progress_bar: bool = True  # a tqdm bar on rank 0
@@ -139,9 +174,10 @@ class TrainConfig:
     # required (an error on a GPU or with compile)
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
     # what a resume may change on purpose (comma-separated): data, seed, seq_len, mlm_probability,
-    # max_predictions_per_seq, global_batch_size, precision, and the optimizer's lr, min_lr,
-    # lr_schedule, warmup_steps, weight_decay, adam_beta1, adam_beta2, adam_eps (applied to the
-    # restored optimizer); a change of any other recorded setting (the optimizer kind too) is refused
+    # max_predictions_per_seq, global_batch_size, precision, rope_theta, and the optimizer's lr, min_lr,
+    # lr_schedule, lr_decay_fraction, warmup_steps, weight_decay, adam_beta1, adam_beta2, adam_eps
+    # (applied to the restored optimizer); the schedules' mlm_probability_final,
+    # batch_size_warmup_steps, batch_size_start (from the checkpoint's step on); a change of any other recorded setting (the optimizer kind too) is refused
     allow_resume_change: list[str] = field(default_factory=list)
 
     def check(self) -> None:
@@ -154,6 +190,8 @@ class TrainConfig:
         self._check_optimisation()
         self._check_data_mix()
         self._check_document_attention()
+        self._check_exports_and_tokenizer()
+        self._check_positions()
         for key in self.allow_resume_change:
             if key not in RESUME_CHANGEABLE:
                 close = difflib.get_close_matches(key, RESUME_CHANGEABLE, n=1)
@@ -161,9 +199,12 @@ class TrainConfig:
                     f"did you mean {close[0]!r}?" if close else f"choose from {', '.join(RESUME_CHANGEABLE)}"
                 )
                 raise ValueError(f"allow_resume_change: {key!r} is not a setting a resume may change; {hint}")
-        if not 0 < self.mlm_probability < 1:
-            raise ValueError(f"mlm_probability={self.mlm_probability} must be in (0, 1)")
-        resolve_max_predictions(self.seq_len, self.mlm_probability, self.max_predictions_per_seq)
+        for name in ("mlm_probability", "mlm_probability_final"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < 1:
+                raise ValueError(f"{name}={value} must be in (0, 1)")
+        rates = (self.mlm_probability, self.mlm_probability_final or 0.0)
+        resolve_max_predictions(self.seq_len, max(rates), self.max_predictions_per_seq)
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError(
                 "sequence_parallel: true needs tensor_parallel > 1 (it splits the activations between "
@@ -179,6 +220,36 @@ class TrainConfig:
             raise ValueError(
                 f"num_workers={self.num_workers} must be 0 (batches on the training thread) or more"
             )
+
+    def _check_positions(self) -> None:
+        """The model's position and local-attention fields, checked by the model config at this run's
+        size before any process starts, and a window no wider than the sequence."""
+        from swbert.models.config import SWBertConfig
+
+        SWBertConfig.from_size(
+            self.size,
+            attention_type=self.attention_type,
+            position_embedding=self.position_embedding,
+            rope_theta=self.rope_theta,
+            local_attention_window=self.local_attention_window,
+            global_attention_every=self.global_attention_every,
+        )
+        if self.local_attention_window and self.local_attention_window > self.seq_len:
+            raise ValueError(
+                f"local_attention_window={self.local_attention_window} is wider than seq_len={self.seq_len}; "
+                "give a window up to seq_len, or 0 for global attention"
+            )
+
+    def _check_exports_and_tokenizer(self) -> None:
+        if self.export_every < 0 or (self.export_every and self.export_every % self.save_interval):
+            raise ValueError(
+                f"export_every={self.export_every} must be 0 (off) or a multiple of save_interval="
+                f"{self.save_interval} (each export is made from the checkpoint of its step)"
+            )
+        if self.tokenizer is not None:  # a folder without a mask token fails here, before any work
+            special_ids(self.tokenizer, "--tokenizer")
+            folders = [e.path for e in parse_data_mix(self.data_mix)] if self.data_mix else [self.data_dir]
+            check_tokenizer_matches(self.tokenizer, [f for f in folders if f is not None])
 
     def _check_document_attention(self) -> None:
         if not self.document_attention:
@@ -228,16 +299,23 @@ class TrainConfig:
                 f"train_tokens={self.train_tokens} must be positive (a token budget); leave it out to "
                 "train --train-steps steps"
             )
-        for name in ("eval_batches", "warmup_steps"):  # 0: no validation; no warm-up
+        for name in ("eval_batches", "warmup_steps", "batch_size_warmup_steps"):  # 0: none
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be 0 or more")
+        start, full = self.batch_size_start, self.global_batch_size
+        if self.batch_size_warmup_steps and not (start is not None and 0 < start <= full):
+            raise ValueError(
+                f"batch_size_start={start} must be between 1 and global_batch_size={full}: the global "
+                "batch of step 0 of the batch-size warm-up; give --batch-size-start one"
+            )
 
     def _check_optimisation(self) -> None:
         """Rates and optimizer settings in the ranges where AdamW and the schedule mean something:
         finite first (inf passes `> 0`, and NaN fails every range with a misleading message)."""
         import math
 
-        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "adam_eps", "adam_beta1", "adam_beta2"):
+        finite = ("lr", "min_lr", "lr_decay_fraction", "weight_decay", "grad_clip", "adam_eps")
+        for name in (*finite, "adam_beta1", "adam_beta2"):
             value = getattr(self, name)
             if isinstance(value, (int, float)) and not math.isfinite(value):
                 flag = "--" + name.replace("_", "-")
@@ -247,6 +325,11 @@ class TrainConfig:
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(
                 f"min_lr={self.min_lr} must be between 0 and lr={self.lr} (the floor of the decay)"
+            )
+        if not 0 < self.lr_decay_fraction <= 1:
+            raise ValueError(
+                f"lr_decay_fraction={self.lr_decay_fraction} must be in (0, 1]: the last fraction of the "
+                "steps in which wsd and one_minus_sqrt decay; give --lr-decay-fraction one"
             )
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay={self.weight_decay} must be 0 or more")

@@ -22,7 +22,9 @@ from swbert.data.folder import prepare_data
 from swbert.data.integrity import CACHE_NAME, VerifyResult, verify_shards
 from swbert.data.loader import BatchLoader, batch_loader, resolve_num_workers
 from swbert.data.manifest import MANIFEST_NAME
+from swbert.data.masking import MaskingRates
 from swbert.data.mix import MixEntry, MixSchedule, check_mix_folders, window_counts
+from swbert.data.steps import BatchSchedule
 from swbert.data.stream import VALID_STREAM_OFFSET, MaskedStream, MixedStream, check_layout
 
 __all__ = ["TrainingData", "prepare_data", "resolve_num_workers", "verify_data"]
@@ -118,13 +120,32 @@ class TrainingData:
         )
         self.vocab_size = first.train.corpus.vocab_size
         self.tokenizer_dir = first.train.corpus.tokenizer_dir
+        self.special_ids = first.train.corpus.special_ids  # the tokenizer's, from the manifest
         self.collator = MaskingCollator(
-            self.vocab_size, mlm_probability=mlm_probability, max_predictions_per_seq=max_predictions_per_seq
+            self.vocab_size,
+            mlm_probability=mlm_probability,
+            max_predictions_per_seq=max_predictions_per_seq,
+            mask_token_id=self.special_ids.mask,
+            pad_token_id=self.special_ids.pad,
+            special_ids=self.special_ids.ids,
         )
         self.max_predictions_per_seq = self.collator.max_predictions(seq_len)  # P, resolved and checked
         self.seed = seed
         self.schedule = MixSchedule(window_counts([s.weight for s in self.sources]))
         self._train, self._valid = self._streams(seed, document_attention)
+
+    def schedule_masking(self, mlm_probability_final: float, total_steps: int, steps: BatchSchedule) -> None:
+        """The masking-rate schedule (ours): a training sample is masked at the rate of the optimizer
+        step that draws it (`steps`), linear from mlm_probability to `mlm_probability_final` over
+        `total_steps`; P is sized for the larger rate. Validation masks at the final rate with the
+        same P. Call before the first batch (again with a resumed run's anchored `steps`)."""
+        seq_len = self.train.seq_len
+        start = self.collator.mlm_probability
+        self.collator.rates = MaskingRates(start, mlm_probability_final, total_steps, steps)
+        self.max_predictions_per_seq = self.collator.max_predictions(seq_len)
+        valid = self.collator.at_fixed_rate(mlm_probability_final, seq_len)
+        for stream in self._valid.values():
+            stream.collator = valid
 
     def _streams(
         self, seed: int, document_attention: bool

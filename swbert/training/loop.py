@@ -69,6 +69,7 @@ class Window:
     Time spent saving checkpoints is `paused`: throughput, TFLOP/s and MFU count training alone."""
 
     counts: Counts
+    samples: int = 0  # the stream position when the window began (steps differ in a batch warm-up)
     skipped: int = 0
     steps: int = 0
     data_wait: float = 0.0  # seconds the loop waited for the next batch
@@ -90,7 +91,7 @@ class Loop:
         run = trainer.run
         assert run is not None, "Loop(trainer) after trainer.setup()"
         self.trainer = trainer
-        self.window = Window(Counts.zeros(run.device))
+        self.window = self.new_window()
         self.skipped_in_a_row = 0
         self.first_logged: dict[str, Any] | None = None  # for the closing summary: did the loss fall?
         self.last_logged: dict[str, Any] | None = None
@@ -112,6 +113,9 @@ class Loop:
     def step(self) -> int:
         return self.trainer.state.step
 
+    def new_window(self) -> Window:
+        return Window(Counts.zeros(self.trainer.run.device), samples=self.trainer.state.samples_consumed)
+
     def run(self) -> tuple[str, Path | None]:
         t, r = self.trainer, self.trainer.run
         cfg = r.config
@@ -129,6 +133,7 @@ class Loop:
                 if result.applied:
                     started = time.perf_counter()
                     last_saved = t.save()
+                    t.export_if_due(last_saved)  # --export-every: rank 0, from this checkpoint
                     self.window.paused += time.perf_counter() - started
             kill_point("after_step", self.step, r.dims.rank)
             if result.stop:
@@ -175,7 +180,8 @@ class Loop:
         if read:
             grad_norm = read[0]
         seconds = w.seconds
-        tokens_per_s = r.tokens_per_step * w.steps / seconds
+        samples = t.state.samples_consumed
+        tokens_per_s = (samples - w.samples) * r.config.seq_len / seconds
         tflops = tokens_per_s * r.train_flops_per_token / r.dims.world / 1e12
         record = {
             "loss": loss_sum / predicted if predicted else float("nan"),
@@ -187,7 +193,7 @@ class Loop:
             "tokens_per_s": tokens_per_s,
             "samples_per_s": tokens_per_s / r.config.seq_len,
             "tflops_per_device": tflops,
-            "tokens_seen": self.step * r.tokens_per_step,
+            "tokens_seen": samples * r.config.seq_len,
             "data_wait_s": w.data_wait,
             "step_s": seconds,
             **memory_gib(),
@@ -211,7 +217,7 @@ class Loop:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
         elif r.is_main:  # without the bar (logs, batch jobs), a line per logged step says it trains
             status.info(window_line(self.step, r.total_steps, record))
-        self.window = Window(Counts.zeros(r.device))
+        self.window = self.new_window()
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.totals)

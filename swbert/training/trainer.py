@@ -15,9 +15,9 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from swbert.data.mix import metric_name
+from swbert.data.steps import BatchSchedule
 from swbert.logs import setup_logging, status
 from swbert.models import SWBertConfig
 from swbert.models.flops import masked_lm_flops
@@ -64,6 +65,7 @@ class Trainer:
         self._faults = nonfinite_faults()  # a test hook: NaN/inf losses at these steps
         self._data_wait = 0.0  # seconds the loop waited for batches, since the last read
         self._batches: Any = None  # the training loader (swbert.data.loader.BatchLoader)
+        self._steps: BatchSchedule | None = None  # the global batch of each step (`setup`)
 
     # ---- set-up -------------------------------------------------------------------------------
     def setup(self) -> Run:
@@ -90,6 +92,8 @@ class Trainer:
         cfg = self.config
         plan = build.plan_run(cfg)
         data = build.build_data(cfg)
+        steps = build.total_steps(cfg)
+        self._schedule_batches(plan, data, steps)
         model_config = build.build_model_config(cfg, data)
         record = build.run_record(cfg, data, model_config, plan)
         # each rank alone: an incompatible checkpoint is refused here, before any process group
@@ -104,7 +108,6 @@ class Trainer:
         if resume is not None and resume.universal:  # converted to resume at another TP/DP size
             plan.ds_config.setdefault("checkpoint", {})["load_universal"] = True
         model, applied = build.build_model(cfg, model_config, dims, plan)
-        steps = build.total_steps(cfg)
         engine, scheduler, guard = build.build_engine(cfg, model, plan, plan.ds_config, mpu, steps)
         mix = record.get("data_mix")
         build.write_run_files(cfg, folder, plan.ds_config, dims.is_main, resume and resume.tag, mix)
@@ -116,6 +119,18 @@ class Trainer:
             train_flops_per_token=_training_flops(cfg, data, model_config, model.last_layer_on_labels),
             peak_tflops=device_peak_tflops() if plan.precision in ("bf16", "fp16") else None,
         )  # fmt: skip
+
+    def _schedule_batches(self, plan: build.RunPlan, data: TrainingData, total_steps: int) -> None:
+        """The global batch of each step (the batch-size warm-up, ours: `swbert.data.steps`) and, with
+        `mlm_probability_final`, the masking rate of each sample (before the run record, which records
+        the predictions per sequence it sizes)."""
+        cfg, batch = self.config, plan.batch
+        unit = batch.micro_batch * plan.dims.dp_size
+        self._steps = BatchSchedule(
+            batch.global_batch, unit, cfg.batch_size_start, cfg.batch_size_warmup_steps
+        )
+        if cfg.mlm_probability_final is not None:
+            data.schedule_masking(cfg.mlm_probability_final, total_steps, self._steps)
 
     def _restore(self) -> None:
         """Load the checkpoint the run resumes from: model, optimizer, schedule, RNG and `state`."""
@@ -142,7 +157,14 @@ class Trainer:
         cfg = self.config
         floor = cfg.min_lr / cfg.lr
         note = schedule_change(
-            saved, run.total_steps, self.state.step, cfg.lr, cfg.warmup_steps, cfg.lr_schedule, floor
+            saved,
+            run.total_steps,
+            self.state.step,
+            cfg.lr,
+            cfg.warmup_steps,
+            cfg.lr_schedule,
+            floor,
+            cfg.lr_decay_fraction,
         )
         if run.is_main:
             log.warning("resume changes the run's length: %s", note)
@@ -203,6 +225,9 @@ class Trainer:
         loop waits for it is counted (`take_data_wait`)."""
         run = self.run
         if self._batches is None:  # started lazily: after a resume has set the stream position
+            if self.config.mlm_probability_final is not None:  # the rates from the resumed step on
+                anchored = self._steps.anchored(self.state.step, self.state.samples_consumed)
+                run.data.schedule_masking(self.config.mlm_probability_final, run.total_steps, anchored)
             self._batches = build.build_batches(
                 self.config, run.data, run.dims, self.state.samples_consumed, run.plan.on_gpu
             )
@@ -241,7 +266,14 @@ class Trainer:
         return loss, Counts(loss.detach().double() * n, n, correct)
 
     def train_step(self) -> StepResult:
-        """One optimizer step of `accum` micro-batches; a skipped one counts in `state.skipped_total`.
+        """One optimizer step of this step's micro-batches (fewer during a batch-size warm-up); a
+        skipped one counts in `state.skipped_total`.
+
+        The trainer, not DeepSpeed's micro-step counter, says which micro-batch ends the step
+        (`set_gradient_accumulation_boundary`), and scales each micro-batch's loss by 1 / its number
+        of micro-batches (DeepSpeed's own scaling divides by the configured, largest, number): the
+        step's loss is the mean over its micro-batches, whatever their number. With a fixed number
+        this is exactly DeepSpeed's own accounting.
 
         A non-finite loss on any rank turns that rank's gradients to NaN (the backward runs on
         loss x NaN), so every ZeRO stage's own check skips the step on every rank; without ZeRO, the
@@ -253,14 +285,18 @@ class Trainer:
         counts, bad = Counts.zeros(device), torch.zeros((), dtype=torch.bool, device=device)
         poison = self._faults.value_at(state.step + 1, run.dims.rank)
         engine.train()
-        for micro in range(run.plan.batch.accum):
+        accum = self._steps.accumulation(state.step)
+        for micro in range(accum):
+            last = micro == accum - 1
+            engine.set_gradient_accumulation_boundary(last)
             loss, micro_counts = self.forward_and_count(self._next_batch(), poison)
             counts += micro_counts
             finite = torch.isfinite(loss.detach())
             bad |= ~finite
-            engine.backward(loss * torch.where(finite, 1.0, float("nan")))  # x1.0 is exact
+            # x1.0 is exact; / accum is the division DeepSpeed would make with `accum` configured
+            engine.backward(loss * torch.where(finite, 1.0, float("nan")) / accum, scale_wrt_gas=False)
             kill_point("in_step", state.step + 1, run.dims.rank)  # a drill: die amid the step
-            if micro == run.plan.batch.accum - 1:  # the gradients are complete (and reduced, without ZeRO)
+            if last:  # the gradients are complete (and reduced, without ZeRO)
                 stop, nonfinite = self._agree(bad)
             engine.step()
         state.step += 1
@@ -374,6 +410,8 @@ class Trainer:
         """Checkpoint this step (collective): the engine's states, every rank's RNG and `state`."""
         run = self.run
         saved = self.state.at_save(run.data, run.tokens_per_step)
+        # the tokens of the steps taken (a batch-size warm-up's steps are smaller)
+        saved = replace(saved, tokens_seen=saved.samples_consumed * self.config.seq_len)
         meta = {**run.record, "step": saved.step}
         if run.data.mixed:  # the epochs each folder went through, recorded with the mix
             meta["data_position"] = saved.sampler
@@ -426,31 +464,24 @@ class Trainer:
         """`<output_dir>/export` from `tag_dir`, written next to it and renamed into place, so a kill
         leaves either the previous folder or the new one; skipped when it already holds `tag_dir`:
         the same step saved by the same save (the marker's hash), not a namesake a rewind abandoned."""
-        from swbert.training.export import export
+        from swbert.training.export import export_into_place
 
-        final = self.run.folder.output_dir / "export"
-        marker = tag_dir / ckpt.COMPLETE
-        source = {"checkpoint": tag_dir.name, "marker": ckpt.file_hash(marker) if marker.is_file() else None}
-        stamp = final / "swbert_export.json"
-        try:
-            if json.loads(stamp.read_text()) == source:
-                log.info("%s already holds %s", final, tag_dir.name)
-                return final
-        except (OSError, ValueError):
-            pass  # missing, or from an export that did not finish: write it again
-        staging, old = self.run.folder.output_dir / ".export.tmp", self.run.folder.output_dir / ".export.old"
-        for leftover in (staging, old):
-            shutil.rmtree(leftover, ignore_errors=True)
-        export(tag_dir, staging)
-        (staging / stamp.name).write_text(json.dumps(source))
-        kill_point(
-            "in_export", self.state.step, self.run.dims.rank
-        )  # a drill: the new folder written, not in place
-        if final.exists():
-            os.replace(final, old)
-        os.replace(staging, final)
-        shutil.rmtree(old, ignore_errors=True)
-        return final
+        def drill() -> None:  # a drill: the new folder written, not in place
+            kill_point("in_export", self.state.step, self.run.dims.rank)
+
+        return export_into_place(tag_dir, self.run.folder.output_dir / "export", drill)
+
+    def export_if_due(self, tag_dir: Path) -> None:
+        """With --export-every N, rank 0 exports the checkpoint just saved (`tag_dir`) when due to
+        `exports/<tag>/` in the run folder, and tags the MLflow run with its path (ours)."""
+        from swbert.training.export import EXPORTS_DIR, export_due, export_into_place
+
+        cfg = self.config
+        if self.run.is_main and export_due(self.state.step, cfg.export_every, cfg.save_interval):
+            path = export_into_place(tag_dir, self.run.folder.output_dir / EXPORTS_DIR / tag_dir.name)
+            status.info("step %d exported to %s", self.state.step, path)
+            if self.run.metrics is not None:
+                self.run.metrics.tag(f"{EXPORTS_DIR}/{tag_dir.name}", str(path.resolve()))
 
     def _finish(self, last_saved: Path | None) -> dict[str, Any]:
         """Export the final weights to a Hugging Face folder and close the MLflow run (rank 0)."""

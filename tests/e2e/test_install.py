@@ -207,7 +207,8 @@ def test_pretrain_help_describes_every_key():
     missing = [f.name for f in dataclasses.fields(TrainConfig) if not described.get(f.name)]
     assert not missing, f"give these TrainConfig fields a comment on their line in config.py: {missing}"
     text = _help()
-    assert "--lr-schedule" in text and "one of ['linear', 'cosine', 'constant'], default: 'linear'" in text
+    schedules = "['linear', 'cosine', 'constant', 'wsd', 'one_minus_sqrt']"
+    assert "--lr-schedule" in text and f"one of {schedules}, default: 'linear'" in text
     assert described["warmup_steps"] in text
 
 
