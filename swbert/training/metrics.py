@@ -1,11 +1,14 @@
 """Metrics: `metrics.jsonl` in the run folder (always) and MLflow (rank 0, never blocking training).
 
 MLflow calls run on a background thread: a slow or unreachable tracking server costs the training
-loop nothing; the first failure is reported once and later records stay in `metrics.jsonl`.
+loop nothing. An outage is reported once; the calls wait in order and are retried every
+SWBERT_MLFLOW_RETRY_S seconds (30, doubling to 5 minutes), so the MLflow run catches up and is
+ended when the server is back. `metrics.jsonl` keeps every record whatever happens.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -26,7 +29,10 @@ log = logging.getLogger(__name__)
 
 
 class MLflowSink:
-    """Sends params, metrics and artifacts to MLflow from a background thread."""
+    """Sends params, metrics and artifacts to MLflow from a background thread, in order, riding out
+    an outage of the tracking server (ours: retried with backoff, never dropped while the run lives)."""
+
+    MAX_PENDING = 100_000  # calls kept through an outage; older metric batches beyond it are dropped
 
     def __init__(
         self, output_dir: Path, run_name: str, params: dict[str, Any], system_metrics: bool = True
@@ -37,69 +43,124 @@ class MLflowSink:
         self.output_dir = output_dir
         self.run_name = run_name
         self.run_id: str | None = None
+        self.resumed = False
         self.system_metrics = system_metrics
         self.monitor = None
-        self.failed = False
+        self.retry_s = float(os.environ.get("SWBERT_MLFLOW_RETRY_S", "30"))
+        self.down_since: float | None = None  # monotonic time of the outage's first failure
+        self.next_try = 0.0
+        self.backoff = self.retry_s
+        self.reported = False
         self.queue: queue.Queue = queue.Queue()
+        self.pending: collections.deque = collections.deque()
         self.thread = threading.Thread(target=self._work, name="mlflow-sink", daemon=True)
         self.thread.start()
         self.submit(self._start, params)
 
     def submit(self, fn, *args) -> None:
-        if not self.failed:
-            self.queue.put((fn, args))
+        self.queue.put((fn, args))
 
     def _work(self) -> None:
-        while True:
-            item = self.queue.get()
+        closing = False
+        while not closing:
+            wait = max(0.0, self.next_try - time.monotonic()) if self.pending else None
+            try:
+                item = self.queue.get(timeout=wait)
+            except queue.Empty:
+                item = ()  # time to retry
             if item is None:
-                return
-            fn, args = item
-            if self.failed:
-                continue
+                closing = True
+            elif item:
+                self._keep(item)
+            if closing or time.monotonic() >= self.next_try:
+                self._drain()
+        if self.pending:
+            log.warning(
+                "MLflow at %s is still unreachable: %d calls not sent%s; metrics.jsonl has every "
+                "record, and the run is ended when the run folder is resumed",
+                self.uri,
+                len(self.pending),
+                f" to run {self.run_id}" if self.run_id else "",
+            )
+
+    def _keep(self, item: tuple) -> None:
+        self.pending.append(item)
+        if len(self.pending) > self.MAX_PENDING:  # drop the oldest metric batch, never start or end
+            for i, (fn, _) in enumerate(self.pending):
+                if getattr(fn, "droppable", False):
+                    del self.pending[i]
+                    break
+
+    def _drain(self) -> None:
+        """Send the waiting calls in order until one fails (then retry later, backing off)."""
+        while self.pending:
+            fn, args = self.pending[0]
             try:
                 fn(*args)
             except Exception as err:  # noqa: BLE001 - any tracking failure must not stop training
-                self.failed = True
+                self._down(err)
+                return
+            self.pending.popleft()
+            if self.down_since is not None:
                 log.warning(
-                    "MLflow logging to %s failed (%s: %s); training continues and metrics.jsonl keeps "
-                    "every record",
+                    "MLflow logging to %s resumed after %.0f s; the calls of the outage are sent in order",
                     self.uri,
-                    type(err).__name__,
-                    err,
+                    time.monotonic() - self.down_since,
                 )
+                self.down_since, self.reported = None, False
+
+    def _down(self, err: Exception) -> None:
+        now = time.monotonic()
+        self.backoff = self.retry_s if self.down_since is None else min(300.0, 2 * self.backoff)
+        self.down_since = now if self.down_since is None else self.down_since
+        self.next_try = now + self.backoff
+        if not self.reported:
+            self.reported = True
+            log.warning(
+                "MLflow logging to %s failed (%s: %s); training continues, metrics.jsonl keeps every "
+                "record, and MLflow is retried every %g s or more",
+                self.uri,
+                type(err).__name__,
+                err,
+                self.retry_s,
+            )
 
     def _start(self, params: dict[str, Any]) -> None:
+        """Create the run (or reopen a resumed one) and log its params; safe to retry after a failure
+        part way (params logged again with the same values are accepted)."""
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
         self.client = MlflowClient(tracking_uri=self.uri)
-        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "swbert-pretrain")
-        exp_id = experiment_id(self.uri, name)
         id_file = self.output_dir / "mlflow_run_id"
-        resumed = id_file.is_file()
-        if resumed:  # a resumed run keeps logging into the same MLflow run
-            self.run_id = id_file.read_text().strip()
-            self.client.update_run(self.run_id, status="RUNNING")
-        else:
-            self.run_id = self.client.create_run(exp_id, run_name=self.run_name).info.run_id
+        if self.run_id is None and id_file.is_file():  # a resumed run keeps logging into the same run
+            self.client.update_run(id_file.read_text().strip(), status="RUNNING")
+            self.run_id, self.resumed = id_file.read_text().strip(), True
+        elif self.run_id is None:
+            exp_id = experiment_id(self.uri, os.environ.get("MLFLOW_EXPERIMENT_NAME", "swbert-pretrain"))
+            self.run_id, self.resumed = (
+                self.client.create_run(exp_id, run_name=self.run_name).info.run_id,
+                False,
+            )
             id_file.write_text(self.run_id)
+        if not self.resumed:
             items = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]
             for i in range(0, len(items), 100):
                 self.client.log_batch(self.run_id, params=items[i : i + 100])
-        if self.system_metrics:
-            self.monitor = start_system_metrics(self.run_id, self.uri, resume=resumed)
+        if self.system_metrics and self.monitor is None:
+            self.monitor = start_system_metrics(self.run_id, self.uri, resume=self.resumed)
 
     def metrics(self, step: int, values: dict[str, float]) -> None:
         snapshot = dict(values)
+        now = int(time.time() * 1000)  # when it was logged, not when an outage let it through
 
         def send():
             from mlflow.entities import Metric
 
-            now = int(time.time() * 1000)
             batch = [Metric(k, float(v), now, step) for k, v in snapshot.items() if v is not None]
             self.client.log_batch(self.run_id, metrics=batch)
 
+        send.droppable = True  # metrics.jsonl has it
         self.submit(send)
 
     def tag(self, key: str, value: str) -> None:

@@ -78,3 +78,58 @@ def test_mlflow_gets_params_metrics_and_tags_and_a_resume_logs_into_the_same_run
     assert (tmp_path / "mlartifacts").resolve().as_uri() in client.get_experiment(
         run.info.experiment_id
     ).artifact_location
+
+
+@pytest.mark.slow  # an MLflow store (about 5 s)
+def test_an_outage_of_the_tracking_server_is_ridden_out_and_the_run_is_ended(tmp_path, monkeypatch, caplog):
+    """Calls made while the server is down wait and are retried in order: MLflow gets every record
+    and the run ends FINISHED (before, the first failure switched MLflow off for good, leaving the
+    run RUNNING with the outage's records and everything after missing)."""
+    import threading
+
+    from mlflow import MlflowClient
+
+    from tests.launch_utils import wait_for
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("SWBERT_MLFLOW_RETRY_S", "0.2")
+    down, failed = threading.Event(), threading.Event()
+    real = MlflowClient.log_batch
+
+    def flaky(self, *args, **kwargs):
+        if down.is_set():
+            failed.set()
+            raise ConnectionError("tracking server unreachable")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", flaky)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    with caplog.at_level(logging.WARNING, logger="swbert.training.metrics"):
+        logger = MetricsLogger(tmp_path, "run", {"lr": 1e-3}, True, system_metrics=False)
+        logger.log(1, {"loss": 4.0})
+        down.set()
+        logger.log(2, {"loss": 3.0})
+        logger.log(3, {"loss": 2.0})
+        wait_for(failed.is_set)
+        down.clear()  # the server is back: the retry timer sends what waited, before the run ends
+
+        def steps() -> list[int]:
+            if not (tmp_path / "mlflow_run_id").is_file():
+                return []
+            run_id = (tmp_path / "mlflow_run_id").read_text().strip()
+            return [m.step for m in client.get_metric_history(run_id, "loss")]
+
+        wait_for(lambda: steps() == [1, 2, 3])
+        logger.log(4, {"loss": 1.0})
+        logger.close()
+    run = client.get_run((tmp_path / "mlflow_run_id").read_text().strip())
+    assert run.info.status == "FINISHED" and run.data.params == {"lr": "0.001"}
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [
+        (1, 4.0),
+        (2, 3.0),
+        (3, 2.0),
+        (4, 1.0),
+    ]
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("failed" in m for m in messages) == 1, messages
+    assert sum("resumed after" in m for m in messages) == 1, messages
