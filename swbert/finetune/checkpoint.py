@@ -7,6 +7,7 @@ common mix-ups (a tokenizer from another run or another vocabulary) before any t
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import NamedTuple
@@ -14,6 +15,9 @@ from typing import NamedTuple
 from transformers import AutoTokenizer
 
 from swbert import SWBertConfig
+from swbert.runtime.run_tokenizer import tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -64,8 +68,9 @@ def parse_checkpoints(specs: list[str], unique: bool = True) -> list[Checkpoint]
     return out
 
 
-def load_tokenizer(folder: str | Path, tokenizer_path: str | Path | None = None):
-    """The checkpoint's tokenizer (or ``tokenizer_path``), checked against the model config."""
+def load_tokenizer(folder: str | Path, tokenizer_path: str | Path | None = None, allow_change: bool = False):
+    """The checkpoint's tokenizer (or ``tokenizer_path``), checked against the model config; with
+    ``allow_change`` another vocabulary than the recorded one is used with a warning."""
     folder = Path(folder)
     source = Path(tokenizer_path) if tokenizer_path else folder
     try:
@@ -74,11 +79,13 @@ def load_tokenizer(folder: str | Path, tokenizer_path: str | Path | None = None)
         raise CheckpointError(
             f"{source}: no loadable tokenizer ({e}); the export folder should hold the tokenizer files"
         ) from e
-    check_tokenizer(tok, SWBertConfig.from_pretrained(folder), folder, source)
+    check_tokenizer(tok, SWBertConfig.from_pretrained(folder), folder, source, allow_change)
     return tok
 
 
-def check_tokenizer(tokenizer, config: SWBertConfig, folder: Path, source: Path) -> None:
+def check_tokenizer(
+    tokenizer, config: SWBertConfig, folder: Path, source: Path, allow_change: bool = False
+) -> None:
     """Raise when ``tokenizer`` cannot be the one ``config``'s model was trained with."""
     if len(tokenizer) > config.vocab_size:
         raise CheckpointError(
@@ -92,17 +99,13 @@ def check_tokenizer(tokenizer, config: SWBertConfig, folder: Path, source: Path)
         )
     saved = getattr(config, "tokenizer_sha256", None)
     if saved and saved != tokenizer_fingerprint(tokenizer):
-        raise CheckpointError(
-            f"{source}: the tokenizer's vocabulary differs from the one recorded in {folder}/config.json"
+        message = (
+            f"{source}: the tokenizer's vocabulary differs from the one recorded in {folder}/config.json "
+            "(tokenizer_sha256): the model would read other ids than it was trained on"
         )
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """A hash of the vocabulary (token -> id), recorded in fine-tuned configs to catch later mix-ups."""
-    import hashlib
-
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    return hashlib.sha256("\n".join(f"{i}\t{t}" for t, i in vocab).encode()).hexdigest()
+        if not allow_change:
+            raise CheckpointError(f"{message}; pass the model's own tokenizer, or --allow-tokenizer-change")
+        log.warning("%s; used anyway (--allow-tokenizer-change)", message)
 
 
 def save_finetuned(model, tokenizer, folder: str | Path) -> None:

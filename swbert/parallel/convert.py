@@ -130,7 +130,7 @@ def to_hf(
     README.md and the tokenizer: `tokenizer`, else the run's, as `swbert.training.export` finds it)
     with the merged weights."""
     from swbert.models.remote_code import save_loadable
-    from swbert.runtime.run_tokenizer import copy_tokenizer, tokenizer_for_export
+    from swbert.runtime.run_tokenizer import copy_tokenizer, record_tokenizer, tokenizer_for_export
 
     tag = _checked(ckpt_dir, tag)
     state, config = full_state_dict(ckpt_dir, tag, config)
@@ -149,6 +149,7 @@ def to_hf(
         log.warning("%s: no tokenizer found for the checkpoint: pass --tokenizer DIR to add one", out_dir)
     else:
         copy_tokenizer(Path(tokenizer), Path(out_dir), meta.get("model", {}).get("tokenizer_hash"))
+        record_tokenizer(Path(out_dir))  # fine-tuning refuses another vocabulary
     return Path(out_dir)
 
 

@@ -346,6 +346,7 @@ def test_every_launcher_speaks_the_convention(launcher, required, capsys):
         ("swbert.parallel.convert", ["hf", "a", "b", "--tga", "t"], "tag"),
         ("swbert.scaling.memory_check", ["--zeor", "1"], "zero"),
         ("swbert.upgrade", ["run", "--dry-rnu"], "dry_run"),
+        ("swbert.evaluate", ["model", "--data-dri", "d"], "data_dir"),
     ],
 )
 def test_every_tool_speaks_the_convention(tool, typo, meant, capsys):

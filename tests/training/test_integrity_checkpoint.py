@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from pathlib import Path
 
@@ -371,3 +372,95 @@ def test_a_grad_clip_changed_on_resume_is_the_one_the_engine_uses(trained, data_
 
     run = _copy(trained, tmp_path)
     run_ranks(_resumed_settings, 2, str(run), str(data_dir), ["--grad-clip", "0.25"])
+
+
+@pytest.mark.slow  # the trained run
+def test_an_export_records_its_tokenizer_and_fine_tuning_refuses_another(trained, tmp_path, caplog):
+    """Issue #46: an export carried no record of its tokenizer, so fine-tuning took any tokenizer of
+    the same size and [PAD] id (another run's, with the same ids meaning other pieces). Now the
+    export's config.json records the vocabulary's sha256 and fine-tuning refuses another vocabulary
+    unless asked (--allow-tokenizer-change)."""
+    from transformers import AutoTokenizer
+
+    from swbert.finetune.checkpoint import CheckpointError, load_tokenizer
+    from swbert.runtime.run_tokenizer import tokenizer_fingerprint
+
+    export_dir = trained / "export"
+    recorded = json.loads((export_dir / "config.json").read_text())["tokenizer_sha256"]
+    assert recorded == tokenizer_fingerprint(AutoTokenizer.from_pretrained(export_dir))
+    assert load_tokenizer(export_dir) is not None  # its own tokenizer passes
+
+    other = tmp_path / "other"  # the same files, two pieces swapped: same size, same [PAD] id
+    shutil.copytree(export_dir, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]  # piece -> id
+    a, b = sorted(vocab, key=vocab.get)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(
+        CheckpointError, match=r"other: the tokenizer's vocabulary differs .*--allow-tokenizer-change"
+    ):
+        load_tokenizer(export_dir, other)
+    with caplog.at_level(logging.WARNING, logger="swbert.finetune.checkpoint"):
+        assert load_tokenizer(export_dir, other, allow_change=True) is not None
+    assert any("used anyway" in r.getMessage() for r in caplog.records)
+
+
+# ---- held-out evaluation of a checkpoint or an export (python -m swbert.evaluate) ------------------
+
+
+@pytest.mark.slow  # the trained run
+def test_evaluate_equals_the_runs_own_validation_and_names_its_unigram_floor(trained, data_dir, tmp_path):
+    """`python -m swbert.evaluate` on the run's checkpoint and on its export gives the validation
+    loss and accuracy the run logged at its last step (the same sequences, the same masks: 16, twice
+    round the 8 of the split), and a unigram floor equal to one counted here from the documents."""
+    from collections import Counter
+
+    from swbert import evaluate
+    from swbert.training.data import TrainingData
+    from tests.launch_utils import read_metrics
+
+    logged = read_metrics(trained)[4]
+    common = ["--data-dir", str(data_dir), "--seq-len", "64", "--sequences", "16", "--batch-size", "8"]
+    from_checkpoint = evaluate.main(
+        [str(trained / "checkpoints"), *common, "--json", str(tmp_path / "e.json")]
+    )
+    from_export = evaluate.main([str(trained / "export"), *common])
+    for figures in (from_checkpoint, from_export):
+        torch.testing.assert_close(figures["loss"], logged["val_loss"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(figures["mlm_accuracy"], logged["val_mlm_acc"], rtol=1e-6, atol=0)
+    assert json.loads((tmp_path / "e.json").read_text()) == from_checkpoint
+
+    data = TrainingData(data_dir, 64, 0.15, 1234)
+    corpus = data.train.corpus
+    counts = Counter()
+    for doc in range(corpus.num_documents):
+        counts.update(corpus.document(doc).tolist())
+    specials = set(data.special_ids.ids)
+    total = sum(
+        c + 1 for t, c in ((t, counts.get(t, 0)) for t in range(corpus.vocab_size)) if t not in specials
+    )
+    targets = [
+        t
+        for start in (0, 8)
+        for t in data.batch(start, 8, 0, 1, valid=0)["mlm_labels"].reshape(-1).tolist()
+        if t >= 0
+    ]
+    floor = sum(-math.log((counts.get(t, 0) + 1) / total) for t in targets) / len(targets)
+    torch.testing.assert_close(from_checkpoint["unigram_loss"], floor, rtol=1e-9, atol=0)
+
+
+@pytest.mark.slow  # the trained run
+def test_evaluate_refuses_data_of_another_vocabulary(trained, data_dir, tmp_path, capsys):
+    export_dir = tmp_path / "export"
+    shutil.copytree(trained / "export", export_dir)
+    config = json.loads((export_dir / "config.json").read_text())
+    config["tokenizer_sha256"] = "0" * 64
+    (export_dir / "config.json").write_text(json.dumps(config))
+    from swbert import evaluate
+
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.main([str(export_dir), "--data-dir", str(data_dir)])
+    assert exit_.value.code == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error: ")]
+    assert "another vocabulary" in line and "tokenizer_sha256" in line
