@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,15 +12,12 @@ import pytest
 def _set_what_make_test_sets() -> None:
     """What the Makefile gives `make test`, for a bare `pytest` too, before anything imports
     DeepSpeed (which picks its accelerator once, and JIT-builds its ops under TORCH_EXTENSIONS_DIR):
-    the ops built in this environment's own folder, ~/.cache/swbert/torch_extensions/<cksum of the
-    environment's absolute path> (the Makefile's folder, so `make setup`'s builds are found; a build
-    against another environment's torch in the shared default cache is rebuilt, or breaks it), and
-    DeepSpeed's CPU accelerator. Either, when set and not empty, is left as it is."""
-    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
-        venv = f"{os.path.abspath(sys.prefix)}\n"  # `echo $(abspath $(VENV)) | cksum` in the Makefile
-        cksum = subprocess.run(["cksum"], input=venv, capture_output=True, text=True, check=True)
-        folder = Path.home() / ".cache" / "swbert" / "torch_extensions" / cksum.stdout.split()[0]
-        os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
+    the ops built in this environment's own folder (the Makefile's, which every swbert job uses
+    when the variable is unset: `swbert._startup.extensions_dir`), and DeepSpeed's CPU accelerator.
+    Either, when set and not empty, is left as it is."""
+    from swbert._startup import use_own_extensions_dir
+
+    use_own_extensions_dir()
     if not os.environ.get("DS_ACCELERATOR"):
         os.environ["DS_ACCELERATOR"] = "cpu"
 

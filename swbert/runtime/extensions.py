@@ -54,6 +54,13 @@ def load_op(builder: Any, flag: str) -> Any:
     folder.mkdir(parents=True, exist_ok=True)
     with _holding(folder / SIDE_FILE) as previous:
         _clear_stale_lock(folder / "lock", previous, flag)
+        if not (folder / f"{builder.NAME}.so").is_file():  # torch's builder writes <name>.so there
+            log.info(
+                "building DeepSpeed's %s op for %s in %s (once for this environment)",
+                builder.NAME,
+                flag,
+                folder,
+            )
         return builder.load(verbose=False)
 
 

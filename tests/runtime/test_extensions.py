@@ -83,3 +83,36 @@ def test_an_old_lock_no_swbert_process_made_is_named(folder, monkeypatch):
     with pytest.raises(StaleBuildLock, match=rf"^--optimizer test: {lock} is the lock of an extension build"):
         load_op(Builder(), "--optimizer test")
     assert lock.exists()  # named, never removed behind a program that may still own it
+
+
+def test_a_build_is_announced_and_a_built_op_is_not(folder, caplog):
+    """Issue #47: a job started with torchrun directly rebuilt DeepSpeed's ops for minutes with no
+    word; now a build says so (once: a folder holding the op's library loads it quietly)."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="swbert.runtime.extensions"):
+        load_op(Builder(), "--optimizer test")
+        (folder / f"{Builder.NAME}.so").touch()  # what torch's build leaves
+        load_op(Builder(), "--optimizer test")
+    (line,) = [r.getMessage() for r in caplog.records if "building" in r.getMessage()]
+    assert Builder.NAME in line and "--optimizer test" in line and str(folder) in line
+
+
+def test_a_job_without_torch_extensions_dir_builds_in_the_makefiles_folder(tmp_path):
+    """A `torchrun` or `deepspeed` started by hand (no TORCH_EXTENSIONS_DIR) uses the folder `make`
+    gives its jobs, where `make setup` built the ops, instead of torch's shared default cache."""
+    env = {k: v for k, v in job_env().items() if k != "TORCH_EXTENSIONS_DIR"}
+    code = "import os\nfrom swbert._startup import import_deepspeed\nimport_deepspeed()\nprint(os.environ['TORCH_EXTENSIONS_DIR'])"
+    got = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True
+    ).stdout.split()[-1]
+    make = subprocess.run(
+        ["make", "-s", "--no-print-directory", "-f", "-", "show"],
+        input="include Makefile\nshow:\n\t@echo $$TORCH_EXTENSIONS_DIR\n",
+        cwd=REPO,
+        env={**env, "VENV": os.path.dirname(os.path.dirname(sys.executable))},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()[-1]
+    assert got == make
