@@ -47,7 +47,7 @@ def report(cfg: ReportConfig) -> int:
     if runs:
         print(f"Figure 2 (pretraining loss of {', '.join(runs)}): {cfg.out / 'figure2_pretrain_loss.png'}")
     if uri:
-        from swbert.finetune.tracking import Tracker
+        from swbert.studies.tracking import Tracker
 
         tracker = Tracker(uri, cfg.experiment, system_metrics=False)
         with tracker.sweep(

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()  # the console filters pretraining has: libraries' chatter and known noise off
     try:
         if cfg.collect is not None:
-            return report_collected(cfg.collect, collect(cfg.collect))
+            return report_collected(cfg.collect, collect(cfg.collect, cfg.plugins))
         if cfg.emit_slurm:
             sweep, command = emit_slurm(cfg, cfg.nodes, cfg.gpus_per_node)
             print(f"grid written to {sweep}; submit from the repository root with:\n  {command}\n"
@@ -100,7 +100,7 @@ def quality_main(argv: list[str]) -> int:
 
             cfg.data_dir = str(ensure_default_data())
         if cfg.emit_slurm:
-            submit, command, collect = emit_quality_slurm(cfg, argv, check_data(cfg.data_dir))
+            submit, command, collect = emit_quality_slurm(cfg, argv, check_data(cfg)[0])
             print(f"{submit} written; submit from the repository root with:\n  {command}\nthen: {collect}")
             return []
         return run_quality(cfg)

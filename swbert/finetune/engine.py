@@ -1,14 +1,6 @@
-"""What one fine-tuning run trains with: the process group and the DeepSpeed engine.
-
-Every run is a DeepSpeed engine, one process included (a 1-rank group), so the precision, the
-optimizer wrapping and the gradient clipping are the same on 1 GPU as on N: DeepSpeed's bf16 on a
-GPU (bf16 weights and activations, fp32 master weights in the optimizer, gradients reduced in fp32),
-fp32 on a CPU, as in pretraining (`swbert.runtime.ds_config.resolve_precision`).
-
-Its batches come from `swbert.finetune.batching.train_loader`: collated in DataLoader workers
-(persistent, seeded, pinned on CUDA), never on the training thread, so a step never waits for the
-collate of the next batch.
-"""
+"""What one fine-tuning run trains with: the process group and the DeepSpeed engine. Every run is a
+DeepSpeed engine, one process included (a 1-rank group), so precision, optimizer wrapping and
+clipping are the same on 1 GPU as on N (`swbert.runtime.ds_config.resolve_precision`)."""
 
 from __future__ import annotations
 

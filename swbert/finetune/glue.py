@@ -35,20 +35,21 @@ from swbert.finetune.glue_data import (
     encode_glue,
     load_glue_split,
     pad_collate,
+    split_file,
 )
 from swbert.finetune.metrics import glue_metrics
-from swbert.finetune.results import Summary, Trial, prune_models, summarize
+from swbert.finetune.results import CHECKPOINT, TASK, VARIANT, Summary, Trial, prune_models, summarize
 from swbert.finetune.robustness import DEFAULT_LEVELS, NOISE_SCALES, NoiseScale
-from swbert.finetune.sweep import SweepConfig, TrialSpec, run_trial
+from swbert.finetune.sweep import SweepConfig, Trials, TrialSpec, TrialTask, run_trial
 from swbert.finetune.tasks import GLUE_TASKS, PAPER_GLUE_TASKS, GlueTask, get_task
-from swbert.finetune.tracking import CHECKPOINT, KIND, TASK, VARIANT, Tracker
 from swbert.finetune.trainer import default_device, move, progress_bar
 from swbert.runtime.ranks import ParallelDims
+from swbert.studies.tracking import KIND, Tracker
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GlueSweep(SweepConfig):
     """Everything one ``finetune_glue.py`` invocation does (its flags; see `SweepConfig` for the rest)."""
 
@@ -74,6 +75,17 @@ class GlueSweep(SweepConfig):
     def checkpoints(self) -> list[Checkpoint]:
         """The `--checkpoint` folders; fine-tuned ones share a name per variant (one folder per task)."""
         return parse_checkpoints(self.checkpoint, unique=not self.evaluate_finetuned)
+
+    def task_files(self, name: str) -> list[Path]:
+        """The TSV files of task `name` under --data-dir (none from the Hub)."""
+        if self.data_dir is None:
+            return []
+        task = get_task(name)
+        paths = [self.data_dir / task.tsv_dir / split_file(task, s) for s in ("train", *task.dev_splits)]
+        return [p for p in paths if p.is_file()]  # a missing one is named when it is read
+
+    def data_files(self) -> list[Path]:
+        return [f for name in self.tasks for f in self.task_files(name)]
 
     def check(self) -> None:
         super().check()
@@ -179,16 +191,10 @@ def evaluate_task(model: nn.Module, data: TaskData, collate, batch_size: int = 1
 
 
 def glue_trial(
-    sweep: GlueSweep,
-    ckpt: Checkpoint,
-    data: TaskData,
-    tokenizer,
-    lrs: tuple[float, ...],
-    seed: int,
-    tracker: Tracker,
+    trials: Trials, ckpt: Checkpoint, data: TaskData, tokenizer, lrs: tuple[float, ...], seed: int
 ) -> Trial:
     """Fine-tune one (checkpoint, task, learning-rate setting, seed) and log it as a child run."""
-    task = data.task
+    sweep, task = trials.sweep, data.task
     params = {
         "max_seq_length": sweep.max_seq_length,
         "attention_dropout": sweep.attention_dropout,
@@ -197,16 +203,18 @@ def glue_trial(
         "batching": sweep.batching(),
     }
     collate = sweep.collate(tokenizer.pad_token_id)
+    files = tuple(sweep.task_files(task.name))
     return run_trial(
-        sweep,
-        TrialSpec(ckpt, task.name, lrs, seed, "glue_trial", params),
-        tracker,
-        build_model=lambda: load_classifier(ckpt.path, task, sweep.attention_dropout, sweep.hidden_dropout),
-        train_set=data.train,
-        collate=collate,
-        evaluate=lambda m: evaluate_task(m, data, collate, sweep.eval_batch_size),
-        select=f"{task.main_split}/score",
-        tokenizer=tokenizer,
+        trials,
+        TrialSpec(ckpt, task.name, lrs, seed, "glue_trial", params, files),
+        TrialTask(
+            lambda: load_classifier(ckpt.path, task, sweep.attention_dropout, sweep.hidden_dropout),
+            data.train,
+            collate,
+            lambda m: evaluate_task(m, data, collate, sweep.eval_batch_size),
+            f"{task.main_split}/score",
+            tokenizer,
+        ),
     )
 
 
@@ -279,10 +287,11 @@ def cross_domain_evaluation(
     return out
 
 
-def run_glue(sweep: GlueSweep, tracker: Tracker) -> tuple[list[Trial], list[Summary]]:
+def run_glue(sweep: GlueSweep, trials: Trials) -> tuple[list[Trial], list[Summary]]:
     """The whole sweep; returns every trial and the per-(variant, task) summaries. With
     `evaluate_finetuned`, only the noise and cross-domain evaluations of already fine-tuned folders."""
     sweep.check()
+    tracker = trials.log.tracker
     if sweep.evaluate_finetuned:
         evaluate_finetuned(
             sweep.checkpoints(),
@@ -298,11 +307,11 @@ def run_glue(sweep: GlueSweep, tracker: Tracker) -> tuple[list[Trial], list[Summ
         )
         return [], []
     checkpoints = sweep.checkpoints()
-    trials: list[Trial] = []
+    done: list[Trial] = []
     runs = len(checkpoints) * len(sweep.tasks) * len(sweep.lr_settings()) * len(sweep.seeds)
     bar = progress_bar(runs, "GLUE sweep", unit="run")
     for ckpt in checkpoints:
-        tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer)
+        tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer, sweep.allow_tokenizer_change)
         kept: dict[str, Path] = {}
         datas: dict[str, TaskData] = {}
         for name in sweep.tasks:
@@ -317,31 +326,25 @@ def run_glue(sweep: GlueSweep, tracker: Tracker) -> tuple[list[Trial], list[Summ
                 positions=ckpt.config.max_position_embeddings,
             )
             datas[data.task.name] = data
-            trials += _task_trials(sweep, ckpt, data, tokenizer, tracker, bar, kept)
+            done += _task_trials(trials, ckpt, data, tokenizer, bar, kept)
         if sweep.cross_domain:
             sources = {t: kept[t] for t in cross_domain.CROSS_DOMAIN_TASKS if t in kept}
             cross_domain_evaluation(
                 ckpt.name, sources, {t: datas[t] for t in sources}, tracker, sweep.eval_batch_size
             )
     bar.close()
-    return trials, glue_summaries(trials)
+    return done, glue_summaries(done)
 
 
 def _task_trials(
-    sweep: GlueSweep,
-    ckpt: Checkpoint,
-    data: TaskData,
-    tokenizer: Any,
-    tracker: Tracker,
-    bar: Any,
-    kept: dict[str, Path],
+    trials: Trials, ckpt: Checkpoint, data: TaskData, tokenizer: Any, bar: Any, kept: dict[str, Path]
 ) -> list[Trial]:
     """One checkpoint on one task: a trial per rate setting and seed; the median trial's folder kept
     (in `kept`) and its noise evaluation run when asked."""
-    task_trials = []
+    sweep, task_trials = trials.sweep, []
     for lrs in sweep.lr_settings():
         for seed in sweep.seeds:
-            task_trials.append(glue_trial(sweep, ckpt, data, tokenizer, lrs, seed, tracker))
+            task_trials.append(glue_trial(trials, ckpt, data, tokenizer, lrs, seed))
             bar.update(1)
     (summary,) = glue_summaries(task_trials)
     task = data.task.name
@@ -357,7 +360,7 @@ def _task_trials(
             data,
             sweep.noise_levels,
             sweep.noise_seeds,
-            tracker,
+            trials.log.tracker,
             sweep.eval_batch_size,
             sweep.noise_scales,
         )

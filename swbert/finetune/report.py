@@ -1,27 +1,7 @@
-"""Fine-tuning runs in MLflow (and pretraining runs' metrics.jsonl) -> the paper's tables and figures.
-
-Each table follows the paper's definition (docs/paper.md says where we had to read it):
-
-* Table 1 (GLUE): variants as rows; per task the paper's metric with two decimals, in the paper's
-  column order (MRPC, CoLA, MNLI m/mm as one cell, QQP, RTE, STS-B, QNLI, SST-2; WNLI last, only when
-  it was run; ``--column-order glue`` for GLUE's), and ``Avg``, the mean over the paper's eight tasks
-  with MNLI matched and accuracy for MRPC and QQP (:data:`swbert.finetune.tasks.PAPER_AVG_METRIC`; it
-  reproduces the paper's printed averages where they are arithmetic). The CSV adds every metric and,
-  labelled as ours, the mean of GLUE's task scores over every task run.
-* Table 2 (SQuAD): EM/F1 per version and their average over v1.1 and v2.0 (the paper's "Average"
-  column); a checkpoint fine-tuned on TriviaQA first is its own row, ``NAME + TriviaQA`` (the paper's
-  "single + TriviaQA").
-* Table 5 (robustness): accuracy (the task's own metric where it has no accuracy: CoLA, STS-B) at
-  each noise level, mean over noise seeds; one table per noise definition: ``table5_noise_relative``
-  (the paper's levels, a percentage of the input embedding norm) and ``table5_noise`` (ours: a
-  standard-deviation-1 draw times the level).
-* Table 6 (cross-domain): per variant a trained-on x evaluated-on matrix; the diagonal with the task's
-  own labels, the rest with the binary mapping of :mod:`swbert.finetune.cross_domain`.
-* Figures 2 and 3 (:mod:`swbert.finetune.figures`): pretraining loss curves, fine-tuning time per epoch.
-
-Per task the number is the median over seeds at the best learning-rate setting: our aggregation, the
-paper does not say how it combined seeds. GLUE numbers are in percent (correlations x 100).
-"""
+"""Fine-tuning runs in MLflow (and pretraining runs' metrics.jsonl) -> the paper's Tables 1, 2, 5 and 6
+(Figures 2 and 3: `swbert.finetune.figures`). How each table reads the paper, and what is ours (the
+median over seeds at the best learning-rate setting, Table 1's Avg, the noise definitions), is in
+docs/finetuning.md ("Tables and figures"). GLUE numbers are in percent (correlations x 100)."""
 
 from __future__ import annotations
 
@@ -36,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 
 from swbert.finetune.cross_domain import CROSS_DOMAIN_TASKS
-from swbert.finetune.results import Summary, Trial, summarize
+from swbert.finetune.results import DEFAULT_EXPERIMENT, TASK, VARIANT, Summary, Trial, summarize
 from swbert.finetune.table import (
     TRIVIAQA_SUFFIX,
     Table,
@@ -46,7 +26,7 @@ from swbert.finetune.table import (
     variant_label,
 )
 from swbert.finetune.tasks import COLUMN_ORDERS, PAPER_AVG_METRIC, get_task, split_label
-from swbert.finetune.tracking import DEFAULT_EXPERIMENT, KIND, TASK, VARIANT
+from swbert.studies.tracking import KIND
 
 log = logging.getLogger(__name__)
 

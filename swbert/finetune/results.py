@@ -12,13 +12,25 @@ import math
 import shutil
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+# the MLflow tags of fine-tuning's child runs besides swbert.kind (what the report reads)
+VARIANT, TASK, CHECKPOINT = "swbert.variant", "swbert.task", "swbert.checkpoint"
+DEFAULT_EXPERIMENT = "swbert-finetune"
+
+
+def lr_label(lrs: tuple[float, ...] | list[float]) -> str:
+    """``0.0001`` for one rate, ``0.0001>2e-05>2e-06`` for a stepped sequence (run names, tables)."""
+    return ">".join(f"{lr:g}" for lr in lrs)
 
 
 @dataclass
 class Trial:
-    """One fine-tuning run: the best-epoch dev metrics of every evaluation split."""
+    """One fine-tuning run: the best-epoch dev metrics of every evaluation split (and, as a sweep's
+    point, what its record holds)."""
 
     variant: str
     task: str
@@ -31,10 +43,21 @@ class Trial:
     later_lrs: tuple[float, ...] = ()
     """A stepped plan's later learning rates (each stage continuing from the best weights so far);
     () for a run at one learning rate."""
+    status: str = "done"
+    reason: str = ""
+    run_id: str | None = None  # the MLflow run that trained it
+    logged: dict[str, float] = field(default_factory=dict)  # the metrics that run logged last
 
     @property
     def lr_setting(self) -> tuple[float, ...]:
         return (self.learning_rate, *self.later_lrs)
+
+    @classmethod
+    def of(cls, recorded: dict[str, Any]) -> Trial:
+        """A recorded trial; a model removed since (`--keep median` pruned it) reads as not kept."""
+        trial = cls(**{**recorded, "later_lrs": tuple(recorded["later_lrs"])})
+        trial.model_dir = trial.model_dir if trial.model_dir and Path(trial.model_dir).is_dir() else ""
+        return trial
 
 
 @dataclass
@@ -55,7 +78,7 @@ class Summary:
     @property
     def lr_label(self) -> str:
         """``2e-05``, or ``0.0001>2e-05>2e-06`` for a stepped plan."""
-        return ">".join(f"{lr:g}" for lr in (self.learning_rate, *self.later_lrs))
+        return lr_label((self.learning_rate, *self.later_lrs))
 
 
 def nest_metrics(flat: dict[str, float]) -> dict[str, dict[str, float]]:

@@ -36,8 +36,7 @@ from swbert.finetune.squad_data import (
     read_squad_json,
 )
 from swbert.finetune.squad_post import decode_spans
-from swbert.finetune.sweep import SweepConfig, TrialSpec, run_trial
-from swbert.finetune.tracking import Tracker
+from swbert.finetune.sweep import SweepConfig, Trials, TrialSpec, TrialTask, run_trial
 from swbert.finetune.trainer import move, progress_bar
 from swbert.finetune.triviaqa import load_triviaqa_hub, read_triviaqa_json
 from swbert.runtime.ranks import ParallelDims
@@ -52,7 +51,7 @@ def task_name(version: str) -> str:
     return f"squad{version}"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SquadSweep(SweepConfig):
     """Everything one ``finetune_squad.py`` invocation does (its flags; see `SweepConfig` for the rest)."""
 
@@ -100,6 +99,15 @@ class SquadSweep(SweepConfig):
 
     def dev_files(self) -> dict[str, Path]:
         return _version_files("--dev-file", self.dev_file, self.versions)
+
+    def task_files(self, version: str) -> list[Path]:
+        """The local files of SQuAD `version`, or of TriviaQA (`TRIVIAQA`): none from the Hub."""
+        if version == TRIVIAQA:
+            return [p for p in (self.triviaqa_train_file, self.triviaqa_dev_file) if p is not None]
+        return [p for p in (self.train_files().get(version), self.dev_files().get(version)) if p is not None]
+
+    def data_files(self) -> list[Path]:
+        return [f for v in (*self.versions, *[TRIVIAQA] * self.triviaqa) for f in self.task_files(v)]
 
 
 def _version_files(flag: str, specs: list[str], versions: list[str]) -> dict[str, Path]:
@@ -164,21 +172,20 @@ def evaluate_squad(
 
 
 def squad_trial(
-    sweep: SquadSweep,
+    trials: Trials,
     ckpt: Checkpoint,
     version: str,
     tokenizer,
     train_set: EncodedDataset,
-    dev_ex: list[SquadExample],
-    dev_feats: SquadEvalFeatures,
+    dev: tuple[list[SquadExample], SquadEvalFeatures],
     lrs: tuple[float, ...],
     seed: int,
-    tracker: Tracker,
     name: str | None = None,
 ) -> Trial:
     """Fine-tune one (checkpoint, version, learning-rate setting, seed) and log it as a child run.
 
     ``name`` is the task's name in MLflow (default ``squad<version>``; TriviaQA's is ``triviaqa``)."""
+    sweep = trials.sweep
     collate = sweep.collate(tokenizer.pad_token_id)
     params = {
         "max_seq_length": sweep.max_seq_length,
@@ -194,50 +201,49 @@ def squad_trial(
     dropout = {"attention_probs_dropout_prob": sweep.attention_dropout}
     if sweep.hidden_dropout is not None:
         dropout["hidden_dropout_prob"] = sweep.hidden_dropout
+    files = tuple(sweep.task_files(TRIVIAQA if name == TRIVIAQA else version))
     return run_trial(
-        sweep,
-        TrialSpec(ckpt, name or task_name(version), lrs, seed, "squad_trial", params),
-        tracker,
-        build_model=lambda: SWBertForQuestionAnswering.from_pretrained(ckpt.path, **dropout),
-        train_set=train_set,
-        collate=collate,
-        evaluate=lambda m: evaluate_squad(m, dev_ex, dev_feats, collate, sweep, version),
-        select=f"{SPLIT}/f1",
-        tokenizer=tokenizer,
+        trials,
+        TrialSpec(ckpt, name or task_name(version), lrs, seed, "squad_trial", params, files),
+        TrialTask(
+            lambda: SWBertForQuestionAnswering.from_pretrained(ckpt.path, **dropout),
+            train_set,
+            collate,
+            lambda m: evaluate_squad(m, *dev, collate, sweep, version),
+            f"{SPLIT}/f1",
+            tokenizer,
+        ),
     )
 
 
 def qa_trials(
-    sweep: SquadSweep,
+    trials: Trials,
     ckpt: Checkpoint,
     name: str,
     version: str,
     train_ex: list[SquadExample],
     dev_ex: list[SquadExample],
-    tracker: Tracker,
     bar,
 ) -> tuple[list[Trial], Summary]:
     """Every (learning-rate setting, seed) of one checkpoint on one span-extraction task, and its summary;
     with ``--keep median`` only the median seed's model stays on disk."""
-    tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer)
+    sweep = trials.sweep
+    tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer, sweep.allow_tokenizer_change)
     windows = Windows(sweep.max_seq_length, sweep.doc_stride, uses_token_types(ckpt.config))
     train_set = encode_squad_train(train_ex, tokenizer, windows)
     check_fits(train_set, ckpt.config.max_position_embeddings, f"the {name} training windows")
     dev_feats = encode_squad_eval(dev_ex, tokenizer, windows)
-    trials = []
+    done = []
     for lrs in sweep.lr_settings():
         for seed in sweep.seeds:
-            trials.append(
-                squad_trial(
-                    sweep, ckpt, version, tokenizer, train_set, dev_ex, dev_feats, lrs, seed, tracker, name
-                )
-            )
+            dev = (dev_ex, dev_feats)
+            done.append(squad_trial(trials, ckpt, version, tokenizer, train_set, dev, lrs, seed, name))
             bar.update(1)
-    (summary,) = squad_summaries(trials)
+    (summary,) = squad_summaries(done)
     log.info("%s %s: lr %s, median %s", ckpt.name, name, summary.lr_label, summary.median)
     if sweep.keep == "median" and ParallelDims.from_env().is_main:
-        prune_models(trials, summary.median_trial)
-    return trials, summary
+        prune_models(done, summary.median_trial)
+    return done, summary
 
 
 def load_triviaqa(sweep: SquadSweep, split: Literal["train", "validation"]) -> list[SquadExample]:
@@ -248,21 +254,21 @@ def load_triviaqa(sweep: SquadSweep, split: Literal["train", "validation"]) -> l
 
 
 def triviaqa_first(
-    sweep: SquadSweep, ckpt: Checkpoint, data: tuple[list, list], tracker: Tracker, bar
+    trials: Trials, ckpt: Checkpoint, data: tuple[list, list], bar
 ) -> tuple[list[Trial], Checkpoint]:
     """Fine-tune ``ckpt`` on TriviaQA with the sweep's flags; the median seed's model at the best setting
     (kept whatever --keep says: SQuAD starts from it) becomes the checkpoint ``NAME+triviaqa``."""
-    stage = dataclasses.replace(sweep, keep="median")
-    trials, summary = qa_trials(stage, ckpt, TRIVIAQA, "1.1", data[0], data[1], tracker, bar)
-    return trials, Checkpoint(f"{ckpt.name}+{TRIVIAQA}", Path(summary.median_trial.model_dir))
+    stage = dataclasses.replace(trials, sweep=dataclasses.replace(trials.sweep, keep="median"))
+    done, summary = qa_trials(stage, ckpt, TRIVIAQA, "1.1", data[0], data[1], bar)
+    return done, Checkpoint(f"{ckpt.name}+{TRIVIAQA}", Path(summary.median_trial.model_dir))
 
 
-def run_squad(sweep: SquadSweep, tracker: Tracker) -> tuple[list[Trial], list[Summary]]:
+def run_squad(sweep: SquadSweep, trials: Trials) -> tuple[list[Trial], list[Summary]]:
     """The whole sweep; returns every trial and the per-(variant, version) summaries. With --triviaqa,
     each checkpoint also yields a ``NAME+triviaqa`` variant (TriviaQA first, then SQuAD)."""
     sweep.check()
     checkpoints, train_files, dev_files = sweep.checkpoints(), sweep.train_files(), sweep.dev_files()
-    trials: list[Trial] = []
+    done: list[Trial] = []
     per_ckpt = len(sweep.versions) * (2 if sweep.triviaqa else 1) + (1 if sweep.triviaqa else 0)
     runs = len(checkpoints) * per_ckpt * len(sweep.lr_settings()) * len(sweep.seeds)
     bar = progress_bar(runs, "SQuAD sweep", unit="run")
@@ -282,17 +288,14 @@ def run_squad(sweep: SquadSweep, tracker: Tracker) -> tuple[list[Trial], list[Su
     for ckpt in checkpoints:
         variants = [ckpt]
         if trivia is not None:
-            first, adapted = triviaqa_first(sweep, ckpt, trivia, tracker, bar)
-            trials += first
+            first, adapted = triviaqa_first(trials, ckpt, trivia, bar)
+            done += first
             variants.append(adapted)
         for variant in variants:
             for version, (train_ex, dev_ex) in squad.items():
-                version_trials, _ = qa_trials(
-                    sweep, variant, task_name(version), version, train_ex, dev_ex, tracker, bar
-                )
-                trials += version_trials
+                done += qa_trials(trials, variant, task_name(version), version, train_ex, dev_ex, bar)[0]
     bar.close()
-    return trials, squad_summaries(trials)
+    return done, squad_summaries(done)
 
 
 def squad_summaries(trials: list[Trial]) -> list[Summary]:

@@ -1,8 +1,8 @@
 """What every fine-tuning sweep shares: its flags, and one trial (fit, log the best epoch, save).
 
-A sweep is a typed config (`swbert.cli`: `--key value` flags, or a YAML/TOML file with
-`--config`): GLUE's `GlueSweep` and SQuAD's `SquadSweep` extend `SweepConfig` with their own fields.
-Every (checkpoint, task, learning rate, seed) is one `run_trial`: an MLflow child run.
+GLUE's `GlueSweep` and SQuAD's `SquadSweep` extend `SweepConfig`. Every (checkpoint, task, learning
+rate setting, seed) is one trial: a point of the sweep's study (`swbert.studies`), recorded under
+<output-dir>/trials/ once its model is saved, and an MLflow child run of the sweep's parent run.
 """
 
 from __future__ import annotations
@@ -24,26 +24,33 @@ from swbert.finetune.checkpoint import Checkpoint, parse_checkpoints, save_finet
 from swbert.finetune.engine import process_group
 from swbert.finetune.glue_data import pad_collate
 from swbert.finetune.metrics import selection_value
-from swbert.finetune.results import Trial, nest_metrics
-from swbert.finetune.resume import log_reused, trial_from_record, trial_key, trial_payload, trial_records
-from swbert.finetune.tracking import DEFAULT_EXPERIMENT, Tracker
-from swbert.finetune.trainer import FinetuneConfig, default_device, fit, set_seed
-from swbert.models.plugins import load_plugins
+from swbert.finetune.results import CHECKPOINT, TASK, VARIANT, Trial, lr_label, nest_metrics
+from swbert.finetune.trainer import FinetuneConfig, FitOptions, default_device, fit, set_seed
 from swbert.runtime.ranks import ParallelDims
-from swbert.runtime.tracking import tracking_uri
-from swbert.studies.tracking import flat_params
+from swbert.studies.options import StudyOptions
+from swbert.studies.records import DATA, Records, check_study, data_identity, point_key, study_options
+from swbert.studies.runner import ChildRun, PointRunner, StudyLog, study_run
+from swbert.studies.tracking import KIND, REUSED_FROM, flat_params
 
 log = logging.getLogger("swbert.finetune")
 
+# Flags that only say which trials there are (a new seed leaves the others' records standing) and
+# what is evaluated after training: in study.json, not in a trial's record key.
+CHOOSES = ("checkpoint", "learning_rates", "seeds", "tasks", "versions", "triviaqa", DATA)
+AFTER_TRAINING = ("run_name", "keep", "noise", "noise_levels", "noise_seeds", "noise_scales", "cross_domain",
+                  "evaluate_finetuned")  # fmt: skip
 
-@dataclass
-class SweepConfig:
+
+@dataclass(kw_only=True)
+class SweepConfig(StudyOptions, FitOptions):
     """The flags of every fine-tuning launcher (each launcher sets its own defaults)."""
 
     # exported model folders as [NAME=]PATH; NAME labels the table row (default: the attention type)
     checkpoint: list[str]
-    output_dir: Path  # fine-tuned models, the resolved config and (by default) mlflow.db
+    experiment: str = "swbert-finetune"
     tokenizer: Path | None = None  # tokenizer folder, when not the checkpoint's own
+    # fine-tune with a tokenizer whose vocabulary differs from the one the export records (a warning)
+    allow_tokenizer_change: bool = False
     # the paper's appendix: "initial" 1e-4, "subsequently" 2e-5 and 2e-6 (paraphrase); --lr-plan says how
     learning_rates: list[float] = field(default_factory=lambda: [1e-4, 2e-5, 2e-6])
     # stepped: each seed runs through --learning-rates in order, every stage continuing from the best dev
@@ -51,35 +58,13 @@ class SweepConfig:
     # rate, and the rate with the best median over seeds is reported (our reading of it as alternatives)
     lr_plan: Literal["stepped", "grid"] = "stepped"
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])  # one run per seed (how many: ours)
-    epochs: int = 3  # passes over the training set per run (per stage with --lr-plan stepped)
-    batch_size: int = 32  # global batch size (split over GPUs)
-    eval_batch_size: int = 128  # sequences per evaluation batch
-    weight_decay: float = 0.1  # AdamW weight decay, the appendix's (not on biases, norms, 1-D scales)
-    # fraction of a run's steps with linear warm-up, then linear decay (ours: the appendix gives no
-    # schedule); a stepped plan warms up in its first stage only: the later ones continue a tuned model
-    warmup_ratio: float = 0.1
-    max_grad_norm: float = 1.0  # gradient clipping (ours)
-    patience: int = 0  # stop after N epochs without a better dev score (0: never; per stage when stepped)
-    max_steps: int | None = None  # cap on optimiser steps per run (smoke tests)
     attention_dropout: float = 0.1  # attention_probs_dropout_prob during fine-tuning
     hidden_dropout: float | None = None  # hidden_dropout_prob during fine-tuning (default: the checkpoint's)
     max_train_samples: int | None = None  # use only the first N training examples
     max_eval_samples: int | None = None  # use only the first N dev examples
     # fine-tuned models kept on disk: the median seed's at the best learning rate, all, or none
     keep: Literal["none", "median", "all"] = "median"
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    # DeepSpeed JSON (a path or a ds_configs/ name, stages 0-2); every run is a DeepSpeed engine, one
-    # process too (default: zero2.json)
-    deepspeed: str | None = None
-    # DataLoader processes per rank that collate training batches (0: on the training thread)
-    num_workers: int = 1
-    experiment: str = DEFAULT_EXPERIMENT  # MLflow experiment name
-    # MLflow store (default: $MLFLOW_TRACKING_URI, else <output-dir>/mlflow.db)
-    tracking_uri: str | None = None
     run_name: str | None = None  # name of the parent MLflow run (default: launcher and time)
-    # modules imported first that register attention variants the checkpoints use (ours; see
-    # swbert.models.plugins): dotted module names or .py files
-    plugins: list[str] = field(default_factory=list)
     # batches as one token stream, no padding computed (swbert.finetune.batching): auto is on where
     # the device has a variable-length attention kernel (CUDA); off pads batches grouped by length;
     # on without such a kernel runs the per-sequence reference (ours: the paper says nothing of it)
@@ -90,7 +75,7 @@ class SweepConfig:
     compile: Literal["auto", "on", "off"] = "auto"
 
     def check(self) -> None:
-        load_plugins(self.plugins)
+        super().check()
         for name in ("epochs", "batch_size", "eval_batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
@@ -105,6 +90,10 @@ class SweepConfig:
         """The `--checkpoint` folders, checked and named."""
         return parse_checkpoints(self.checkpoint)
 
+    def data_files(self) -> list[Path]:
+        """The local task files the trials read (none from the Hub): their hashes are the sweep's data."""
+        return []
+
     def lr_settings(self) -> list[tuple[float, ...]]:
         """What each seed is run with: one setting per learning rate (grid), or the whole sequence of
         rates as one setting, a stage each (stepped)."""
@@ -112,27 +101,12 @@ class SweepConfig:
             return [tuple(self.learning_rates)]
         return [(lr,) for lr in self.learning_rates]
 
-    def finetune_config(
-        self, learning_rate: float | None = None, seed: int = 0, stage: int = 0
-    ) -> FinetuneConfig:
+    def finetune_config(self, lr: float | None = None, seed: int = 0, stage: int = 0) -> FinetuneConfig:
         """The hyper-parameters of one run (or one stage of a stepped run) of this sweep."""
-        return FinetuneConfig(
-            learning_rate=self.learning_rates[0] if learning_rate is None else learning_rate,
-            weight_decay=self.weight_decay,
-            epochs=self.epochs,
-            batch_size=self.batch_size,
-            eval_batch_size=self.eval_batch_size,
-            warmup_ratio=self.warmup_ratio if stage == 0 else 0.0,
-            max_grad_norm=self.max_grad_norm,
-            seed=seed,
-            patience=self.patience,
-            precision=self.precision,
-            max_steps=self.max_steps,
-            deepspeed_config=self.deepspeed,
-            group_by_length=not self.unpadded(),
-            compile=self.compiled(),
-            num_workers=self.num_workers,
-        )
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(FitOptions)}
+        shared["warmup_ratio"] = self.warmup_ratio if stage == 0 else 0.0
+        return FinetuneConfig(**shared, learning_rate=self.learning_rates[0] if lr is None else lr, seed=seed,
+                              group_by_length=not self.unpadded(), compile=self.compiled())  # fmt: skip
 
     def unpadded(self) -> bool:
         """Whether this sweep's runs go unpadded (`--unpad`, on this process's device)."""
@@ -161,28 +135,69 @@ class SweepConfig:
             return pad_collate(pad_token_id, COMPILE_BUCKET, getattr(self, "max_seq_length", None))
         return pad_collate(pad_token_id)
 
-    def params(self) -> dict[str, str]:
-        """The flags as MLflow params of the parent run (lists joined with spaces)."""
-        return flat_params(dataclasses.asdict(self))
+
+@dataclass
+class Trials:
+    """A sweep's trials as the points of its study: the records, the MLflow runs, the options."""
+
+    sweep: SweepConfig
+    log: StudyLog
+    options: dict[str, Any]  # study.json's (`swbert.studies.records.study_options`)
+
+    def __post_init__(self) -> None:
+        self.runner = PointRunner(trial_records(self.sweep), Trial.of, writes=ParallelDims.from_env().is_main)
+
+    def key(self, spec: TrialSpec, **facts: Any) -> dict[str, Any]:
+        """What must be equal for a recorded trial to stand for `spec`: the sweep's options, the
+        trial's own, the checkpoint's files and the trial's data."""
+        data = self.options.get(DATA, {})
+        mine = {f: data[f] for f in map(lambda p: str(Path(p).resolve()), spec.files) if f in data}
+        return point_key(
+            self.options, CHOOSES, checkpoint=checkpoint_fingerprint(spec.ckpt.path), data=mine, **facts
+        )
 
 
-def run_sweep(sweep: SweepConfig, kind: str, run: Callable[[Any, Tracker], object]) -> int:
-    """What a fine-tuning launcher does with its parsed sweep: a parent MLflow run around `run`,
-    then the tables (`report_sweep`). Returns the exit status."""
+def trial_records(sweep: SweepConfig) -> Records:
+    """The trials' records, <output-dir>/trials/<variant>/<task>/<setting>.json: beside, not inside,
+    the model folders (pruning removes those)."""
+    return Records(sweep.output_dir / "trials", "swbert-trial/2")
+
+
+def checkpoint_fingerprint(folder: Path) -> list[list[Any]]:
+    """(name, size, mtime_ns) of the checkpoint's top-level files: a re-exported checkpoint differs."""
+    files = sorted(p for p in Path(folder).iterdir() if p.is_file()) if Path(folder).is_dir() else []
+    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+
+
+def run_sweep(sweep: SweepConfig, kind: str, run: Callable[[Any, Trials], object]) -> int:
+    """What a fine-tuning launcher does with its parsed sweep: the study's options checked against
+    the folder's, a new parent MLflow run around `run` (a killed sweep's runs marked KILLED), then the
+    tables (`report_sweep`). Returns the exit status."""
     from swbert.logs import setup_logging
 
     setup_logging()
-    tracker = open_tracker(sweep)
-    name = sweep.run_name or f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
-    # one process group for the sweep's runs (a 1-rank one in a plain process: see `process_group`);
-    # a new parent run, the killed sweep's (named in the folder) marked KILLED where still RUNNING
-    with process_group(), tracker.sweep(name, f"{kind}_sweep", sweep.params(), sweep.output_dir) as parent:
-        run(sweep, tracker)
-    report_sweep(tracker, sweep, parent)
+    is_main = ParallelDims.from_env().is_main
+    sweep.output_dir.mkdir(parents=True, exist_ok=True)
+    if is_main:
+        text = json.dumps(dataclasses.asdict(sweep), indent=2, default=str)
+        path = sweep.output_dir / f"args-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        path.write_text(text + "\n")
+        log.info("resolved arguments: %s", path)  # a line, not the ~80 of the file
+    options = study_options(sweep, AFTER_TRAINING, data_identity(sweep.data_files()))
+    if not getattr(sweep, "evaluate_finetuned", False):  # an evaluation of fine-tuned models has no trials
+        check_study(
+            sweep.output_dir, f"{kind}_sweep", options, sweep.allow_study_change, trial_records(sweep)
+        )
+    how = dict(name=sweep.run_name, resume=False, enabled=is_main, system_metrics=True)
+    # one process group for the sweep's runs (a 1-rank one in a plain process: see `process_group`)
+    with process_group(), study_run(sweep.output_dir, sweep.store(), sweep.experiment, f"{kind}_sweep",
+                                    dataclasses.asdict(sweep), **how) as study:  # fmt: skip
+        run(sweep, Trials(sweep, study, options))
+    report_sweep(study, sweep)
     return 0
 
 
-def report_sweep(tracker: Tracker, sweep: SweepConfig, parent: str | None) -> None:
+def report_sweep(study: StudyLog, sweep: SweepConfig) -> None:
     """After a sweep (rank 0): its tables under <output-dir>/report, logged to the parent run, and
     printed as markdown."""
     from swbert.finetune.report import build_report, collect
@@ -190,29 +205,11 @@ def report_sweep(tracker: Tracker, sweep: SweepConfig, parent: str | None) -> No
     if not ParallelDims.from_env().is_main:
         return
     folder = sweep.output_dir / "report"
-    tables = build_report(collect(tracker.uri, sweep.experiment, [parent]), folder)
-    tracker.log_artifacts(parent, folder, "report")  # tables and figures
+    tables = build_report(collect(study.tracker.uri, sweep.experiment, [study.parent]), folder)
+    study.tracker.log_artifacts(study.parent, folder, "report")  # tables and figures
     for table in tables.values():
         print(table.markdown())
     log.info("tables written to %s (re-create them with launchers/report.py)", folder)
-
-
-def open_tracker(sweep: SweepConfig) -> Tracker:
-    """The MLflow tracker (rank 0 only) after logging and saving the resolved flags."""
-    info = ParallelDims.from_env()
-    if info.is_main:
-        sweep.output_dir.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(dataclasses.asdict(sweep), indent=2, default=str)
-        path = sweep.output_dir / f"args-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        path.write_text(text + "\n")
-        log.info("resolved arguments: %s", path)  # a line, not the ~80 of the file
-    uri = sweep.tracking_uri or tracking_uri(sweep.output_dir)
-    return Tracker(uri, sweep.experiment, enabled=info.is_main)
-
-
-def lr_label(lrs: tuple[float, ...] | list[float]) -> str:
-    """``0.0001`` for one rate, ``0.0001>2e-05>2e-06`` for a stepped sequence (run names, tables)."""
-    return ">".join(f"{lr:g}" for lr in lrs)
 
 
 @dataclass(frozen=True)
@@ -225,6 +222,7 @@ class TrialSpec:
     seed: int
     kind: str  # the MLflow tag swbert.kind: glue_trial, squad_trial
     params: dict[str, Any]  # logged besides the hyper-parameters
+    files: tuple[Path, ...] = ()  # the local data files it reads (`SweepConfig.data_files`)
 
     @property
     def lr(self) -> float:
@@ -238,6 +236,19 @@ class TrialSpec:
     def folder(self) -> str:
         """The fine-tuned model's folder under <output-dir>/<checkpoint>/<task>/."""
         return f"lr{'-'.join(f'{lr:g}' for lr in self.lrs)}-seed{self.seed}"
+
+
+@dataclass
+class TrialTask:
+    """What a trial trains and evaluates on, and how its model is made (after seeding: the head's
+    init depends on it)."""
+
+    build_model: Callable[[], nn.Module]
+    train_set: Any
+    collate: Callable
+    evaluate: Callable[[nn.Module], dict[str, float]]
+    select: str  # the dev metric that picks the best epoch
+    tokenizer: Any
 
 
 @dataclass
@@ -269,10 +280,7 @@ def fit_stages(
     sweep: SweepConfig,
     spec: TrialSpec,
     model: nn.Module,
-    train_set: Any,
-    collate: Callable,
-    evaluate: Callable[[nn.Module], dict[str, float]],
-    select: str,
+    task: TrialTask,
     log_metrics: Callable[[dict[str, float], int], None],
 ) -> StagedResult:
     """Fit ``model`` at each of ``spec.lrs`` in turn. Every stage starts from the best dev weights seen
@@ -283,11 +291,12 @@ def fit_stages(
     for stage, lr in enumerate(spec.lrs):
         cfg = sweep.finetune_config(lr, spec.seed, stage)
         offset = out.steps
+        select = task.select
         result = fit(
             model,
-            train_set,
-            collate,
-            evaluate=evaluate,
+            task.train_set,
+            task.collate,
+            evaluate=task.evaluate,
             select=select,
             cfg=cfg,
             log_metrics=lambda m, step, offset=offset: log_metrics(m, step + offset),
@@ -309,28 +318,16 @@ def fit_stages(
         elif best_state is not None:
             model.load_state_dict(best_state)  # the next stage (or the caller) gets the best weights
         epochs_before += len(result.history)
-        log.info("%s: stage %d at lr %g, best %s=%.4f", spec.name, stage, lr, select, best_value)
+        log.info("%s: stage %d at lr %g, best %s=%.4f", spec.name, stage, lr, task.select, best_value)
     return out
 
 
-def run_trial(
-    sweep: SweepConfig,
-    spec: TrialSpec,
-    tracker: Tracker,
-    build_model: Callable[[], nn.Module],
-    train_set: Any,
-    collate: Callable,
-    evaluate: Callable[[nn.Module], dict[str, float]],
-    select: str,
-    tokenizer: Any,
-) -> Trial:
-    """Fine-tune one trial as a child run: fit (best dev epoch kept; every stage of a stepped plan), log
-    the best metrics and the time spent training, save the model (unless --keep none), record it as
-    finished (`swbert.finetune.resume`). A trial recorded by an earlier run of the sweep with the same
-    flags and checkpoint is not trained again. `build_model` runs after seeding: the head's init
-    depends on it."""
-    from swbert.finetune.tracking import CHECKPOINT, KIND, TASK, VARIANT
-
+def run_trial(trials: Trials, spec: TrialSpec, task: TrialTask) -> Trial:
+    """One trial, settled as a point of the sweep's study: a trial recorded with the same options,
+    checkpoint and data is read back (logged as a child tagged with the run that trained it); else
+    it is fine-tuned in a child run (every stage of a stepped plan, best dev epoch kept), its model
+    saved (unless --keep none), then recorded."""
+    sweep = trials.sweep
     tags = {KIND: spec.kind, VARIANT: spec.ckpt.name, TASK: spec.task, CHECKPOINT: str(spec.ckpt.path)}
     params = {
         **dataclasses.asdict(sweep.finetune_config(spec.lr, spec.seed)),
@@ -339,36 +336,39 @@ def run_trial(
         "attention_type": getattr(spec.ckpt.config, "attention_type", ""),
         **spec.params,
     }
-    records, record = trial_records(sweep.output_dir), f"{spec.ckpt.name}/{spec.task}/{spec.folder}"
-    key = trial_key(params, tags, spec.ckpt.path, sweep.params())
-    finished = records.load(record, key)
-    if finished is not None:  # a re-run of the sweep: this trial's result is already recorded
-        log.info("%s: finished before (%s), not trained again", spec.name, records.path(record))
-        log_reused(tracker, spec.name, tags, params, finished)
-        return trial_from_record(finished)
-    with tracker.run(spec.name, tags, params) as run_id:
-        set_seed(spec.seed)
-        model = build_model()
-        result = fit_stages(
-            sweep,
-            spec,
-            model,
-            train_set,
-            collate,
-            evaluate,
-            select,
-            lambda m, step: tracker.log(run_id, m, step),
+
+    def attempt() -> Trial:
+        with trials.log.live(spec.name, tags, params) as run_id:
+            set_seed(spec.seed)
+            model = task.build_model()
+            result = fit_stages(
+                sweep, spec, model, task, lambda m, step: trials.log.tracker.log(run_id, m, step)
+            )
+            logged = {f"best/{k}": v for k, v in result.best_metrics.items()} | result.summary()
+            trials.log.tracker.log(run_id, logged)
+            model_dir = ""
+            if sweep.keep != "none":
+                model_dir = str(sweep.output_dir / spec.ckpt.name / spec.task / spec.folder)
+                save_finetuned(model, task.tokenizer, model_dir)
+        metrics = nest_metrics(result.best_metrics)
+        return Trial(
+            spec.ckpt.name,
+            spec.task,
+            spec.lr,
+            spec.seed,
+            metrics,
+            model_dir,
+            spec.lrs[1:],
+            run_id=run_id,
+            logged=logged,
         )
-        best = result.best_metrics
-        logged = {f"best/{k}": v for k, v in best.items()} | result.summary()
-        tracker.log(run_id, logged)
-        model_dir = ""
-        if sweep.keep != "none":
-            model_dir = str(sweep.output_dir / spec.ckpt.name / spec.task / spec.folder)
-            save_finetuned(model, tokenizer, model_dir)
-    trial = Trial(
-        spec.ckpt.name, spec.task, spec.lr, spec.seed, nest_metrics(best), model_dir, tuple(spec.lrs[1:])
-    )
-    if ParallelDims.from_env().is_main:  # last: the record says the trial (and its model) is complete
-        records.save(record, trial_payload(trial, run_id, logged), key)
+
+    name = f"{spec.ckpt.name}/{spec.task}/{spec.folder}"
+    settled = trials.runner.settle(name, attempt, key=trials.key(spec, params=flat_params(params), tags=tags))
+    trial = settled.result
+    if not settled.trained:
+        log.info("%s: finished before (%s), not trained again", spec.name, trials.runner.records.path(name))
+        trials.log.point(
+            spec.name, False, ChildRun({**tags, REUSED_FROM: str(trial.run_id)}, params, trial.logged)
+        )
     return trial

@@ -1,13 +1,7 @@
-"""The one fine-tuning loop, shared by GLUE, SQuAD, TriviaQA and the models the robustness and
-cross-domain evaluations read.
-
-AdamW (no weight decay on biases, LayerNorm weights and other 1-D scales), linear warm-up then linear
-decay, gradient clipping, an evaluation on dev after every epoch, and the best epoch's weights kept and
-restored at the end (best-checkpoint selection; optional early stopping with ``patience``). One
-process or many, the model trains in a DeepSpeed engine whose config gets its batch size, clipping
-and precision from here, so the two cannot disagree and the precision does not depend on the number
-of GPUs (`swbert.finetune.engine`). A step reads nothing back from the device but on logging steps.
-"""
+"""The one fine-tuning loop (GLUE, SQuAD, TriviaQA): AdamW without decay on 1-D parameters, linear
+warm-up and decay, clipping, a dev evaluation after every epoch and the best epoch's weights kept
+(optional early stopping), in a DeepSpeed engine configured from here, one process or many
+(`swbert.finetune.engine`). A step reads nothing back from the device but on logging steps."""
 
 from __future__ import annotations
 
@@ -42,30 +36,34 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class FinetuneConfig:
-    """The hyper-parameters of one fine-tuning run. The sweeps set every field (their flags say where each
-    default comes from); these defaults are GLUE's appendix values for the rate, decay and epochs, the
-    rest ours."""
+class FitOptions:
+    """The hyper-parameters a sweep passes to every run as they are (the sweeps' flags; defaults ours
+    unless a sweep's own say otherwise)."""
+
+    epochs: int = 3  # passes over the training set per run (per stage with --lr-plan stepped)
+    batch_size: int = 32  # global batch size (split over GPUs, so results do not depend on their number)
+    eval_batch_size: int = 128  # sequences per evaluation batch
+    weight_decay: float = 0.1  # AdamW weight decay, the appendix's (not on biases, norms, 1-D scales)
+    # fraction of a run's steps with linear warm-up, then linear decay (ours: the appendix gives no
+    # schedule); a stepped plan warms up in its first stage only: the later ones continue a tuned model
+    warmup_ratio: float = 0.1
+    max_grad_norm: float = 1.0  # gradient clipping (ours)
+    patience: int = 0  # stop after N epochs without a better dev score (0: never; per stage when stepped)
+    max_steps: int | None = None  # cap on optimiser steps per run (smoke tests); the schedule is sized to it
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    # DeepSpeed JSON (a path or a ds_configs/ name, stages 0-2); every run is a DeepSpeed engine, one
+    # process too (default: zero2.json)
+    deepspeed: str | None = None
+    # DataLoader processes per rank that collate training batches (0: on the training thread)
+    num_workers: int = 1
+
+
+@dataclass
+class FinetuneConfig(FitOptions):
+    """The hyper-parameters of one fine-tuning run: a sweep's `FitOptions` and the run's own."""
 
     learning_rate: float = 1e-4
-    weight_decay: float = 0.1
-    epochs: int = 10
-    batch_size: int = 32
-    """Global batch size: split over ranks, so results do not depend on the number of GPUs."""
-    eval_batch_size: int = 128
-    warmup_ratio: float = 0.1
-    max_grad_norm: float = 1.0
     seed: int = 0
-    patience: int = 0
-    """Stop after this many epochs without a better dev score (0: run all epochs)."""
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """auto: bf16 on GPU, fp32 on CPU (as pretraining): DeepSpeed's, on one GPU as on many."""
-    max_steps: int | None = None
-    """Stop after this many optimiser steps (smoke runs); the schedule is sized to it."""
-    deepspeed_config: str | None = None
-    """DeepSpeed JSON (a path or a ds_configs/ name, ZeRO stages 0-2); None: zero2.json."""
-    num_workers: int = 1
-    """DataLoader processes that collate training batches (0: on the training thread, for debugging)."""
     log_every: int = 50
     """Optimiser steps between logged training losses: the only steps that read the loss back."""
     group_by_length: bool = False
@@ -282,7 +280,7 @@ def start_run(
     ``cfg`` as pretraining fills its own)."""
     on_gpu = torch.cuda.is_available()
     precision = resolve_precision(cfg.precision, on_gpu)
-    ds_cfg = deepspeed_config(cfg.deepspeed_config or DEFAULT_DS_CONFIG, cfg, dims.world, precision)
+    ds_cfg = deepspeed_config(cfg.deepspeed or DEFAULT_DS_CONFIG, cfg, dims.world, precision)
     micro = cfg.batch_size // dims.world
     loader = train_loader(train_set, collate, micro, dims, cfg.seed, cfg.num_workers, cfg.group_by_length)
     if len(loader) == 0:

@@ -1,67 +1,8 @@
 """Activation memory of one rank for one micro-batch: what the forward keeps for the backward, under
-tensor and sequence parallelism and activation checkpointing (none, full, selective).
-
-Counted tensor by tensor from the model's own forward (`swbert.models.modeling`), in bytes, with
-p = 2 (bf16/fp16) or 4 (fp32) bytes per element, B x S tokens, d hidden, f MLP width, t the
-tensor-parallel size. One encoder block (post-LN, `Block.forward`) keeps, per token:
-
-    attention input x                     p d      (the QKV projections' input)
-    attention itself                      traced   (Q, K, V or what the variant keeps, the kernel's
-                                                    output and log-sum-exp; see below)
-    2 x residual sum (LayerNorm input)    2 p d
-    2 x LayerNorm mean and 1/std          2 x 8    (fp32 on a GPU; a CPU keeps them in p bytes each)
-    2 x dropout mask                      2 m d    (m = 1 on a GPU: a bool mask; p on a CPU, whose
-                                                    dropout keeps a float noise tensor; 0 without dropout;
-                                                    1 under sequence parallelism, whose dropout keeps its
-                                                    chunk as a bool: swbert.parallel.layers.ShardedDropout)
-    MLP input, GELU input, GELU output    p d + 2 p f
-
-At bf16 with f = 4d and a GPU's masks that is 34 d (Korthikanti et al., 2022, "Reducing Activation
-Recomputation in Large Transformer Models", Table 2, with a fused attention kernel: no S x S
-matrices), plus the stats and the log-sum-exp (4 bytes a head).
-
-What attention keeps is read off the variant's module itself: it is run once on fake tensors (no
-memory, the real shapes) and the tensors autograd saves are summed, so every registered variant is
-counted as it is built (standard keeps Q, K, V; shared keeps S and Q = S * (dq * dk), and its
-output projection scales the weight by dv, a d x d tensor per layer). For a GPU the trace uses the
-fused kernel (flash: no S x S matrices, with or without attention dropout); for a CPU the kernel a
-CPU picks (the math path, with S x S scores, probabilities and dropout noise, when attention
-dropout is on).
-
-Tensor parallelism splits what lies inside its two regions (attention, MLP) by t; the regions'
-inputs (x and the MLP input), the residual sums, LayerNorm stats and dropout masks stay whole on
-every rank (the paper's 10 + 24/t units). Sequence parallelism splits the residual sums, stats and
-masks by t too. The regions' inputs stay whole per rank here: swbert all-gathers the sequence
-before each region and the projection keeps the gathered tensor (megatron-core's sequence-parallel
-linears keep the S/t chunk and gather it again in the backward, which gives the paper's 34/t); the
-S/t block input itself is kept by nothing. So per block and token at bf16: 4 + 30/t units of d
-with sequence parallelism, 10 + 24/t without.
-
-Activation checkpointing, per block (`swbert.training.wrappers`):
-
-- `full` keeps the block's input, p d per token (p d / t with sequence parallelism), and recomputes
-  the block in the backward: one block's activations are live again while it does (`recompute`).
-- `selective` keeps the block's input and the outputs of the matrix products and the attention
-  kernel (`SELECTIVE_SAVED_OPS`): Q/K/V projections, kernel output and log-sum-exp, output
-  projection, MLP first and second layers, i.e. p (d + 3d + d + d + f + d) per token for standard
-  attention (22 units at bf16); the recompute brings back the residual sums, stats, dropout masks,
-  the MLP input and the GELU output of one block (and what attention saves besides its products:
-  shared's Q, the math path's probabilities).
-
-`recompute` counts what the recomputed block keeps for its backward; an op's output in flight
-before the next op frees its input (at most two (B, S, d) tensors), and the activation gradients
-of the backward, come on top in every mode and are not counted.
-
-Outside the blocks: the embeddings keep their LayerNorm input, stats and dropout mask; the MLM
-head (on the B x P predicted positions only) its dense, GELU, LayerNorm and decoder inputs, the
-logits the model returns and the fp32 log-probabilities of the loss. Under the pruning of
-`SWBertForMaskedLM` (without sequence parallelism) the last block computes everything after the
-attention kernel on those B x P positions only. The MLP's activation is assumed to keep one
-f-wide tensor (GELU, the default `hidden_act`).
-
-tests/scaling/test_memory_estimate.py holds all of this against the bytes the real model keeps, for every
-variant and mode, and per rank under tensor and sequence parallelism.
-"""
+tensor and sequence parallelism and activation checkpointing (none, full, selective), counted tensor
+by tensor from the model's own forward; what attention keeps is traced from the variant's module on
+fake tensors. docs/scaling.md ("Activation memory") gives the per-token table and what each mode keeps;
+tests/scaling/test_memory_estimate.py holds it against the bytes the real model keeps."""
 
 from __future__ import annotations
 

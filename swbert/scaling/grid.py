@@ -1,14 +1,7 @@
-"""The scaling grid: sizes x attention variants x parallel layouts, and each point's closed forms.
-
-A layout is a ZeRO stage with tensor parallelism and offload, and how activations are kept:
-sequence parallelism and activation checkpointing (from the layout's name, or crossed with every
-layout by `--sequence-parallel` and `--activation-checkpointing`).
-
-For every point: parameters (total and per tensor-parallel rank), training FLOPs per token, the
-compute-optimal token budget (Hoffmann et al., 2022: about 20 tokens per parameter), model-state
-memory per rank for the point's layout and for every ZeRO stage, DeepSpeed's own estimate, and
-the activation estimate for the layout's sequence parallelism and checkpointing.
-"""
+"""The scaling grid: sizes x attention variants x parallel layouts (ZeRO stage, tensor parallelism,
+offload, sequence parallelism, activation checkpointing), and each point's closed forms: parameters,
+FLOPs per token, the compute-optimal budget (about 20 tokens per parameter), memory per rank by ZeRO
+stage, DeepSpeed's estimate and the activations (docs/scaling.md)."""
 
 from __future__ import annotations
 

@@ -1,28 +1,7 @@
 """Closed-form memory per rank: model states by ZeRO stage (with offload and tensor parallelism),
-DeepSpeed's own estimators, and the activation estimate (`swbert.scaling.activations`).
-
-Model states follow the tensors a DeepSpeed engine holds after `backward` (measured tensor by
-tensor in tests/scaling/test_scaling.py). With p = 2 (bf16/fp16) or 4 (fp32) bytes per parameter,
-N parameters per model-parallel rank and G data-parallel ranks, bytes per parameter are
-
-    stage 0   p params + p grads + 4 fp32 master (mixed precision only) + 8 Adam (m, v)
-    stage 1/2 p params + p/G grads + 4/G fp32 master + 8/G Adam
-    stage 3   p/G params + p/G grads + 4/G fp32 master + 8/G Adam, plus a gradient bucket and
-              the small tensors kept whole
-
-DeepSpeed keeps an fp32 master partition in stages 1-3 even when training in fp32. In stage 1
-DeepSpeed reduces gradients in buckets during backward, as in stage 2, so after backward the two
-hold the same tensors (the ZeRO paper's stage 1 keeps full gradients). Stage 3 keeps parameters
-up to `stage3_param_persistence_threshold` elements whole on every rank (besides their partition)
-and allocates a gradient bucket of `reduce_bucket_size` elements up front (500M by default: 1 GB
-in bf16).
-
-With the optimizer offloaded, master weights, Adam states and an fp32 copy of the gradient
-partition live in host memory; with parameters offloaded too (stage 3), so does the parameter
-partition. Offloaded to NVMe (ZeRO-Infinity), they live on disk and host memory holds only the
-swap buffers (`buffer_count` x `buffer_size` for parameters, `buffer_count` x `sub_group_size`
-fp32 elements for the optimizer).
-"""
+DeepSpeed's own estimators, and the activation estimate (`swbert.scaling.activations`). The bytes per
+parameter of each stage and offload, as a DeepSpeed engine holds them after `backward`, are in
+docs/scaling.md ("Memory per rank by ZeRO stage"); tests/scaling/test_scaling.py measures them."""
 
 from __future__ import annotations
 

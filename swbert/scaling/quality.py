@@ -1,22 +1,9 @@
 """The quality scaling study: a ladder of sizes x attention variants x seeds, each trained by the
-real trainer to a token budget, held-out MLM loss along the way and at the end, then power-law
-fits per variant (`swbert.scaling.quality_report`).
-
-Budget (Kaplan et al., 2020): tokens = k x non-embedding parameters (`--tokens-per-param`), where
-non-embedding parameters are the encoder layers and the MLM head's transform, without the word,
-position and segment tables and the tied decoder with its bias.
-
-Learning rate per size: Kaplan et al.'s fit for their models, LR(N) = 0.003239 - 0.0001395 ln N
-(N non-embedding), times `--lr-scale`; using it for encoders is ours. Warm-up: `--warmup-fraction`
-of the point's steps (at least one), then cosine decay to a tenth of the peak (both ours).
-
-Each point is one training run in OUTPUT_DIR/points/NAME (launched as `launchers/pretrain.py`
-under torchrun, as the systems study's measured runs are, with `--resume auto`): a re-run of the
-study never retrains a finished point (its metrics.jsonl reached the last step with a validation
-loss) and resumes a point that was in flight from its newest checkpoint. A point that fails (out
-of memory, diverged, killed, timed out) is recorded in its point.json with the reason, and the
-study goes on; `--retry-failed` runs such points again.
-"""
+real trainer (`launchers/pretrain.py` under torchrun, `--resume auto`) to a budget of tokens =
+`--tokens-per-param` x non-embedding parameters, at Kaplan et al.'s LR(N) x `--lr-scale`, then
+power-law fits per variant (`swbert.scaling.quality_report`). Each point is a point of the study
+(`swbert.studies`): finished ones read back, one in flight resumed, failures kept with their
+reason (docs/scaling.md, "Quality")."""
 
 from __future__ import annotations
 
@@ -24,7 +11,6 @@ import json
 import logging
 import math
 import shlex
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,24 +18,15 @@ from typing import Any
 
 from swbert.models.config import SWBertConfig, check_size
 from swbert.models.flops import masked_lm_flops, masked_lm_params
-from swbert.models.plugins import load_plugins
 from swbert.runtime.exits import PREEMPTED_EXIT
-from swbert.runtime.tracking import tracking_uri
 from swbert.scaling.fit import MIN_POINTS, MIN_SIZES
 from swbert.scaling.quality_report import non_embedding_params, write_outputs
 from swbert.studies import jobs
-from swbert.studies.records import Records, check_study, study_options
-from swbert.studies.runner import (
-    ChildRun,
-    PointRunner,
-    Settled,
-    StudyLog,
-    absolute,
-    absolute_plugins,
-    run_points,
-)
-from swbert.studies.slurm import array_command, without_switches, write_submit
-from swbert.studies.tracking import KIND, Tracker, flat_params
+from swbert.studies.options import PointOptions
+from swbert.studies.records import Records, check_study, point_key, study_options
+from swbert.studies.runner import ChildRun, PointRunner, Settled, run_points, study_run
+from swbert.studies.slurm import NOT_RUN, array_command, without_switches, write_submit
+from swbert.studies.tracking import KIND
 
 log = logging.getLogger("swbert.scaling.quality")
 
@@ -58,53 +35,40 @@ log = logging.getLogger("swbert.scaling.quality")
 CPU_LADDER = ["1x64", "2x64", "2x128", "3x128"]
 
 
-@dataclass
-class QualityConfig:
+@dataclass(kw_only=True)
+class QualityConfig(PointOptions):
     """The flags of `launchers/scaling_study.py --quality` (see its --help and docs/scaling.md)."""
 
     quality: bool = True  # the quality study (train a ladder to a budget and fit held-out loss)
     output_dir: Path = Path("runs/quality")  # points/, fits.json, points.csv, plots/, mlflow.db
-    # named sizes (swbert.models.config.SIZES) or LxW: L layers of width W with 64-dim heads
     sizes: list[str] = field(default_factory=lambda: list(CPU_LADDER))
-    # attention variants (any registered, plugins included)
-    attentions: list[str] = field(
-        default_factory=lambda: ["standard", "shared"], metadata={"aliases": ("attention",)}
-    )
     seeds: list[int] = field(default_factory=lambda: [1234])  # one run per seed at every size and variant
     tokens_per_param: float = 1.0  # budget: tokens = this x non-embedding parameters (Kaplan et al.)
     lr_scale: float = 1.0  # times LR(N) = 0.003239 - 0.0001395 ln N (Kaplan et al.'s fit)
     warmup_fraction: float = 0.05  # warm-up steps as a share of each point's steps (ours)
-    seq_len: int = 128  # tokens per sequence
     global_batch: int = 32  # sequences per optimizer step
-    micro_batch: int = 16  # sequences per rank per forward pass
+    micro_batch: int = 16
     evaluations: int = 4  # held-out evaluations along each run (the last at its final step)
     eval_batches: int = 8  # validation micro-batches per evaluation (always the same ones)
-    nproc: int = 1  # processes per point (torchrun); on 2 CPU cores one is fastest
+    nproc: int = 1  # on 2 CPU cores one is fastest
     zero: int = 1  # ZeRO stage of the runs
-    data_dir: str | None = None  # shards with a validation split (default: the embedded default corpus)
-    plugins: list[str] = field(default_factory=list)  # modules that register attention variants
     reference: str = "standard"  # the variant the others' parameter efficiency is measured against
     # sizes (named or LxW, or a parameter count) the efficiency ratio is extrapolated to
     extrapolate_to: list[str] = field(default_factory=lambda: ["base"])
     bootstrap: int = 1000  # bootstrap replicates of each fit
     level: float = 0.95  # confidence level of the intervals
-    retry_failed: bool = False  # run points that failed before again (default: keep their reason)
-    point_timeout_s: float = field(default=7200, metadata={"aliases": ("point_timeout",)})  # per run
+    point_timeout_s: float = field(default=7200, metadata={"aliases": ("point_timeout",)})
     mlflow: bool = True  # a parent MLflow run with a nested run per point
     # a job array: --emit-slurm writes OUTPUT_DIR/submit.sh (one array task per point, each running
     # --point-index I: that point alone, no fits); --collect then fits what the tasks left, training nothing
-    emit_slurm: bool = False
     point_index: int | None = None
     collect: bool = False
-    gpus_per_node: int = 0  # --emit-slurm: GPUs per array task (0: CPU nodes); sets --nproc on them
-    experiment: str = "swbert-quality"  # MLflow experiment
-    # run in a folder that holds this study with other options: the new points beside the finished ones
-    # (default: refused, naming what differs)
-    allow_study_change: bool = False
+    gpus_per_node: int = 0  # sets --nproc on the array's tasks
+    experiment: str = "swbert-quality"
 
     def check(self) -> None:
         """Bad input stops here, one line naming the flag, before anything trains."""
-        load_plugins(self.plugins)
+        super().check()
         from swbert.models.attention import attention_types
 
         for name in self.attentions:
@@ -207,19 +171,16 @@ def plan(cfg: QualityConfig, vocab: int) -> list[Point]:
     return sorted(points, key=lambda p: p.non_embedding_params)
 
 
-def check_data(data_dir: str) -> int:
-    """The data's vocabulary; a ValueError naming --data-dir unless it has a validation split."""
-    from swbert.data.folder import prepare_data
-
-    path = prepare_data(data_dir)
-    manifest = json.loads((Path(path) / "manifest.json").read_text())
+def check_data(cfg: QualityConfig) -> tuple[int, dict[str, str]]:
+    """The data's vocabulary and identity; a ValueError naming --data-dir unless it has a validation split."""
+    path, manifest, identity = cfg.read_data()
     valid = sum(int(s.get("valid", {}).get("documents", 0)) for s in manifest.get("shards", []))
     if valid == 0:
         raise ValueError(
-            f"--data-dir {data_dir}: no validation split (its manifest.json counts 0 validation documents); "
+            f"--data-dir {path}: no validation split (its manifest.json counts 0 validation documents); "
             "the study's held-out loss needs one: preprocess with a validation share (data_prep.preprocess)"
         )
-    return int(manifest["tokenizer"]["vocab_size"])
+    return int(manifest["tokenizer"]["vocab_size"]), identity
 
 
 # ---- one point: the real trainer -----------------------------------------------------------------
@@ -312,70 +273,65 @@ def train_point(point: Point, cfg: QualityConfig, run_dir: Path, data_dir: str) 
 
 Trainer = Callable[[Point, QualityConfig, Path, str], PointResult]
 
-# Flags that choose where results go, how the study is run or reported, not what its points train:
-# a re-run may change them; any other flag changed is refused (`swbert.studies.records.check_study`).
-NOT_IN_STUDY = (
-    "quality output_dir plugins nproc zero retry_failed point_timeout_s mlflow emit_slurm point_index "
-    "collect gpus_per_node experiment reference extrapolate_to bootstrap level allow_study_change"
-).split()
+# Flags that say how the study is run or fitted, not what its points train (besides those of every
+# study, `swbert.studies.records.NOT_OPTIONS`): a re-run may change them; any other change is refused.
+NOT_IN_STUDY = ("quality", "nproc", "zero", "mlflow", "point_index", "reference", "extrapolate_to", "bootstrap",
+                "level")  # fmt: skip
+CHOOSES = ("sizes", "attentions", "seeds")  # which points there are: not in a point's record key
 
 
-def runner(cfg: QualityConfig) -> PointRunner[PointResult]:
-    """Settles the ladder's points against their point.json records."""
-    records = Records(cfg.output_dir / "points", "swbert-quality-point/1", "{name}/point.json")
-    return PointRunner(records, lambda d: PointResult(**d), cfg.retry_failed)
+def point_records(cfg: QualityConfig) -> Records:
+    return Records(cfg.output_dir / "points", "swbert-quality-point/1", "{name}/point.json")
 
 
-def settle_point(point: Point, cfg: QualityConfig, data_dir: str, trainer: Trainer) -> Settled[PointResult]:
-    """The point's result and whether it was trained now: a finished point is read back, never
-    retrained; a failed one keeps its reason unless --retry-failed; anything else (new, or in flight
-    when a study stopped) is run, resuming from its newest checkpoint."""
+def settle_point(
+    point: Point, cfg: QualityConfig, trainer: Trainer, options: dict[str, Any]
+) -> Settled[PointResult]:
+    """The point's result and whether it was trained now: a finished point made with the same
+    options and data is read back, never retrained; a failed one keeps its reason unless
+    --retry-failed; anything else (new, or in flight when a study stopped) is run, resuming from its
+    newest checkpoint. A record made with other options or data is set aside, not relabelled."""
     run_dir = cfg.output_dir / "points" / point.name
-    return runner(cfg).settle(
-        point.name, lambda: trainer(point, cfg, run_dir, data_dir), lambda: read_run(run_dir, point)
+    runner = PointRunner(point_records(cfg), lambda d: PointResult(**d), cfg.retry_failed)
+    return runner.settle(
+        point.name,
+        lambda: trainer(point, cfg, run_dir, str(cfg.data_dir)),
+        lambda: read_run(run_dir, point),
+        point_key(options, CHOOSES, point=asdict(point)),
     )
 
 
-def point_result(
-    point: Point, cfg: QualityConfig, data_dir: str, trainer: Trainer
-) -> tuple[PointResult, bool]:
-    """`settle_point` as (result, trained now)."""
-    settled = settle_point(point, cfg, data_dir, trainer)
-    return settled.result, settled.trained
-
-
-def prepare(cfg: QualityConfig) -> list[Point]:
-    """Paths made absolute, the data checked, the study's options checked against the folder's,
-    and the ladder planned (every budget checked before the first point trains)."""
-    cfg.output_dir = absolute(cfg.output_dir)
-    cfg.plugins = absolute_plugins(cfg.plugins)
+def prepare(cfg: QualityConfig) -> tuple[list[Point], dict[str, Any]]:
+    """Paths made absolute, the data checked, the ladder planned (every budget checked before the
+    first point trains), and the study's options and data checked against the folder's."""
+    cfg.make_absolute()
     if cfg.data_dir is None:
         raise ValueError("--data-dir: no data folder (the launcher builds the embedded default corpus)")
-    cfg.data_dir = absolute(cfg.data_dir)
-    points = plan(cfg, check_data(cfg.data_dir))
+    vocab, data = check_data(cfg)
+    points = plan(cfg, vocab)
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
-    check_study(cfg.output_dir, "quality", study_options(cfg, NOT_IN_STUDY), cfg.allow_study_change)
-    return points
+    options = study_options(cfg, NOT_IN_STUDY, data)
+    check_study(cfg.output_dir, "quality", options, cfg.allow_study_change, point_records(cfg))
+    return points, options
 
 
 def run_quality(cfg: QualityConfig, trainer: Trainer = train_point) -> list[dict[str, Any]]:
     """Every point of the ladder (trained, resumed or read back), then fits, table, plots and
     MLflow; returns the points' rows."""
-    points = prepare(cfg)
-    assert cfg.data_dir is not None
+    points, options = prepare(cfg)
     if cfg.point_index is not None:  # one task of a job array: its point, recorded; no fits
         if not 0 <= cfg.point_index < len(points):
             raise ValueError(f"--point-index {cfg.point_index}: the ladder has points 0-{len(points) - 1}")
         point = points[cfg.point_index]
-        result, trained = point_result(point, cfg, cfg.data_dir, trainer)
-        log.info("%s: %s %s", point.name, result.status, result.reason)
-        return [point_row(point, result, trained)]
+        settled = settle_point(point, cfg, trainer, options)
+        log.info("%s: %s %s", point.name, settled.result.status, settled.result.reason)
+        return [point_row(point, settled.result, settled.trained)]
     if cfg.collect:
         trainer = not_run
-    data_dir, by_name = cfg.data_dir, {p.name: p for p in points}
+    by_name = {p.name: p for p in points}
 
     def one(point: Point) -> Settled[PointResult]:
-        return settle_point(point, cfg, data_dir, trainer)
+        return settle_point(point, cfg, trainer, options)
 
     def rows_of(done: list) -> list[dict[str, Any]]:
         return [point_row(by_name[s.name], s.result, s.trained) for s in done]
@@ -384,14 +340,9 @@ def run_quality(cfg: QualityConfig, trainer: Trainer = train_point) -> list[dict
         rows = rows_of(run_points(points, lambda p: p.name, one))
         write_outputs(cfg, rows)
         return rows
-    tracker = Tracker(tracking_uri(cfg.output_dir), cfg.experiment, system_metrics=False)
-    name = f"quality-{time.strftime('%Y%m%d-%H%M%S')}"
-    with tracker.sweep(
-        name, "quality_study", flat_params(asdict(cfg)), cfg.output_dir, resume=True
-    ) as parent:
-        done = run_points(points, lambda p: p.name, one, child_run, StudyLog(tracker, cfg.output_dir))
-        rows = rows_of(done)
-        write_outputs(cfg, rows, tracker, parent)
+    with study_run(cfg.output_dir, cfg.store(), cfg.experiment, "quality_study", asdict(cfg)) as study:
+        rows = rows_of(run_points(points, lambda p: p.name, one, child_run, study))
+        write_outputs(cfg, rows, study.tracker, study.parent)
     return rows
 
 
@@ -409,7 +360,7 @@ def child_run(point: Point, settled: Any) -> ChildRun:
 
 def not_run(point: Point, cfg: QualityConfig, run_dir: Path, data_dir: str) -> PointResult:
     """--collect's stand-in for training: a point no array task has finished is reported, not run."""
-    return PointResult("missing", "not run yet: its array task has not finished (submit.sh runs it)")
+    return PointResult("missing", NOT_RUN)
 
 
 def emit_slurm(cfg: QualityConfig, argv: list[str], vocab: int) -> tuple[Path, str, str]:

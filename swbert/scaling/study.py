@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from swbert.models.plugins import load_plugins
-from swbert.runtime.tracking import tracking_uri
 from swbert.scaling.activations import Checkpointing
 from swbert.scaling.grid import (
     BERT_VOCAB,
@@ -27,33 +25,21 @@ from swbert.scaling.grid import (
 from swbert.scaling.measure import Hardware, Measurement, parse_metrics, run_point
 from swbert.scaling.memory import Layout, Precision
 from swbert.scaling.report import plot, write_csv
-from swbert.studies.records import Records, check_study, study_options
-from swbert.studies.runner import (
-    ChildRun,
-    PointRunner,
-    Settled,
-    StudyLog,
-    absolute,
-    absolute_plugins,
-    run_points,
-)
-from swbert.studies.slurm import array_command, switch_given, write_submit
-from swbert.studies.tracking import KIND, Tracker, flat_params
+from swbert.studies.options import PointOptions
+from swbert.studies.records import Records, check_study, point_key, study_options
+from swbert.studies.runner import ChildRun, PointRunner, Settled, StudyLog, absolute, run_points, study_run
+from swbert.studies.slurm import NOT_RUN, array_command, switch_given, write_submit
+from swbert.studies.tracking import KIND
 
 log = logging.getLogger("swbert.scaling")
 
 
-@dataclass
-class StudyConfig:
+@dataclass(kw_only=True)
+class StudyConfig(PointOptions):
     """What to sweep and how: the flags of `launchers/scaling_study.py` (see its --help)."""
 
     output_dir: Path = Path("runs/scaling")  # scaling.csv, plots/, mlflow.db and the measured runs
-    # named sizes
     sizes: list[str] = field(default_factory=lambda: ["tiny", "mini", "small", "base", "large", "xl"])
-    # attention variants to compare
-    attentions: list[str] = field(
-        default_factory=lambda: ["standard", "shared"], metadata={"aliases": ("attention",)}
-    )
     # parallel layouts: z0..z3, tpN-zK, z3-offload (optimizer), z3-offload-params (both), ...-nvme;
     # a name may fix how activations are kept: tp2-z1-sp, z1-ac-full, tp2-z1-sp-ac-full
     layouts: list[str] = field(default_factory=lambda: ["z0", "z1", "z2", "z3", "z3-offload"])
@@ -62,43 +48,37 @@ class StudyConfig:
     # activation checkpointing for every layout not named -ac-MODE: none, full, selective, or several
     # (selective only without tensor parallelism)
     activation_checkpointing: list[Checkpointing] = field(default_factory=lambda: ["none"])
-    seq_len: int = 128  # tokens per sequence
-    micro_batch: int = 8  # sequences per rank per step
+    micro_batch: int = 8
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: fp32 when measuring on CPU, else bf16
     gpus: int | None = None  # devices the closed forms assume (default: --nproc)
-    nproc: int = 2  # processes of a measured run on this machine
+    nproc: int = 2
     measure: bool = True  # run short measured trainings (--no-measure: closed forms only)
     measure_max_params: float = math.inf  # measure only points up to this many parameters
     steps: int = 5  # optimizer steps of a measured run
-    data_dir: str | None = None  # shards of measured runs (default: the embedded default corpus)
     # vocabulary of the closed forms (default: the data's when measuring, else BERT's)
     vocab_size: int | None = None
-    # seconds per measured run
     point_timeout_s: float = field(default=1800, metadata={"aliases": ("point_timeout",)})
     memory_limit_gib: float | None = None  # host memory measured runs may use (default: what is available)
     # swap folder of *-nvme layouts, on a fast local disk (default: output_dir/nvme)
     nvme_path: Path | None = None
     keep_checkpoints: bool = False  # keep the measured runs' checkpoints
-    experiment: str = "swbert-scaling"  # MLflow experiment
-    emit_slurm: bool = False  # write the grid as a SLURM job array instead of running it
+    experiment: str = "swbert-scaling"
     nodes: int = 1  # with --emit-slurm: nodes per grid point
-    gpus_per_node: int = 8  # with --emit-slurm; 0: CPU nodes with one process each
-    collect: Path | None = None  # tabulate a job array's results from this folder (written by --emit-slurm)
-    # modules that register attention variants to compare (ours; see swbert.models.plugins): dotted
-    # module names or .py files, imported here and passed on to every measured run
-    plugins: list[str] = field(default_factory=list)
+    gpus_per_node: int = 8
+    # tabulate a job array's results from this folder (written by --emit-slurm); imports only --plugins
+    collect: Path | None = None
     # the quality study instead: train a ladder of sizes x variants x seeds to a token budget and fit
     # held-out loss against size and compute (its own flags: --quality --help; docs/scaling.md)
     quality: bool = False
-    retry_failed: bool = False  # measure points whose run failed before again (default: keep their reason)
-    # run in a folder that holds this study with other options: the new points beside the finished ones
-    # (default: refused, naming what differs)
-    allow_study_change: bool = False
 
     def check(self) -> None:
-        load_plugins(self.plugins)
+        super().check()
         # the layouts the flags make, so a combination the trainer refuses stops here, before any run
         expand_layouts(self.layouts, self.sequence_parallel, self.activation_checkpointing)
+
+    def make_absolute(self) -> None:
+        super().make_absolute()
+        self.nvme_path = absolute(self.nvme_path)
 
 
 def grid_of(cfg: StudyConfig, precision: Precision) -> list[GridPoint]:
@@ -115,34 +95,17 @@ def grid_of(cfg: StudyConfig, precision: Precision) -> list[GridPoint]:
     )
 
 
-def _prepare_data(cfg: StudyConfig) -> tuple[str, int]:
-    """The shards measured runs read (the entry point builds the default corpus when none is given)
-    and their vocabulary."""
-    from swbert.data.folder import prepare_data
-
-    path = prepare_data(cfg.data_dir)
-    manifest = json.loads((Path(path) / "manifest.json").read_text())
-    return str(path), int(manifest["tokenizer"]["vocab_size"])
-
-
-def absolute_paths(cfg: StudyConfig) -> None:
-    """Make the study's paths absolute, relative to the caller's working directory (`absolute`)."""
-    cfg.output_dir, cfg.data_dir, cfg.nvme_path = map(absolute, (cfg.output_dir, cfg.data_dir, cfg.nvme_path))
-    cfg.plugins = absolute_plugins(cfg.plugins)
-
-
 def exit_status(rows: list[dict[str, Any]]) -> int:
     """0, or 3 when measured runs were started and every one failed: such a study measured nothing."""
     statuses = {row["status"] for row in rows}
     return 3 if "failed" in statuses and "measured" not in statuses else 0
 
 
-# Flags that choose where results go or what this machine may run, not what the points are: a re-run
-# may change them; any other flag changed is refused (`swbert.studies.records.check_study`).
-NOT_IN_STUDY = (
-    "output_dir measure_max_params point_timeout_s memory_limit_gib nvme_path keep_checkpoints experiment "
-    "emit_slurm nodes gpus_per_node collect plugins quality retry_failed allow_study_change"
-).split()
+# Flags that choose what this machine may run, not what the points are (besides those of every study,
+# `swbert.studies.records.NOT_OPTIONS`): a re-run may change them; any other change is refused.
+NOT_IN_STUDY = ("measure_max_params", "memory_limit_gib", "nvme_path", "keep_checkpoints", "nodes", "quality")
+CHOOSES = ("sizes", "attentions", "layouts", "sequence_parallel", "activation_checkpointing")  # which points
+RECORDS = ("swbert-scaling-point/1", "{name}/point.json")  # under OUTPUT_DIR/points
 
 
 @dataclass
@@ -159,6 +122,14 @@ class PointRow:
         records = row.pop("_records", [])
         return cls(row["status"], row.get("reason", ""), row, records)
 
+    @classmethod
+    def runner(cls, out: Path, retry_failed: bool, unrecorded: tuple[str, ...]) -> PointRunner[PointRow]:
+        """Settles grid points against their point.json; only measured points stand for good."""
+        final, unrecorded_ = frozenset({"measured"}), frozenset(unrecorded)
+        return PointRunner(
+            Records(out / "points", *RECORDS), lambda d: cls(**d), retry_failed, final, unrecorded_
+        )
+
 
 def child_run(point: GridPoint, settled: Settled[PointRow]) -> ChildRun:
     """The point's MLflow child run: its columns as params, status and reason, figures, steps."""
@@ -173,20 +144,16 @@ POINT_PARAMS = ("size", "attention", "layout", "tp", "zero", "offload", "sequenc
                 "activation_checkpointing", "precision", "seq_len", "micro_batch", "gpus", "dp", "vocab_size")  # fmt: skip
 
 
-def record_rows(cfg: StudyConfig, tracker: Tracker, parent: str | None, rows: list[dict[str, Any]]) -> None:
+def record_rows(cfg: StudyConfig, study: StudyLog, rows: list[dict[str, Any]]) -> None:
     """scaling.csv and the plots, as artifacts of the study's run."""
     csv_path = write_csv(rows, cfg.output_dir / "scaling.csv")
-    tracker.log_files(parent, [csv_path, *plot(rows, cfg.output_dir / "plots")])
-
-
-def open_tracker(cfg: StudyConfig) -> Tracker:
-    return Tracker(tracking_uri(cfg.output_dir), cfg.experiment, system_metrics=False)
+    study.tracker.log_files(study.parent, [csv_path, *plot(rows, cfg.output_dir / "plots")])
 
 
 def run_study(cfg: StudyConfig) -> list[dict[str, Any]]:
     """Every grid point: closed forms, then a measured run if it fits (a measured point is read back
     on a re-run, a failed one keeps its reason unless --retry-failed); rows as written to the CSV."""
-    absolute_paths(cfg)
+    cfg.make_absolute()
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
     hardware = Hardware.detect(cfg.nproc, cfg.memory_limit_gib, _nvme(cfg))
@@ -194,31 +161,28 @@ def run_study(cfg: StudyConfig) -> list[dict[str, Any]]:
     precision = cfg.precision if cfg.precision != "auto" else ("fp32" if cfg.measure and on_cpu else "bf16")
     grid = grid_of(cfg, precision)  # type: ignore[arg-type]
     gpus = cfg.gpus or cfg.nproc
-    data_dir, vocab = None, cfg.vocab_size or BERT_VOCAB
+    data_dir, vocab, data = None, cfg.vocab_size or BERT_VOCAB, {}
     if cfg.measure:
-        data_dir, data_vocab = _prepare_data(cfg)
-        vocab = cfg.vocab_size or data_vocab
-    check_study(out, "scaling", study_options(cfg, NOT_IN_STUDY), cfg.allow_study_change)
-    records = Records(out / "points", "swbert-scaling-point/1", "{name}/point.json")
-    runner = PointRunner(records, lambda d: PointRow(**d), cfg.retry_failed, frozenset({"measured"}),
-                         frozenset({"estimated", "skipped", "stopped"}))  # fmt: skip
+        data_dir, manifest, data = cfg.read_data()
+        vocab = cfg.vocab_size or int(manifest["tokenizer"]["vocab_size"])
+    options = study_options(cfg, NOT_IN_STUDY, data)
+    check_study(out, "scaling", options, cfg.allow_study_change, Records(out / "points", *RECORDS))
+    runner = PointRow.runner(out, cfg.retry_failed, ("estimated", "skipped", "stopped"))
     fused = not (cfg.measure and on_cpu)
 
     def one(point: GridPoint) -> Settled[PointRow]:
         return runner.settle(
             point.name,
             lambda: PointRow.of(evaluate_point(point, cfg, hardware, gpus, vocab, data_dir, fused)),
+            key=point_key(options, CHOOSES, point=point.name, precision=precision, gpus=gpus),
         )
 
     def table(done: list[Settled[PointRow]]) -> None:  # after every point: an interrupted sweep keeps it
         write_csv([s.result.row for s in done], out / "scaling.csv")
 
-    tracker = open_tracker(cfg)
-    name = f"scaling-{time.strftime('%Y%m%d-%H%M%S')}"
-    with tracker.sweep(name, "scaling_study", flat_params(asdict(cfg)), out, resume=True) as parent:
-        done = run_points(grid, lambda p: p.name, one, child_run, StudyLog(tracker, out), table)
-        rows = [s.result.row for s in done]
-        record_rows(cfg, tracker, parent, rows)
+    with study_run(out, cfg.store(), cfg.experiment, "scaling_study", asdict(cfg)) as study:
+        rows = [s.result.row for s in run_points(grid, lambda p: p.name, one, child_run, study, table)]
+        record_rows(cfg, study, rows)
     return rows
 
 
@@ -362,36 +326,48 @@ def emit_slurm(
     return sweep, command
 
 
-def collect(output_dir: Path) -> list[dict[str, Any]]:
-    """Rows for a grid run as a job array (see `emit_slurm`): closed forms plus each point's metrics.
-
-    The CSV, plots and MLflow runs are written only when at least one point was measured."""
+def collect(output_dir: Path, plugins: list[str] | tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Rows for a grid run as a job array (see `emit_slurm`): closed forms plus each point's metrics,
+    settled as the studies' points are (`PointRunner`: a point no task has measured is `missing`).
+    Imports only `plugins` (the caller's --plugins), never those grid.json names. The CSV, plots and
+    MLflow runs are written only when at least one point was measured."""
     spec = json.loads((output_dir / "grid.json").read_text())
-    study = spec["study"]
-    cfg = StudyConfig(**{**study, "output_dir": output_dir})
-    cfg.check()  # the plugins the grid was written with
+    cfg = StudyConfig(**{**spec["study"], "output_dir": output_dir, "plugins": list(plugins)})
+    load_plugins(cfg.plugins)
     world = spec["nodes"] * max(spec["gpus_per_node"], 1)
-    grid = {p.name: p for p in grid_of(cfg, spec["precision"])}
+    try:
+        grid = {p.name: p for p in grid_of(cfg, spec["precision"])}
+    except ValueError as err:
+        named = " ".join(spec["study"].get("plugins") or []) or "FILE"
+        raise ValueError(f"{err}: pass the grid's plugins to --collect (--plugins {named})") from None
     vocab = cfg.vocab_size or _data_vocab(cfg.data_dir) or BERT_VOCAB
-    found = {
-        name: parse_metrics(output_dir / "points" / name, grid[name], Measurement(status="failed"),
-                            world // grid[name].layout.tp)
+    options = study_options(cfg, NOT_IN_STUDY)
+    runner = PointRow.runner(output_dir, False, ("missing", "failed"))
+
+    def found(name: str) -> PointRow | None:
+        run = output_dir / "points" / name
+        if not (run / "metrics.jsonl").is_file():
+            return None
+        m = parse_metrics(run, grid[name], Measurement(status="failed"), world // grid[name].layout.tp)
+        return PointRow(m.status, m.reason, {**estimate(grid[name], world, vocab), **m.row()}, m.records)
+
+    def missing(name: str) -> PointRow:
+        return PointRow(
+            "missing", NOT_RUN, {**estimate(grid[name], world, vocab), "status": "missing", "reason": NOT_RUN}
+        )
+
+    settled = [
+        runner.settle(name, lambda n=name: found(n) or missing(n), lambda n=name: found(n),
+                      point_key(options, CHOOSES, point=name, precision=spec["precision"], gpus=world))
         for name in spec["points"]
-    }  # fmt: skip
-    if not any(m.status == "measured" for m in found.values()):
-        # the array has not run yet: no table, no MLflow runs of nothing (nor the closed forms' imports)
-        return [{"name": name, **m.row()} for name, m in found.items()]
-    tracker = open_tracker(cfg)
-    with tracker.sweep(f"scaling-{time.strftime('%Y%m%d-%H%M%S')}", "scaling_study", flat_params(study),
-                       output_dir, resume=True) as parent:  # fmt: skip
-        study_log, rows = StudyLog(tracker, output_dir), []
-        for name, m in found.items():
-            row = estimate(grid[name], world, vocab)
-            row.update(m.row())
-            rows.append(row)
-            settled = Settled(name, PointRow(row["status"], row.get("reason", ""), row, m.records), False)
-            study_log.point(name, False, child_run(grid[name], settled))
-        record_rows(cfg, tracker, parent, rows)
+    ]  # fmt: skip
+    rows = [s.result.row for s in settled]
+    if not any(s.result.status == "measured" for s in settled):
+        return rows  # the array has not run yet: no table, no MLflow runs of nothing
+    with study_run(output_dir, cfg.store(), cfg.experiment, "scaling_study", spec["study"]) as study:
+        for s in settled:
+            study.point(s.name, s.trained, child_run(grid[s.name], s))
+        record_rows(cfg, study, rows)
     return rows
 
 
@@ -405,7 +381,6 @@ __all__ = [
     "Layout",
     "quality_requested",
     "StudyConfig",
-    "absolute_paths",
     "collect",
     "emit_slurm",
     "exit_status",

@@ -1,10 +1,12 @@
-"""What a study keeps on disk: one record per finished point, and the options it was run with.
+"""What a study keeps on disk: one record per finished point, and the options and data it was run
+with.
 
-A point's record is written last, atomically, once the point is complete (its model saved, its
-result known): a record says the point is done, whatever else the folder holds. A study's
-options are kept in `study.json`; a re-run with other options in the same folder is refused in
-one line naming what differs (`--allow-study-change` runs the new points beside the finished
-ones, which are never retrained and nothing is deleted).
+A point's record is written last, atomically, once the point is complete: a record says the point
+is done, whatever else the folder holds. It stands for its key (the options and data the point was
+made with): a record made with another key is never read back as this point's result.
+`study.json` keeps the study's options and data identity; a re-run with other ones in the same
+folder is refused in one line naming what differs (`--allow-study-change` runs the changed points
+again, the old records and runs set aside, never relabelled, nothing deleted).
 """
 
 from __future__ import annotations
@@ -12,13 +14,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from swbert.data.manifest import file_sha256
+
 log = logging.getLogger("swbert.studies")
 
 STUDY_FILE = "study.json"
+DATA = "data"  # the key of a study's data identity in its options (`data_identity`)
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:
@@ -55,15 +61,41 @@ class Records:
         record = read_json(self.path(name))
         if not isinstance(record, dict) or record.get("format") != self.fmt:
             return None
-        if key is not None and record.get("key") != json.loads(json.dumps(key, default=str)):
+        made_for = record.get("key")  # None: any (a study's record from before keys were kept)
+        if key is not None and made_for is not None and made_for != jsonable(key):
             return None
         return record
 
     def save(self, name: str, payload: dict[str, Any], key: Any = None) -> Path:
         """Record point `name` as finished (call last, once what it made is complete)."""
         path = self.path(name)
-        write_json_atomic(path, {**payload, "format": self.fmt, "key": key})
+        write_json_atomic(path, {**payload, "format": self.fmt, "key": jsonable(key)})
         return path
+
+    def any(self) -> bool:
+        """Whether any point has a record here."""
+        return any(p.is_file() for p in self.folder.rglob(Path(self.pattern).name.format(name="*")))
+
+    def set_aside(self, name: str) -> Path:
+        """Move point `name`'s record aside (with its folder when the point has one of its own),
+        for a run with other options: kept, never read back as this point's."""
+        path = self.path(name)
+        own = self.pattern.startswith("{name}/")
+        old = path.parent if own else path
+        aside = old.with_name(f"{old.name}.before-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(old, aside)
+        return aside
+
+
+def jsonable(value: Any) -> Any:
+    """`value` as it reads back from JSON (paths as strings, tuples as lists)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def data_identity(files: Iterable[str | Path]) -> dict[str, str]:
+    """{path: sha256} of the files a study's points read (a shard folder's manifest.json, which holds
+    every shard's hash; a fine-tuning task's files): what `study.json` and the point keys hold."""
+    return {str(Path(f).resolve()): file_sha256(f) for f in dict.fromkeys(files)}
 
 
 def _spelled(value: Any) -> str:
@@ -74,7 +106,11 @@ def study_changes(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """`--flag NOW (was BEFORE)` for every option that differs, in the order of `now`."""
     changes = []
     for key in dict.fromkeys([*now, *before]):
-        if before.get(key) != now.get(key):
+        if key == DATA and before.get(key) != now.get(key):
+            was, files = before.get(key) or {}, now.get(key) or {}
+            changed = [f for f in dict.fromkeys([*files, *was]) if was.get(f) != files.get(f)]
+            changes.append(f"the data changed: {', '.join(changed)} (sha256 differs, or files added or gone)")
+        elif before.get(key) != now.get(key):
             flag = "--" + key.replace("_", "-")
             changes.append(
                 f"{flag} {_spelled(now.get(key, '(unset)'))} (was {_spelled(before.get(key, '(unset)'))})"
@@ -82,30 +118,50 @@ def study_changes(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return changes
 
 
-def check_study(folder: Path, kind: str, spec: dict[str, Any], allow_change: bool = False) -> None:
+def check_study(
+    folder: Path, kind: str, spec: dict[str, Any], allow_change: bool = False, records: Records | None = None
+) -> None:
     """Keep `spec` (the options that decide a study's points and what each runs) in folder/study.json;
     a ValueError naming what differs when the folder holds a `kind` study run with other options,
-    unless `allow_change` (then the file takes the new options)."""
-    spec = json.loads(json.dumps(spec, default=str))
+    unless `allow_change` (then the file takes the new options) or no point has a record in
+    `records` yet (a run stopped by bad input made nothing to relabel)."""
+    spec = jsonable(spec)
     path = Path(folder) / STUDY_FILE
     saved = read_json(path)
-    if isinstance(saved, dict) and saved.get("study") == kind and saved.get("options") != spec:
-        changes = study_changes(saved.get("options") or {}, spec)
-        if not allow_change:
+    before = saved.get("options") if isinstance(saved, dict) and saved.get("study") == kind else None
+    if isinstance(before, dict) and DATA in spec and DATA not in before:  # kept before data was: unknown
+        before[DATA] = spec.get(DATA)
+    if isinstance(before, dict) and before != spec:
+        changes = study_changes(before, spec)
+        if not allow_change and (records is None or records.any()):
             raise ValueError(
                 f"{folder} holds a {kind} study run with other options: {'; '.join(changes)}; use "
-                "another --output-dir, the same options, or --allow-study-change (finished points are "
-                "kept, never retrained)"
+                "another --output-dir, the same options and data, or --allow-study-change (the changed "
+                "points run again; finished ones are kept, never relabelled)"
             )
         log.info("%s: the study's options changed (--allow-study-change): %s", folder, "; ".join(changes))
     if saved != {"study": kind, "options": spec}:  # array tasks check at once: only a change writes
         write_json_atomic(path, {"study": kind, "options": spec})
 
 
-def study_options(config: Any, left_out: Iterable[str]) -> dict[str, Any]:
-    """A study config's fields, less `left_out` (those that choose where results go or how the
-    study is orchestrated, not what its points are): any field added later counts."""
+# Options of every study that choose where results go or how it is run, not what its points are
+NOT_OPTIONS = ("output_dir", "tracking_uri", "experiment", "plugins", "allow_study_change", "retry_failed",
+               "allow_tokenizer_change", "emit_slurm", "gpus_per_node", "collect", "point_timeout_s")  # fmt: skip
+
+
+def study_options(config: Any, left_out: Iterable[str], data: dict[str, str] | None = None) -> dict[str, Any]:
+    """A study config's fields, less `NOT_OPTIONS` and `left_out`, and the identity of its `data`
+    (`data_identity`): any field added later counts."""
     import dataclasses
 
-    skip = set(left_out)
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in skip}
+    skip = {*NOT_OPTIONS, *left_out}
+    options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in skip}
+    return jsonable({**options, DATA: data or {}})
+
+
+def point_key(options: dict[str, Any], chooses: Iterable[str], **point: Any) -> dict[str, Any]:
+    """What a point's record stands for: the study's options (`study_options`) less those that only
+    choose which points there are (a new size or seed leaves the other points' keys alone), and the
+    point's own facts."""
+    skip = set(chooses)
+    return jsonable({"options": {k: v for k, v in options.items() if k not in skip}, **point})

@@ -16,16 +16,18 @@ run yet) is reported, not recorded: the next run of the study runs it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 from swbert.studies.records import Records, read_json, write_json_atomic
-from swbert.studies.tracking import Tracker, finite
+from swbert.studies.tracking import Tracker, finite, flat_params
 
 log = logging.getLogger("swbert.studies")
 
@@ -80,6 +82,7 @@ class PointRunner(Generic[R]):
     retry_failed: bool = False
     final: frozenset[str] = frozenset({"done"})  # statuses never run again, even with retry_failed
     unrecorded: frozenset[str] = frozenset({"stopped", "missing"})
+    writes: bool = True  # False: read records, write none (a sweep's ranks other than 0)
 
     def settle(
         self,
@@ -93,12 +96,16 @@ class PointRunner(Generic[R]):
             previous = self.load(record["result"])
             if previous.status in self.final or not self.retry_failed:
                 return Settled(name, previous, False)
+        elif self.writes and key is not None and self.records.load(name) is not None:  # other options or data
+            log.info(
+                "%s: recorded with other options or data; set aside as %s", name, self.records.set_aside(name)
+            )
         recovered = recover()
         if recovered is not None and recovered.status in self.final:
             result, trained = recovered, False  # the study stopped after the run ended, before recording it
         else:
             result, trained = attempt(), True
-        if result.status not in self.unrecorded:
+        if self.writes and result.status not in self.unrecorded:
             self.records.save(name, {"result": asdict(result)}, key)  # type: ignore[call-overload]
         return Settled(name, result, trained)
 
@@ -118,24 +125,43 @@ class StudyLog:
     """A point's child run under the study's parent: a parent continued from an earlier run of the
     study gets only the points trained since (or never logged); a new parent gets every point."""
 
-    def __init__(self, tracker: Tracker, folder: Path) -> None:
-        self.tracker, self.path = tracker, Path(folder) / CHILDREN_FILE
+    def __init__(self, tracker: Tracker, folder: Path, parent: str | None = None) -> None:
+        self.tracker, self.path, self.parent = tracker, Path(folder) / CHILDREN_FILE, parent
         saved = read_json(self.path) if tracker.continued else None
         self.children: dict[str, str] = saved if isinstance(saved, dict) else {}
 
     def point(self, name: str, trained: bool, child: ChildRun) -> None:
-        tracker = self.tracker
         logged = self.children.get(name)
-        logged = logged if logged and tracker.live(logged) else None
+        logged = logged if logged and self.tracker.live(logged) else None
         if logged is not None and not trained:
             return  # logged by an earlier run of the study and unchanged since
-        with tracker.run(name, child.tags, child.params, run_id=logged) as run_id:
-            tracker.set_tags(run_id, child.tags)
-            tracker.log(run_id, finite(child.metrics))
-            tracker.log_curve(run_id, child.curve, child.curve_keys)
+        with self.live(name, child.tags, child.params, logged) as run_id:
+            self.tracker.set_tags(run_id, child.tags)
+            self.tracker.log(run_id, finite(child.metrics))
+            self.tracker.log_curve(run_id, child.curve, child.curve_keys)
+
+    @contextlib.contextmanager
+    def live(
+        self, name: str, tags: dict[str, str], params: dict[str, Any], run_id: str | None = None
+    ) -> Iterator[str | None]:
+        """The point's child run, open while the point runs (a fine-tuning trial logs as it trains)."""
+        with self.tracker.run(name, tags, params, run_id=run_id) as run_id:
+            yield run_id
         if run_id is not None:
             self.children[name] = run_id
             write_json_atomic(self.path, self.children)
+
+
+@contextlib.contextmanager
+def study_run(
+    folder: Path, store: str, experiment: str, kind: str, params: dict[str, Any], **how: Any
+) -> Iterator[StudyLog]:
+    """The study's MLflow parent run (`Tracker.sweep`; `how`: its `name`, `resume`, and the
+    tracker's `enabled` and `system_metrics`) and the log of its points."""
+    tracker = Tracker(store, experiment, how.get("enabled", True), how.get("system_metrics", False))
+    name = how.get("name") or f"{kind.partition('_')[0]}-{time.strftime('%Y%m%d-%H%M%S')}"
+    with tracker.sweep(name, kind, flat_params(params), folder, how.get("resume", True)) as parent:
+        yield StudyLog(tracker, folder, parent)
 
 
 def run_points(

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 SWITCH_VALUES = ("true", "false", "yes", "no", "1", "0", "on", "off")
+# --collect's reason for a point that no array task has finished: reported, never recorded
+NOT_RUN = "not run yet: its array task has not finished (submit.sh runs it)"
 
 
 def without_switches(argv: Sequence[str], names: tuple[str, ...]) -> list[str]:

@@ -156,11 +156,13 @@ def test_compiled_sweeps_pad_to_length_buckets_and_refuse_unpadded_batches(tmp_p
     from swbert.finetune.glue import GlueSweep
 
     items = [{"input_ids": [2] * n, "attention_mask": [1] * n, "labels": 0} for n in (3, 70)]
-    compiled = GlueSweep(["c"], tmp_path, compile="on", unpad="off", max_seq_length=100)
+    compiled = GlueSweep(checkpoint=["c"], output_dir=tmp_path, compile="on", unpad="off", max_seq_length=100)
     assert compiled.compiled() and compiled.finetune_config().compile
     batch = compiled.collate(0)(items)
     assert batch["input_ids"].shape == (2, 100) and batch["attention_mask"].sum() == 73
     assert compiled.collate(0)(items[:1])["input_ids"].shape == (1, 64)
-    assert not GlueSweep(["c"], tmp_path, compile="auto", unpad="off").compiled()  # a CPU
+    assert not GlueSweep(
+        checkpoint=["c"], output_dir=tmp_path, compile="auto", unpad="off"
+    ).compiled()  # a CPU
     with pytest.raises(ValueError, match="--compile on compiles padded batches.*--unpad off"):
-        GlueSweep(["c"], tmp_path, compile="on", unpad="on").compiled()
+        GlueSweep(checkpoint=["c"], output_dir=tmp_path, compile="on", unpad="on").compiled()

@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 
 @pytest.mark.slow
 def test_finetune_sweep_logs_system_metrics_and_its_report(tmp_path):
-    from swbert.finetune.tracking import Tracker
+    from swbert.studies.tracking import Tracker
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracker = Tracker(uri, "sweep-test")
@@ -88,9 +88,48 @@ def test_a_rerun_sweep_skips_finished_trials_and_marks_the_killed_runs(tmp_path)
         if r.data.tags.get("mlflow.parentRunId") == new_parent.info.run_id
     }
     assert sorted(children) == ["1", "2"]
-    old_seed1 = json.loads(first.read_text())["run_id"]
+    old_seed1 = json.loads(first.read_text())["result"]["run_id"]
     assert children["1"].data.tags[REUSED_FROM] == old_seed1 and first.stat().st_mtime_ns == recorded
     reused, old = children["1"].data.metrics, client.get_run(old_seed1).data.metrics
     assert "best/validation/accuracy" in reused and reused == {k: old[k] for k in reused}  # not retrained
     assert REUSED_FROM not in children["2"].data.tags  # killed before its end: trained again
     assert len(collect(uri, "resume", [new_parent.info.run_id]).glue) == 2  # the report sees every seed
+
+
+@pytest.mark.slow  # an MLflow store and a 1-rank process group (a few seconds)
+def test_a_sweep_rerun_on_changed_data_or_flags_is_refused_naming_what_differs(tmp_path, capsys):
+    """Issue 46: a sweep records its flags and its task files' hashes in study.json; run again on
+    data changed at the same --data-dir (or with another flag) it is refused in one line naming the
+    file (the flag) before anything trains, instead of reusing the old results."""
+    import runpy
+    from pathlib import Path
+
+    from swbert import cli
+    from swbert.finetune.glue import GlueSweep
+    from swbert.finetune.sweep import run_sweep
+    from swbert.finetune.synthetic import write_glue_fixture
+
+    root = Path(__file__).resolve().parents[2]
+    write_glue_fixture(tmp_path / "glue", ["sst2"], n_train=16, n_dev=8)
+    argv = ["--checkpoint", f"tiny={tmp_path / 'ckpt'}", "--tasks", "sst2", "--data-dir", str(tmp_path / "glue"),
+            "--output-dir", str(tmp_path / "out"), "--seeds", "1", "--tracking-uri",
+            f"sqlite:///{tmp_path / 'm.db'}", "--experiment", "identity"]  # fmt: skip
+    trained = []
+
+    def one_trial(sweep, trials):  # a stand-in that records one finished trial
+        trained.append(trials)
+        trials.runner.records.save("tiny/sst2/lr0.0001-seed1", {"result": {}})
+
+    assert run_sweep(cli.build_config(GlueSweep, None, argv), "glue", one_trial) == 0
+    train_tsv = (tmp_path / "glue" / "SST-2" / "train.tsv").resolve()
+    assert str(train_tsv) in trained[0].options["data"]
+    main = runpy.run_path(str(root / "launchers" / "finetune_glue.py"), run_name="launcher")["main"]
+    capsys.readouterr()  # the first run's lines
+    for change, named in [(["--epochs", "2"], "--epochs 2 (was 10)"), ([], f"the data changed: {train_tsv}")]:
+        if not change:
+            train_tsv.write_text(train_tsv.read_text().replace("\t0\n", "\t1\n", 1))  # one label flipped
+        with pytest.raises(SystemExit) as exit_info:
+            main([*argv, *change])
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and named in err and "--allow-study-change" in err, err
+        assert len(err.splitlines()) == 1 and len(trained) == 1  # refused before anything ran

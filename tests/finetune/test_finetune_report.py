@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from swbert.finetune.report import collect
-from swbert.finetune.tracking import CHECKPOINT, KIND, TASK, VARIANT, Tracker
+from swbert.finetune.results import CHECKPOINT, DEFAULT_EXPERIMENT, TASK, VARIANT
 from swbert.runtime.tracking import tracking_uri
+from swbert.studies.tracking import KIND, Tracker
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,7 +64,7 @@ STANDARD = {
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("report")
-    tracker = Tracker(tracking_uri(root))
+    tracker = Tracker(tracking_uri(root), DEFAULT_EXPERIMENT)
     with tracker.sweep("first", "glue_sweep") as first:
         # standard/MRPC: lr 1e-4 scores .83 .85 .87 (median .85); lr 2e-5 scores .75 .91 .88 (median .88) wins
         for seed, (a, f) in enumerate([(0.80, 0.86), (0.82, 0.88), (0.84, 0.90)], 1):

@@ -421,7 +421,7 @@ def _fit_full_batch(out: str | None = None) -> dict[str, torch.Tensor]:
     the ranks (``out``), every training step's host syncs and the collating processes are recorded."""
     model, calls = _two_rank_model(), iter(range(100))
     cfg = FinetuneConfig(learning_rate=1e-3, epochs=3, batch_size=16, precision="fp32",
-                      deepspeed_config="zero1.json" if out else None)  # fmt: skip
+                      deepspeed="zero1.json" if out else None)  # fmt: skip
     collate = _count_syncs(Path(out), pad_collate(0)) if out else pad_collate(0)
     logged = (lambda metrics, step: None) if out else None  # the ranks take the logging path too
     fit(model, _two_rank_data(), collate, lambda m: {"validation/score": float(next(calls))},
@@ -553,7 +553,7 @@ def test_stepped_plan_continues_from_the_best_weights(tmp_path):
     """Stage 2 (worse than stage 1) hands stage 1's best weights on to stage 3; the model ends with the
     best weights of all stages; logged steps continue across stages."""
     from swbert.finetune.checkpoint import Checkpoint
-    from swbert.finetune.sweep import SweepConfig, TrialSpec, fit_stages
+    from swbert.finetune.sweep import SweepConfig, TrialSpec, TrialTask, fit_stages
 
     torch.manual_seed(0)
     model = SWBertForSequenceClassification(SWBertConfig.from_size("tiny", vocab_size=32, num_labels=2))
@@ -571,13 +571,12 @@ def test_stepped_plan_continues_from_the_best_weights(tmp_path):
     model.register_forward_pre_hook(record_start)  # not in the collate: batches are collated in workers
     collate = pad_collate(0)
 
-    sweep = SweepConfig(
-        ["c"], tmp_path, learning_rates=[1e-3, 1e-4, 1e-5], epochs=2, batch_size=8, precision="fp32"
-    )
+    sweep = SweepConfig(checkpoint=["c"], output_dir=tmp_path, learning_rates=[1e-3, 1e-4, 1e-5], epochs=2,
+                        batch_size=8, precision="fp32")  # fmt: skip
     spec = TrialSpec(Checkpoint("c", tmp_path), "t", tuple(sweep.learning_rates), 1, "glue_trial", {})
     logged = []
-    result = fit_stages(sweep, spec, model, data, collate, evaluate, "validation/score",
-                        lambda m, step: logged.append(step))  # fmt: skip
+    task = TrialTask(lambda: model, data, collate, evaluate, "validation/score", None)
+    result = fit_stages(sweep, spec, model, task, lambda m, step: logged.append(step))
     assert (result.best_stage, result.best_epoch, result.steps, result.epochs_trained) == (2, 4, 12, 6)
     for k, v in started[8].items():  # the first step of stage 3 starts from stage 1's best (epoch 1)
         assert torch.equal(v, evaluated[1][k]), k

@@ -344,14 +344,14 @@ def test_a_relative_output_dir_from_another_folder_reaches_the_runs_as_absolute_
     from pathlib import Path
 
     from swbert.scaling.measure import point_command
-    from swbert.scaling.study import StudyConfig, absolute_paths
+    from swbert.scaling.study import StudyConfig
 
     caller = tmp_path / "caller"
     caller.mkdir()
     monkeypatch.chdir(caller)
     cfg = StudyConfig(output_dir=Path("runs/scaling-tiny"), data_dir="data", nvme_path=Path("swap"),
                       plugins=["my_variant.py", "pkg.variant"])  # fmt: skip
-    absolute_paths(cfg)
+    cfg.make_absolute()
     assert cfg.output_dir == caller / "runs" / "scaling-tiny" and cfg.data_dir == str(caller / "data")
     assert cfg.nvme_path == caller / "swap" and cfg.plugins == [str(caller / "my_variant.py"), "pkg.variant"]
     point = build_grid(["tiny"], ["shared"], ["z2"])[0]
@@ -396,3 +396,29 @@ def test_collect_with_nothing_run_says_so_and_where_it_looked(tmp_path, capsys):
         and str(out / "points") in captured.err
     )
     assert not (out / "scaling.csv").exists() and not (out / "mlflow.db").exists()
+
+
+def test_collect_imports_no_plugin_it_was_not_given(tmp_path, capsys):
+    """Issue 46: a grid.json that names plugin files does not make --collect import them: only the
+    user's --plugins are imported (a plugin variant's points then need them, one line says so)."""
+    from swbert.scaling.study import StudyConfig, collect, emit_slurm
+
+    marker, plugin = tmp_path / "imported", tmp_path / "plugin.py"
+    plugin.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('x')\n")
+    out = tmp_path / "array"
+    cfg = StudyConfig(
+        output_dir=out, sizes=["tiny"], attentions=["standard"], layouts=["z2"], plugins=[str(plugin)]
+    )
+    emit_slurm(cfg, 1, 0)
+    assert json.loads((out / "grid.json").read_text())["study"]["plugins"] == [str(plugin)]
+    rows = collect(out)
+    assert [r["status"] for r in rows] == ["missing"] and not marker.exists()
+    main = runpy.run_path(str(REPO / "launchers" / "scaling_study.py"), run_name="launcher")["main"]
+    assert main(["--collect", str(out)]) == 1 and not marker.exists()
+    assert "nothing measured" in capsys.readouterr().err
+    spec = json.loads((out / "grid.json").read_text())
+    spec["study"]["attentions"] = ["nonesuch_variant"]  # a variant only a plugin registers
+    (out / "grid.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=f"pass the grid's plugins to --collect \\(--plugins {plugin}\\)"):
+        collect(out)
+    assert not marker.exists()

@@ -4,6 +4,7 @@ by a stand-in here (the real trainer: the long end-to-end test at the bottom).""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -185,6 +186,41 @@ def test_reruns_never_retrain_finished_points_and_failures_keep_their_reason(tmp
     assert sorted(third.calls) == ["2x64-shared-s1234", "mini-shared-s1234"]
 
 
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"tokens_per_param": 2.0}, "--tokens-per-param 2.0 (was 1.0)"),
+        ({"lr_scale": 0.5}, "--lr-scale 0.5 (was 1.0)"),
+        ({"data": True}, "the data changed: "),
+    ],
+)
+def test_a_rerun_with_another_budget_rate_or_data_is_refused_and_never_relabels(tmp_path, change, named):
+    """Issue 46: a re-run with another --tokens-per-param or --lr-scale, or on changed data at the same
+    --data-dir, is refused naming what differs; with --allow-study-change its points train again
+    under the new plan (the old runs set aside, kept) instead of reporting the old losses."""
+    cfg = config(tmp_path, sizes=["1x64", "2x64", "2x128", "3x128"])
+    before = {r["name"]: r for r in run_quality(cfg, StandIn())}
+    vocab = 8000
+    if change.pop("data", False):
+        manifest, vocab = Path(cfg.data_dir) / "manifest.json", 8001
+        manifest.write_text(manifest.read_text().replace("8000", "8001"))  # same folder, other shards
+    cfg = dataclasses.replace(cfg, **change)
+    with pytest.raises(ValueError) as err:
+        run_quality(cfg, StandIn())
+    assert named in str(err.value) and "\n" not in str(err.value)
+    cfg.allow_study_change = True
+    again = StandIn()
+    rows = run_quality(cfg, again)
+    assert sorted(again.calls) == sorted(before)  # every point trained again, none relabelled
+    planned = {p.name: p for p in plan(cfg, vocab)}
+    assert [(r["tokens"], r["lr"]) for r in rows] == [
+        (planned[r["name"]].tokens, planned[r["name"]].lr) for r in rows
+    ]
+    assert all(r["trained_now"] for r in rows)
+    kept = list((cfg.output_dir / "points").glob("*.before-*"))
+    assert len(kept) == len(before) and all((k / "point.json").is_file() for k in kept)
+
+
 @pytest.fixture
 def own_store(monkeypatch):
     """The study's default store (sqlite in its folder); what the study sets in MLflow's globals
@@ -284,8 +320,9 @@ def test_a_run_folder_still_held_is_waited_for_and_never_recorded_as_failed(
     monkeypatch.setattr(quality, "pretrain_command", fake)
     monkeypatch.setattr(jobs, "BUSY_RETRY_S", 0.05)
     monkeypatch.setattr(jobs, "BUSY_WAIT_S", 2.0 if status != "stopped" else 0.3)
-    result, trained = quality.point_result(point, cfg, cfg.data_dir, quality.train_point)
-    assert trained and result.status == status, result
+    settled = quality.settle_point(point, cfg, quality.train_point, {})
+    result = settled.result
+    assert settled.trained and result.status == status, result
     assert (run_dir / "point.json").is_file() == (status != "stopped")  # held: nothing recorded
     if tries is not None:
         assert len((run_dir / "tries").read_text()) == tries

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from swbert.studies.records import Records, check_study, study_options
+from swbert.studies.records import Records, check_study, data_identity, point_key, study_options
 from swbert.studies.runner import ChildRun, PointRunner, StudyLog, run_points
 from swbert.studies.slurm import array_command, switch_given, without_switches, write_submit
 
@@ -76,7 +76,35 @@ def test_a_changed_study_is_refused_in_one_line_naming_what_differs(tmp_path):
         sizes: tuple = ("a",)
         output_dir: str = "x"
 
-    assert study_options(Cfg(), ["output_dir"]) == {"sizes": ("a",)}
+    assert study_options(Cfg(), []) == {"sizes": ["a"], "data": {}}  # where results go: not an option
+
+
+def test_changed_data_is_refused_naming_the_file_and_a_changed_point_is_set_aside(tmp_path):
+    """Issue 46: a study records its data's hashes; a re-run on changed data is refused naming the
+    file, and a point whose options or data changed is run again, its old record set aside (kept,
+    never read back as the new point's)."""
+    data = tmp_path / "manifest.json"
+    data.write_text('{"shards": 1}')
+    options = {"seq_len": 128, "sizes": ["a"], "data": data_identity([data])}
+    check_study(tmp_path / "study", "quality", options)
+    data.write_text('{"shards": 2}')  # the same path, other bytes
+    changed = {**options, "data": data_identity([data])}
+    with pytest.raises(ValueError, match=f"the data changed: {data.resolve()}") as err:
+        check_study(tmp_path / "study", "quality", changed)
+    assert "\n" not in str(err.value) and "--allow-study-change" in str(err.value)
+    check_study(tmp_path / "study", "quality", changed, allow_change=True)
+    empty = Records(tmp_path / "study" / "points", "test/1", "{name}/point.json")
+    check_study(tmp_path / "study", "quality", options, records=empty)  # no finished point: nothing to refuse
+
+    r, calls = runner(tmp_path), []
+    first = r.settle("a", lambda: Res("done", value=1.0), key=point_key(options, ["sizes"], point="a"))
+    assert first.trained
+    again = point_key({**options, "sizes": ["a", "b"]}, ["sizes"], point="a")  # a new point: the key holds
+    assert not r.settle("a", lambda: calls.append("a") or Res("done"), key=again).trained and not calls
+    new = r.settle("a", lambda: Res("done", value=2.0), key=point_key(changed, ["sizes"], point="a"))
+    assert new.trained and new.result.value == 2.0
+    (aside,) = (tmp_path / "points").glob("a.before-*")
+    assert json.loads((aside / "point.json").read_text())["result"]["value"] == 1.0
 
 
 def test_job_array_commands_and_switches():
