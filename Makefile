@@ -24,11 +24,14 @@ $(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
 
 setup: $(BIN)/.installed
 
-# The embedded default recipe on 2 ranks (2 CPU processes here; set NPROC=8 on an 8-GPU node).
+# The embedded default recipe on 2 ranks (2 CPU processes here; set NPROC=8 on an 8-GPU node);
+# RECIPE=NAME runs another of swbert/recipes/ (RECIPE=modern: the modern encoder recipe, ours).
 NPROC ?= 2
+RECIPE ?=
 pretrain: setup
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=$(DS_ACCELERATOR_DEFAULT) \
-	  $(BIN)/deepspeed --num_gpus $(NPROC) launchers/pretrain.py --output-dir runs/default-$$(date +%Y%m%d-%H%M%S)
+	  $(BIN)/deepspeed --num_gpus $(NPROC) launchers/pretrain.py $(if $(RECIPE),--config $(RECIPE)) \
+	  --output-dir runs/$(or $(RECIPE),default)-$$(date +%Y%m%d-%H%M%S)
 
 # The fine-tuning half, offline: the newest `make pretrain` export (or CHECKPOINT=DIR) fine-tuned on
 # small embedded GLUE-style and SQuAD-style tasks (swbert.finetune.synthetic: a check that the
