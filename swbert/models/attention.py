@@ -591,24 +591,13 @@ class SingleProjectionAttention(SelfAttention):
 
 
 @register_attention("kv_shared")
-class SharedKeyValueAttention(SelfAttention):
+class SharedKeyValueAttention(SymmetricAttention):
     """Q = X Wq + bq;  K = V = X Wkv + bkv: the queries keep their own projection, the keys and
-    values share one (ours: a baseline from later QKV-sharing work, not the paper's). Wq, Wkv are
-    one (2d x d) GEMM, head-interleaved (H, 2, Dh) rows, as symmetric's Wq, Wv."""
+    values share one (ours: a baseline from later QKV-sharing work, not the paper's). Symmetric's
+    layout and counts (Wq and one more d x d projection as one head-interleaved GEMM, split by heads
+    under TP) with the second projection feeding keys and values instead of values alone."""
 
-    qkv_plan = {"in_proj": "column"}  # by heads: each rank's rows hold whole heads' Wq, Wkv
     packed = {"in_proj": ("q_proj", "kv_proj")}
-    activation_units = 32  # keeps Q and K = V: no separate values
-
-    @classmethod
-    def closed_form_qkv_params(cls, config: SWBertConfig) -> int:
-        d = config.hidden_size
-        return 2 * (d * d + d)  # Wq, Wkv and their biases
-
-    def __init__(self, config: SWBertConfig) -> None:
-        super().__init__(config)
-        d = config.hidden_size
-        self.in_proj = nn.Linear(d, 2 * d)  # [Wq; Wkv] head-interleaved, (H, 2, Dh) rows
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, kv = self.split_packed_heads(self.in_proj(x), 2)  # 2 x (B, H, S, Dh)
