@@ -7,8 +7,9 @@ absent) is filled; a hard-coded value that disagrees with the training config is
 
 Two settings are swbert's on every config it writes (`run_settings`), since DeepSpeed's defaults
 cost a GPU run time or accuracy: the throughput timer is off (on, it synchronises the device twice
-per micro-batch), and bf16 runs reduce gradients in fp32 and, at ZeRO stages 2-3, accumulate them
-in fp32. docs/performance.md ("DeepSpeed settings for GPUs") gives the reasons.
+per micro-batch), and bf16 runs accumulate gradients in fp32 at ZeRO stages 2-3 and reduce them in
+bf16. A template that brings back per-tensor loops or per-micro-batch syncs gets one warning per key
+at start (`host_cost_warnings`). docs/performance.md ("DeepSpeed settings for GPUs") gives the reasons.
 """
 
 from __future__ import annotations
@@ -149,6 +150,8 @@ def build_ds_config(
                 f'set "enabled": "auto" or pass --precision {dtype if enabled else precision}'
             )
     run_settings(ds, precision, batch.accum, path)
+    for warning in host_cost_warnings(ds, precision, batch.accum):
+        log.warning("%s: %s", path, warning)
     if not torch.cuda.is_available():  # pinned host memory needs a GPU
         for offload in ("offload_optimizer", "offload_param"):
             target = ds.get("zero_optimization", {}).get(offload, {})
@@ -166,10 +169,12 @@ def run_settings(
       calls `synchronize()` at the start and end of every micro-batch (engine forward and step);
       swbert measures throughput from its own wall clock at log intervals. A template that turns
       it on explicitly (`"timers": {"throughput": {"enabled": true}}`) keeps it.
-    - bf16: gradients reduced across ranks in fp32 (`communication_data_type`) and, at ZeRO stages
-      2 and 3, accumulated over micro-batches in fp32 (`data_types.grad_accum_dtype`), where the
-      template leaves them unset or "auto". bf16 keeps 8 bits of mantissa: a sum over 16
-      micro-batches or 8 ranks in it loses the low bits of every gradient. DeepSpeed 0.19.8 refuses
+    - bf16: gradients accumulated over micro-batches in fp32 at ZeRO stages 2 and 3
+      (`data_types.grad_accum_dtype`) and reduced across ranks in bf16 (`communication_data_type`),
+      where the template leaves them unset or "auto". bf16 keeps 8 bits of mantissa: a sum over 16
+      micro-batches in it loses the low bits of every gradient, while one bf16 rounding of the
+      reduced sum costs 2**-9 relative and halves the bytes sent (ours: tests/runtime/
+      test_flat_grads.py bounds it against an fp32 reduction). DeepSpeed 0.19.8 refuses
       fp32 accumulation of bf16 gradients without ZeRO, and at stage 1 provides it only through its
       BF16_Optimizer, whose checkpoints its own zero_to_fp32 cannot read (the export would fail):
       stages 0 and 1 accumulate in bf16.
@@ -180,7 +185,7 @@ def run_settings(
     if precision != "bf16":
         return
     if ds.get("communication_data_type", "auto") == "auto":
-        ds["communication_data_type"] = "fp32"
+        ds["communication_data_type"] = "bf16"
     data_types = ds.setdefault("data_types", {})
     wanted = data_types.get("grad_accum_dtype", "auto")
     stage = zero_stage(ds)
@@ -210,6 +215,47 @@ def run_settings(
             )
     if not data_types:
         del ds["data_types"]
+
+
+def flat_gradients_apply(ds: dict[str, Any], precision: str) -> bool:
+    """Whether a filled config gets swbert's flat ZeRO-2 gradients (`swbert.runtime.flat_grads`)."""
+    zero = ds.get("zero_optimization", {})
+    return (
+        precision == "bf16"
+        and zero_stage(ds) == 2
+        and ds.get("data_types", {}).get("grad_accum_dtype") in ("fp32", "float32")
+        and not offloads_optimizer(ds)
+        and not zero.get("round_robin_gradients", False)
+    )
+
+
+def host_cost_warnings(ds: dict[str, Any], precision: str, accum: int) -> list[str]:
+    """What a filled config brings back of the per-tensor loops and host syncs swbert's configs avoid
+    (docs/performance.md): one line per key, naming its cost and the fix."""
+    zero, stage, flat = ds.get("zero_optimization", {}), zero_stage(ds), flat_gradients_apply(ds, precision)
+    warnings = []
+    if precision == "bf16" and str(ds.get("communication_data_type")).lower() in ("fp32", "float32", "float"):
+        warnings.append(
+            "communication_data_type=fp32 sends every bf16 gradient in fp32: twice the bytes of each "
+            'reduction; remove it (swbert reduces in bf16 after fp32 accumulation) or set "bf16"'
+        )
+    if stage == 2 and precision == "bf16" and zero.get("round_robin_gradients"):
+        warnings.append(
+            "zero_optimization.round_robin_gradients=true turns off swbert's flat ZeRO-2 gradients: a hook, "
+            "a copy and an add per parameter tensor every micro-batch, six host syncs per step; remove it"
+        )
+    if stage >= 1 and not flat and zero.get("contiguous_gradients") is False:
+        warnings.append(
+            "zero_optimization.contiguous_gradients=false makes DeepSpeed flatten and copy the gradients "
+            "tensor by tensor at every reduction; set it true"
+        )
+    if stage >= 2 and not flat and accum > 1 and precision != "fp32" and zero.get("overlap_comm"):
+        warnings.append(
+            f"zero_optimization.overlap_comm=true with {accum} micro-batches a step: on a GPU DeepSpeed "
+            f"synchronises the device after every backward ({accum} host syncs a step); set it false, "
+            "or use ZeRO stage 2 in bf16 (ds_configs/zero2.json), whose flat gradients have none"
+        )
+    return warnings
 
 
 def zero_stage(ds: dict[str, Any]) -> int:

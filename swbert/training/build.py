@@ -384,6 +384,9 @@ def build_engine(
         mpu=mpu,
         dist_init_required=False,
     )
+    from swbert.runtime.flat_grads import flatten_gradients
+
+    flatten_gradients(engine)  # ZeRO-2 in bf16: flat gradients, no per-tensor work (docs/performance.md)
     bound_every_group()  # SWBERT_DIST_TIMEOUT_MIN for DeepSpeed's and megatron's groups too
     return engine, scheduler, guard
 

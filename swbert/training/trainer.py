@@ -314,9 +314,12 @@ class Trainer:
         """Over every rank: is a stop signal pending, and is the step's loss or gradient non-finite?"""
         run = self.run
         grads_bad = torch.zeros((), device=run.device)
+        flat = getattr(run.engine.optimizer, "agree_overflow", None)  # swbert.runtime.flat_grads
         if run.guard is not None:  # without ZeRO the gradients are whole (and reduced) here
             grads = [p.grad for p in run.engine.module.parameters() if p.grad is not None]
             grads_bad = (~torch.isfinite(torch.nn.utils.get_total_norm(grads))).float()
+        elif flat is not None:  # flat ZeRO-2: this rank's reduced partition, agreed below
+            grads_bad = run.engine.optimizer.local_nonfinite().float()
         # torch.full, not torch.tensor: a tensor built from host data is copied to the device, and on
         # a GPU that copy waits for every kernel queued before it (a second sync in the step)
         stop = torch.full((), 1.0 if self.stop_signal else 0.0, device=run.device)
@@ -330,6 +333,8 @@ class Trainer:
             self._raise_write_failure(message[0])
         if run.guard is not None:
             run.guard.overflow = loss_any or grads_any
+        if flat is not None:  # its step skips or applies on this, with no check or sync of its own
+            flat(loss_any or grads_any)
         return stop_any, loss_any or grads_any
 
     def _raise_write_failure(self, message: str) -> None:
