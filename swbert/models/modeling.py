@@ -6,6 +6,8 @@ Post-LayerNorm blocks as in BERT, so that the `standard` variant is numerically 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,7 @@ from transformers.modeling_outputs import (
 from swbert.models.attention import Mask, Rows, SelfAttention, build_attention
 from swbert.models.config import SWBertConfig
 from swbert.models.hf_weights import register_hf_weight_conversions
+from swbert.models.mlm_loss import MLM_CHUNK_BYTES, logit_stats
 from swbert.models.positions import Rotary, RotaryEmbedding, local_attention_mask
 from swbert.models.varlen import SeqLens, pad_by_seqlens
 
@@ -391,7 +394,14 @@ def _as_stream(seqlens: SeqLens, *inputs: torch.Tensor | None) -> tuple[torch.Te
 
 
 class MLMHead(nn.Module):
-    """Transform (dense, GELU, LayerNorm) then the decoder, whose weight is the word embedding."""
+    """Transform (dense, GELU, LayerNorm) then the decoder, whose weight is the word embedding.
+
+    Given the rows' `target` (N,), it returns the loss and each row's predicted id instead of the
+    logits, computed in vocabulary chunks (`swbert.models.mlm_loss`, ours): the loss is inside the
+    head's forward, so compiling the head compiles it too. A decoder with its own
+    `chunked_mlm_loss` (the vocab-parallel one) computes it."""
+
+    chunk_bytes = MLM_CHUNK_BYTES  # the fp32 logits of one vocabulary chunk at most
 
     def __init__(self, config: SWBertConfig) -> None:
         super().__init__()
@@ -400,9 +410,34 @@ class MLMHead(nn.Module):
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         # padded like the word embedding it is tied to; SWBertForMaskedLM cuts the logits at vocab_size
         self.decoder = _pad_vocab(nn.Linear(config.hidden_size, config.vocab_size), config)
+        self.vocab_size = config.vocab_size
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.norm(self.act(self.dense(h))))  # (..., padded_vocab_size)
+    def forward(
+        self, h: torch.Tensor, target: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """(..., padded_vocab_size) logits; with `target` (N,) for h (N, d): (loss, predicted ids (N,))."""
+        x = self.norm(self.act(self.dense(h)))
+        if target is None:
+            return self.decoder(x)
+        # a bad id would silently count as a wrong prediction: an asynchronous device check, no sync
+        valid = (target == IGNORE_INDEX) | ((target >= 0) & (target < self.vocab_size))
+        torch._assert_async(valid.all(), "MLM targets must be token ids below vocab_size or IGNORE_INDEX")
+        own = getattr(self.decoder, "chunked_mlm_loss", None)
+        if own is not None:
+            return own(x, target, self.vocab_size, self.chunk_bytes)
+        d = self.decoder
+        lse, picked, _, predicted = logit_stats(
+            x, d.weight, d.bias, target, self.vocab_size, self.chunk_bytes
+        )
+        return mlm_loss_from_stats(lse, picked, target), predicted
+
+
+@dataclass
+class SWBertMaskedLMOutput(MaskedLMOutput):
+    """`MaskedLMOutput` with `predictions`, the predicted id of each predicted row (N,), given
+    instead of `logits` when the model is called with `return_logits=False`."""
+
+    predictions: torch.Tensor | None = None
 
 
 class SWBertForMaskedLM(SWBertPreTrainedModel):
@@ -457,12 +492,18 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
         mlm_targets: torch.Tensor | None = None,  # not "labels": transformers' Trainer takes those for labels
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        return_logits: bool = True,
         **_: object,
-    ) -> MaskedLMOutput:
+    ) -> SWBertMaskedLMOutput:
         """`cu_seqlens` and `max_seqlen` (over the B x S tokens of a packed batch, which has no
         padding): attention stays within each of those sequences (a packed sample's documents,
         `swbert.data.packing.document_seqlens`), positions restart in each; rows and logits keep
-        their (B, S) meaning."""
+        their (B, S) meaning.
+
+        `return_logits=False` with the head on the predicted rows (training, or given positions)
+        and targets: no logits; the loss and each row's predicted id (`predictions`, (N,)) come from
+        the head's chunked cross entropy, which never holds (N, vocab) logits (ours; the trainer's
+        path)."""
         rows, target = _predicted_rows(labels, mlm_positions, mlm_targets)
         if masked_logits_only is None:  # the head on the predicted rows when training or given positions
             masked_logits_only = self.training or mlm_positions is not None
@@ -483,9 +524,12 @@ class SWBertForMaskedLM(SWBertPreTrainedModel):
         if full:
             logits, _ = self.logits_and_loss(h, None)  # (B, S, vocab)
             loss = None if rows is None else self.loss_on(logits[rows], target)
+        elif not return_logits and target is not None:
+            loss, predicted = self.mlm_head(h if prune else h[rows], target)
+            return SWBertMaskedLMOutput(loss=loss, hidden_states=out.hidden_states, predictions=predicted)
         else:
             logits, loss = self.logits_and_loss(h if prune else h[rows], target)
-        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+        return SWBertMaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
 
     def logits_and_loss(
         self, h: torch.Tensor, target: torch.Tensor | None
@@ -557,6 +601,11 @@ def labelled_mean(losses: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     with no labelled row it is a zero that keeps the graph."""
     count = (target != IGNORE_INDEX).sum().clamp(min=1)
     return losses.sum() / count
+
+
+def mlm_loss_from_stats(lse: torch.Tensor, picked: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The mean cross entropy `lse - target logit` over the labelled rows, from `logit_stats`'s (N,)."""
+    return labelled_mean(torch.where(target != IGNORE_INDEX, lse - picked, 0.0), target)
 
 
 def _classification_loss(config: SWBertConfig, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -19,13 +19,13 @@ from megatron.core.tensor_parallel import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
-    vocab_parallel_cross_entropy,
 )
 from torch import nn
 
 from swbert.models import SWBertForMaskedLM
 from swbert.models.attention import EagerKernel, Mask
-from swbert.models.modeling import IGNORE_INDEX, labelled_mean
+from swbert.models.mlm_loss import logit_stats
+from swbert.models.modeling import mlm_loss_from_stats
 from swbert.parallel.sequence import reduce_scatter_seq
 
 
@@ -141,7 +141,8 @@ class VocabEmbedding(VocabParallelEmbedding):
 
 
 class VocabParallelDecoder(_NoExtraState, ColumnParallelLinear):
-    """The MLM decoder, tied to the vocab-parallel word embedding: local logits (N, V / tp)."""
+    """The MLM decoder, tied to the vocab-parallel word embedding: local logits (N, V / tp), or the
+    chunked cross entropy and predictions without any rank holding vocabulary-wide logits."""
 
     def __init__(self, embedding: VocabEmbedding, bias: bool, config: ModelParallelConfig) -> None:
         super().__init__(
@@ -153,10 +154,38 @@ class VocabParallelDecoder(_NoExtraState, ColumnParallelLinear):
             disable_grad_reduce=True,  # reduced by the copy_to region in forward, as ColumnLinear
         )
         self.weight = embedding.weight  # the same Parameter, as `tie_word_embeddings` does at TP=1
+        self.vocab_start_index = embedding.vocab_start_index  # this rank's first id
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
         return super().forward(x)[0]
+
+    def chunked_mlm_loss(
+        self, x: torch.Tensor, target: torch.Tensor, vocab_size: int, chunk_bytes: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mean masked-LM cross entropy over the labelled rows of x (N, d) (replicated over the
+        group) and each row's predicted id, as `MLMHead` computes them at TP=1 (ours: chunked, see
+        `swbert.models.mlm_loss`).
+
+        Each rank computes its shard's per-row numbers in vocabulary chunks (ids past vocab_size,
+        a padded table's, left out), then three (N,) all-reduces combine them: the largest logit
+        (max), the softmax sums and target logits (one sum of (N, 2), differentiable: identity
+        backward, as megatron's vocab-parallel cross entropy), the first id holding the largest
+        logit (min), torch's `argmax` rule. The input gradient is summed over the group by the
+        copy_to region's backward."""
+        group, start = self.tp_group, self.vocab_start_index
+        x = copy_to_tensor_model_parallel_region(x, group=group)
+        local_vocab = min(max(vocab_size - start, 0), self.weight.shape[0])
+        lse, picked, best, index = logit_stats(
+            x, self.weight, self.bias, target - start, local_vocab, chunk_bytes
+        )
+        top = best.clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)  # (N,): no gradient (a stabiliser)
+        sums = reduce_from_tensor_model_parallel_region(torch.stack([torch.exp(lse - top), picked], 1), group)
+        loss = mlm_loss_from_stats(torch.log(sums[:, 0]) + top, sums[:, 1], target)
+        predicted = torch.where(best == top, index + start, vocab_size)  # not this rank's: past every id
+        dist.all_reduce(predicted, op=dist.ReduceOp.MIN, group=group)
+        return loss, predicted
 
 
 def copy_input_to_tp_region(module: nn.Module, args: tuple, group: dist.ProcessGroup | None = None) -> tuple:
@@ -230,40 +259,26 @@ class TensorParallelKernel(nn.Module):
 
 
 class TensorParallelMaskedLM(SWBertForMaskedLM):
-    """`SWBertForMaskedLM` whose loss is a vocab-parallel cross entropy.
+    """`SWBertForMaskedLM` whose decoder is split over the vocabulary.
 
     `parallelize` switches the model's class to this one (as `torch.distributed.fsdp.fully_shard`
     does), so `isinstance(model, SWBertForMaskedLM)` still holds and the call signature is the
-    same. Vocabulary-wide logits never exist on one rank for the loss; the returned `logits` are
-    gathered (full vocabulary, as at TP=1) for metrics such as MLM accuracy.
+    same. In training (`return_logits=False`, the trainer's path) the loss and the predicted ids
+    come from the vocab-parallel chunked cross entropy (`VocabParallelDecoder.chunked_mlm_loss`):
+    vocabulary-wide logits never exist on one rank. When logits are asked for, they are gathered
+    (full vocabulary, as at TP=1) and the loss is TP=1's on them.
     """
 
     def logits_and_loss(
         self, h: torch.Tensor, target: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """h is replicated over the group; the decoder's output is this rank's vocabulary shard.
-
-        With a padded vocabulary (config.pad_vocab_multiple) the padded ids' logits are -inf in the
-        loss, which is then the TP=1 model's over vocab_size ids, and the gathered logits end at
-        vocab_size as at TP=1."""
-        vocab = self.config.vocab_size
+        """h is replicated over the group; the decoder's output is this rank's vocabulary shard,
+        gathered (its backward keeps this rank's slice of the gradient). With a padded vocabulary
+        (config.pad_vocab_multiple) the gathered logits end at vocab_size as at TP=1."""
         local_logits = self.mlm_head(h)  # (..., padded V / tp)
-        group = self.mlm_head.decoder.tp_group
-        logits = gather_from_tensor_model_parallel_region(
-            local_logits, group=group
-        )  # before the in-place loss
-        if logits.shape[-1] != vocab:
-            logits = logits[..., :vocab]
-        if target is None:
-            return logits, None
-        local = local_logits.float()
-        start = self.bert.embeddings.word_embeddings.vocab_start_index  # this rank's first id
-        if start + local.shape[-1] > vocab:  # the vocabulary padding lies in this rank's shard
-            beyond = torch.arange(start, start + local.shape[-1], device=local.device) >= vocab
-            local = local.masked_fill(beyond, float("-inf"))  # exp(-inf) = 0: out of the softmax
-        labelled = target != IGNORE_INDEX  # megatron's loss has no ignore index: mask the padding out
-        losses = vocab_parallel_cross_entropy(local, target.clamp(min=0)) * labelled
-        return logits, labelled_mean(losses, target)
+        logits = gather_from_tensor_model_parallel_region(local_logits, group=self.mlm_head.decoder.tp_group)
+        logits = logits[..., : self.config.vocab_size]
+        return logits, None if target is None else self.loss_on(logits, target)
 
     def save_pretrained(self, *args: object, **kwargs: object) -> None:
         raise RuntimeError(

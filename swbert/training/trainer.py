@@ -256,13 +256,12 @@ class Trainer:
         inputs = {k: v for k, v in batch.items() if k != "mlm_labels"}
         inputs["mlm_targets"] = batch["mlm_labels"]  # static shapes: P predictions per sequence
         target = batch["mlm_labels"].reshape(-1)  # (B * P,), IGNORE_INDEX in the padding
-        out = self.run.engine(**inputs)
+        # no (N, vocab) logits: the head's chunked loss and its predicted ids (under TP too)
+        out = self.run.engine(**inputs, return_logits=False)
         loss = out.loss if poison is None else out.loss * poison
         labelled = target != IGNORE_INDEX
         n = labelled.sum().double()
-        correct = torch.zeros((), dtype=torch.float64, device=n.device)
-        if out.logits.shape[-1] == self.run.model_config.vocab_size:  # not a vocabulary shard (TP)
-            correct = ((out.logits.detach().argmax(-1) == target) & labelled).sum().double()
+        correct = ((out.predictions == target) & labelled).sum().double()
         return loss, Counts(loss.detach().double() * n, n, correct)
 
     def train_step(self) -> StepResult:

@@ -127,3 +127,20 @@ def test_host_overhead_benchmark_smoke(tmp_path, capsys):
         assert figures["host_ms_per_step"] >= figures["host_ms_per_microbatch"] > 0
     assert results["shared"]["trainer"]["syncs_per_step"] >= 1  # Trainer._agree's read, at least
     assert "ratio" in capsys.readouterr().out
+
+
+def test_mlm_loss_benchmark_smoke(tmp_path, capsys):
+    """benchmarks/mlm_loss.py at small shapes: both sides' figures, the same loss, and the chunked
+    side saving far less for the backward than the plain one's (N, V) logits."""
+    from benchmarks import mlm_loss
+
+    out = mlm_loss.main(["--smoke", "--json", str(tmp_path / "r.json")])
+    assert json.loads((tmp_path / "r.json").read_text()) == out
+    assert out["chunks"] == 4
+    plain, chunked = out["plain"], out["chunked"]
+    assert chunked["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    assert plain["saved_bytes"] >= out["rows"] * out["vocab"] * 4 > 8 * chunked["saved_bytes"]
+    assert plain["peak_bytes"] > chunked["peak_bytes"] > 0 and min(plain["ms"], chunked["ms"]) > 0
+    assert plain["transient_bytes"] > 2 * chunked["transient_bytes"] > 0  # one chunk's logits, not all
+    assert out["ratios"]["saved_bytes"] == plain["saved_bytes"] / chunked["saved_bytes"]
+    assert "plain/chunked" in capsys.readouterr().out
