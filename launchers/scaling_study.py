@@ -26,8 +26,9 @@ from typing import Any
 
 from swbert import cli
 from swbert.logs import setup_logging
-from swbert.scaling.study import StudyConfig, collect, emit_slurm, exit_status, quality_requested, run_study
+from swbert.scaling.study import StudyConfig, collect, emit_slurm, exit_status, run_study
 from swbert.studies.runner import stop_on_sigterm
+from swbert.studies.slurm import switch_given
 
 USAGE = "usage: launchers/scaling_study.py [--config FILE] [--key value ...]"
 
@@ -35,7 +36,7 @@ USAGE = "usage: launchers/scaling_study.py [--config FILE] [--key value ...]"
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0; 1 when --collect finds nothing measured; 2 bad input; 3 every measured run failed."""
     argv = sys.argv[1:] if argv is None else argv
-    if quality_requested(argv):
+    if switch_given(argv, "--quality"):  # the quality study's flags are its own (QualityConfig)
         return quality_main(argv)
     cfg = cli.parse_or_exit(StudyConfig, argv, USAGE)
     setup_logging()  # the console filters pretraining has: libraries' chatter and known noise off

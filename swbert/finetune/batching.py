@@ -1,14 +1,5 @@
-"""How fine-tuning examples become batches: padded, length-grouped, or unpadded.
-
-    padded    each batch padded to its longest sequence (`pad_collate`), random batches
-    grouped   the same padding, but batches of similar lengths (`LengthGroupedBatchSampler`), so
-              little padding is computed; for devices without a variable-length attention kernel
-    unpadded  each batch one token stream with cumulative lengths (`unpad_collate`): no padding at
-              all; attention stays within each sequence (swbert.models.varlen)
-
-`--unpad auto|on|off` picks: auto is on where the device has a fused variable-length kernel (CUDA),
-off elsewhere; off runs the grouped batches. Both are ours (the paper does not say how it batches).
-"""
+"""How fine-tuning examples become batches: padded, length-grouped, or unpadded (one token stream
+with cumulative lengths); `--unpad auto|on|off` picks (docs/finetuning.md, "Batching", ours)."""
 
 from __future__ import annotations
 

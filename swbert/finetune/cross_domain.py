@@ -1,23 +1,6 @@
-"""Cross-domain evaluation (the paper's Table 6): MNLI, QNLI, QQP and MRPC models on each other's dev sets.
-
-The four tasks label sentence pairs differently, so predictions and gold labels are both mapped to
-one binary question, "does the second text follow from (or say the same as) the first?":
-
-=====  ==============================  ============================
-task   positive (1)                    negative (0)
-=====  ==============================  ============================
-MNLI   entailment                      neutral, contradiction
-QNLI   entailment                      not_entailment
-QQP    duplicate                       not_duplicate
-MRPC   equivalent                      not_equivalent
-=====  ==============================  ============================
-
-A model's predicted class (in its own task's labels) and the target's gold class are mapped through
-this table and compared: the score is binary accuracy. The mapping is ours: the paper does not say (in
-what we have of it) how it scores a model on a task with other labels. The diagonal (a model on its
-own task) is scored with the task's own labels, as the paper's Table 6 does (MNLI: 3-way accuracy);
-``swbert.finetune.glue.cross_domain_evaluation`` logs the binary score beside it.
-"""
+"""Cross-domain evaluation (the paper's Table 6): MNLI, QNLI, QQP and MRPC models on each other's dev
+sets, a model's predicted class and the target's gold label both mapped to one binary question by
+the table of docs/finetuning.md ("Cross-domain", ours)."""
 
 from __future__ import annotations
 

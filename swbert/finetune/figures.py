@@ -1,25 +1,19 @@
-"""The paper's figures: Figure 2 (pretraining loss of each variant against steps), Figure 3 (fine-tuning
-time per epoch per task, and what each variant saves against the baseline), and Table 5's noise curves.
-
-Figure 2 reads pretraining runs' ``metrics.jsonl`` (written by every run, MLflow or not); Figure 3 reads
-the fine-tuning trials' ``seconds_per_epoch`` (training steps only, evaluations excluded) from MLflow
-(:func:`swbert.finetune.report.collect`). Each figure is a PNG plus a CSV of the plotted numbers.
-"""
+"""What the report's tables and figures share (a table as markdown and CSV, a trial's timing, the
+paper's row order of the variants), and the paper's figures: Figure 2 (pretraining loss against
+steps, from each run's metrics.jsonl), Figure 3 (fine-tuning time per epoch, and what each variant
+saves against the baseline) and Table 5's noise curves; docs/finetuning.md, "Tables and figures"."""
 
 from __future__ import annotations
 
 import csv
-import json
-import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from swbert.finetune.table import Table, Timing, noise_metric, variant_key
-from swbert.finetune.tasks import GLUE_TASKS, get_task, split_label
-
-log = logging.getLogger(__name__)
+from swbert.finetune.tasks import GLUE_TASKS, GlueTask, get_task, split_label
+from swbert.studies.outputs import pyplot, read_metrics, save_figure, write_csv
 
 FIGURE2 = "figure2_pretrain_loss"
 FIGURE3 = "figure3_finetune_time"
@@ -28,44 +22,77 @@ FIGURE3_TASKS = ("cola", "mnli", "mrpc", "qnli", "rte", "qqp")
 # Under this many seconds per epoch a time is mostly one-time start-up (the first trial a process runs
 # pays for lazy initialisation and warm-up inside its first epoch), not the variant's cost
 SHORT_EPOCH_SECONDS = 1.0
+VARIANT_ORDER = ("standard", "symmetric", "pairwise", "shared")  # the paper's row order
+TRIVIAQA_SUFFIX = "+triviaqa"  # a variant fine-tuned on TriviaQA before SQuAD (swbert.finetune.squad)
 
 
-def _pyplot():
-    import matplotlib
+@dataclass
+class Table:
+    """One table: markdown header/rows (formatted) and CSV header/rows (raw numbers)."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    title: str
+    header: list[str]
+    rows: list[list[str]]
+    csv_header: list[str]
+    csv_rows: list[list[object]]
+    note: str = ""  # a line under the markdown table (what a column means, where a number comes from)
 
-    return plt
+    def markdown(self) -> str:
+        lines = [f"### {self.title}", "", "| " + " | ".join(self.header) + " |"]
+        lines.append("|" + "|".join(["---"] + ["---:"] * (len(self.header) - 1)) + "|")
+        lines += ["| " + " | ".join(r) + " |" for r in self.rows]
+        if self.note:
+            lines += ["", self.note]
+        return "\n".join(lines) + "\n"
+
+    def write(self, out_dir: Path, stem: str) -> list[Path]:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        md, cs = out_dir / f"{stem}.md", out_dir / f"{stem}.csv"
+        md.write_text(self.markdown(), encoding="utf-8")
+        with open(cs, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(self.csv_header)
+            w.writerows(self.csv_rows)
+        return [md, cs]
+
+
+@dataclass
+class Timing:
+    """One trial's training time (Figure 3)."""
+
+    variant: str
+    task: str
+    batch_size: int
+    seconds_per_epoch: float
+    attention_type: str = ""
+    batching: str = "padded"  # the trial's `batching` param (--unpad); runs from before it padded
+
+
+def variant_key(name: str) -> tuple[int, str, str]:
+    """The paper's row order; ``NAME+triviaqa`` right after ``NAME``."""
+    base, _, suffix = name.partition("+")
+    return (VARIANT_ORDER.index(base) if base in VARIANT_ORDER else len(VARIANT_ORDER), base, suffix)
+
+
+def variant_label(name: str) -> str:
+    """``shared+triviaqa`` -> ``shared + TriviaQA`` (Table 2's "single + TriviaQA" rows)."""
+    return name[: -len(TRIVIAQA_SUFFIX)] + " + TriviaQA" if name.endswith(TRIVIAQA_SUFFIX) else name
+
+
+def noise_metric(task: GlueTask) -> str:
+    """What Table 5 reports for ``task``: accuracy, or the task's own metric where it has none."""
+    return "accuracy" if "accuracy" in task.metrics else task.metrics[0]
 
 
 # ------------------------------------------------------------------------------------------ Figure 2
 
 
 def read_loss_curve(run_dir: Path, key: str = "loss") -> tuple[list[int], list[float]]:
-    """(steps, values) of ``key`` in a run's metrics.jsonl; a step logged twice (before a crash and after
-    the resume) keeps its last value, and skipped steps (a null loss) are left out."""
-    by_step: dict[int, float] = {}
-    path = Path(run_dir) / "metrics.jsonl"
-    text = path.read_text(encoding="utf-8", errors="replace")
-    lines = text.splitlines()
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            if n == len(lines) and not text.endswith("\n"):  # torn: a run cut off while writing
-                log.warning("%s, line %d: a torn last line, left out (%.60s)", path, n, line)
-                continue
-            raise ValueError(
-                f"{path}, line {n}: not JSON ({e}); is it a pretraining run's metrics.jsonl?"
-            ) from e
-        value = record.get(key)
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            by_step[int(record["step"])] = float(value)
-    steps = sorted(by_step)
-    return steps, [by_step[s] for s in steps]
+    """(steps, values) of ``key`` in a run's metrics.jsonl (`read_metrics`: a step logged twice keeps
+    its last value); skipped steps (a null loss) are left out."""
+    curve = {s: r[key] for s, r in read_metrics(run_dir).items() if isinstance(r.get(key), (int, float))}
+    steps = [s for s, v in curve.items() if math.isfinite(v)]
+    return steps, [float(curve[s]) for s in steps]
 
 
 def pretraining_figure(runs: dict[str, Path], out_dir: Path) -> list[Path]:
@@ -75,28 +102,19 @@ def pretraining_figure(runs: dict[str, Path], out_dir: Path) -> list[Path]:
     empty = [name for name, ((steps, _), _) in curves.items() if not steps]
     if empty:
         raise ValueError(f"--pretrain-runs {empty[0]}={runs[empty[0]]}: its metrics.jsonl has no loss")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = pyplot().subplots(figsize=(6.5, 4))
+    rows = []
     for name in sorted(curves, key=variant_key):
         (steps, loss), (vsteps, vloss) = curves[name]
         (line,) = ax.plot(steps, loss, label=name)
         if vsteps:
             ax.plot(vsteps, vloss, linestyle="--", color=line.get_color(), label=f"{name} (validation)")
+        val = dict(zip(vsteps, vloss))
+        rows += [{"variant": name, "step": s, "loss": v, "val_loss": val.get(s)} for s, v in zip(steps, loss)]
     ax.set(xlabel="step", ylabel="masked-LM loss", title="Figure 2: pretraining loss")
     ax.grid(alpha=0.3)
     ax.legend()
-    png = _save(fig, out_dir / f"{FIGURE2}.png")
-    table = out_dir / f"{FIGURE2}.csv"
-    with open(table, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(["variant", "step", "loss", "val_loss"])
-        for name in sorted(curves, key=variant_key):
-            (steps, loss), (vsteps, vloss) = curves[name]
-            val = dict(zip(vsteps, vloss))
-            for step, value in zip(steps, loss):
-                w.writerow([name, step, value, val.get(step, "")])
-    return [png, table]
+    return [save_figure(fig, out_dir / f"{FIGURE2}.png"), write_csv(rows, out_dir / f"{FIGURE2}.csv")]
 
 
 # ------------------------------------------------------------------------------------------ Figure 3
@@ -119,6 +137,14 @@ def seconds_per_epoch(timings: list[Timing]) -> dict[tuple[str, str], float]:
     return {k: float(np.median(v)) for k, v in groups.items()}
 
 
+def _timing_grid(timings: list[Timing], baseline: str) -> tuple[dict, dict, list[str], list[str]]:
+    """Figure 3's numbers: seconds per epoch and percent saved per (variant, task), the tasks and the
+    variants in their order."""
+    times = seconds_per_epoch(timings)
+    tasks = sorted({t for _, t in times}, key=_task_order)
+    return times, saved_percent(times, baseline), tasks, sorted({v for v, _ in times}, key=variant_key)
+
+
 def saved_percent(times: dict[tuple[str, str], float], baseline: str) -> dict[tuple[str, str], float]:
     """(variant, task) -> percent of the baseline's time per epoch saved (negative: slower)."""
     return {
@@ -130,10 +156,7 @@ def saved_percent(times: dict[tuple[str, str], float], baseline: str) -> dict[tu
 
 def timing_table(timings: list[Timing], baseline: str, batch_size: int | None) -> Table:
     """Figure 3 as a table: seconds per epoch, and the percentage saved against ``baseline``."""
-    times = seconds_per_epoch(timings)
-    saved = saved_percent(times, baseline)
-    tasks = sorted({t for _, t in times}, key=_task_order)
-    variants = sorted({v for v, _ in times}, key=variant_key)
+    times, saved, tasks, variants = _timing_grid(timings, baseline)
     header = ["Model"] + [_task_label(t) for t in tasks]
     csv_header = ["variant"] + [
         f"{_task_label(t)} {c}" for t in tasks for c in ("seconds_per_epoch", "saved_percent")
@@ -180,12 +203,8 @@ def _seconds(sec: float) -> str:
 def plot_timing(timings: list[Timing], baseline: str, path: Path) -> Path:
     """Figure 3: grouped bars, seconds per epoch per task, one bar per variant, labelled with the
     percentage saved against ``baseline``."""
-    times = seconds_per_epoch(timings)
-    saved = saved_percent(times, baseline)
-    tasks = sorted({t for _, t in times}, key=_task_order)
-    variants = sorted({v for v, _ in times}, key=variant_key)
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(tasks) * max(1, len(variants)) / 2), 4))
+    times, saved, tasks, variants = _timing_grid(timings, baseline)
+    fig, ax = pyplot().subplots(figsize=(max(5.0, 1.3 * len(tasks) * max(1, len(variants)) / 2), 4))
     width = 0.8 / max(1, len(variants))
     for i, v in enumerate(variants):
         xs = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(tasks))]
@@ -198,7 +217,7 @@ def plot_timing(timings: list[Timing], baseline: str, path: Path) -> Path:
     ax.set(ylabel="seconds per epoch", title=f"Figure 3: fine-tuning time per epoch (vs {baseline})")
     ax.grid(axis="y", alpha=0.3)
     ax.legend()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------- Table 5
@@ -211,8 +230,7 @@ def plot_noise(
     over noise seeds."""
     noise = {k: v for k, v in noise.items() if k[2] == scale}
     tasks = sorted({t for _, t, _ in noise})
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.5), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.5), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         for variant in sorted({v for v, t, _ in noise if t == task}, key=variant_key):
             seeds = noise[(variant, task, scale)]
@@ -231,14 +249,4 @@ def plot_noise(
         ax.set(title=split_label(t, t.main_split), xlabel=xlabel, ylabel=f"dev {noise_metric(t)} (%)")
         ax.grid(alpha=0.3)
         ax.legend()
-    return _save(fig, path)
-
-
-def _save(fig, path: Path) -> Path:
-    """Write a figure as a PNG (its folder made) and free it."""
-    plt = _pyplot()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

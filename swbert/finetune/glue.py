@@ -1,20 +1,15 @@
-"""GLUE fine-tuning sweeps (the paper's Table 1), with robustness (Table 5) and cross-domain (Table 6).
-
-For every checkpoint (a variant), task, learning rate and seed: fine-tune, keep the best dev epoch,
-log to MLflow. Per task, the reported number is the median over seeds at the learning rate with the
-best median (see :mod:`swbert.finetune.results`); the median seed's model is kept on disk for the noise
-and cross-domain evaluations.
-"""
+"""GLUE fine-tuning sweeps (the paper's Table 1), with robustness (Table 5) and cross-domain (Table 6):
+every (checkpoint, task, learning-rate setting, seed) a trial (`swbert.finetune.sweep`); what each
+table reports is in docs/finetuning.md."""
 
 from __future__ import annotations
 
-import logging
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -38,15 +33,12 @@ from swbert.finetune.glue_data import (
     split_file,
 )
 from swbert.finetune.metrics import glue_metrics
-from swbert.finetune.results import CHECKPOINT, TASK, VARIANT, Summary, Trial, prune_models, summarize
-from swbert.finetune.robustness import DEFAULT_LEVELS, NOISE_SCALES, NoiseScale
+from swbert.finetune.results import CHECKPOINT, TASK, VARIANT, Summary, Trial, task_summaries
+from swbert.finetune.robustness import DEFAULT_LEVELS, NOISE_SCALES
 from swbert.finetune.sweep import SweepConfig, Trials, TrialSpec, TrialTask, run_trial
 from swbert.finetune.tasks import GLUE_TASKS, PAPER_GLUE_TASKS, GlueTask, get_task
-from swbert.finetune.trainer import default_device, move, progress_bar
-from swbert.runtime.ranks import ParallelDims
+from swbert.finetune.trainer import default_device, predict, progress_bar
 from swbert.studies.tracking import KIND, Tracker
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -115,44 +107,28 @@ class TaskData:
 
 
 def load_task_data(
-    task: GlueTask,
-    tokenizer,
-    data_dir: Path | None,
-    max_length: int,
-    token_types: bool,
-    max_train: int | None = None,
-    max_eval: int | None = None,
-    with_train: bool = True,
-    positions: int | None = None,
+    task: GlueTask, tokenizer: Any, sweep: GlueSweep, config: SWBertConfig, with_train: bool = True
 ) -> TaskData:
-    """The task's splits, encoded; every example checked to fit the model's `positions`."""
+    """The task's splits as `sweep` reads them, encoded for a model of `config`: every example
+    checked to fit its positions."""
 
-    def encoded(ex: GlueExamples) -> EncodedDataset:
-        data = encode_glue(ex, tokenizer, max_length, token_types)
-        return data if positions is None else check_fits(data, positions, ex.source)
+    def split(name: str, head: int | None) -> tuple[GlueExamples, EncodedDataset]:
+        ex = load_glue_split(task, name, sweep.data_dir).head(head)
+        data = encode_glue(ex, tokenizer, sweep.max_seq_length, uses_token_types(config))
+        return ex, check_fits(data, config.max_position_embeddings, ex.source)
 
-    train = encoded(load_glue_split(task, "train", data_dir).head(max_train)) if with_train else None
-    dev = {}
-    for split in task.dev_splits:
-        ex = load_glue_split(task, split, data_dir).head(max_eval)
-        dev[split] = (ex, encoded(ex))
-    return TaskData(task, train, dev)
+    train = split("train", sweep.max_train_samples)[1] if with_train else None
+    return TaskData(task, train, {name: split(name, sweep.max_eval_samples) for name in task.dev_splits})
 
 
-def load_classifier(
-    path: Path, task: GlueTask, attention_dropout: float | None = None, hidden_dropout: float | None = None
-) -> nn.Module:
-    """A sequence classifier for ``task`` from a pretrained (new head) or fine-tuned (same task) folder."""
+def load_classifier(path: Path, task: GlueTask, **overrides: Any) -> nn.Module:
+    """A sequence classifier for ``task`` from a pretrained (new head) or fine-tuned (same task)
+    folder; `overrides` set config fields (a sweep's dropouts: `SweepConfig.dropout`)."""
     done = getattr(SWBertConfig.from_pretrained(path), "glue_task", None)
     if done and done != task.name:
         raise CheckpointError(
             f"{path} was fine-tuned on {done}, not {task.name}; its head does not fit {task.name}"
         )
-    overrides: dict = {}
-    if attention_dropout is not None:
-        overrides["attention_probs_dropout_prob"] = attention_dropout
-    if hidden_dropout is not None:
-        overrides["hidden_dropout_prob"] = hidden_dropout
     labels = list(task.label_names) or ["score"]
     model = SWBertForSequenceClassification.from_pretrained(
         path,
@@ -166,18 +142,11 @@ def load_classifier(
     return model
 
 
-@torch.no_grad()
-def predict(model: nn.Module, dataset: EncodedDataset, collate, batch_size: int = 128) -> np.ndarray:
-    """Logits for a whole dataset, in order."""
-    device = next(model.parameters()).device
-    out = []
-    for batch in DataLoader(dataset, batch_size=batch_size, collate_fn=collate):
-        batch = move({k: v for k, v in batch.items() if k != "labels"}, device)
-        out.append(model(**batch).logits.float().cpu())
-    return torch.cat(out).numpy()
-
-
-def to_predictions(task: GlueTask, logits: np.ndarray) -> np.ndarray:
+def classify(
+    task: GlueTask, model: nn.Module, dataset: EncodedDataset, collate, batch_size: int
+) -> np.ndarray:
+    """The model's predicted classes (scores, for a regression task) for a whole dataset, in order."""
+    (logits,) = predict(model, dataset, collate, batch_size)
     return logits[:, 0] if task.is_regression else logits.argmax(-1)
 
 
@@ -185,7 +154,7 @@ def evaluate_task(model: nn.Module, data: TaskData, collate, batch_size: int = 1
     """GLUE metrics on every dev split, flat as ``<split>/<metric>``."""
     metrics = {}
     for split, (ex, enc) in data.dev.items():
-        preds = to_predictions(data.task, predict(model, enc, collate, batch_size))
+        preds = classify(data.task, model, enc, collate, batch_size)
         metrics.update({f"{split}/{k}": v for k, v in glue_metrics(data.task, preds, ex.labels).items()})
     return metrics
 
@@ -195,20 +164,20 @@ def glue_trial(
 ) -> Trial:
     """Fine-tune one (checkpoint, task, learning-rate setting, seed) and log it as a child run."""
     sweep, task = trials.sweep, data.task
-    params = {
-        "max_seq_length": sweep.max_seq_length,
-        "attention_dropout": sweep.attention_dropout,
-        "hidden_dropout": sweep.hidden_dropout,
-        "train_examples": len(data.train),
-        "batching": sweep.batching(),
-    }
     collate = sweep.collate(tokenizer.pad_token_id)
-    files = tuple(sweep.task_files(task.name))
     return run_trial(
         trials,
-        TrialSpec(ckpt, task.name, lrs, seed, "glue_trial", params, files),
+        TrialSpec(
+            ckpt,
+            task.name,
+            lrs,
+            seed,
+            "glue_trial",
+            {"train_examples": len(data.train)},
+            tuple(sweep.task_files(task.name)),
+        ),  # fmt: skip
         TrialTask(
-            lambda: load_classifier(ckpt.path, task, sweep.attention_dropout, sweep.hidden_dropout),
+            lambda: load_classifier(ckpt.path, task, **sweep.dropout()),
             data.train,
             collate,
             lambda m: evaluate_task(m, data, collate, sweep.eval_batch_size),
@@ -218,24 +187,10 @@ def glue_trial(
     )
 
 
-def glue_summaries(trials: list[Trial]) -> list[Summary]:
-    tasks = {t.task for t in trials}
-    return summarize(trials, {n: get_task(n).main_split for n in tasks}, {n: "score" for n in tasks})
-
-
-def noise_evaluation(
-    name: str,
-    model_dir: Path,
-    data: TaskData,
-    levels,
-    seeds,
-    tracker: Tracker,
-    batch_size: int = 128,
-    scales: list[NoiseScale] | tuple[NoiseScale, ...] = NOISE_SCALES,
-) -> dict:
-    """Table 5: evaluate a fine-tuned model under embedding noise; one MLflow run per (noise definition,
-    noise seed), the level in percent as the step."""
-    task = data.task
+def noise_evaluation(sweep: GlueSweep, tracker: Tracker, name: str, model_dir: Path, data: TaskData) -> dict:
+    """Table 5: evaluate a fine-tuned model under embedding noise at the sweep's levels; one MLflow run
+    per (noise definition, noise seed), the level in percent as the step."""
+    task, batch_size = data.task, sweep.eval_batch_size
     model = load_classifier(model_dir, task).to(default_device()).eval()
     collate = pad_collate(model.config.pad_token_id)
     _, main_enc = data.dev[task.main_split]
@@ -243,15 +198,20 @@ def noise_evaluation(
         model, DataLoader(main_enc, batch_size=batch_size, collate_fn=collate)
     )
     out = {}
-    for scale in scales:
+    for scale in sweep.noise_scales:
         results = robustness.evaluate_under_noise(
-            model, lambda m: evaluate_task(m, data, collate, batch_size), mean_norm, levels, seeds, scale
+            model,
+            lambda m: evaluate_task(m, data, collate, batch_size),
+            mean_norm,
+            sweep.noise_levels,
+            sweep.noise_seeds,
+            scale,
         )
-        for seed in seeds:
+        for seed in sweep.noise_seeds:
             tags = {KIND: "noise", VARIANT: name, TASK: task.name, CHECKPOINT: str(model_dir)}
             params = {"noise_seed": seed, "noise_scale": scale, "mean_embedding_norm": mean_norm}
             with tracker.run(f"{name}/{task.name}/noise-{scale}-seed{seed}", tags, params) as rid:
-                for level in levels:
+                for level in sweep.noise_levels:
                     tracker.log(rid, results[(level, seed)], step=round(level * 100))
         out[scale] = results
     return out
@@ -260,10 +220,8 @@ def noise_evaluation(
 def cross_domain_evaluation(
     name: str, models: dict[str, Path], data: dict[str, TaskData], tracker: Tracker, batch_size: int = 128
 ) -> dict:
-    """Table 6: each trained-on task's model on every evaluated-on task's dev sets. Off the diagonal the
-    predicted and gold classes are mapped to one binary question (binary accuracy); on the diagonal the
-    model is scored with its own task's labels (MNLI: 3-way accuracy), and the binary score is logged
-    beside it as ``binary_accuracy``."""
+    """Table 6: each trained-on task's model on every evaluated-on task's dev sets, scored as
+    docs/finetuning.md says (own labels on the diagonal, one binary question off it)."""
     out = {}
     for source, model_dir in models.items():
         source_task = get_task(source)
@@ -273,7 +231,7 @@ def cross_domain_evaluation(
         for target, td in data.items():
             for split, (ex, enc) in td.dev.items():
                 # the source model's classes; cross_domain maps them and the target's gold labels
-                preds = to_predictions(source_task, predict(model, enc, collate, batch_size))
+                preds = classify(source_task, model, enc, collate, batch_size)
                 binary = cross_domain.cross_domain_accuracy(source, preds, target, ex.labels)
                 if target == source:
                     metrics[f"{target}/{split}/accuracy"] = float(np.mean(preds == np.asarray(ex.labels)))
@@ -293,78 +251,31 @@ def run_glue(sweep: GlueSweep, trials: Trials) -> tuple[list[Trial], list[Summar
     sweep.check()
     tracker = trials.log.tracker
     if sweep.evaluate_finetuned:
-        evaluate_finetuned(
-            sweep.checkpoints(),
-            sweep.data_dir,
-            tracker,
-            sweep.max_seq_length,
-            sweep.noise_levels,
-            sweep.noise_seeds,
-            sweep.cross_domain,
-            sweep.max_eval_samples,
-            sweep.eval_batch_size,
-            sweep.noise_scales,
-        )
+        evaluate_finetuned(sweep, tracker)
         return [], []
     checkpoints = sweep.checkpoints()
     done: list[Trial] = []
-    runs = len(checkpoints) * len(sweep.tasks) * len(sweep.lr_settings()) * len(sweep.seeds)
-    bar = progress_bar(runs, "GLUE sweep", unit="run")
+    bar = progress_bar(len(checkpoints) * len(sweep.tasks) * trials.per_task(), "GLUE sweep", unit="run")
     for ckpt in checkpoints:
         tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer, sweep.allow_tokenizer_change)
         kept: dict[str, Path] = {}
-        datas: dict[str, TaskData] = {}
-        for name in sweep.tasks:
-            data = load_task_data(
-                get_task(name),
-                tokenizer,
-                sweep.data_dir,
-                sweep.max_seq_length,
-                uses_token_types(ckpt.config),
-                sweep.max_train_samples,
-                sweep.max_eval_samples,
-                positions=ckpt.config.max_position_embeddings,
-            )
-            datas[data.task.name] = data
-            done += _task_trials(trials, ckpt, data, tokenizer, bar, kept)
+        tasks = [get_task(name) for name in sweep.tasks]
+        datas = {task.name: load_task_data(task, tokenizer, sweep, ckpt.config) for task in tasks}
+        for data in datas.values():
+            one = functools.partial(glue_trial, trials, ckpt, data, tokenizer)  # (lrs, seed) -> Trial
+            task_trials, summary = trials.task_trials(ckpt, data.task.name, one, bar)
+            done += task_trials
+            if sweep.keep != "none":
+                kept[data.task.name] = Path(summary.median_trial.model_dir)
+            if sweep.noise_levels:
+                noise_evaluation(sweep, tracker, ckpt.name, kept[data.task.name], data)
         if sweep.cross_domain:
             sources = {t: kept[t] for t in cross_domain.CROSS_DOMAIN_TASKS if t in kept}
             cross_domain_evaluation(
                 ckpt.name, sources, {t: datas[t] for t in sources}, tracker, sweep.eval_batch_size
             )
     bar.close()
-    return done, glue_summaries(done)
-
-
-def _task_trials(
-    trials: Trials, ckpt: Checkpoint, data: TaskData, tokenizer: Any, bar: Any, kept: dict[str, Path]
-) -> list[Trial]:
-    """One checkpoint on one task: a trial per rate setting and seed; the median trial's folder kept
-    (in `kept`) and its noise evaluation run when asked."""
-    sweep, task_trials = trials.sweep, []
-    for lrs in sweep.lr_settings():
-        for seed in sweep.seeds:
-            task_trials.append(glue_trial(trials, ckpt, data, tokenizer, lrs, seed))
-            bar.update(1)
-    (summary,) = glue_summaries(task_trials)
-    task = data.task.name
-    log.info("%s %s: lr %s, median %s", ckpt.name, task, summary.lr_label, summary.median)
-    if sweep.keep == "median" and ParallelDims.from_env().is_main:
-        prune_models(task_trials, summary.median_trial)
-    if sweep.keep != "none":
-        kept[task] = Path(summary.median_trial.model_dir)
-    if sweep.noise_levels:
-        noise_evaluation(
-            ckpt.name,
-            kept[task],
-            data,
-            sweep.noise_levels,
-            sweep.noise_seeds,
-            trials.log.tracker,
-            sweep.eval_batch_size,
-            sweep.noise_scales,
-        )
-    return task_trials
+    return done, task_summaries(done)
 
 
 def _by_variant(models: list[Checkpoint]) -> dict[str, dict[str, Path]]:
@@ -384,53 +295,25 @@ def _by_variant(models: list[Checkpoint]) -> dict[str, dict[str, Path]]:
     return by_variant
 
 
-def evaluate_finetuned(
-    models: list[Checkpoint],
-    data_dir: Path | None,
-    tracker: Tracker,
-    max_seq_length: int = 128,
-    noise_levels: list[float] | None = None,
-    noise_seeds: list[int] | None = None,
-    cross: bool = False,
-    max_eval_samples: int | None = None,
-    batch_size: int = 128,
-    noise_scales: list[NoiseScale] | tuple[NoiseScale, ...] = NOISE_SCALES,
-) -> None:
-    """Noise and/or cross-domain evaluation of already fine-tuned folders (their task is in config.json).
-
-    Models of one variant are grouped by their ``NAME`` (``NAME=PATH``, one folder per task).
-    """
-    for name, paths in _by_variant(models).items():
+def evaluate_finetuned(sweep: GlueSweep, tracker: Tracker) -> None:
+    """Noise and/or cross-domain evaluation of already fine-tuned folders (their task is in
+    config.json), grouped by their ``NAME`` (``NAME=PATH``, one folder per task)."""
+    for name, paths in _by_variant(sweep.checkpoints()).items():
         datas, fingerprints = {}, {}
         for task_name, path in paths.items():
             tok = load_tokenizer(path)
             fingerprints[path] = tokenizer_fingerprint(tok)
-            if cross and len(set(fingerprints.values())) > 1:
+            if sweep.cross_domain and len(set(fingerprints.values())) > 1:
                 raise CheckpointError(
                     f"{path}: its tokenizer differs from that of {next(iter(fingerprints))}; cross-domain evaluation "
                     f"needs models fine-tuned from the same pretrained checkpoint"
                 )
-            task = get_task(task_name)
-            datas[task_name] = load_task_data(
-                task,
-                tok,
-                data_dir,
-                max_seq_length,
-                uses_token_types(Checkpoint(name, path).config),
-                max_eval=max_eval_samples,
-                with_train=False,
-            )
-            if noise_levels:
-                noise_evaluation(
-                    name,
-                    path,
-                    datas[task_name],
-                    noise_levels,
-                    noise_seeds or [0],
-                    tracker,
-                    batch_size,
-                    noise_scales,
-                )
-        if cross:
+            config = Checkpoint(name, path).config
+            datas[task_name] = load_task_data(get_task(task_name), tok, sweep, config, with_train=False)
+            if sweep.noise_levels:
+                noise_evaluation(sweep, tracker, name, path, datas[task_name])
+        if sweep.cross_domain:
             sources = {t: p for t, p in paths.items() if t in cross_domain.CROSS_DOMAIN_TASKS}
-            cross_domain_evaluation(name, sources, {t: datas[t] for t in sources}, tracker, batch_size)
+            cross_domain_evaluation(
+                name, sources, {t: datas[t] for t in sources}, tracker, sweep.eval_batch_size
+            )

@@ -13,6 +13,7 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -176,19 +177,24 @@ def _parse_label(task: GlueTask, raw: str, path: Path, line: int) -> float:
     return task.tsv_label_values.index(raw)
 
 
-def read_glue_hub(task: GlueTask, split: str) -> GlueExamples:
-    """Load a split of ``nyu-mll/glue`` (from the Hub when online, else from the local ``datasets`` cache)."""
+def hub_split(
+    source: str, dataset: tuple[str, str | None, str], error: type[ValueError], offline: str
+) -> Any:
+    """A Hub dataset's split (`dataset`: name, config, split; from the local cache when offline); a
+    failure is one `error` line naming `source` and what to pass `offline`."""
     from swbert.finetune.hub import load_hub_dataset
 
-    source = f"{HUB_DATASET}/{task.name}:{split}"
     try:
-        ds = load_hub_dataset(HUB_DATASET, task.name, split)
+        return load_hub_dataset(*dataset)
     except Exception as e:  # datasets raises many types: offline, missing config, network
-        dev = next(iter(task.dev_splits.values()))
-        raise GlueDataError(
-            f"could not load {source} ({' '.join(str(e).split())}); offline, pass --data-dir DIR with "
-            f"GLUE's TSV files ({task.tsv_dir}/train.tsv, {task.tsv_dir}/{dev}, ...; docs/finetuning.md)"
-        ) from e
+        raise error(f"could not load {source} ({' '.join(str(e).split())}); offline, {offline}") from e
+
+
+def read_glue_hub(task: GlueTask, split: str) -> GlueExamples:
+    """Load a split of ``nyu-mll/glue`` (from the Hub when online, else from the local ``datasets`` cache)."""
+    source, dev = f"{HUB_DATASET}/{task.name}:{split}", next(iter(task.dev_splits.values()))
+    offline = f"pass --data-dir DIR with GLUE's TSV files ({task.tsv_dir}/train.tsv, {task.tsv_dir}/{dev}, ...; docs/finetuning.md)"
+    ds = hub_split(source, (HUB_DATASET, task.name, split), GlueDataError, offline)
     a, b = task.hub_text_columns
     missing = [c for c in (a, b, "label") if c is not None and c not in ds.column_names]
     if missing:
@@ -271,7 +277,12 @@ def encode_glue(
         return_attention_mask=True,
         return_token_type_ids=use_token_type_ids,
     )
+    return EncodedDataset(model_inputs(enc, use_token_type_ids), {"labels": examples.labels})
+
+
+def model_inputs(enc, use_token_type_ids: bool) -> dict[str, list]:
+    """The tokenizer's output the model takes: ids, mask, and token types where the model has them."""
     keys = ["input_ids", "attention_mask"] + (
         ["token_type_ids"] if use_token_type_ids and "token_type_ids" in enc else []
     )
-    return EncodedDataset({k: enc[k] for k in keys}, {"labels": examples.labels})
+    return {k: enc[k] for k in keys}

@@ -8,22 +8,23 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
+from swbert.finetune import figures
 from swbert.finetune.cross_domain import CROSS_DOMAIN_TASKS
-from swbert.finetune.results import DEFAULT_EXPERIMENT, TASK, VARIANT, Summary, Trial, summarize
-from swbert.finetune.table import (
-    TRIVIAQA_SUFFIX,
-    Table,
-    Timing,
-    noise_metric,
-    variant_key,
-    variant_label,
+from swbert.finetune.figures import TRIVIAQA_SUFFIX, Table, Timing, noise_metric, variant_key, variant_label
+from swbert.finetune.results import (
+    DEFAULT_EXPERIMENT,
+    TASK,
+    VARIANT,
+    Summary,
+    Trial,
+    nest_metrics,
+    task_summaries,
 )
 from swbert.finetune.tasks import COLUMN_ORDERS, PAPER_AVG_METRIC, get_task, split_label
 from swbert.studies.tracking import KIND
@@ -127,11 +128,7 @@ def _trial(run: Any, kind: str) -> tuple[tuple, Trial, Timing | None]:
     when it recorded one."""
     tags, params = run.data.tags, run.data.params
     variant, task = tags.get(VARIANT), tags.get(TASK)
-    metrics: dict[str, dict[str, float]] = defaultdict(dict)
-    for name, value in run.data.metrics.items():
-        if name.startswith("best/"):
-            split, _, metric = name[5:].rpartition("/")
-            metrics[split][metric] = value
+    metrics = nest_metrics({k[5:]: v for k, v in run.data.metrics.items() if k.startswith("best/")})
     lr, seed = float(params["learning_rate"]), int(params["seed"])
     later = tuple(float(x) for x in params.get("later_learning_rates", "").split())
     key = (kind, variant, task, lr, later, seed)
@@ -140,7 +137,7 @@ def _trial(run: Any, kind: str) -> tuple[tuple, Trial, Timing | None]:
     if seconds and "batch_size" in params:
         facts = (params.get("attention_type", ""), params.get("batching", "padded"))
         timing = Timing(variant, task, int(params["batch_size"]), seconds, *facts)
-    return key, Trial(variant, task, lr, seed, dict(metrics), later_lrs=later), timing
+    return key, Trial(variant, task, lr, seed, metrics, later_lrs=later), timing
 
 
 def collect(
@@ -238,7 +235,7 @@ def _cell_label(task: str, splits: list[str]) -> str:
 
 
 def glue_table(summaries: list[Summary], stsb_metric: str = "pearson", order: str = "paper") -> Table:
-    """Table 1 from GLUE summaries (see :func:`swbert.finetune.glue.glue_summaries`), two decimals as
+    """Table 1 from GLUE summaries (`swbert.finetune.results.task_summaries`), two decimals as
     the paper prints it, columns in the paper's order (or GLUE's: ``order="glue"``)."""
     by = {(s.variant, s.task): s for s in summaries}
     cells = _columns(summaries, order)
@@ -404,23 +401,11 @@ def build_report(
     """Write every table and figure that has data: ``table1_glue``, ``table2_squad``, ``table5_noise``
     (+ ``_relative``, with their plots), ``table6_cross_domain``, ``figure2_pretrain_loss`` (from
     ``pretrain_runs``: name -> run folder) and ``figure3_finetune_time``."""
-    from swbert.finetune import figures
-
     tables: dict[str, Table] = {}
     if collected.glue:
-        tasks = {t.task for t in collected.glue}
-        tables["table1_glue"] = glue_table(
-            summarize(
-                collected.glue, {n: get_task(n).main_split for n in tasks}, dict.fromkeys(tasks, "score")
-            ),
-            stsb_metric,
-            column_order,
-        )
+        tables["table1_glue"] = glue_table(task_summaries(collected.glue), stsb_metric, column_order)
     if any(t.task.startswith("squad") for t in collected.squad):
-        tasks = {t.task for t in collected.squad}
-        tables["table2_squad"] = squad_table(
-            summarize(collected.squad, dict.fromkeys(tasks, "validation"), dict.fromkeys(tasks, "f1"))
-        )
+        tables["table2_squad"] = squad_table(task_summaries(collected.squad))
     for scale, stem in NOISE_TABLES.items():
         if any(k[2] == scale for k in collected.noise):
             tables[stem] = noise_table(collected.noise, scale)

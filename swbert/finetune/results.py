@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from swbert.finetune.tasks import get_task
+
 # the MLflow tags of fine-tuning's child runs besides swbert.kind (what the report reads)
 VARIANT, TASK, CHECKPOINT = "swbert.variant", "swbert.task", "swbert.checkpoint"
 DEFAULT_EXPERIMENT = "swbert-finetune"
@@ -146,3 +148,13 @@ def summarize(
             Summary(variant, task, best[0], [t.seed for t in chosen], median, nearest, per_lr, best[1:])
         )
     return sorted(out, key=lambda s: (s.variant, s.task))
+
+
+def task_summaries(trials: list[Trial]) -> list[Summary]:
+    """`summarize` with each task's selection: SQuAD and TriviaQA by dev F1, a GLUE task by its
+    score on its main dev split."""
+    splits, metrics = {}, {}
+    for name in {t.task for t in trials}:
+        qa = name.startswith("squad") or name == "triviaqa"
+        splits[name], metrics[name] = ("validation", "f1") if qa else (get_task(name).main_split, "score")
+    return summarize(trials, splits, metrics)

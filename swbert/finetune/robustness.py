@@ -1,21 +1,6 @@
-"""Robustness to input noise (the paper's Table 5).
-
-Spherical Gaussian noise is added to the word embeddings (the output of ``get_input_embeddings()``,
-before positions, token types and LayerNorm) of every token, at noise levels 0%, 5%, ..., 40%. Two
-definitions of what a level means, both reported and labelled (docs/paper.md):
-
-``norm`` (the paper's levels)
-    section 3 computes "the average L2 norm of the input embeddings" and states its levels as
-    "approximately 0% to 40% of the input embedding norm": the scale is a fraction ``level`` of the
-    mean L2 norm ``m`` of the word embeddings of the evaluation set's real (non-padding) tokens,
-    ``sigma = level * m / sqrt(d)``, so the root-mean-square norm of the noise vector added to a token
-    is exactly ``level * m`` (which embeddings, and the RMS form, are our reading).
-``unit`` (ours)
-    the same section's "standard deviation of 1" taken literally: each coordinate is N(0, sigma^2)
-    with ``sigma = level``, the standard-deviation-1 draw scaled by the level.
-
-Level 0 registers no hook at all, so it is the clean evaluation, bit for bit, under either.
-"""
+"""Robustness to input noise (the paper's Table 5): Gaussian noise on the word embeddings at each
+noise level, under the two definitions of a level (`norm`, the paper's; `unit`, ours) that
+docs/finetuning.md ("Robustness") gives. Level 0 registers no hook: the clean evaluation, exactly."""
 
 from __future__ import annotations
 

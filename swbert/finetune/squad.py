@@ -1,31 +1,22 @@
-"""SQuAD v1.1 / v2.0 fine-tuning sweeps (the paper's Table 2), with its "single + TriviaQA" rows.
-
-Same loop and bookkeeping as GLUE (:mod:`swbert.finetune.glue`): every (checkpoint, version, learning
-rate setting, seed) is one MLflow child run; the reported number is the median over seeds at the best
-setting by dev F1 (our aggregation). Scores are the official scripts' (percent). The defaults are the
-paper's appendix for SQuAD (docs/paper.md). With ``--triviaqa`` each checkpoint is first fine-tuned on
-TriviaQA (:mod:`swbert.finetune.triviaqa`) and the kept model is fine-tuned on SQuAD as a second row,
-``NAME+triviaqa``.
-"""
+"""SQuAD v1.1 / v2.0 fine-tuning sweeps (the paper's Table 2), with its "single + TriviaQA" rows: the
+same trials as GLUE's (`swbert.finetune.sweep`), selected by dev F1; docs/finetuning.md."""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
-import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from swbert import SWBertForQuestionAnswering
 from swbert.finetune.checkpoint import Checkpoint, load_tokenizer, uses_token_types
 from swbert.finetune.glue_data import EncodedDataset, check_fits
 from swbert.finetune.metrics import best_null_threshold, squad_scores
-from swbert.finetune.results import Summary, Trial, prune_models, summarize
+from swbert.finetune.results import Summary, Trial, task_summaries
 from swbert.finetune.squad_data import (
     SquadEvalFeatures,
     SquadExample,
@@ -37,11 +28,8 @@ from swbert.finetune.squad_data import (
 )
 from swbert.finetune.squad_post import decode_spans
 from swbert.finetune.sweep import SweepConfig, Trials, TrialSpec, TrialTask, run_trial
-from swbert.finetune.trainer import move, progress_bar
+from swbert.finetune.trainer import predict, progress_bar
 from swbert.finetune.triviaqa import load_triviaqa_hub, read_triviaqa_json
-from swbert.runtime.ranks import ParallelDims
-
-log = logging.getLogger(__name__)
 
 SPLIT = "validation"
 TRIVIAQA = "triviaqa"  # its task name in MLflow and the suffix of the variants fine-tuned on it first
@@ -65,7 +53,7 @@ class SquadSweep(SweepConfig):
     # official SQuAD train JSON per version, [VERSION=]PATH; a version without one comes from the Hub
     train_file: list[str] = field(default_factory=list)
     dev_file: list[str] = field(default_factory=list)  # official SQuAD dev JSON per version, [VERSION=]PATH
-    max_seq_length: int = 384  # tokens per window (question + a slice of the context)
+    max_seq_length: int = 384  # tokens per window (the question and a slice of the context)
     doc_stride: int = 128  # overlap, in tokens, between a context's windows
     n_best: int = 20  # start/end candidates per window in span decoding
     max_answer_length: int = 30  # longest answer span, in tokens
@@ -133,24 +121,6 @@ def load_squad(version: str, split: Literal["train", "validation"], path: Path |
     return read_squad_json(path, version) if path else read_squad_hub(version, split)
 
 
-@torch.no_grad()
-def predict_spans(
-    model: nn.Module, dataset: EncodedDataset, collate, batch_size: int = 128
-) -> tuple[np.ndarray, np.ndarray]:
-    device = next(model.parameters()).device
-    starts, ends = [], []
-    for batch in DataLoader(dataset, batch_size=batch_size, collate_fn=collate):
-        out = model(**move(batch, device))
-        starts.append(out.start_logits.float().cpu())
-        ends.append(out.end_logits.float().cpu())
-    # unpadded batches come back as wide as their longest window: pad to the widest, at the lowest
-    # logit (as padding gets), so that decoding sees the same (windows, seq_len) arrays
-    width = max(t.shape[1] for t in starts)
-    lowest = torch.finfo(torch.float32).min
-    widen = [torch.nn.functional.pad(t, (0, width - t.shape[1]), value=lowest) for t in starts + ends]
-    return torch.cat(widen[: len(starts)]).numpy(), torch.cat(widen[len(starts) :]).numpy()
-
-
 def evaluate_squad(
     model: nn.Module,
     examples: list[SquadExample],
@@ -160,9 +130,9 @@ def evaluate_squad(
     version: str,
 ) -> dict[str, float]:
     """Official EM/F1 (plus v2.0's HasAns/NoAns and best-threshold scores), flat as ``validation/<metric>``."""
-    start, end = predict_spans(model, features.dataset, collate, sweep.eval_batch_size)
+    logits = predict(model, features.dataset, collate, sweep.eval_batch_size, ("start_logits", "end_logits"))
     preds = decode_spans(
-        examples, features, start, end, version, sweep.n_best, sweep.max_answer_length, sweep.null_threshold
+        examples, features, *logits, version, sweep.n_best, sweep.max_answer_length, sweep.null_threshold
     )
     refs = {ex.qid: ex.answers for ex in examples}
     scores = squad_scores(preds.answers, refs, version)
@@ -178,35 +148,27 @@ def squad_trial(
     tokenizer,
     train_set: EncodedDataset,
     dev: tuple[list[SquadExample], SquadEvalFeatures],
+    name: str,
     lrs: tuple[float, ...],
     seed: int,
-    name: str | None = None,
 ) -> Trial:
-    """Fine-tune one (checkpoint, version, learning-rate setting, seed) and log it as a child run.
-
-    ``name`` is the task's name in MLflow (default ``squad<version>``; TriviaQA's is ``triviaqa``)."""
+    """Fine-tune one (checkpoint, version, learning-rate setting, seed) and log it as a child run;
+    ``name`` is the task's name in MLflow (``squad<version>``, or ``triviaqa``)."""
     sweep = trials.sweep
     collate = sweep.collate(tokenizer.pad_token_id)
     params = {
-        "max_seq_length": sweep.max_seq_length,
         "doc_stride": sweep.doc_stride,
         "n_best": sweep.n_best,
         "max_answer_length": sweep.max_answer_length,
         "null_threshold": sweep.null_threshold,
-        "attention_dropout": sweep.attention_dropout,
-        "hidden_dropout": sweep.hidden_dropout,
         "train_windows": len(train_set),
-        "batching": sweep.batching(),
     }
-    dropout = {"attention_probs_dropout_prob": sweep.attention_dropout}
-    if sweep.hidden_dropout is not None:
-        dropout["hidden_dropout_prob"] = sweep.hidden_dropout
     files = tuple(sweep.task_files(TRIVIAQA if name == TRIVIAQA else version))
     return run_trial(
         trials,
-        TrialSpec(ckpt, name or task_name(version), lrs, seed, "squad_trial", params, files),
+        TrialSpec(ckpt, name, lrs, seed, "squad_trial", params, files),
         TrialTask(
-            lambda: SWBertForQuestionAnswering.from_pretrained(ckpt.path, **dropout),
+            lambda: SWBertForQuestionAnswering.from_pretrained(ckpt.path, **sweep.dropout()),
             train_set,
             collate,
             lambda m: evaluate_squad(m, *dev, collate, sweep, version),
@@ -225,25 +187,15 @@ def qa_trials(
     dev_ex: list[SquadExample],
     bar,
 ) -> tuple[list[Trial], Summary]:
-    """Every (learning-rate setting, seed) of one checkpoint on one span-extraction task, and its summary;
-    with ``--keep median`` only the median seed's model stays on disk."""
+    """Every (learning-rate setting, seed) of one checkpoint on one span-extraction task, and its summary."""
     sweep = trials.sweep
     tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer, sweep.allow_tokenizer_change)
     windows = Windows(sweep.max_seq_length, sweep.doc_stride, uses_token_types(ckpt.config))
     train_set = encode_squad_train(train_ex, tokenizer, windows)
     check_fits(train_set, ckpt.config.max_position_embeddings, f"the {name} training windows")
-    dev_feats = encode_squad_eval(dev_ex, tokenizer, windows)
-    done = []
-    for lrs in sweep.lr_settings():
-        for seed in sweep.seeds:
-            dev = (dev_ex, dev_feats)
-            done.append(squad_trial(trials, ckpt, version, tokenizer, train_set, dev, lrs, seed, name))
-            bar.update(1)
-    (summary,) = squad_summaries(done)
-    log.info("%s %s: lr %s, median %s", ckpt.name, name, summary.lr_label, summary.median)
-    if sweep.keep == "median" and ParallelDims.from_env().is_main:
-        prune_models(done, summary.median_trial)
-    return done, summary
+    dev = (dev_ex, encode_squad_eval(dev_ex, tokenizer, windows))
+    one = functools.partial(squad_trial, trials, ckpt, version, tokenizer, train_set, dev, name)
+    return trials.task_trials(ckpt, name, one, bar)
 
 
 def load_triviaqa(sweep: SquadSweep, split: Literal["train", "validation"]) -> list[SquadExample]:
@@ -267,24 +219,16 @@ def run_squad(sweep: SquadSweep, trials: Trials) -> tuple[list[Trial], list[Summ
     """The whole sweep; returns every trial and the per-(variant, version) summaries. With --triviaqa,
     each checkpoint also yields a ``NAME+triviaqa`` variant (TriviaQA first, then SQuAD)."""
     sweep.check()
-    checkpoints, train_files, dev_files = sweep.checkpoints(), sweep.train_files(), sweep.dev_files()
+    checkpoints, files = sweep.checkpoints(), {"train": sweep.train_files(), "validation": sweep.dev_files()}
     done: list[Trial] = []
     per_ckpt = len(sweep.versions) * (2 if sweep.triviaqa else 1) + (1 if sweep.triviaqa else 0)
-    runs = len(checkpoints) * per_ckpt * len(sweep.lr_settings()) * len(sweep.seeds)
-    bar = progress_bar(runs, "SQuAD sweep", unit="run")
-    squad = {
-        v: (
-            load_squad(v, "train", train_files.get(v))[: sweep.max_train_samples],
-            load_squad(v, "validation", dev_files.get(v))[: sweep.max_eval_samples],
-        )
-        for v in sweep.versions
-    }
-    trivia = None
-    if sweep.triviaqa:
-        trivia = (
-            load_triviaqa(sweep, "train")[: sweep.max_train_samples],
-            load_triviaqa(sweep, "validation")[: sweep.max_eval_samples],
-        )
+    bar = progress_bar(len(checkpoints) * per_ckpt * trials.per_task(), "SQuAD sweep", unit="run")
+
+    def splits(load: Callable[[str], list[SquadExample]]) -> tuple[list, list]:  # (train, dev), cut short
+        return load("train")[: sweep.max_train_samples], load("validation")[: sweep.max_eval_samples]
+
+    squad = {v: splits(lambda split, v=v: load_squad(v, split, files[split].get(v))) for v in sweep.versions}
+    trivia = splits(lambda split: load_triviaqa(sweep, split)) if sweep.triviaqa else None
     for ckpt in checkpoints:
         variants = [ckpt]
         if trivia is not None:
@@ -295,9 +239,4 @@ def run_squad(sweep: SquadSweep, trials: Trials) -> tuple[list[Trial], list[Summ
             for version, (train_ex, dev_ex) in squad.items():
                 done += qa_trials(trials, variant, task_name(version), version, train_ex, dev_ex, bar)[0]
     bar.close()
-    return done, squad_summaries(done)
-
-
-def squad_summaries(trials: list[Trial]) -> list[Summary]:
-    tasks = {t.task for t in trials}
-    return summarize(trials, {n: SPLIT for n in tasks}, {n: "f1" for n in tasks})
+    return done, task_summaries(done)

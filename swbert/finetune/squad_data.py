@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from swbert.finetune.glue_data import EncodedDataset
+from swbert.finetune.glue_data import EncodedDataset, hub_split, model_inputs
 
 HUB_DATASETS = {"1.1": "rajpurkar/squad", "2.0": "rajpurkar/squad_v2"}
 
@@ -82,17 +82,9 @@ def read_squad_json(path: str | Path, version: str | None = None) -> list[SquadE
 
 def read_squad_hub(version: str, split: str) -> list[SquadExample]:
     """Load ``rajpurkar/squad`` (v1.1) or ``rajpurkar/squad_v2`` (v2.0) from the Hub or the local cache."""
-    from swbert.finetune.hub import load_hub_dataset
-
-    name = HUB_DATASETS[version]
-    try:
-        ds = load_hub_dataset(name, None, split)
-    except Exception as e:
-        official = "train-v1.1.json" if version == "1.1" else "train-v2.0.json"
-        raise SquadDataError(
-            f"could not load {name}:{split} ({' '.join(str(e).split())}); offline, pass the official "
-            f"JSON files: --train-file {version}={official} --dev-file {version}={official.replace('train', 'dev')}"
-        ) from e
+    name, official = HUB_DATASETS[version], f"v{version}.json"
+    offline = f"pass the official JSON files: --train-file {version}=train-{official} --dev-file {version}=dev-{official}"
+    ds = hub_split(f"{name}:{split}", (name, None, split), SquadDataError, offline)
     out = []
     for row in ds:
         ans = row["answers"]
@@ -153,41 +145,27 @@ def _cls_index(input_ids: list[int], tokenizer) -> int:
     return input_ids.index(cls) if cls is not None and cls in input_ids else 0
 
 
-def _model_inputs(enc, use_token_type_ids: bool) -> dict[str, list]:
-    keys = ["input_ids", "attention_mask"] + (
-        ["token_type_ids"] if use_token_type_ids and "token_type_ids" in enc else []
-    )
-    return {k: enc[k] for k in keys}
-
-
 def encode_squad_train(
     examples: list[SquadExample], tokenizer, windows: Windows = Windows()
 ) -> EncodedDataset:
     """Training windows with ``start_positions``/``end_positions`` (``[CLS]`` when the answer is not inside)."""
     enc = _tokenize_windows(examples, tokenizer, windows)
-    starts, ends = [], []
+    spans = []
     for i, offsets in enumerate(enc["offset_mapping"]):
         ex = examples[enc["overflow_to_sample_mapping"][i]]
         cls = _cls_index(enc["input_ids"][i], tokenizer)
-        if not ex.answers:
-            starts.append(cls)
-            ends.append(cls)
-            continue
+        ctx = [t for t, s in enumerate(enc.sequence_ids(i)) if s == 1]
         # Train on the first gold answer, as the official BERT recipe does.
-        a_start = ex.answer_starts[0]
-        a_end = a_start + len(ex.answers[0])
-        seq = enc.sequence_ids(i)
-        ctx = [t for t, s in enumerate(seq) if s == 1]
-        if not ctx or offsets[ctx[0]][0] > a_start or offsets[ctx[-1]][1] < a_end:
-            starts.append(cls)
-            ends.append(cls)
+        a_start = ex.answer_starts[0] if ex.answers else 0
+        a_end = a_start + len(ex.answers[0]) if ex.answers else 0
+        if not ex.answers or not ctx or offsets[ctx[0]][0] > a_start or offsets[ctx[-1]][1] < a_end:
+            spans.append((cls, cls))
             continue
         s = next(t for t in ctx if offsets[t][1] > a_start)
-        e = next(t for t in reversed(ctx) if offsets[t][0] < a_end)
-        starts.append(s)
-        ends.append(e)
-    labels = {"start_positions": np.asarray(starts, np.int64), "end_positions": np.asarray(ends, np.int64)}
-    return EncodedDataset(_model_inputs(enc, windows.use_token_type_ids), labels)
+        spans.append((s, next(t for t in reversed(ctx) if offsets[t][0] < a_end)))
+    starts, ends = np.asarray(spans, np.int64).reshape(-1, 2).T
+    labels = {"start_positions": starts, "end_positions": ends}
+    return EncodedDataset(model_inputs(enc, windows.use_token_type_ids), labels)
 
 
 @dataclass
@@ -213,7 +191,7 @@ def encode_squad_eval(
         offsets.append([tuple(o) if seq[t] == 1 else None for t, o in enumerate(off)])
     cls = [_cls_index(ids, tokenizer) for ids in enc["input_ids"]]
     return SquadEvalFeatures(
-        EncodedDataset(_model_inputs(enc, windows.use_token_type_ids)),
+        EncodedDataset(model_inputs(enc, windows.use_token_type_ids)),
         list(enc["overflow_to_sample_mapping"]),
         offsets,
         cls,

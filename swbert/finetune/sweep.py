@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,13 +22,31 @@ from swbert.finetune.batching import COMPILE_BUCKET, resolve_unpad, unpad_collat
 from swbert.finetune.checkpoint import Checkpoint, parse_checkpoints, save_finetuned
 from swbert.finetune.engine import process_group
 from swbert.finetune.glue_data import pad_collate
-from swbert.finetune.metrics import selection_value
-from swbert.finetune.results import CHECKPOINT, TASK, VARIANT, Trial, lr_label, nest_metrics
+from swbert.finetune.results import (
+    CHECKPOINT,
+    TASK,
+    VARIANT,
+    Summary,
+    Trial,
+    lr_label,
+    nest_metrics,
+    prune_models,
+    task_summaries,
+)
 from swbert.finetune.trainer import FinetuneConfig, FitOptions, default_device, fit, set_seed
 from swbert.runtime.ranks import ParallelDims
 from swbert.studies.options import StudyOptions
-from swbert.studies.records import DATA, Records, check_study, data_identity, point_key, study_options
-from swbert.studies.runner import ChildRun, PointRunner, StudyLog, study_run
+from swbert.studies.records import (
+    DATA,
+    Records,
+    check_study,
+    data_identity,
+    jsonable,
+    point_key,
+    read_json,
+    study_options,
+)
+from swbert.studies.runner import ChildRun, PointRunner, Settled, StudyLog, study_run
 from swbert.studies.tracking import KIND, REUSED_FROM, flat_params
 
 log = logging.getLogger("swbert.finetune")
@@ -59,6 +76,8 @@ class SweepConfig(StudyOptions, FitOptions):
     lr_plan: Literal["stepped", "grid"] = "stepped"
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])  # one run per seed (how many: ours)
     attention_dropout: float = 0.1  # attention_probs_dropout_prob during fine-tuning
+    # tokens per example: GLUE pairs as [CLS] a [SEP] b [SEP] (ours); a SQuAD window, question included
+    max_seq_length: int = 128
     hidden_dropout: float | None = None  # hidden_dropout_prob during fine-tuning (default: the checkpoint's)
     max_train_samples: int | None = None  # use only the first N training examples
     max_eval_samples: int | None = None  # use only the first N dev examples
@@ -101,10 +120,10 @@ class SweepConfig(StudyOptions, FitOptions):
             return [tuple(self.learning_rates)]
         return [(lr,) for lr in self.learning_rates]
 
-    def finetune_config(self, lr: float | None = None, seed: int = 0, stage: int = 0) -> FinetuneConfig:
-        """The hyper-parameters of one run (or one stage of a stepped run) of this sweep."""
+    def finetune_config(self, lr: float | None = None, seed: int = 0) -> FinetuneConfig:
+        """The hyper-parameters of one run of this sweep (a stepped plan's first stage: `fit` runs the
+        later ones)."""
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(FitOptions)}
-        shared["warmup_ratio"] = self.warmup_ratio if stage == 0 else 0.0
         return FinetuneConfig(**shared, learning_rate=self.learning_rates[0] if lr is None else lr, seed=seed,
                               group_by_length=not self.unpadded(), compile=self.compiled())  # fmt: skip
 
@@ -126,13 +145,18 @@ class SweepConfig(StudyOptions, FitOptions):
         on_gpu = default_device().type == "cuda"
         return self.compile == "on" or (self.compile == "auto" and on_gpu and not self.unpadded())
 
+    def dropout(self) -> dict[str, float]:
+        """The model config's dropouts for this sweep's runs (hidden: the checkpoint's unless given)."""
+        hidden = {} if self.hidden_dropout is None else {"hidden_dropout_prob": self.hidden_dropout}
+        return {"attention_probs_dropout_prob": self.attention_dropout, **hidden}
+
     def collate(self, pad_token_id: int) -> Callable[[list[dict]], dict]:
         """The batches of this sweep's runs: one token stream when unpadded, else padded (to length
         buckets when compiled, at most the launcher's --max-seq-length)."""
         if self.unpadded():
             return unpad_collate(pad_token_id)
         if self.compiled():
-            return pad_collate(pad_token_id, COMPILE_BUCKET, getattr(self, "max_seq_length", None))
+            return pad_collate(pad_token_id, COMPILE_BUCKET, self.max_seq_length)
         return pad_collate(pad_token_id)
 
 
@@ -146,6 +170,26 @@ class Trials:
 
     def __post_init__(self) -> None:
         self.runner = PointRunner(trial_records(self.sweep), Trial.of, writes=ParallelDims.from_env().is_main)
+
+    def per_task(self) -> int:
+        """Trials of one checkpoint on one task: a learning-rate setting x a seed each."""
+        return len(self.sweep.lr_settings()) * len(self.sweep.seeds)
+
+    def task_trials(
+        self, ckpt: Checkpoint, task: str, one: Callable[[tuple[float, ...], int], Trial], bar: Any
+    ) -> tuple[list[Trial], Summary]:
+        """`one(lrs, seed)` at every learning-rate setting and seed of `ckpt` on `task`, and their
+        summary; with ``--keep median`` only the median seed's model stays on disk."""
+        done = []
+        for lrs in self.sweep.lr_settings():
+            for seed in self.sweep.seeds:
+                done.append(one(lrs, seed))
+                bar.update(1)
+        (summary,) = task_summaries(done)
+        log.info("%s %s: lr %s, median %s", ckpt.name, task, summary.lr_label, summary.median)
+        if self.sweep.keep == "median" and ParallelDims.from_env().is_main:
+            prune_models(done, summary.median_trial)
+        return done, summary
 
     def key(self, spec: TrialSpec, **facts: Any) -> dict[str, Any]:
         """What must be equal for a recorded trial to stand for `spec`: the sweep's options, the
@@ -251,106 +295,51 @@ class TrialTask:
     tokenizer: Any
 
 
-@dataclass
-class StagedResult:
-    """A trial's outcome over its stages (one stage unless the plan is stepped)."""
-
-    best_metrics: dict[str, float]
-    best_stage: int
-    best_epoch: int  # counted over every stage's epochs
-    train_seconds: float = 0.0
-    eval_seconds: float = 0.0
-    steps: int = 0
-    epochs_trained: float = 0.0
-
-    def summary(self) -> dict[str, float]:
-        """What a trial's run logs besides its best metrics."""
-        return {
-            "best_epoch": self.best_epoch,
-            "best_stage": self.best_stage,
-            "train_seconds": self.train_seconds,  # training steps only, evaluations excluded
-            "eval_seconds": self.eval_seconds,
-            "epochs_trained": self.epochs_trained,
-            "seconds_per_epoch": self.train_seconds / max(self.epochs_trained, 1e-9),
-            "steps": self.steps,
-        }
-
-
-def fit_stages(
-    sweep: SweepConfig,
-    spec: TrialSpec,
-    model: nn.Module,
-    task: TrialTask,
-    log_metrics: Callable[[dict[str, float], int], None],
-) -> StagedResult:
-    """Fit ``model`` at each of ``spec.lrs`` in turn. Every stage starts from the best dev weights seen
-    so far (a stage that never beats the previous best hands those weights on); on return the model
-    holds the best weights of all stages. Logged steps continue across stages."""
-    out = StagedResult({}, -1, -1)
-    best_value, best_state, epochs_before = -math.inf, None, 0
-    for stage, lr in enumerate(spec.lrs):
-        cfg = sweep.finetune_config(lr, spec.seed, stage)
-        offset = out.steps
-        select = task.select
-        result = fit(
-            model,
-            task.train_set,
-            task.collate,
-            evaluate=task.evaluate,
-            select=select,
-            cfg=cfg,
-            log_metrics=lambda m, step, offset=offset: log_metrics(m, step + offset),
-            desc=spec.name.replace("/", " ") + (f" stage {stage + 1}/{len(spec.lrs)}" if stage else ""),
-        )
-        out.steps += result.steps
-        out.train_seconds += result.train_seconds
-        out.eval_seconds += result.eval_seconds
-        out.epochs_trained += result.epochs_trained
-        value = selection_value(result.best_metrics.get(select, float("nan")))
-        if best_state is None or value > best_value:
-            best_value, out.best_stage = value, stage
-            out.best_metrics = {k: v for k, v in result.best_metrics.items() if k != "epoch"}
-            out.best_epoch = epochs_before + result.best_epoch
-            if stage + 1 < len(spec.lrs):  # a later stage may do worse: keep these weights to go back to
-                best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-            else:
-                best_state = None
-        elif best_state is not None:
-            model.load_state_dict(best_state)  # the next stage (or the caller) gets the best weights
-        epochs_before += len(result.history)
-        log.info("%s: stage %d at lr %g, best %s=%.4f", spec.name, stage, lr, task.select, best_value)
-    return out
-
-
-def run_trial(trials: Trials, spec: TrialSpec, task: TrialTask) -> Trial:
-    """One trial, settled as a point of the sweep's study: a trial recorded with the same options,
-    checkpoint and data is read back (logged as a child tagged with the run that trained it); else
-    it is fine-tuned in a child run (every stage of a stepped plan, best dev epoch kept), its model
-    saved (unless --keep none), then recorded."""
-    sweep = trials.sweep
-    tags = {KIND: spec.kind, VARIANT: spec.ckpt.name, TASK: spec.task, CHECKPOINT: str(spec.ckpt.path)}
-    params = {
+def trial_params(sweep: SweepConfig, spec: TrialSpec) -> dict[str, Any]:
+    """A trial's hyper-parameters, as its MLflow run's params and its record's key hold them."""
+    return {
         **dataclasses.asdict(sweep.finetune_config(spec.lr, spec.seed)),
         "lr_plan": sweep.lr_plan if len(spec.lrs) > 1 else "single",
         "later_learning_rates": " ".join(f"{lr:g}" for lr in spec.lrs[1:]),
         "attention_type": getattr(spec.ckpt.config, "attention_type", ""),
+        "max_seq_length": sweep.max_seq_length,
+        "attention_dropout": sweep.attention_dropout,
+        "hidden_dropout": sweep.hidden_dropout,
+        "batching": sweep.batching(),
         **spec.params,
     }
+
+
+def run_trial(trials: Trials, spec: TrialSpec, task: TrialTask) -> Trial:
+    """One trial, settled as a point of the sweep's study (`PointRunner`; a recorded one is logged as
+    a child tagged with the run that trained it): fine-tuned in a child run (every stage of a stepped
+    plan, best dev epoch kept), its model saved (unless --keep none), then recorded."""
+    sweep, params = trials.sweep, trial_params(trials.sweep, spec)
+    tags = {KIND: spec.kind, VARIANT: spec.ckpt.name, TASK: spec.task, CHECKPOINT: str(spec.ckpt.path)}
 
     def attempt() -> Trial:
         with trials.log.live(spec.name, tags, params) as run_id:
             set_seed(spec.seed)
             model = task.build_model()
-            result = fit_stages(
-                sweep, spec, model, task, lambda m, step: trials.log.tracker.log(run_id, m, step)
+            result = fit(
+                model,
+                task.train_set,
+                task.collate,
+                task.evaluate,
+                task.select,
+                sweep.finetune_config(spec.lr, spec.seed),
+                lambda m, step: trials.log.tracker.log(run_id, m, step),
+                spec.name.replace("/", " "),
+                spec.lrs[1:],
             )
-            logged = {f"best/{k}": v for k, v in result.best_metrics.items()} | result.summary()
+            best = {k: v for k, v in result.best_metrics.items() if k != "epoch"}
+            logged = {f"best/{k}": v for k, v in best.items()} | result.summary()
             trials.log.tracker.log(run_id, logged)
             model_dir = ""
             if sweep.keep != "none":
                 model_dir = str(sweep.output_dir / spec.ckpt.name / spec.task / spec.folder)
                 save_finetuned(model, task.tokenizer, model_dir)
-        metrics = nest_metrics(result.best_metrics)
+        metrics = nest_metrics(best)
         return Trial(
             spec.ckpt.name,
             spec.task,
@@ -364,7 +353,9 @@ def run_trial(trials: Trials, spec: TrialSpec, task: TrialTask) -> Trial:
         )
 
     name = f"{spec.ckpt.name}/{spec.task}/{spec.folder}"
-    settled = trials.runner.settle(name, attempt, key=trials.key(spec, params=flat_params(params), tags=tags))
+    legacy = legacy_trial(trials, name, params, tags)
+    key = trials.key(spec, params=flat_params(params), tags=tags)
+    settled = Settled(name, legacy, False) if legacy else trials.runner.settle(name, attempt, key=key)
     trial = settled.result
     if not settled.trained:
         log.info("%s: finished before (%s), not trained again", spec.name, trials.runner.records.path(name))
@@ -372,3 +363,32 @@ def run_trial(trials: Trials, spec: TrialSpec, task: TrialTask) -> Trial:
             spec.name, False, ChildRun({**tags, REUSED_FROM: str(trial.run_id)}, params, trial.logged)
         )
     return trial
+
+
+# The trial records of sweeps before the study layer (`swbert-trial/1`): read as finished, never written.
+# Their key held the trial's hyper-parameters, tags and checkpoint files, and the sweep's flags less
+# these; `deepspeed_config` is now `deepspeed`, and the allow_* flags came later (they change no trial).
+LEGACY_FORMAT = "swbert-trial/1"
+LEGACY_NOT_IN_KEY = frozenset(
+    "checkpoint learning_rates seeds tasks versions output_dir tracking_uri experiment run_name keep noise "
+    "noise_levels noise_seeds noise_scales cross_domain evaluate_finetuned plugins allow_study_change "
+    "allow_tokenizer_change".split()
+)
+
+
+def legacy_trial(trials: Trials, name: str, params: dict[str, Any], tags: dict[str, str]) -> Trial | None:
+    """Trial `name` as a record of the previous format holds it, when that record stands for this
+    trial (the same key, in the previous format's terms); else None."""
+    record = read_json(trials.runner.records.path(name))
+    if not isinstance(record, dict) or record.get("format") != LEGACY_FORMAT:
+        return None
+    sweep = flat_params(dataclasses.asdict(trials.sweep))
+    key = jsonable({
+        "params": {("deepspeed_config" if k == "deepspeed" else k): str(v) for k, v in sorted(params.items())},
+        "tags": dict(sorted(tags.items())),
+        "checkpoint": checkpoint_fingerprint(Path(tags[CHECKPOINT])),
+        "sweep": {k: v for k, v in sorted(sweep.items()) if k not in LEGACY_NOT_IN_KEY},
+    })  # fmt: skip
+    if record.get("key") != key:
+        return None
+    return Trial.of({**record["trial"], "run_id": record.get("run_id"), "logged": record.get("metrics", {})})

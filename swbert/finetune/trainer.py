@@ -5,6 +5,7 @@ warm-up and decay, clipping, a dev evaluation after every epoch and the best epo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -79,6 +80,8 @@ class FinetuneConfig(FitOptions):
 class FitResult:
     best_metrics: dict[str, float]
     best_epoch: int
+    """Counted over every stage's epochs (a stepped plan's)."""
+    best_stage: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
     steps: int = 0
     steps_per_epoch: int = 0
@@ -92,6 +95,18 @@ class FitResult:
     def epochs_trained(self) -> float:
         """Passes over the training set, fractional when --max-steps cut the last one."""
         return self.steps / self.steps_per_epoch if self.steps_per_epoch else 0.0
+
+    def summary(self) -> dict[str, float]:
+        """What a trial's run logs besides its best metrics."""
+        return {
+            "best_epoch": self.best_epoch,
+            "best_stage": self.best_stage,
+            "train_seconds": self.train_seconds,  # training steps only, evaluations excluded
+            "eval_seconds": self.eval_seconds,
+            "epochs_trained": self.epochs_trained,
+            "seconds_per_epoch": self.train_seconds / max(self.epochs_trained, 1e-9),
+            "steps": self.steps,
+        }
 
 
 def barrier() -> None:
@@ -116,6 +131,32 @@ def move(batch: dict[str, torch.Tensor | int], device: torch.device) -> dict[str
     return {
         k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
     }
+
+
+@torch.no_grad()
+def predict(
+    model: nn.Module,
+    dataset: Dataset,
+    collate: Callable,
+    batch_size: int = 128,
+    outputs: tuple[str, ...] = ("logits",),
+) -> list[np.ndarray]:
+    """The model's `outputs` for a whole dataset, in order (labels are not passed in); each float32, as
+    wide as the widest batch: a narrower batch (unpadded batches are as wide as their longest
+    sequence) is padded at the lowest logit, as padding gets."""
+    device = next(model.parameters()).device
+    out: list[list[torch.Tensor]] = [[] for _ in outputs]
+    for batch in DataLoader(dataset, batch_size=batch_size, collate_fn=collate):
+        result = model(**move({k: v for k, v in batch.items() if k != "labels"}, device))
+        for kept, name in zip(out, outputs):
+            kept.append(getattr(result, name).float().cpu())
+    lowest = torch.finfo(torch.float32).min
+    width = [max(t.shape[1] for t in kept) for kept in out]
+    pad = torch.nn.functional.pad
+    return [
+        torch.cat([pad(t, (0, w - t.shape[1]), value=lowest) for t in kept]).numpy()
+        for kept, w in zip(out, width)
+    ]
 
 
 def progress_bar(total: int, desc: str, **kwargs: object):  # -> tqdm
@@ -150,25 +191,27 @@ def deepspeed_config(path: str | Path, cfg: FinetuneConfig, world_size: int, pre
     return build_ds_config(path, batch, cfg.max_grad_norm, precision, FLAGS, max_zero_stage=2)
 
 
-def _state_on_cpu(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-
-
 @dataclass
 class _Best:
-    """The best dev epoch so far, its weights on the CPU, and the epochs since it."""
+    """The best dev epoch so far, its weights on the CPU, and the epochs of this stage since its own
+    best (what --patience counts)."""
 
     value: float = -math.inf
     state: dict[str, torch.Tensor] | None = None
     stale: int = 0
+    stage_value: float | None = None  # this stage's best so far
 
-    def update(self, module: nn.Module, metrics: dict[str, float], select: str, result: FitResult) -> None:
+    def update(
+        self, module: nn.Module, metrics: dict[str, float], select: str, result: FitResult, stage: int
+    ) -> None:
         value = selection_value(metrics[select])
+        better_in_stage = self.stage_value is None or value > self.stage_value
+        self.stale, self.stage_value = (0, value) if better_in_stage else (self.stale + 1, self.stage_value)
         if self.state is None or value > self.value:
-            self.value, self.state, self.stale = value, _state_on_cpu(module), 0
-            result.best_metrics, result.best_epoch = dict(metrics), int(metrics["epoch"])
-        else:
-            self.stale += 1
+            self.value = value
+            self.state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+            result.best_metrics, result.best_stage = dict(metrics), stage
+            result.best_epoch = len(result.history) - 1
 
 
 class FitRun:
@@ -186,14 +229,16 @@ class FitRun:
         total: int,
         log_metrics: Callable[[dict[str, float], int], None] | None,
         bar: Any,
+        stage: tuple[int, FitResult, _Best],
     ) -> None:
-        self.e, self.loader, self.cfg, self.total, self.bar = engine, loader, cfg, total, bar
+        self.e, self.loader, self.cfg, self.bar = engine, loader, cfg, bar
         self.log_metrics = log_metrics if ParallelDims.from_env().is_main else None
         self.device = engine.engine.device
-        self.steps, self.window_steps = 0, 0
+        self.stage, self.result, self.best = stage  # the result and best epoch so far, of every stage
+        self.best.stage_value, self.result.steps_per_epoch = None, len(loader)
+        self.steps, self.window_steps = self.result.steps, 0  # logged steps continue across stages
+        self.total = self.steps + total
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        self.best = _Best()
-        self.result = FitResult(best_metrics={}, best_epoch=-1, steps_per_epoch=len(loader))
 
     @property
     def done(self) -> bool:
@@ -250,21 +295,20 @@ class FitRun:
             dev = {f"dev/{k}": v for k, v in metrics.items() if k != "epoch" and not math.isnan(v)}
             self.log_metrics(dev, self.steps)
         self.bar.set_postfix({select: f"{metrics[select]:.4f}", "epoch": epoch})
-        self.best.update(module, metrics, select, self.result)
+        self.best.update(module, metrics, select, self.result, self.stage)
         log.info(
             "epoch %d step %d: %s=%.4f (best %.4f at epoch %d)",
             *(epoch, self.steps, select, metrics[select], self.best.value, self.result.best_epoch),
         )
         return self.done or bool(self.cfg.patience and self.best.stale >= self.cfg.patience)
 
-    def finish(self) -> FitResult:
-        """The best epoch's weights back into the model, the engine's hooks dropped: a stepped
-        learning-rate plan fits the same model again with a new engine."""
+    def finish(self) -> None:
+        """The best weights so far back into the model, the engine's hooks dropped: the next stage
+        of a stepped learning-rate plan fits the same model again with a new engine."""
         self.result.steps = self.steps
         if self.best.state is not None:
             self.e.module.load_state_dict(self.best.state)
         self.e.engine.destroy()
-        return self.result
 
 
 def start_run(
@@ -275,6 +319,7 @@ def start_run(
     dims: ParallelDims,
     log_metrics: Callable[[dict[str, float], int], None] | None,
     bar_desc: str,
+    stage: tuple[int, FitResult, _Best],
 ) -> FitRun:
     """The loader, the step budget and the engine of one `fit` (the DeepSpeed config filled from
     ``cfg`` as pretraining fills its own)."""
@@ -295,7 +340,13 @@ def start_run(
     if cfg.compile:
         compile_training(engine.module, cfg.compile_backend)
     bar = progress_bar(total, bar_desc, unit="step", leave=False)
-    return FitRun(engine, loader, cfg, total, log_metrics, bar)
+    return FitRun(engine, loader, cfg, total, log_metrics, bar, stage)
+
+
+def stage_config(cfg: FinetuneConfig, stage: int, lr: float) -> FinetuneConfig:
+    """Stage `stage` of a stepped plan at `lr`: a warm-up in the first stage only (the later ones
+    continue a tuned model)."""
+    return dataclasses.replace(cfg, learning_rate=lr, warmup_ratio=0.0 if stage else cfg.warmup_ratio)
 
 
 def fit(
@@ -307,6 +358,7 @@ def fit(
     cfg: FinetuneConfig,
     log_metrics: Callable[[dict[str, float], int], None] | None = None,
     desc: str = "fine-tune",
+    later_lrs: tuple[float, ...] = (),
 ) -> FitResult:
     """Fine-tune ``model`` in place; on return it holds the weights of the best dev epoch.
 
@@ -315,15 +367,27 @@ def fit(
     dev metrics after every epoch (keys prefixed ``dev/``), with the optimiser step as ``step``. Rank 0
     shows a progress bar over the steps, labelled ``desc``. One process or many, the model trains in
     a DeepSpeed engine (see `swbert.finetune.engine`).
+
+    ``later_lrs``: a stepped plan's later stages, each run like the first at its learning rate (no
+    warm-up) in a new engine, starting from the best weights of the stages before it.
     """
+    result, best = FitResult(best_metrics={}, best_epoch=-1), _Best()
+    stages = (cfg.learning_rate, *later_lrs)
     with process_group() as dims:
-        run = start_run(model, train_set, collate, cfg, dims, log_metrics, desc)
-        try:
-            for epoch in range(cfg.epochs):
-                run.train_epoch(epoch)
-                if run.end_epoch(epoch, evaluate, select):
-                    break
-        finally:
-            run.bar.close()
-            uncompile(model)
-        return run.finish()
+        for stage, lr in enumerate(stages):
+            stage_cfg = stage_config(cfg, stage, lr)
+            label = desc + (f" stage {stage + 1}/{len(stages)}" if stage else "")
+            run = start_run(
+                model, train_set, collate, stage_cfg, dims, log_metrics, label, (stage, result, best)
+            )
+            try:
+                for epoch in range(cfg.epochs):
+                    run.train_epoch(epoch)
+                    if run.end_epoch(epoch, evaluate, select):
+                        break
+            finally:
+                run.bar.close()
+                uncompile(model)
+            run.finish()
+            log.info("%s: stage %d at lr %g, best %s=%.4f", desc, stage, lr, select, best.value)
+    return result

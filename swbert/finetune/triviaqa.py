@@ -1,21 +1,6 @@
-"""TriviaQA reading comprehension in SQuAD's form, for Table 2's "single + TriviaQA" rows.
-
-The paper fine-tunes on TriviaQA before SQuAD for those rows (as BERT did); how it prepared TriviaQA
-is not said in what we have of it, so the conversion here is ours, after BERT's description of its own
-TriviaQA step: each evidence document's first ``context_words`` words become a SQuAD context, kept only
-when an answer alias occurs in it; the earliest occurrence (case-insensitive, on word boundaries) is the
-training span, and every alias counts as a gold answer for EM/F1 (TriviaQA's own scoring also takes
-the maximum over aliases).
-
-Three sources give the same examples:
-
-* the official release's RC JSON (``qa/wikipedia-train.json``, ...: ``Data`` -> ``Question``,
-  ``QuestionId``, ``Answer.Aliases``/``Value``, ``EntityPages``/``SearchResults`` naming evidence files
-  under ``evidence/wikipedia/`` and ``evidence/web/``);
-* a file already in SQuAD's JSON format (top-level ``data``), read as SQuAD v1.1;
-* the Hub's ``mandarjoshi/trivia_qa`` (``rc.wikipedia`` and the other RC configs), whose rows carry
-  the evidence text inline (``entity_pages.wiki_context``, ``search_results.search_context``).
-"""
+"""TriviaQA reading comprehension in SQuAD's form, for Table 2's "single + TriviaQA" rows: from the
+official RC release (JSON and evidence files), a file already in SQuAD's format, or the Hub's
+``mandarjoshi/trivia_qa``; the conversion is ours (docs/finetuning.md, "Data")."""
 
 from __future__ import annotations
 
@@ -25,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from swbert.finetune.glue_data import hub_split
 from swbert.finetune.squad_data import SquadDataError, SquadExample, read_squad_json
 
 HUB_DATASET = "mandarjoshi/trivia_qa"
@@ -141,15 +127,8 @@ def load_triviaqa_hub(
     split: str, config: str = DEFAULT_HUB_CONFIG, context_words: int = 400
 ) -> list[SquadExample]:
     """``mandarjoshi/trivia_qa`` (``split``: train or validation) from the Hub or the local cache."""
-    from swbert.finetune.hub import load_hub_dataset
-
-    try:
-        ds = load_hub_dataset(HUB_DATASET, config, split)
-    except Exception as e:
-        raise SquadDataError(
-            f"could not load {HUB_DATASET}:{config}:{split} ({' '.join(str(e).split())}); offline, pass "
-            "--triviaqa-train-file/--triviaqa-dev-file (the official RC JSON)"
-        ) from e
+    offline = "pass --triviaqa-train-file/--triviaqa-dev-file (the official RC JSON)"
+    ds = hub_split(f"{HUB_DATASET}:{config}:{split}", (HUB_DATASET, config, split), SquadDataError, offline)
     examples = from_hub_rows(ds, context_words)
     if not examples:
         raise SquadDataError(f"{HUB_DATASET}:{config}:{split}: no question has an answer in its evidence")

@@ -1,19 +1,7 @@
-"""Power-law fits of held-out loss, L(x) = E + A x^-alpha, with bootstrap intervals.
-
-x is a size (non-embedding parameters, as Kaplan et al., 2020) or training compute (FLOPs). The
-fit is non-linear least squares by variable projection: for a fixed alpha the best E and A are a
-linear least-squares solution in closed form, so the fit is a one-dimensional search over alpha
-(a log-spaced grid, refined by a parabola through the best three grid points). The search has no
-starting point to get wrong and runs for a thousand bootstrap replicates at once as matrix
-products, which is why it is done this way rather than with a general optimizer (ours).
-
-Intervals (ours): a residual bootstrap. Each replicate adds residuals drawn with replacement from
-all points (every seed at every size), divided by sqrt(1 - leverage) so that they are as large as
-the noise they estimate, to the fitted curve, and refits; an interval is the replicates' percentile range.
-Resampling whole points instead would often leave fewer than three distinct sizes in a short
-ladder, where the curve is not identified. A ≥ 0 (loss falls with size) is enforced; E is not
-bounded (a short ladder may put the floor below zero: the interval shows it).
-"""
+"""Power-law fits of held-out loss, L(x) = E + A x^-alpha, with bootstrap intervals (docs/scaling.md,
+"Fits"). x is a size (non-embedding parameters) or training compute (FLOPs). For a fixed alpha the
+best E and A are a linear least-squares solution in closed form, so the fit is a one-dimensional
+search over alpha, run for every bootstrap replicate at once as matrix products (ours)."""
 
 from __future__ import annotations
 

@@ -147,6 +147,19 @@ def expand_layouts(
     return out
 
 
+def check_names(sizes: Sequence[str], attentions: Sequence[str]) -> None:
+    """Unknown sizes and attention variants are errors that list the known ones."""
+    for size in sizes:
+        check_size(size, "--sizes")
+    load_installed()  # variants of installed packages (swbert.models.plugins)
+    for name in attentions:
+        if name not in attention_types():
+            raise ValueError(
+                f"--attentions {name}: not a registered attention variant; known: "
+                f"{', '.join(attention_types())} (add one with --plugins)"
+            )
+
+
 def build_grid(
     sizes: list[str],
     attentions: list[str],
@@ -157,16 +170,9 @@ def build_grid(
     sequence_parallel: Sequence[bool] = (False,),
     checkpointing: Sequence[Checkpointing] = ("none",),
 ) -> list[GridPoint]:
-    """All combinations, sizes outermost; unknown names are errors that list the known ones.
-    `sequence_parallel` and `checkpointing` are crossed with the layouts (`expand_layouts`)."""
-    for size in sizes:
-        check_size(size, "--sizes")
-    load_installed()  # variants of installed packages (swbert.models.plugins)
-    for attention in attentions:
-        if attention not in attention_types():
-            raise ValueError(
-                f"unknown attention {attention!r} (--attention); known: {', '.join(attention_types())}"
-            )
+    """All combinations, sizes outermost (`check_names`). `sequence_parallel` and `checkpointing` are
+    crossed with the layouts (`expand_layouts`)."""
+    check_names(sizes, attentions)
     parsed = expand_layouts(layouts, sequence_parallel, checkpointing)
     return [
         GridPoint(size, attention, layout, seq_len, micro_batch, precision)

@@ -9,7 +9,6 @@ reason and the sweep goes on.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -25,6 +24,8 @@ from swbert.runtime.exits import PREEMPTED_EXIT
 from swbert.scaling.grid import GridPoint, activation_args
 from swbert.scaling.memory import GIB
 from swbert.studies import jobs
+from swbert.studies.outputs import read_metrics
+from swbert.studies.runner import absolute, absolute_plugins
 
 RUNTIME_GIB_PER_RANK = 0.8  # resident memory of a rank before the model: torch, DeepSpeed, data
 # Peaks of measured CPU runs over their whole life (start-up, optimizer swaps, the final checkpoint)
@@ -164,29 +165,16 @@ class MemorySampler(threading.Thread):
 
 
 def pretrain_args(point: GridPoint, ds_config: Path, output_dir: Path, steps: int, dp: int) -> list[str]:
-    """Arguments of `launchers/pretrain.py` for a short measured run of `point`."""
+    """Arguments of `launchers/pretrain.py` for a short run of `point` (measured here, or a task of
+    the grid's job array)."""
     return [
-        "--size", point.size,
-        "--attention-type", point.attention,
-        "--seq-len", str(point.seq_len),
-        "--micro-batch-size", str(point.micro_batch),
-        "--global-batch-size", str(point.micro_batch * dp),
-        "--precision", point.precision,
-        "--tensor-parallel", str(point.layout.tp),
-        "--deepspeed-config", str(ds_config),
-        "--train-steps", str(steps),
-        "--warmup-steps", "1",
-        "--log-interval", "1",
-        "--eval-interval", str(steps + 1),
-        "--eval-batches", "1",
-        "--save-interval", str(steps + 1),
-        "--keep-checkpoints", "1",
-        "--export", "false",
-        "--mlflow", "false",
-        "--progress-bar", "false",
-        "--resume", "none",
-        "--output-dir", str(output_dir),
-        *activation_args(point.layout),
+        "--size", point.size, "--attention-type", point.attention, "--seq-len", str(point.seq_len),
+        "--micro-batch-size", str(point.micro_batch), "--global-batch-size", str(point.micro_batch * dp),
+        "--precision", point.precision, "--tensor-parallel", str(point.layout.tp),
+        "--deepspeed-config", str(ds_config), "--train-steps", str(steps), "--warmup-steps", "1",
+        "--log-interval", "1", "--eval-interval", str(steps + 1), "--eval-batches", "1",
+        "--save-interval", str(steps + 1), "--export", "false", "--mlflow", "false", "--progress-bar", "false",
+        "--output-dir", str(output_dir), *activation_args(point.layout),
     ]  # fmt: skip
 
 
@@ -199,17 +187,12 @@ def point_command(
     data_dir: str | None = None,
     plugins: Sequence[str] = (),
 ) -> tuple[list[str], Path | None]:
-    """The torchrun command of a measured run of `point`, and the folder it starts in.
-
-    A run starts in the checkout (where the launchers are), not in the caller's folder, so every
-    path it is given is made absolute here, relative to the caller's working directory."""
-    dp = ranks // point.layout.tp
-    output_dir, ds_config = Path(output_dir).resolve(), Path(ds_config).resolve()
-    args = pretrain_args(point, ds_config, output_dir, steps, dp)
-    if data_dir:
-        args += ["--data-dir", str(Path(data_dir).resolve())]
-    if plugins:  # a .py file by its absolute path; a dotted module name as given
-        args += ["--plugins", *(str(Path(p).resolve()) if p.endswith(".py") else p for p in plugins)]
+    """The torchrun command of a measured run of `point`, and the folder it starts in (the checkout:
+    every path it is given is made absolute here, against the caller's working directory)."""
+    args = pretrain_args(point, absolute(ds_config), absolute(output_dir), steps, ranks // point.layout.tp)
+    args += ["--keep-checkpoints", "1", "--resume", "none"]
+    args += ["--data-dir", absolute(data_dir)] if data_dir else []
+    args += ["--plugins", *absolute_plugins(plugins)] if plugins else []
     return jobs.pretrain_command(ranks, args)
 
 
@@ -269,8 +252,7 @@ def parse_metrics(output_dir: Path, point: GridPoint, m: Measurement, dp: int) -
     if not path.is_file():
         m.status, m.reason = "failed", f"no {path}"
         return m
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    m.records = records
+    records = m.records = list(read_metrics(output_dir).values())
     if not records:
         m.status, m.reason = "failed", f"{path} is empty"
         return m

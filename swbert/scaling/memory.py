@@ -165,10 +165,6 @@ class StateMemory:
         return self.device + self.host
 
 
-def param_bytes(precision: Precision) -> int:
-    return element_bytes(precision)
-
-
 def model_state_bytes(
     config: SWBertConfig,
     layout: Layout,
@@ -185,7 +181,7 @@ def model_state_bytes(
         raise ValueError(f"data-parallel size must be >= 1, got {dp}")
     sizes = rank_tensor_sizes(config, layout.tp)
     n = sum(sizes)
-    p = param_bytes(precision)
+    p = element_bytes(precision)
     mixed = precision != "fp32"
     if layout.zero == 0:
         params, grads = p * n, p * n

@@ -1,17 +1,12 @@
-"""Check the closed-form model-state memory against what a DeepSpeed engine really holds.
-
-Run under a distributed launcher; rank 0 prints one JSON line per configuration:
+"""Check the closed-form model-state memory against what a DeepSpeed engine really holds (after the
+second backward, every tensor storage the engine reaches, each once; docs/scaling.md). Run under a
+distributed launcher; rank 0 prints one JSON line per configuration:
 
     torchrun --nproc-per-node 2 -m swbert.scaling.memory_check --size small --vocab-size 2048 \\
         --zero 0 1 2 3 --precision fp32 bf16
 
-For each ZeRO stage and precision it builds `SWBertForMaskedLM`, wraps it in a DeepSpeed engine,
-runs two steps and, after the second backward, sums the bytes of every tensor the engine reaches
-(parameters, ZeRO partitions, gradients, optimizer states, buffers), each storage once.
-
-With `--tensor-parallel N` it instead splits the model with `swbert.parallel` and prints, for
-every rank, the parameters it holds next to `params_per_rank`.
-"""
+With `--tensor-parallel N` it prints, for every rank, the parameters it holds after
+`swbert.parallel.parallelize` next to `params_per_rank`."""
 
 from __future__ import annotations
 

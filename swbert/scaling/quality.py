@@ -7,7 +7,7 @@ reason (docs/scaling.md, "Quality")."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import math
 import shlex
@@ -16,13 +16,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from swbert.models.config import SWBertConfig, check_size
+from swbert.models.config import SWBertConfig
 from swbert.models.flops import masked_lm_flops, masked_lm_params
 from swbert.runtime.exits import PREEMPTED_EXIT
 from swbert.scaling.fit import MIN_POINTS, MIN_SIZES
+from swbert.scaling.grid import check_names, write_ds_config
+from swbert.scaling.memory import Layout
 from swbert.scaling.quality_report import non_embedding_params, write_outputs
 from swbert.studies import jobs
 from swbert.studies.options import PointOptions
+from swbert.studies.outputs import read_metrics
 from swbert.studies.records import Records, check_study, point_key, study_options
 from swbert.studies.runner import ChildRun, PointRunner, Settled, run_points, study_run
 from swbert.studies.slurm import NOT_RUN, array_command, without_switches, write_submit
@@ -69,16 +72,7 @@ class QualityConfig(PointOptions):
     def check(self) -> None:
         """Bad input stops here, one line naming the flag, before anything trains."""
         super().check()
-        from swbert.models.attention import attention_types
-
-        for name in self.attentions:
-            if name not in attention_types():
-                raise ValueError(
-                    f"--attentions {name}: not a registered attention variant; registered: "
-                    f"{', '.join(attention_types())} (add one with --plugins)"
-                )
-        for size in self.sizes:
-            check_size(size, "--sizes")
+        check_names(self.sizes, self.attentions)
         distinct = len(set(self.sizes))
         if distinct < MIN_SIZES or distinct * len(set(self.seeds)) < MIN_POINTS:
             raise ValueError(
@@ -221,21 +215,13 @@ def pretrain_command(
 
 
 def read_run(run_dir: Path, point: Point) -> PointResult | None:
-    """The finished run's result from its metrics.jsonl (the last record of each step: a resumed
-    run logs the steps after its checkpoint again), or None when it has not reached the end."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+    """The finished run's result from its metrics.jsonl, or None when it has not reached the end."""
+    if not (run_dir / "metrics.jsonl").is_file():
         return None
-    by_step: dict[int, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line of a killed run
-        by_step[int(record["step"])] = record
+    by_step = read_metrics(run_dir)
     curve = [
         {k: float(r[k]) for k in ("step", "tokens_seen", "loss", "val_loss") if r.get(k) is not None}
-        for _, r in sorted(by_step.items())
+        for r in by_step.values()
     ]
     last = by_step.get(point.steps)
     if last is None or last.get("val_loss") is None:
@@ -249,9 +235,6 @@ def read_run(run_dir: Path, point: Point) -> PointResult | None:
 def train_point(point: Point, cfg: QualityConfig, run_dir: Path, data_dir: str) -> PointResult:
     """Run (or continue) `point` with the real trainer; a failure becomes a result with its reason
     (a folder still held by another job after the wait: `stopped`, not the point's failure)."""
-    from swbert.scaling.grid import write_ds_config
-    from swbert.scaling.memory import Layout
-
     run_dir.mkdir(parents=True, exist_ok=True)
     ds_config = write_ds_config(Layout(zero=cfg.zero), cfg.output_dir / "ds_configs")
     cmd = pretrain_command(point, cfg, run_dir, data_dir, ds_config)
@@ -287,10 +270,8 @@ def point_records(cfg: QualityConfig) -> Records:
 def settle_point(
     point: Point, cfg: QualityConfig, trainer: Trainer, options: dict[str, Any]
 ) -> Settled[PointResult]:
-    """The point's result and whether it was trained now: a finished point made with the same
-    options and data is read back, never retrained; a failed one keeps its reason unless
-    --retry-failed; anything else (new, or in flight when a study stopped) is run, resuming from its
-    newest checkpoint. A record made with other options or data is set aside, not relabelled."""
+    """The point settled by the study's `PointRunner` (a point in flight resumes from its newest
+    checkpoint)."""
     run_dir = cfg.output_dir / "points" / point.name
     runner = PointRunner(point_records(cfg), lambda d: PointResult(**d), cfg.retry_failed)
     return runner.settle(
@@ -333,16 +314,11 @@ def run_quality(cfg: QualityConfig, trainer: Trainer = train_point) -> list[dict
     def one(point: Point) -> Settled[PointResult]:
         return settle_point(point, cfg, trainer, options)
 
-    def rows_of(done: list) -> list[dict[str, Any]]:
-        return [point_row(by_name[s.name], s.result, s.trained) for s in done]
-
-    if not cfg.mlflow:
-        rows = rows_of(run_points(points, lambda p: p.name, one))
-        write_outputs(cfg, rows)
-        return rows
-    with study_run(cfg.output_dir, cfg.store(), cfg.experiment, "quality_study", asdict(cfg)) as study:
-        rows = rows_of(run_points(points, lambda p: p.name, one, child_run, study))
-        write_outputs(cfg, rows, study.tracker, study.parent)
+    tracked = study_run(cfg.output_dir, cfg.store(), cfg.experiment, "quality_study", asdict(cfg))
+    with tracked if cfg.mlflow else contextlib.nullcontext() as study:
+        done = run_points(points, lambda p: p.name, one, child_run, study)
+        rows = [point_row(by_name[s.name], s.result, s.trained) for s in done]
+        write_outputs(cfg, rows, study)
     return rows
 
 

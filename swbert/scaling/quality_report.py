@@ -18,8 +18,9 @@ import numpy as np
 from swbert.models.config import SIZES, SWBertConfig
 from swbert.models.flops import layer_params
 from swbert.scaling.fit import Fit, FitError, equivalent_size, fit_power_law
-from swbert.scaling.report import line_style, write_csv
-from swbert.studies.tracking import Tracker
+from swbert.scaling.report import line_style
+from swbert.studies.outputs import pyplot, save_figure, write_csv
+from swbert.studies.runner import StudyLog
 
 PLOTS = {"non_embedding_params": "loss_vs_params", "train_flops": "loss_vs_flops"}
 POINT_KEYS = ("name", "size", "seed", "params", "non_embedding_params", "tokens", "train_flops", "val_loss")
@@ -93,9 +94,7 @@ def build_fits(cfg: Any, rows: list[dict[str, Any]]) -> tuple[dict[str, Any], di
     return {"study": spec, "variants": variants, "efficiency": efficiency}, by_n
 
 
-def write_outputs(
-    cfg: Any, rows: list[dict[str, Any]], tracker: Tracker | None = None, parent: str | None = None
-) -> dict[str, Any]:
+def write_outputs(cfg: Any, rows: list[dict[str, Any]], study: StudyLog | None = None) -> dict[str, Any]:
     """fits.json, points.csv and plots/ under cfg.output_dir (and to the study's MLflow run: each
     variant's alpha and E, the files); returns the fits."""
     out = Path(cfg.output_dir)
@@ -108,12 +107,14 @@ def write_outputs(
     csv_path = write_csv(rows, out / "points.csv")
     if not unchanged:  # a re-run that found every point finished draws the same plots: keep them
         plots = plot_fits(rows, by_n, fits, out / "plots", cfg.level)
-    if tracker is not None:
+    if study is not None:
         for attention, entry in fits["variants"].items():
             law = entry["L(N)"]
             if "alpha" in law:
-                tracker.log(parent, {f"{attention}.alpha": law["alpha"], f"{attention}.E": law["E"]})
-        tracker.log_files(parent, [fits_path, csv_path, *plots])
+                study.tracker.log(
+                    study.parent, {f"{attention}.alpha": law["alpha"], f"{attention}.E": law["E"]}
+                )
+        study.tracker.log_files(study.parent, [fits_path, csv_path, *plots])
     return fits
 
 
@@ -121,18 +122,10 @@ def plot_fits(
     rows: list[dict[str, Any]], by_n: dict[str, Fit], fits: dict[str, Any], folder: Path, level: float
 ) -> list[Path]:
     """loss_vs_params.png and loss_vs_flops.png: points, fitted curves and their bands, one line
-    style per variant; nothing without matplotlib (then the JSON and CSV are the output)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    folder.mkdir(parents=True, exist_ok=True)
+    style per variant."""
     written = []
     for (key, name), label in zip(PLOTS.items(), ("L(N)", "L(C)")):
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = pyplot().subplots(figsize=(6, 4))
         for attention, entry in fits["variants"].items():
             done = [r for r in rows if r["attention"] == attention and r["status"] == "done"]
             if not done:
@@ -150,9 +143,5 @@ def plot_fits(
         ax.set_ylabel("held-out MLM loss")
         ax.set_title(f"{label}: E + A x^-alpha, {level:.0%} bands")
         ax.legend()
-        fig.subplots_adjust(left=0.13, right=0.97, bottom=0.13, top=0.9)
-        path = folder / f"{name}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+        written.append(save_figure(fig, folder / f"{name}.png", dpi=120))
     return written

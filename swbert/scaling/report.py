@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from swbert.models.attention import attention_types
+from swbert.studies.outputs import pyplot, save_figure
 
 # Line styles given to the attention variants in registration order (standard dashed, shared solid,
 # symmetric dotted, pairwise dash-dot), cycling for any registered after them.
@@ -17,20 +18,6 @@ def line_style(attention: str) -> str:
     """The variant's line style; solid for a name not registered in this process (an old CSV's)."""
     names = attention_types()
     return LINE_STYLES[names.index(attention) % len(LINE_STYLES)] if attention in names else "-"
-
-
-def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
-    """One row per grid point; the columns are the union of all rows' keys, in first-seen order."""
-    columns: list[str] = []
-    for row in rows:
-        columns += [k for k in row if k not in columns]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in columns})
-    return path
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -53,17 +40,11 @@ def _series(
 
 def plot(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
     """throughput.png, memory.png, loss.png (only those with data); returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    folder.mkdir(parents=True, exist_ok=True)
     written = []
     measured = [r for r in rows if r.get("status") == "measured"]
 
     def axes(title: str, ylabel: str):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = pyplot().subplots(figsize=(7, 4.5))
         ax.set_xscale("log")
         ax.set_xlabel("parameters")
         ax.set_ylabel(ylabel)
@@ -73,10 +54,7 @@ def plot(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
 
     def save(fig, ax, name: str) -> None:
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(folder / name, dpi=120)
-        plt.close(fig)
-        written.append(folder / name)
+        written.append(save_figure(fig, folder / name, dpi=120))
 
     tput = _series(measured, "tokens_per_s", ("attention", "layout"))
     if tput:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -16,19 +17,19 @@ from swbert.scaling.activations import Checkpointing
 from swbert.scaling.grid import (
     BERT_VOCAB,
     GridPoint,
-    activation_args,
     build_grid,
     estimate,
     expand_layouts,
     write_ds_config,
 )
-from swbert.scaling.measure import Hardware, Measurement, parse_metrics, run_point
-from swbert.scaling.memory import Layout, Precision
-from swbert.scaling.report import plot, write_csv
+from swbert.scaling.measure import Hardware, Measurement, parse_metrics, pretrain_args, run_point
+from swbert.scaling.memory import Precision
+from swbert.scaling.report import plot
 from swbert.studies.options import PointOptions
+from swbert.studies.outputs import write_csv
 from swbert.studies.records import Records, check_study, point_key, study_options
 from swbert.studies.runner import ChildRun, PointRunner, Settled, StudyLog, absolute, run_points, study_run
-from swbert.studies.slurm import NOT_RUN, array_command, switch_given, write_submit
+from swbert.studies.slurm import NOT_RUN, array_command, write_submit
 from swbert.studies.tracking import KIND
 
 log = logging.getLogger("swbert.scaling")
@@ -224,9 +225,9 @@ def evaluate_point(
         point, ds_config, point_dir, hardware, cfg.steps, data_dir, cfg.point_timeout_s, plugins=cfg.plugins
     )
     if not cfg.keep_checkpoints:
-        _remove_tree(point_dir / "checkpoints")
+        shutil.rmtree(point_dir / "checkpoints", ignore_errors=True)
     if point.layout.device == "nvme":
-        _remove_tree(_nvme(cfg))  # the run's swap files
+        shutil.rmtree(_nvme(cfg), ignore_errors=True)  # the run's swap files
     row.update(m.row())
     row["measured_ranks"] = hardware.ranks
     row["estimated_local_gib"] = local_row["mem_device_gib"] + local_row["mem_host_gib"]
@@ -245,16 +246,10 @@ def _nvme(cfg: StudyConfig) -> Path:
     return Path(cfg.nvme_path) if cfg.nvme_path else cfg.output_dir / "nvme"
 
 
-def _remove_tree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
-
-
 # ---- SLURM job array -----------------------------------------------------------------------------
 
 
-def _sweep_line(cfg: StudyConfig, point: GridPoint, world: int, precision: str) -> tuple[str, bool]:
+def _sweep_line(cfg: StudyConfig, point: GridPoint, world: int) -> tuple[str, bool]:
     """A sweep file's line for `point` on `world` ranks: its launcher flags (True), or a comment
     saying why it is skipped (False)."""
     if world % point.layout.tp:
@@ -264,16 +259,10 @@ def _sweep_line(cfg: StudyConfig, point: GridPoint, world: int, precision: str) 
             f"# skipped {point.name}: tensor-parallel size does not divide --seq-len {point.seq_len}",
             False,
         )
-    out = cfg.output_dir
-    ds_config = write_ds_config(point.layout, out / "ds_configs", _nvme(cfg))
-    dp = world // point.layout.tp
-    args = [
-        "--size", point.size, "--attention-type", point.attention,
-        "--tensor-parallel", str(point.layout.tp), "--deepspeed-config", str(ds_config),
-        "--seq-len", str(point.seq_len), "--micro-batch-size", str(point.micro_batch),
-        "--global-batch-size", str(point.micro_batch * dp), "--precision", precision,
-        "--output-dir", str(out / "points" / point.name), *activation_args(point.layout),
-    ]  # fmt: skip
+    ds_config = write_ds_config(point.layout, cfg.output_dir / "ds_configs", _nvme(cfg))
+    args = pretrain_args(
+        point, ds_config, cfg.output_dir / "points" / point.name, cfg.steps, world // point.layout.tp
+    )
     if any(ch.isspace() for arg in args for ch in arg):
         raise ValueError(
             f"{point.name}: a path with spaces cannot go in a sweep file ({args}); use another --output-dir"
@@ -297,7 +286,7 @@ def emit_slurm(
     world = nodes * max(gpus_per_node, 1)
     lines, names = [f"# scaling grid: {nodes} node(s) x {gpus_per_node} GPU(s); one line per array task"], []
     for point in grid:
-        line, ok = _sweep_line(cfg, point, world, precision)
+        line, ok = _sweep_line(cfg, point, world)
         lines.append(line)
         if ok:
             names.append(point.name)
@@ -309,15 +298,8 @@ def emit_slurm(
                     "nodes": nodes, "gpus_per_node": gpus_per_node, "precision": precision, "points": names},
                    indent=2)
     )  # fmt: skip
-    common = [
-        "--train-steps", str(cfg.steps), "--warmup-steps", "1", "--log-interval", "1",
-        "--eval-interval", str(cfg.steps + 1), "--eval-batches", "1", "--save-interval", str(cfg.steps + 1),
-        "--export", "false", "--mlflow", "false", "--progress-bar", "false",
-    ]  # fmt: skip
-    if cfg.data_dir:
-        common += ["--data-dir", cfg.data_dir]
-    if cfg.plugins:
-        common += ["--plugins", *cfg.plugins]
+    common = ["--data-dir", cfg.data_dir] if cfg.data_dir else []
+    common += ["--plugins", *cfg.plugins] if cfg.plugins else []
     args = ["--sweep", str(sweep), *common, *(extra or [])]
     command = array_command(
         len(names), "launchers/slurm/pretrain.sbatch", args, nodes, gpus_per_node, "swbert-scaling"
@@ -369,20 +351,3 @@ def collect(output_dir: Path, plugins: list[str] | tuple[str, ...] = ()) -> list
             study.point(s.name, s.trained, child_run(grid[s.name], s))
         record_rows(cfg, study, rows)
     return rows
-
-
-def quality_requested(argv: list[str]) -> bool:
-    """Whether a command line asks for the quality study (`--quality`, `--quality true`), whose flags
-    are its own (`swbert.scaling.quality.QualityConfig`)."""
-    return switch_given(argv, "--quality")
-
-
-__all__ = [
-    "Layout",
-    "quality_requested",
-    "StudyConfig",
-    "collect",
-    "emit_slurm",
-    "exit_status",
-    "run_study",
-]

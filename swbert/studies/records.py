@@ -1,13 +1,7 @@
-"""What a study keeps on disk: one record per finished point, and the options and data it was run
-with.
-
-A point's record is written last, atomically, once the point is complete: a record says the point
-is done, whatever else the folder holds. It stands for its key (the options and data the point was
-made with): a record made with another key is never read back as this point's result.
-`study.json` keeps the study's options and data identity; a re-run with other ones in the same
-folder is refused in one line naming what differs (`--allow-study-change` runs the changed points
-again, the old records and runs set aside, never relabelled, nothing deleted).
-"""
+"""What a study keeps on disk: one record per finished point (written last, atomically; it stands
+for its key, the options and data the point was made with), and in `study.json` the options and data
+the study was run with: a re-run with others is refused naming what differs, unless
+`--allow-study-change` (docs/scaling.md, "Long studies are safe")."""
 
 from __future__ import annotations
 

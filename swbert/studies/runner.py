@@ -1,18 +1,8 @@
 """The point runner every study uses: plan points, skip the finished, resume the one in flight,
-record failures with their reason, log one MLflow child run per point under the study's parent.
-
-A study is a small description: the names of its points, what running one does (`attempt`), how a
-point's result is read back from what its run left when the study stopped before recording it
-(`recover`), and the row and MLflow run a result makes. `settle` decides, per point:
-
-- a record says the point finished: read back, never run again (a failure too, unless
-  `retry_failed`);
-- else its run's own files say it ended (`recover`): recorded now, not run;
-- else it runs (`attempt`; a point that was in flight resumes from its newest checkpoint).
-
-A result whose status is in `unrecorded` (stopped on request, its folder held by another job, not
-run yet) is reported, not recorded: the next run of the study runs it.
-"""
+record failures with their reason, log one MLflow child run per point under the study's parent
+(docs/scaling.md, "Long studies are safe"). A study is a small description: its points' names, what
+running one does (`attempt`), how a result is read back from what a run left when the study
+stopped before recording it (`recover`), and the row and MLflow run a result makes."""
 
 from __future__ import annotations
 
@@ -75,7 +65,10 @@ class Settled(Generic[R]):
 
 @dataclass
 class PointRunner(Generic[R]):
-    """Settles points against a study's records (see the module's docstring)."""
+    """Settles points against a study's records: a recorded point is read back, never run again (a
+    failure too, unless `retry_failed`); else one whose run ended is recorded from what it left
+    (`recover`); else it runs (`attempt`). A result whose status is in `unrecorded` (stopped, its
+    folder held, not run yet) is reported, not recorded: the next run of the study runs it."""
 
     records: Records
     load: Callable[[dict[str, Any]], R]  # a recorded result (its payload's "result") back

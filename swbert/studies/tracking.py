@@ -1,13 +1,7 @@
-"""A study in MLflow: one parent run, one child run per point, only rank 0 logging.
-
-The store is ``MLFLOW_TRACKING_URI`` when set (a server), else a SQLite file in the study's folder
-(swbert.runtime.tracking). The study's folder names its parent run (`PARENT_FILE`), so the next run
-of the study there either continues that run, logging only the points it trained (the scaling
-studies), or starts a new one and marks the old one and its children KILLED where a killed study
-left them RUNNING (the fine-tuning sweeps, whose report reads one parent's children). A store that
-no longer holds the saved run (another MLFLOW_TRACKING_URI, a deleted run, another --experiment)
-gets a new parent.
-"""
+"""A study in MLflow: one parent run, one child run per point, only rank 0 logging. The study's
+folder names its parent run (`PARENT_FILE`): the next run of the study there continues it (the
+scaling studies) or starts a new one and marks the killed one's runs KILLED (the fine-tuning sweeps,
+whose report reads one parent's children); docs/finetuning.md and docs/scaling.md."""
 
 from __future__ import annotations
 
@@ -129,14 +123,21 @@ class Tracker:
 
             monitor = start_system_metrics(run_id, self.uri)
         try:
-            yield run_id
-        except BaseException:
-            self._stop(monitor)
-            self._end(run_id, "FAILED")
-            raise
+            with self._ended(run_id, lambda: self._stop(monitor)):
+                yield run_id
         finally:
             self.parent_id = None
-        self._stop(monitor)
+
+    @contextlib.contextmanager
+    def _ended(self, run_id: str | None, before_end: Any = lambda: None) -> Iterator[None]:
+        """Ends `run_id` FINISHED after the block, or FAILED (the error re-raised) if it raises."""
+        try:
+            yield
+        except BaseException:
+            before_end()
+            self._end(run_id, "FAILED")
+            raise
+        before_end()
         self._end(run_id, "FINISHED")
 
     def _open_parent(
@@ -186,12 +187,8 @@ class Tracker:
             self.set_tags(run_id, tags)
         else:
             run_id = self._create(name, tags, params)
-        try:
+        with self._ended(run_id):
             yield run_id
-        except BaseException:
-            self._end(run_id, "FAILED")
-            raise
-        self._end(run_id, "FINISHED")
 
     def kill_running(self, run_id: str) -> list[str]:
         """Set `run_id` and its children KILLED where they are still RUNNING (a killed study's runs);

@@ -127,8 +127,7 @@ def test_fit_and_span_prediction_run_unpadded():
     """The loop trains on unpadded batches, and span prediction widens batches of different
     lengths to one array whose real positions hold the padded path's logits."""
     from swbert import SWBertForQuestionAnswering
-    from swbert.finetune.squad import predict_spans
-    from swbert.finetune.trainer import FinetuneConfig, fit
+    from swbert.finetune.trainer import FinetuneConfig, fit, predict
 
     lengths = [3, 8, 5, 2, 6, 4]  # batches of 3: widest 8, then 6
     ids = [[2, *range(5, 4 + n)] + [0] * (8 - n) for n in lengths]
@@ -141,8 +140,9 @@ def test_fit_and_span_prediction_run_unpadded():
     cfg = FinetuneConfig(learning_rate=1e-3, epochs=1, batch_size=3)
     fit(model, data, unpad_collate(0), lambda m: {"v": 0.0}, "v", cfg)
     assert not torch.equal(model.qa_outputs.weight, before)
-    start, end = predict_spans(model.eval(), data, unpad_collate(0), batch_size=3)
-    ref_start, ref_end = predict_spans(model, data, pad_collate(0), batch_size=3)
+    spans = ("start_logits", "end_logits")
+    start, end = predict(model.eval(), data, unpad_collate(0), batch_size=3, outputs=spans)
+    ref_start, ref_end = predict(model, data, pad_collate(0), batch_size=3, outputs=spans)
     assert start.shape == ref_start.shape == (6, 8)
     real = np.array(masks, dtype=bool)
     assert_close(torch.from_numpy(start[real]), torch.from_numpy(ref_start[real]))

@@ -315,9 +315,11 @@ def test_every_flag_of_the_fine_tuning_and_study_launchers_has_a_help_line():
 
 
 def test_an_example_longer_than_the_models_positions_is_refused_naming_it(glue_dir, tokenizer):
-    from swbert.finetune.glue import load_task_data
+    from swbert import SWBertConfig
+    from swbert.finetune.glue import GlueSweep, load_task_data
 
     task = get_task("mrpc")
+    sweep = GlueSweep(checkpoint=["c"], output_dir=glue_dir, data_dir=glue_dir, max_seq_length=64)
     lengths = [
         len(ids)
         for ids in encode_glue(load_glue_split(task, "train", glue_dir), tokenizer, 64).features["input_ids"]
@@ -328,8 +330,11 @@ def test_an_example_longer_than_the_models_positions_is_refused_naming_it(glue_d
         GlueDataError,
         match=rf"MRPC/train.tsv: example {index} has {max(lengths)} tokens, more than the model's {positions} positions; pass --max-seq-length {positions}",
     ):
-        load_task_data(task, tokenizer, glue_dir, 64, True, positions=positions)
-    assert load_task_data(task, tokenizer, glue_dir, 64, True, positions=max(lengths)).train is not None
+        load_task_data(task, tokenizer, sweep, SWBertConfig(max_position_embeddings=positions))
+    assert (
+        load_task_data(task, tokenizer, sweep, SWBertConfig(max_position_embeddings=max(lengths))).train
+        is not None
+    )
 
 
 def test_an_empty_text_from_the_hub_names_the_split_and_example(monkeypatch):

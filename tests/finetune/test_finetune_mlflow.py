@@ -133,3 +133,96 @@ def test_a_sweep_rerun_on_changed_data_or_flags_is_refused_naming_what_differs(t
         err = capsys.readouterr().err.strip()
         assert exit_info.value.code == 2 and named in err and "--allow-study-change" in err, err
         assert len(err.splitlines()) == 1 and len(trained) == 1  # refused before anything ran
+
+
+# The previous trial record's key (swbert-trial/1, before the study layer), as that version built it
+PREVIOUS_NOT_IN_KEY = frozenset(
+    "checkpoint learning_rates seeds tasks versions output_dir tracking_uri experiment run_name keep noise "
+    "noise_levels noise_seeds noise_scales cross_domain evaluate_finetuned plugins".split()
+)
+
+
+def previous_trial_key(params: dict, tags: dict, checkpoint, sweep_params: dict) -> dict:
+    from swbert.finetune.sweep import checkpoint_fingerprint
+
+    return {
+        "params": {key: str(value) for key, value in sorted(params.items())},
+        "tags": dict(sorted(tags.items())),
+        "checkpoint": checkpoint_fingerprint(checkpoint),
+        "sweep": {k: v for k, v in sorted(sweep_params.items()) if k not in PREVIOUS_NOT_IN_KEY},
+    }
+
+
+@pytest.mark.slow  # an MLflow store and a 1-rank process group (a few seconds)
+def test_a_trial_recorded_in_the_previous_format_is_not_trained_again(tmp_path):
+    """A sweep folder from before the study layer holds `swbert-trial/1` records: a trial whose record
+    stands for it is read back as finished (logged as reused), not trained; once its checkpoint is
+    exported again the record no longer stands for it and the trial trains."""
+    import dataclasses
+
+    from swbert import cli
+    from swbert.finetune.checkpoint import Checkpoint
+    from swbert.finetune.glue import GlueSweep
+    from swbert.finetune.sweep import TrialSpec, TrialTask, run_sweep, run_trial
+    from swbert.studies.records import write_json_atomic
+    from swbert.studies.tracking import REUSED_FROM, flat_params
+    from tests.finetune_fixtures import make_checkpoint
+
+    ckpt = Checkpoint("tiny", make_checkpoint(tmp_path / "ckpt"))
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    argv = ["--checkpoint", f"tiny={ckpt.path}", "--tasks", "sst2", "--output-dir", str(tmp_path / "out"),
+            "--seeds", "1", "--tracking-uri", uri, "--experiment", "previous"]  # fmt: skip
+    sweep = cli.build_config(GlueSweep, None, argv)
+    spec = TrialSpec(ckpt, "sst2", (1e-4, 2e-5, 2e-6), 1, "glue_trial", {"train_examples": 64})
+    # what the previous version logged and keyed: its FinetuneConfig named `deepspeed` deepspeed_config
+    params = dataclasses.asdict(sweep.finetune_config(spec.lr, spec.seed))
+    params["deepspeed_config"] = params.pop("deepspeed")
+    params |= {"lr_plan": "stepped", "later_learning_rates": "2e-05 2e-06", "attention_type": "shared"}
+    params |= {"max_seq_length": 128, "attention_dropout": 0.1, "hidden_dropout": None, "batching": "grouped"}
+    tags = {"swbert.kind": "glue_trial", "swbert.variant": "tiny", "swbert.task": "sst2",
+            "swbert.checkpoint": str(ckpt.path)}  # fmt: skip
+    previous_flags = flat_params(dataclasses.asdict(sweep))
+    for added in ("allow_study_change", "allow_tokenizer_change"):  # flags the previous version lacked
+        del previous_flags[added]
+    metrics = {"validation": {"accuracy": 0.75, "score": 0.75}}
+    write_json_atomic(
+        tmp_path / "out" / "trials" / "tiny" / "sst2" / "lr0.0001-2e-05-2e-06-seed1.json",
+        {
+            "format": "swbert-trial/1",
+            "key": previous_trial_key({**params, **spec.params}, tags, ckpt.path, previous_flags),
+            "run_id": "run-of-the-previous-sweep",
+            "metrics": {"best/validation/accuracy": 0.75, "seconds_per_epoch": 2.0},
+            "trial": {"variant": "tiny", "task": "sst2", "learning_rate": 1e-4, "seed": 1, "metrics": metrics,
+                      "model_dir": "", "later_lrs": [2e-5, 2e-6]},
+        },
+    )  # fmt: skip
+
+    class Trained(Exception):
+        pass
+
+    def build_model():
+        raise Trained
+
+    done = []
+
+    def one_trial(sweep, trials):
+        done.append(
+            run_trial(trials, spec, TrialTask(build_model, None, None, None, "validation/score", None))
+        )
+
+    assert run_sweep(sweep, "glue", one_trial) == 0
+    assert (done[0].metrics, done[0].run_id, done[0].later_lrs) == (
+        metrics,
+        "run-of-the-previous-sweep",
+        (2e-5, 2e-6),
+    )
+    client = MlflowClient(uri)
+    (child,) = client.search_runs(
+        [client.get_experiment_by_name("previous").experiment_id], "tags.swbert.kind = 'glue_trial'"
+    )
+    assert child.data.tags[REUSED_FROM] == "run-of-the-previous-sweep"
+    assert child.data.metrics["best/validation/accuracy"] == 0.75
+    config = ckpt.path / "config.json"
+    config.write_text(config.read_text())  # exported again: its files' times differ
+    with pytest.raises(Trained):
+        run_sweep(sweep, "glue", one_trial)

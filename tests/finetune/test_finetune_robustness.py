@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from swbert.finetune.glue import evaluate_task, load_classifier, load_task_data, predict
+from swbert.finetune.glue import GlueSweep, evaluate_task, load_classifier, load_task_data
 from swbert.finetune.glue_data import pad_collate
 from swbert.finetune.robustness import (
     DEFAULT_LEVELS,
@@ -18,6 +18,7 @@ from swbert.finetune.robustness import (
 )
 from swbert.finetune.synthetic import make_tokenizer, write_glue_fixture
 from swbert.finetune.tasks import get_task
+from swbert.finetune.trainer import predict
 from tests.finetune_fixtures import make_checkpoint
 
 
@@ -30,8 +31,9 @@ def setup(tmp_path_factory):
     ckpt = make_checkpoint(root / "ckpt")
     task = get_task("sst2")
     tok = make_tokenizer()
-    data = load_task_data(task, tok, root / "glue", 32, True, with_train=False)
     model = load_classifier(ckpt, task).eval()
+    sweep = GlueSweep(checkpoint=[str(ckpt)], output_dir=root, data_dir=root / "glue", max_seq_length=32)
+    data = load_task_data(task, tok, sweep, model.config, with_train=False)
     collate = pad_collate(tok.pad_token_id)
     yield model, data, collate
     torch.set_num_threads(threads)
@@ -44,11 +46,11 @@ def test_paper_levels():
 def test_level_zero_is_the_clean_evaluation(setup):
     model, data, collate = setup
     _, enc = data.dev["validation"]
-    clean = predict(model, enc, collate)
+    (clean,) = predict(model, enc, collate)
     with embedding_noise(model, 0.0, mean_norm=1.0, seed=0):
-        assert torch.equal(torch.from_numpy(predict(model, enc, collate)), torch.from_numpy(clean))
+        assert torch.equal(torch.from_numpy(predict(model, enc, collate)[0]), torch.from_numpy(clean))
     with embedding_noise(model, 0.3, mean_norm=1.0, seed=0):
-        assert not torch.equal(torch.from_numpy(predict(model, enc, collate)), torch.from_numpy(clean))
+        assert not torch.equal(torch.from_numpy(predict(model, enc, collate)[0]), torch.from_numpy(clean))
     assert not model.get_input_embeddings()._forward_hooks  # the hook is removed on exit
     results = evaluate_under_noise(
         model, lambda m: evaluate_task(m, data, collate), 1.0, levels=[0.0, 0.2], seeds=[0, 1]
@@ -95,7 +97,7 @@ def test_noise_seeds_are_reproducible_and_distinct(setup):
 
     def logits(seed):
         with embedding_noise(model, 0.2, 1.0, seed=seed):
-            return predict(model, enc, collate)
+            return predict(model, enc, collate)[0]
 
     assert (logits(1) == logits(1)).all()
     assert not (logits(1) == logits(2)).all()

@@ -268,11 +268,9 @@ def test_squad_defaults_are_the_papers_appendix(tmp_path, capsys):
     cfg = args.finetune_config()
     assert args.learning_rates == [1e-4, 2e-5, 2e-6] and args.lr_plan == "stepped"
     assert (cfg.weight_decay, cfg.epochs, args.attention_dropout, args.hidden_dropout) == (0.1, 5, 0.05, 0.2)
-    assert [c.warmup_ratio for c in (args.finetune_config(2e-5, 1, stage=s) for s in (0, 1, 2))] == [
-        0.1,
-        0,
-        0,
-    ]
+    from swbert.finetune.trainer import stage_config
+
+    assert [stage_config(cfg, stage, 2e-5).warmup_ratio for stage in (0, 1, 2)] == [0.1, 0, 0]
     with pytest.raises(SystemExit) as exit_:
         parse(["--help"])
     assert exit_.value.code == 0
@@ -535,7 +533,7 @@ def test_glue_defaults_are_the_papers_appendix(tmp_path, capsys):
     config = SWBertConfig.from_pretrained(ckpt)
     config.attention_probs_dropout_prob = 0.0
     config.save_pretrained(ckpt)
-    model = load_classifier(ckpt, get_task("rte"), args.attention_dropout, args.hidden_dropout)
+    model = load_classifier(ckpt, get_task("rte"), **args.dropout())
     assert model.config.attention_probs_dropout_prob == 0.1 and model.config.hidden_dropout_prob == 0.1
     with pytest.raises(SystemExit):
         parse(["--help"])
@@ -552,8 +550,7 @@ def test_glue_defaults_are_the_papers_appendix(tmp_path, capsys):
 def test_stepped_plan_continues_from_the_best_weights(tmp_path):
     """Stage 2 (worse than stage 1) hands stage 1's best weights on to stage 3; the model ends with the
     best weights of all stages; logged steps continue across stages."""
-    from swbert.finetune.checkpoint import Checkpoint
-    from swbert.finetune.sweep import SweepConfig, TrialSpec, TrialTask, fit_stages
+    from swbert.finetune.sweep import SweepConfig
 
     torch.manual_seed(0)
     model = SWBertForSequenceClassification(SWBertConfig.from_size("tiny", vocab_size=32, num_labels=2))
@@ -573,10 +570,10 @@ def test_stepped_plan_continues_from_the_best_weights(tmp_path):
 
     sweep = SweepConfig(checkpoint=["c"], output_dir=tmp_path, learning_rates=[1e-3, 1e-4, 1e-5], epochs=2,
                         batch_size=8, precision="fp32")  # fmt: skip
-    spec = TrialSpec(Checkpoint("c", tmp_path), "t", tuple(sweep.learning_rates), 1, "glue_trial", {})
     logged = []
-    task = TrialTask(lambda: model, data, collate, evaluate, "validation/score", None)
-    result = fit_stages(sweep, spec, model, task, lambda m, step: logged.append(step))
+    cfg = sweep.finetune_config(seed=1)
+    log = lambda m, step: logged.append(step)  # noqa: E731
+    result = fit(model, data, collate, evaluate, "validation/score", cfg, log, later_lrs=(1e-4, 1e-5))
     assert (result.best_stage, result.best_epoch, result.steps, result.epochs_trained) == (2, 4, 12, 6)
     for k, v in started[8].items():  # the first step of stage 3 starts from stage 1's best (epoch 1)
         assert torch.equal(v, evaluated[1][k]), k
