@@ -49,6 +49,10 @@ class QualityConfig(PointOptions):
     tokens_per_param: float = 1.0  # budget: tokens = this x non-embedding parameters (Kaplan et al.)
     lr_scale: float = 1.0  # times LR(N) = 0.003239 - 0.0001395 ln N (Kaplan et al.'s fit)
     warmup_fraction: float = 0.05  # warm-up steps as a share of each point's steps (ours)
+    # a pretraining recipe every point starts from (e.g. modern: its positions, local/global attention,
+    # schedule, masking and dropout), the ladder setting size, variant, seed, length, batches, budget,
+    # LR and warm-up; default: the pretraining defaults (learned positions) with cosine decay
+    recipe: str | None = None
     global_batch: int = 32  # sequences per optimizer step
     micro_batch: int = 16
     evaluations: int = 4  # held-out evaluations along each run (the last at its final step)
@@ -73,6 +77,10 @@ class QualityConfig(PointOptions):
         """Bad input stops here, one line naming the flag, before anything trains."""
         super().check()
         check_names(self.sizes, self.attentions)
+        recipes = Path(__file__).resolve().parents[1] / "recipes"
+        if self.recipe and not (Path(self.recipe).is_file() or (recipes / f"{self.recipe}.yaml").is_file()):
+            shipped = ", ".join(sorted(p.stem for p in recipes.glob("*.yaml")))
+            raise ValueError(f"--recipe {self.recipe}: not a recipe file nor one of {shipped}")
         distinct = len(set(self.sizes))
         if distinct < MIN_SIZES or distinct * len(set(self.seeds)) < MIN_POINTS:
             raise ValueError(
@@ -211,6 +219,9 @@ def pretrain_command(
     ]  # fmt: skip
     if cfg.plugins:
         args += ["--plugins", *cfg.plugins]
+    if cfg.recipe:  # the recipe's own schedule, positions, attention pattern, masking and dropout
+        schedule = args.index("--lr-schedule")
+        args = ["--config", cfg.recipe, *args[:schedule], *args[schedule + 2 :]]
     return jobs.pretrain_command(cfg.nproc, args)[0]
 
 

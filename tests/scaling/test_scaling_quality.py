@@ -88,6 +88,7 @@ def test_the_budget_counts_non_embedding_parameters():
         (["--sizes", "1x64", "2x64", "lots"], "--sizes lots"),
         (["--tokens-per-param", "0.01"], "--tokens-per-param 0.01"),
         (["--data-dir", "NOVALID"], "no validation split"),
+        (["--recipe", "modrn"], "--recipe modrn: not a recipe file nor one of"),
     ],
 )
 def test_bad_input_is_refused_naming_the_flag_before_anything_trains(tmp_path, capsys, argv, flag):
@@ -382,3 +383,36 @@ def test_the_default_study_trains_fits_and_a_rerun_trains_nothing(tmp_path):
     subprocess.run(cmd, cwd=REPO, env=job_env(), check=True, timeout=300)
     assert time.perf_counter() - start < 60
     shutil.rmtree(out / "points", ignore_errors=True)
+
+
+def test_a_recipe_gives_the_points_its_settings_and_the_ladder_keeps_its_own(tmp_path):
+    """--recipe modern (the modern encoder recipe, ours): each point's command starts from the recipe,
+    so its positions, attention pattern, schedule and masking apply, and the ladder's size, variant,
+    budget and LR come after it and win; without a recipe the ladder's cosine schedule is set."""
+    from swbert.scaling.quality import plan, pretrain_command
+    from swbert.training.config import build_config
+
+    import dataclasses
+
+    plain = config(tmp_path, sizes=["1x64", "2x64", "2x128"])
+    for recipe in (None, "modern"):
+        cfg = dataclasses.replace(plain, recipe=recipe)
+        point = plan(cfg, 96)[0]
+        command = pretrain_command(point, cfg, tmp_path / "run", cfg.data_dir, Path("ds_configs/zero1.json"))
+        args = command[command.index("swbert.launchers.pretrain") + 1 :]
+        resolved = build_config(args[1] if recipe else None, args[2:] if recipe else args)
+        assert (resolved.size, resolved.attention_type, resolved.seed) == (
+            point.size,
+            point.attention,
+            point.seed,
+        )
+        assert resolved.lr == pytest.approx(point.lr, rel=1e-5)
+        if recipe:
+            assert args[:2] == ["--config", "modern"]
+            assert (resolved.position_embedding, resolved.lr_schedule, resolved.mlm_probability) == (
+                "rope",
+                "wsd",
+                0.3,
+            )
+        else:
+            assert (resolved.position_embedding, resolved.lr_schedule) == ("learned", "cosine")
