@@ -87,8 +87,8 @@ test-fast: setup
 # launcher (CI: torchrun, eager), a killed or hung rank 1 without a launcher (CI: killed rank 0, and
 # a hung rank 1 named by the heartbeat), the scaling driver's local grid (CI: the same grid as a SLURM
 # job array), the smoke runs of the pretraining, preprocessing and fine-tuning benchmarks (CI: the
-# same launches, preprocessing and fine-tuning in tests/). The quality ladder (about 20 minutes) runs
-# only here.
+# same launches, preprocessing and fine-tuning in tests/), the whole GPU-window rehearsal (CI: the
+# steps no other test covers). The quality ladder (about 20 minutes) runs only here.
 # Test files reach the 2 workers longest first (tests/conftest.py), hence --no-loadscope-reorder.
 test-long: setup
 	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m long
