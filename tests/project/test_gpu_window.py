@@ -74,10 +74,17 @@ def rehearse(tmp_path: Path, *only: str) -> tuple[subprocess.CompletedProcess, d
     return done, rows_of(out)
 
 
-@pytest.mark.slow
-def test_the_rehearsal_of_the_steps_nothing_else_tests_runs_ok(tmp_path):
-    done, rows = rehearse(tmp_path, *CI_STEPS)
-    assert list(rows) == list(CI_STEPS)
+@pytest.mark.parametrize(
+    "steps",
+    [
+        pytest.param(CI_STEPS, marks=pytest.mark.slow, id="steps-nothing-else-tests"),
+        pytest.param(tuple(s.name for s in gpu_window.STEPS), marks=pytest.mark.long, id="every-step"),
+    ],
+)
+def test_the_rehearsal_runs_its_steps_ok(tmp_path, steps):
+    """CI rehearses CI_STEPS (38 s alone); `make test-long` every step (about 5 minutes in the suite)."""
+    done, rows = rehearse(tmp_path, *steps)
+    assert list(rows) == list(steps)
     failed = {name: (row["status"], row["note"]) for name, row in rows.items() if row["status"] != "ok"}
     assert not failed, f"{failed}\n{done.stdout[-3000:]}"
     assert done.returncode == 0
@@ -85,23 +92,11 @@ def test_the_rehearsal_of_the_steps_nothing_else_tests_runs_ok(tmp_path):
     assert rows["data"]["figures"]["train_tokens"] > 0
     assert rows["trainer_shared"]["figures"]["tokens_per_s"] > 0
     assert rows["trainer_shared"]["figures"]["host_blocking_calls"]["by_thread"]
-
-
-@pytest.mark.long  # about 5 minutes inside the suite; CI runs CI_STEPS above
-def test_the_rehearsal_runs_every_step_ok(tmp_path):
-    done, rows = rehearse(tmp_path)
-    assert list(rows) == [s.name for s in gpu_window.STEPS]
-    failed = {name: (row["status"], row["note"]) for name, row in rows.items() if row["status"] != "ok"}
-    assert not failed, f"{failed}\n{done.stdout[-3000:]}"
-    assert done.returncode == 0
-    assert rows["wheels"]["figures"]["installed"] == 1  # the probe wheel, through pip, offline
-    assert rows["data"]["figures"]["train_tokens"] > 0
-    assert rows["trainer_shared"]["figures"]["tokens_per_s"] > 0
-    assert rows["trainer_standard"]["figures"]["host_blocking_calls"]["by_thread"]
-    assert rows["zero3_compile"]["figures"]["max_rel_loss_diff"] < 1e-3  # fp32-exact graphs on a CPU
-    assert rows["tp2_graph_breaks"]["figures"]["graph_breaks"] == 0
+    if "zero3_compile" in rows:
+        assert rows["zero3_compile"]["figures"]["max_rel_loss_diff"] < 1e-3  # fp32-exact graphs on a CPU
+        assert rows["tp2_graph_breaks"]["figures"]["graph_breaks"] == 0
     table = (tmp_path / "window" / "gpu-window.md").read_text()
-    assert table.count("| ok |") == len(gpu_window.STEPS), table
+    assert table.count("| ok |") == len(steps), table
 
 
 def test_a_wheel_for_another_python_is_named_and_the_rest_installed(tmp_path):
