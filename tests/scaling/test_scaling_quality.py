@@ -389,10 +389,10 @@ def test_a_recipe_gives_the_points_its_settings_and_the_ladder_keeps_its_own(tmp
     """--recipe modern (the modern encoder recipe, ours): each point's command starts from the recipe,
     so its positions, attention pattern, schedule and masking apply, and the ladder's size, variant,
     budget and LR come after it and win; without a recipe the ladder's cosine schedule is set."""
+    import dataclasses
+
     from swbert.scaling.quality import plan, pretrain_command
     from swbert.training.config import build_config
-
-    import dataclasses
 
     plain = config(tmp_path, sizes=["1x64", "2x64", "2x128"])
     for recipe in (None, "modern"):
