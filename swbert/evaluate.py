@@ -5,9 +5,10 @@
 
 The model reads the folder's validation split, packed into `--seq-len` sequences and masked as
 pretraining's validation masks them (the same seed gives the same masks), on the GPU when there is
-one. Beside the model's figures it prints the unigram floor: the loss of predicting every masked
-token from the training split's token frequencies alone (ours: add-one smoothing, special tokens
-left out). A model near that floor has learnt word frequencies, not context.
+one. Beside the model's figures it prints the unigram and bigram floors: the loss of predicting every
+masked token from the training split's token counts alone, and from the pair counts of its visible
+left neighbour (ours; `swbert.data.floors`). A model near the unigram floor has learnt word
+frequencies, not context.
 
 A checkpoint (a `checkpoints/` folder's newest complete one, or a `step_*` folder) is checked against
 its hashes before it is read; data made with another tokenizer than the model's is refused.
@@ -21,11 +22,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from swbert import cli
 from swbert.data.corpus import Corpus
+from swbert.data.floors import NgramFloors
 from swbert.models import SWBertForMaskedLM
 from swbert.models.modeling import IGNORE_INDEX
 
@@ -83,24 +84,6 @@ def check_same_tokenizer(recorded: dict, corpus: Corpus, model: Path, data_dir: 
             )
 
 
-def unigram_log_probs(
-    corpus: Corpus, special_ids: tuple[int, ...], max_tokens: int = 50_000_000
-) -> torch.Tensor:
-    """log p(token) from the token counts of `corpus` (its first `max_tokens`), add-one smoothed,
-    with the special tokens given no mass (they are never predicted)."""
-    counts = np.zeros(corpus.vocab_size, dtype=np.int64)
-    seen = 0
-    for shard in range(len(corpus.prefixes)):
-        tokens = corpus.tokens(shard)[: max_tokens - seen]
-        counts += np.bincount(tokens, minlength=corpus.vocab_size)[: corpus.vocab_size]
-        seen += len(tokens)
-        if seen >= max_tokens:
-            break
-    smoothed = torch.from_numpy(counts).double() + 1.0
-    smoothed[list(special_ids)] = 0.0
-    return (smoothed / smoothed.sum()).log()
-
-
 @torch.no_grad()
 def evaluate(args: EvaluateConfig) -> dict[str, float]:
     from swbert.training.data import TrainingData
@@ -116,10 +99,13 @@ def evaluate(args: EvaluateConfig) -> dict[str, float]:
     batch_size = min(args.batch_size, sequences)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).eval()
-    unigram = unigram_log_probs(data.train.corpus, data.special_ids.ids).to(device)
-    loss_sum = unigram_sum = correct = predicted = 0.0
+    floors = NgramFloors(data.train.corpus, data.special_ids.ids)
+    loss_sum = unigram_sum = bigram_sum = correct = predicted = 0.0
     for start in range(0, sequences - batch_size + 1, batch_size):
-        batch = {k: v.to(device) for k, v in data.batch(start, batch_size, 0, 1, valid=0).items()}
+        cpu_batch = data.batch(start, batch_size, 0, 1, valid=0)
+        uni, bi, _ = floors.batch_nll(cpu_batch)
+        unigram_sum, bigram_sum = unigram_sum + uni, bigram_sum + bi
+        batch = {k: v.to(device) for k, v in cpu_batch.items()}
         target = batch["mlm_labels"].reshape(-1)
         inputs = {k: v for k, v in batch.items() if k != "mlm_labels"}
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
@@ -127,7 +113,6 @@ def evaluate(args: EvaluateConfig) -> dict[str, float]:
         labelled = target != IGNORE_INDEX
         n = labelled.sum().item()
         loss_sum += out.loss.double().item() * n
-        unigram_sum += -unigram[target[labelled]].sum().item()
         correct += ((out.logits.argmax(-1) == target) & labelled).sum().item()
         predicted += n
     predicted = max(predicted, 1.0)
@@ -138,6 +123,7 @@ def evaluate(args: EvaluateConfig) -> dict[str, float]:
         "mlm_accuracy": correct / predicted,
         "unigram_loss": floor,
         "below_unigram": floor - loss,
+        "bigram_loss": bigram_sum / predicted,
         "sequences": float(start + batch_size),
         "predicted_tokens": predicted,
     }
@@ -154,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"{args.model}: held-out loss {figures['loss']:.4f}, perplexity {figures['perplexity']:.2f}, "
         f"MLM accuracy {figures['mlm_accuracy']:.4f} over {int(figures['predicted_tokens']):,} masked "
         f"tokens of {int(figures['sequences']):,} sequences; unigram floor {figures['unigram_loss']:.4f} "
-        f"({figures['below_unigram']:+.4f} below it)"
+        f"({figures['below_unigram']:+.4f} below it), bigram floor {figures['bigram_loss']:.4f}"
     )
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")

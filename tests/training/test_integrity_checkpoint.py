@@ -448,6 +448,10 @@ def test_evaluate_equals_the_runs_own_validation_and_names_its_unigram_floor(tra
     ]
     floor = sum(-math.log((counts.get(t, 0) + 1) / total) for t in targets) / len(targets)
     torch.testing.assert_close(from_checkpoint["unigram_loss"], floor, rtol=1e-9, atol=0)
+    from swbert.data.floors import held_out_floors
+
+    bigram = held_out_floors(data_dir, 64, 0.15, 1234, 16)["bigram"]  # the same tokens, scored alone
+    torch.testing.assert_close(from_checkpoint["bigram_loss"], bigram, rtol=1e-9, atol=0)
 
 
 @pytest.mark.slow  # the trained run
