@@ -14,6 +14,10 @@ import numpy as np
 MIN_SIZES = 3  # three parameters: E, A, alpha
 MIN_POINTS = 4  # at least one residual degree of freedom, for the bootstrap's residuals
 ALPHAS = np.geomspace(1e-3, 4.0, 512)  # the exponents searched; one at either end: not converged
+_RANGE = f"[{ALPHAS[0]:g}, {ALPHAS[-1]:g}]"
+# A fit whose residual error is more than this many times the spread of repeated seeds at one size
+# misses something the seeds do not explain (a curve of the wrong shape, points at a floor): warned (ours).
+RESIDUAL_WARN_RATIO = 3.0
 
 
 class FitError(ValueError):
@@ -48,12 +52,51 @@ class Fit:
     level: float
     x: np.ndarray
     y: np.ndarray
-    converged: bool  # the best exponent lies inside the searched range, not at an end
+    best_at_edge: bool  # the best exponent lies at an end of the searched range
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for i, name in enumerate(("E", "A", "alpha")):
             self.intervals[name] = percentile_interval(self.replicates[:, i], self.level)
+
+    @property
+    def why_not_converged(self) -> list[str]:
+        """Why the numbers should not be read (empty: converged): the best exponent or its interval
+        at the searched range's end, or a negative floor E (these criteria are ours)."""
+        reasons = []
+        if self.best_at_edge:
+            reasons.append(
+                f"the best exponent alpha = {self.law.alpha:.3g} is at an end of the searched range {_RANGE}"
+            )
+        lo, hi = self.intervals["alpha"]
+        if lo <= ALPHAS[1] or hi >= ALPHAS[-2]:  # within one grid step of an end
+            reasons.append(f"the alpha interval [{lo:.3g}, {hi:.3g}] reaches the searched range {_RANGE}")
+        if self.law.E < 0:
+            reasons.append(f"the fitted floor E = {self.law.E:.3g} is negative: no loss falls below zero")
+        return reasons
+
+    @property
+    def converged(self) -> bool:
+        return not self.why_not_converged
+
+    @property
+    def rmse(self) -> float:
+        return float(np.sqrt(np.mean((self.law.loss(self.x) - self.y) ** 2)))
+
+    @property
+    def seed_sd(self) -> float | None:
+        return seed_spread(self.x, self.y)
+
+    @property
+    def warnings(self) -> list[str]:
+        """The residual error against the seed spread, when it is more than RESIDUAL_WARN_RATIO x."""
+        sd = self.seed_sd
+        if not sd or self.rmse <= RESIDUAL_WARN_RATIO * sd:
+            return []
+        return [
+            f"the residual error (rmse {self.rmse:.3g}) is {self.rmse / sd:.1f}x the spread of seeds at "
+            f"one size ({sd:.3g}), more than {RESIDUAL_WARN_RATIO:g}x: the curve misses more than seed noise"
+        ]
 
     def band(self, x: Any) -> tuple[np.ndarray, np.ndarray]:
         """The pointwise interval of the fitted curve at `x`, from the replicates."""
@@ -63,7 +106,7 @@ class Fit:
         return np.percentile(curves, tail, axis=0), np.percentile(curves, 100 - tail, axis=0)
 
     def to_json(self) -> dict[str, Any]:
-        law = self.law
+        law, sd = self.law, self.seed_sd
         return {
             "E": law.E,
             "A": law.A,
@@ -72,8 +115,23 @@ class Fit:
             "level": self.level,
             "bootstrap_draws": int(len(self.replicates)),
             "converged": self.converged,
-            "rmse": float(np.sqrt(np.mean((law.loss(self.x) - self.y) ** 2))),
+            "why_not_converged": self.why_not_converged,
+            "rmse": self.rmse,
+            "seed_sd": sd,
+            "rmse_over_seed_sd": self.rmse / sd if sd else None,
+            "warnings": self.warnings,
         }
+
+
+def seed_spread(x: np.ndarray, y: np.ndarray) -> float | None:
+    """The pooled within-size standard deviation of `y`: repeated seeds at the same `x` (None
+    when no size has two)."""
+    _, which, counts = np.unique(x, return_inverse=True, return_counts=True)
+    dof = int(np.sum(counts - 1))
+    if dof == 0:
+        return None
+    means = np.bincount(which, weights=y) / counts
+    return float(np.sqrt(np.sum((y - means[which]) ** 2) / dof))
 
 
 def percentile_interval(values: np.ndarray, level: float) -> tuple[float, float]:
@@ -163,7 +221,7 @@ def fit_power_law(
     Y = fitted[None, :] + noise * residuals[rng.integers(0, n, size=(draws, n))]
     be, ba, balpha, _ = _profile(xs, Y)
     replicates = np.stack([be, ba * scale**balpha, balpha], axis=1)
-    return Fit(law, replicates, level, x_arr, y_arr, converged=not bool(edge[0]))
+    return Fit(law, replicates, level, x_arr, y_arr, best_at_edge=bool(edge[0]))
 
 
 def equivalent_size(target: Fit, reference: Fit, x: Any) -> dict[str, Any]:
