@@ -1,5 +1,5 @@
-"""Fine-tuning fixtures the tests build and the product does not ship: a tiny random checkpoint and
-a TriviaQA folder in its RC release layout. Their vocabulary and marker words are those of
+"""Fine-tuning fixtures the tests build and the product does not ship: a tokenizer, a tiny random
+checkpoint and a TriviaQA folder in its RC release layout. Their vocabulary and marker words are those of
 `swbert.finetune.synthetic` (the quick start's tasks), so the two learn from the same words."""
 
 from __future__ import annotations
@@ -9,9 +9,15 @@ import random
 from pathlib import Path
 
 import torch
+from transformers import BertTokenizer
 
 from swbert import SWBertConfig, SWBertForMaskedLM
-from swbert.finetune.synthetic import FILLER, MARKERS, VOCAB, make_tokenizer
+from swbert.finetune.synthetic import FILLER, MARKERS, VOCAB
+
+
+def make_tokenizer() -> BertTokenizer:
+    """A WordPiece tokenizer over the synthetic tasks' `VOCAB` ([PAD]=0 ... [MASK]=4, as the exports)."""
+    return BertTokenizer(vocab={w: i for i, w in enumerate(VOCAB)}, do_lower_case=True)
 
 
 def make_checkpoint(folder: str | Path, attention_type: str = "shared", seed: int = 0) -> Path:

@@ -35,15 +35,11 @@ def resolve_unpad(setting: Unpad, device: str, attention_dropout: float) -> bool
     if setting == "off" or (setting == "auto" and kernel is None):
         log.info("--unpad %s: padded batches of similar lengths (length-grouped)", setting)
         return False
-    if kernel is None:
-        log.info(
-            "--unpad on: no variable-length attention kernel on %s (attention dropout %g): unpadded "
-            "batches run the per-sequence reference kernel",
-            device,
-            attention_dropout,
-        )
-    else:
-        log.info("--unpad %s: unpadded batches, attention by %s", setting, kernel)
+    how = (
+        kernel
+        or f"the per-sequence reference (no variable-length kernel on {device} at dropout {attention_dropout:g})"
+    )
+    log.info("--unpad %s: unpadded batches, attention by %s", setting, how)
     return True
 
 
@@ -54,11 +50,10 @@ def example_length(item: dict) -> int:
 
 
 def unpad_collate(pad_token_id: int = 0) -> Callable[[list[dict]], Batch]:
-    """A DataLoader ``collate_fn`` giving one token stream: the per-token lists (``input_ids``,
-    ``token_type_ids``) as (T,) tensors of each example's real tokens, ``cu_seqlens`` (B+1,) int32,
-    ``max_seqlen`` (an int); per-example fields (labels, span positions) as (B,) tensors.
-    Built on the host from the lists, so the model needs no device-to-host sync to unpad.
-    `pad_token_id` is unused (there is no padding); taken for the same call as `pad_collate`."""
+    """A ``collate_fn`` giving one token stream: per-token lists as (T,) tensors of the real tokens,
+    ``cu_seqlens`` (B+1,) int32 and ``max_seqlen`` (an int), per-example fields as (B,) tensors; built
+    on the host, so the model needs no device-to-host sync to unpad. `pad_token_id` is unused (called
+    as `pad_collate` is)."""
 
     def collate(items: list[dict]) -> Batch:
         lengths = [example_length(it) for it in items]
@@ -81,14 +76,10 @@ def unpad_collate(pad_token_id: int = 0) -> Callable[[list[dict]], Batch]:
 class LengthGroupedBatchSampler(Sampler[list[int]]):
     """Batches of examples of similar lengths, in a random order: little padding per batch.
 
-    Per epoch: shuffle the indices (seeded by `seed` and the epoch), cut them into megabatches of
-    `group` global batches, sort each by length (longest first) and cut it into global batches of
-    `batch_size * world`, then shuffle those batches. Rank r takes the r-th `batch_size` slice of
-    each global batch, so every rank gets the same number of batches of similar lengths, and the
-    ranks' shares together are the single-process batches (as with a DistributedSampler, the
-    indices are padded by repetition to a multiple of the world size). Deterministic: the order
-    depends on (seed, epoch, lengths, batch_size, world) only.
-    """
+    Per epoch (seeded by `seed` and the epoch): shuffle, cut into megabatches of `group` global
+    batches, sort each by length and cut it into global batches of `batch_size * world`, shuffle
+    those. Rank r takes the r-th slice of each, so the ranks' shares together are the single-process
+    batches (indices padded by repetition to a multiple of the world size, as DistributedSampler)."""
 
     def __init__(
         self,
@@ -128,9 +119,7 @@ class LengthGroupedBatchSampler(Sampler[list[int]]):
             yield batch[self.rank * share : (self.rank + 1) * share].tolist()
 
     def __len__(self) -> int:
-        return math.ceil(
-            math.ceil(len(self.lengths) / self.world) * self.world / (self.batch_size * self.world)
-        )
+        return math.ceil(math.ceil(len(self.lengths) / self.world) / self.batch_size)
 
 
 def dataset_lengths(dataset: Dataset) -> list[int]:
@@ -153,12 +142,9 @@ def train_loader(
     workers: int,
     grouped: bool,
 ) -> DataLoader:
-    """This rank's share of the training set, reshuffled every epoch (`epoch_sampler(loader).set_epoch`):
-    length-grouped batches, or random ones from the same `DistributedSampler` on 1 rank as on N.
-
-    Batches are collated in ``workers`` persistent processes (forked once per run and kept over its
-    epochs: starting them costs more than an epoch of a small GLUE task), seeded per run; pinned
-    memory on CUDA makes the copy to the GPU asynchronous."""
+    """This rank's share of the training set, reshuffled every epoch (`epoch_sampler`): length-grouped
+    batches, or random ones from a `DistributedSampler` (1 rank as N). Collated in ``workers``
+    persistent processes (starting them costs more than an epoch of a small GLUE task)."""
     common: dict[str, Any] = dict(
         collate_fn=collate,
         num_workers=workers,
@@ -177,16 +163,13 @@ def train_loader(
 
 def epoch_sampler(loader: DataLoader) -> Any:
     """The sampler of a `train_loader` whose `set_epoch` reshuffles it."""
-    return (
-        loader.batch_sampler
-        if isinstance(loader.batch_sampler, LengthGroupedBatchSampler)
-        else loader.sampler
-    )
+    grouped = isinstance(loader.batch_sampler, LengthGroupedBatchSampler)
+    return loader.batch_sampler if grouped else loader.sampler
 
 
 def seed_worker(worker_id: int) -> None:
-    """Seed Python's and NumPy's generators in a loader worker from the seed DataLoader gave torch
-    there (the loader's generator, plus the worker id), so a collate that draws repeats per run seed."""
+    """Seed Python's and NumPy's generators in a loader worker from torch's there (the loader's
+    generator plus the worker id): a collate that draws repeats per run seed."""
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
     np.random.seed(seed)

@@ -1,9 +1,5 @@
-"""Loading pretrained (or fine-tuned) checkpoints with their tokenizer, and naming the variants.
-
-A checkpoint folder is the export of pretraining: ``config.json``, ``model.safetensors`` and the
-tokenizer files. The tokenizer must be the one the model was trained with; the checks here catch the
-common mix-ups (a tokenizer from another run or another vocabulary) before any training starts.
-"""
+"""Loading pretrained (or fine-tuned) checkpoints, pretraining's exports, with their tokenizer,
+checked before any training against the common mix-ups (another run's or vocabulary's tokenizer)."""
 
 from __future__ import annotations
 
@@ -37,11 +33,8 @@ class Checkpoint(NamedTuple):
 
 def parse_checkpoints(specs: list[str], unique: bool = True) -> list[Checkpoint]:
     """``PATH`` or ``NAME=PATH`` arguments -> checkpoints; a bare path is named by its attention type.
-
-    With ``unique``, two checkpoints may not share a name (two ``shared`` runs would write the same
-    table rows and output folders): name them ``NAME=PATH``. Already fine-tuned folders pass
-    ``unique=False``: there a name is a variant grouping one folder per task.
-    """
+    With ``unique`` (not for fine-tuned folders, a name per variant) no two may share a name: they
+    would write the same table rows and folders."""
     out: list[Checkpoint] = []
     for spec in specs:
         name, sep, path = spec.partition("=")
@@ -58,10 +51,8 @@ def parse_checkpoints(specs: list[str], unique: bool = True) -> list[Checkpoint]
             raise CheckpointError(f"--checkpoint {spec}: name {name!r} may only use letters, digits and _.+-")
         out.append(Checkpoint(name, folder))
     names = [c.name for c in out]
-    if not unique:
-        return out
     dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
+    if unique and dupes:
         raise CheckpointError(
             f"two checkpoints are both named {dupes[0]!r}: pass them as NAME=PATH with distinct names"
         )
@@ -109,10 +100,8 @@ def check_tokenizer(
 
 
 def save_finetuned(model, tokenizer, folder: str | Path) -> None:
-    """Save a fine-tuned model with its tokenizer (rank 0), recording the vocabulary's hash.
-
-    Every rank waits until the folder is complete, so any rank may load it afterwards.
-    """
+    """Save a fine-tuned model with its tokenizer and its vocabulary's hash (rank 0); every rank
+    waits for the folder to be complete."""
     from swbert.finetune.trainer import barrier
     from swbert.runtime.ranks import ParallelDims
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,11 +24,10 @@ DEFAULT_DS_CONFIG = "zero2.json"  # pretraining's default too; stage 2 sums bf16
 def process_group() -> Iterator[ParallelDims]:
     """The job's process group for the duration of the block, with this process's place in it.
 
-    Under a launcher (torchrun, deepspeed, srun) the group is the job's: started here if needed and
-    left up. A plain ``python`` process gets a 1-rank group, which is destroyed on leaving (and the
-    environment restored), so the process is left as it was: no default group, no launcher
-    variables. (Its threads may outlive it: a caller that later starts ranks must start them from a
-    fresh process, not fork them from this one.) A sweep holds one group around all its runs."""
+    Under a launcher (torchrun, deepspeed, srun) the group is the job's, left up. A plain ``python``
+    process gets a 1-rank group, destroyed on leaving with the launcher variables it set, so the
+    process is left as it was (its threads may outlive it: start later ranks from a fresh process,
+    not by forking this one). A sweep holds one group around all its runs."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         yield ParallelDims.from_env()
         return
@@ -46,8 +44,8 @@ def process_group() -> Iterator[ParallelDims]:
 
 
 def _destroy_group(saved: dict[str, str | None]) -> None:
-    """Tear down a 1-rank group `process_group` started: DeepSpeed's references to it, the group
-    (torch's default group, and every group made from it), and the launcher variables it set."""
+    """Tear down a 1-rank group `process_group` started (DeepSpeed's references, torch's groups) and
+    restore the launcher variables it set."""
     import deepspeed.comm
 
     deepspeed.comm.destroy_process_group()
@@ -60,18 +58,6 @@ def _destroy_group(saved: dict[str, str | None]) -> None:
             os.environ[key] = value
 
 
-@dataclass
-class Engine:
-    """A DeepSpeed engine and the LR schedule it steps once per optimizer step."""
-
-    engine: Any
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-
-    @property
-    def module(self) -> nn.Module:
-        return self.engine.module
-
-
 def build_engine(
     model: nn.Module,
     ds_config: dict[str, Any],
@@ -80,27 +66,26 @@ def build_engine(
     total: int,
     warmup: int,
     on_gpu: bool,
-) -> Engine:
-    """AdamW over pretraining's parameter groups and its linear schedule, wrapped by
-    `deepspeed.initialize` as pretraining's `swbert.training.build.build_engine` does."""
+) -> Any:
+    """A DeepSpeed engine of AdamW over pretraining's parameter groups and its linear schedule (the
+    engine's `lr_scheduler`, stepped once per optimizer step), as pretraining's `build_engine`."""
     import deepspeed
 
     from swbert.runtime.dist import bound_every_group
 
     optimizer = build_optimizer(model, lr, weight_decay, kind="torch_adamw", on_gpu=on_gpu)
     scheduler = build_scheduler(optimizer, total, warmup=warmup)
-    engine, _, _, scheduler = deepspeed.initialize(
+    engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
     )
     bound_every_group()  # SWBERT_DIST_TIMEOUT_MIN for DeepSpeed's groups too
-    return Engine(engine, scheduler)
+    return engine
 
 
 class CompiledInTraining:
-    """A model's ``forward``, compiled for its training steps only (`compile_training`): evaluation
-    (other batch sizes, no gradients) runs eagerly, so the compiled graphs are those of the training
-    batches' shapes, one per length bucket when batches are padded to buckets. Shapes are static
-    (``dynamic=False``): each is compiled once, as pretraining compiles its units."""
+    """A model's ``forward``, compiled for its training steps only: evaluation (other batch sizes, no
+    gradients) runs eagerly, so the graphs are the training batches' shapes, one per length bucket.
+    Static shapes (``dynamic=False``): each is compiled once, as pretraining compiles its units."""
 
     def __init__(self, module: nn.Module, backend: Any) -> None:
         self.module, self.eager = module, module.forward

@@ -36,12 +36,10 @@ class GlueExamples:
 
     task: GlueTask
     split: str
-    source: str
-    """File path or Hub id, for messages."""
+    source: str  # file path or Hub id, for messages
     text_a: list[str]
     text_b: list[str] | None
-    labels: np.ndarray
-    """int64 class indices, or float32 scores for STS-B."""
+    labels: np.ndarray  # int64 class indices, or float32 scores for STS-B
 
     def __len__(self) -> int:
         return len(self.text_a)
@@ -121,12 +119,9 @@ def read_glue_tsv(task: GlueTask, path: str | Path, split: str) -> GlueExamples:
         if ib is not None:
             text_b.append(row[ib])
     if skipped:
+        lines = ", ".join(map(str, skipped[:5])) + (" ..." if len(skipped) > 5 else "")
         log.warning(
-            "%s: skipped %d malformed rows (lines %s%s), as GLUE's loaders do",
-            path,
-            len(skipped),
-            ", ".join(map(str, skipped[:5])),
-            " ..." if len(skipped) > 5 else "",
+            "%s: skipped %d malformed rows (lines %s), as GLUE's loaders do", path, len(skipped), lines
         )
     if not labels:
         raise GlueDataError(f"{path}: the {split} split has no examples")
@@ -137,8 +132,7 @@ def read_glue_tsv(task: GlueTask, path: str | Path, split: str) -> GlueExamples:
 
 
 def check_fits(data: EncodedDataset, positions: int, source: str) -> EncodedDataset:
-    """`data`, each of whose examples fits the model's `positions`; else a one-line error naming the
-    first that does not (and its file): before any training."""
+    """`data`, checked before any training: every example fits the model's `positions`."""
     for index, ids in enumerate(data.features["input_ids"]):
         if len(ids) > positions:
             raise GlueDataError(
@@ -180,8 +174,8 @@ def _parse_label(task: GlueTask, raw: str, path: Path, line: int) -> float:
 def hub_split(
     source: str, dataset: tuple[str, str | None, str], error: type[ValueError], offline: str
 ) -> Any:
-    """A Hub dataset's split (`dataset`: name, config, split; from the local cache when offline); a
-    failure is one `error` line naming `source` and what to pass `offline`."""
+    """A Hub dataset's split (`dataset`: name, config, split); a failure is one `error` line naming
+    `source` and what to pass `offline`."""
     from swbert.finetune.hub import load_hub_dataset
 
     try:
@@ -191,7 +185,7 @@ def hub_split(
 
 
 def read_glue_hub(task: GlueTask, split: str) -> GlueExamples:
-    """Load a split of ``nyu-mll/glue`` (from the Hub when online, else from the local ``datasets`` cache)."""
+    """A split of ``nyu-mll/glue`` (from the Hub, else from the local ``datasets`` cache)."""
     source, dev = f"{HUB_DATASET}/{task.name}:{split}", next(iter(task.dev_splits.values()))
     offline = f"pass --data-dir DIR with GLUE's TSV files ({task.tsv_dir}/train.tsv, {task.tsv_dir}/{dev}, ...; docs/finetuning.md)"
     ds = hub_split(source, (HUB_DATASET, task.name, split), GlueDataError, offline)
@@ -221,12 +215,10 @@ class EncodedDataset(torch.utils.data.Dataset):
     """Tokenised examples of variable length; :func:`pad_collate` pads each batch to its longest."""
 
     def __init__(self, features: dict[str, list], labels: dict[str, np.ndarray] | None = None):
-        self.features = features
-        self.labels = labels or {}
-        self._n = len(next(iter(features.values())))
+        self.features, self.labels = features, labels or {}
 
     def __len__(self) -> int:
-        return self._n
+        return len(next(iter(self.features.values())))
 
     def __getitem__(self, i: int) -> dict:
         item = {k: v[i] for k, v in self.features.items()}
@@ -235,12 +227,11 @@ class EncodedDataset(torch.utils.data.Dataset):
 
 
 def pad_collate(pad_token_id: int, bucket: int = 1, longest: int | None = None):
-    """A DataLoader ``collate_fn`` that pads ``input_ids`` with ``pad_token_id`` and the rest with 0.
+    """A ``collate_fn`` padding ``input_ids`` with ``pad_token_id`` and the rest with 0.
 
-    A batch without padding (equal lengths, masks all ones) gets no ``attention_mask``: known here on
-    the host, it spares the model a mask (and GPUs their flash-attention kernel) without a device read.
-    With ``bucket`` > 1 (compiled runs) every batch is padded up to a multiple of ``bucket`` tokens (at
-    most ``longest``) and keeps its mask, so the compiler sees one shape per bucket."""
+    A batch without padding gets no ``attention_mask``: known on the host, it spares the model a mask
+    (GPUs keep their flash kernel) without a device read. With ``bucket`` > 1 (compiled runs) a batch
+    is padded up to a multiple of ``bucket`` tokens (at most ``longest``): one shape per bucket."""
 
     def collate(items: list[dict]) -> dict[str, torch.Tensor]:
         length = max(len(it["input_ids"]) for it in items)

@@ -1,11 +1,8 @@
 """Fine-tuning data from the Hugging Face Hub, failing at once when the Hub cannot be reached.
 
-Without a network, `datasets.load_dataset` retries for about 25 s before it gives up, and only
-then would the user learn to pass local files. So the Hub is probed first (a TCP connection, a
-few seconds at most); when it does not answer, or HF_HUB_OFFLINE / HF_DATASETS_OFFLINE asks for
-it, the dataset is read from the local cache only: found there, or refused at once. (`data_prep`
-does the same for pretraining corpora; the library does not import the offline tools.)
-"""
+Offline, `datasets.load_dataset` retries for about 25 s before the user learns to pass local files.
+So the Hub is probed first (a TCP connection); when it does not answer, or HF_HUB_OFFLINE /
+HF_DATASETS_OFFLINE asks, the dataset comes from the local cache or is refused at once."""
 
 from __future__ import annotations
 

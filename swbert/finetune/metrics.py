@@ -23,12 +23,8 @@ from swbert.finetune.tasks import GlueTask, MetricName
 
 
 def glue_metrics(task: GlueTask, predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-    """GLUE's metrics for ``task``, as fractions in [0, 1] (correlations in [-1, 1]).
-
-    ``predictions`` are class indices (classification) or scores (STS-B). The returned dict has one
-    entry per metric in ``task.metrics`` plus ``score``, their mean, which is what GLUE ranks by and
-    what best-checkpoint selection maximises.
-    """
+    """GLUE's metrics for ``task`` of class indices (scores for STS-B), as fractions (correlations in
+    [-1, 1]), and ``score``, their mean: what GLUE ranks by and best-checkpoint selection maximises."""
     predictions = np.asarray(predictions)
     labels = np.asarray(labels)
     if predictions.shape != labels.shape:
@@ -79,11 +75,8 @@ def exact_match(prediction: str, gold: str) -> float:
 
 
 def token_f1(prediction: str, gold: str, version: str = "2.0") -> float:
-    """Token-overlap F1 of the official scripts.
-
-    v2.0 scores an empty prediction against an empty gold answer as 1 (and either empty alone as 0);
-    v1.1 has no empty answers and its script returns 0 whenever nothing overlaps.
-    """
+    """Token-overlap F1 of the official scripts: v2.0 scores an empty prediction against an empty
+    gold answer as 1 (either alone as 0); v1.1's returns 0 whenever nothing overlaps."""
     pred_toks = normalize_answer(prediction).split()
     gold_toks = normalize_answer(gold).split()
     if version == "2.0" and (not pred_toks or not gold_toks):
@@ -108,12 +101,9 @@ def _gold_answers(answers: Sequence[str], version: str) -> list[str]:
 def squad_scores(
     predictions: Mapping[str, str], references: Mapping[str, Sequence[str]], version: str = "2.0"
 ) -> dict[str, float]:
-    """Exact match and F1 (in percent, as the official scripts print them).
-
-    ``references`` maps every question id to its gold answer texts (empty for an unanswerable v2.0
-    question). A question without a prediction counts as wrong, as in the official scripts. For v2.0
-    the result also has ``HasAns_*`` / ``NoAns_*`` breakdowns when both kinds are present.
-    """
+    """Exact match and F1 in percent, as the official scripts: ``references`` maps every question id
+    to its gold answers (none: unanswerable), a question without a prediction is wrong, and v2.0 adds
+    ``HasAns_*`` / ``NoAns_*`` breakdowns."""
     if version not in ("1.1", "2.0"):
         raise ValueError(f"SQuAD version must be '1.1' or '2.0', not {version!r}")
     if not references:
@@ -153,13 +143,9 @@ def best_null_threshold(
     null_score_diffs: Mapping[str, float],
     references: Mapping[str, Sequence[str]],
 ) -> dict[str, float]:
-    """The official v2.0 script's ``best_exact``/``best_f1``: the best score over no-answer thresholds.
-
-    ``predictions`` are the best non-null spans; ``null_score_diffs[qid]`` is how much more the model
-    prefers "no answer" (null score minus best span score). Predicting "" for every question whose
-    diff exceeds the threshold, the search walks the questions in increasing diff order, exactly as
-    ``find_best_thresh`` does.
-    """
+    """The official v2.0 script's ``best_exact``/``best_f1`` over no-answer thresholds, found as its
+    ``find_best_thresh`` does: ``predictions`` are the best non-null spans, ``null_score_diffs`` how
+    much more the model prefers "no answer"; questions walked in increasing diff order."""
     result: dict[str, float] = {}
     for metric, fn in (("exact", exact_match), ("f1", token_f1)):
         raw = {}

@@ -48,11 +48,8 @@ def embedding_noise(
     model: nn.Module, level: float, mean_norm: float, seed: int, scale: NoiseScale = "norm"
 ) -> Iterator[None]:
     """Within the block, the model's word embeddings get noise at ``level`` (``norm``: of RMS norm
-    ``level * mean_norm``; ``unit``: of standard deviation ``level`` per coordinate).
-
-    The noise is drawn on the CPU from a generator seeded with ``seed``, so a noise seed gives the
-    same perturbations on any device.
-    """
+    ``level * mean_norm``; ``unit``: of standard deviation ``level`` per coordinate), drawn on the CPU
+    from ``seed``: the same perturbations on any device."""
     if level < 0:
         raise ValueError(f"noise level {level} must be >= 0")
     if level == 0:

@@ -129,7 +129,7 @@ def evaluate_squad(
     sweep: SquadSweep,
     version: str,
 ) -> dict[str, float]:
-    """Official EM/F1 (plus v2.0's HasAns/NoAns and best-threshold scores), flat as ``validation/<metric>``."""
+    """Official EM/F1 (v2.0: with HasAns/NoAns and best-threshold scores), as ``validation/<metric>``."""
     logits = predict(model, features.dataset, collate, sweep.eval_batch_size, ("start_logits", "end_logits"))
     preds = decode_spans(
         examples, features, *logits, version, sweep.n_best, sweep.max_answer_length, sweep.null_threshold
@@ -152,8 +152,7 @@ def squad_trial(
     lrs: tuple[float, ...],
     seed: int,
 ) -> Trial:
-    """Fine-tune one (checkpoint, version, learning-rate setting, seed) and log it as a child run;
-    ``name`` is the task's name in MLflow (``squad<version>``, or ``triviaqa``)."""
+    """One (checkpoint, version, learning-rate setting, seed) trial; ``name``: the task's in MLflow."""
     sweep = trials.sweep
     collate = sweep.collate(tokenizer.pad_token_id)
     params = {
@@ -208,8 +207,8 @@ def load_triviaqa(sweep: SquadSweep, split: Literal["train", "validation"]) -> l
 def triviaqa_first(
     trials: Trials, ckpt: Checkpoint, data: tuple[list, list], bar
 ) -> tuple[list[Trial], Checkpoint]:
-    """Fine-tune ``ckpt`` on TriviaQA with the sweep's flags; the median seed's model at the best setting
-    (kept whatever --keep says: SQuAD starts from it) becomes the checkpoint ``NAME+triviaqa``."""
+    """Fine-tune ``ckpt`` on TriviaQA; the median seed's model at the best setting (kept whatever --keep
+    says) becomes the checkpoint ``NAME+triviaqa``."""
     stage = dataclasses.replace(trials, sweep=dataclasses.replace(trials.sweep, keep="median"))
     done, summary = qa_trials(stage, ckpt, TRIVIAQA, "1.1", data[0], data[1], bar)
     return done, Checkpoint(f"{ckpt.name}+{TRIVIAQA}", Path(summary.median_trial.model_dir))

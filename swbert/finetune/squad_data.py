@@ -28,16 +28,12 @@ class SquadExample:
     qid: str
     question: str
     context: str
-    answers: list[str] = field(default_factory=list)
-    """Gold answer texts; empty for an unanswerable (v2.0) question."""
+    answers: list[str] = field(default_factory=list)  # gold answer texts; none: unanswerable (v2.0)
     answer_starts: list[int] = field(default_factory=list)
 
 
 def read_squad_json(path: str | Path, version: str | None = None) -> list[SquadExample]:
-    """Read an official SQuAD file, checking that every answer's offsets match its context.
-
-    ``version`` ("1.1" or "2.0") is checked against the file's own ``version`` field when given.
-    """
+    """Read an official SQuAD file, checking every answer's offsets and, when given, ``version``."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -85,14 +81,8 @@ def read_squad_hub(version: str, split: str) -> list[SquadExample]:
     name, official = HUB_DATASETS[version], f"v{version}.json"
     offline = f"pass the official JSON files: --train-file {version}=train-{official} --dev-file {version}=dev-{official}"
     ds = hub_split(f"{name}:{split}", (name, None, split), SquadDataError, offline)
-    out = []
-    for row in ds:
-        ans = row["answers"]
-        out.append(
-            SquadExample(
-                row["id"], row["question"], row["context"], list(ans["text"]), list(ans["answer_start"])
-            )
-        )
+    answers = [(list(r["answers"]["text"]), list(r["answers"]["answer_start"])) for r in ds]
+    out = [SquadExample(r["id"], r["question"], r["context"], *a) for r, a in zip(ds, answers)]
     if not out:
         raise SquadDataError(f"{name}:{split}: no questions")
     return out
@@ -100,8 +90,7 @@ def read_squad_hub(version: str, split: str) -> list[SquadExample]:
 
 @dataclass(frozen=True)
 class Windows:
-    """How contexts are cut into model inputs: windows of `max_length` tokens (question included)
-    overlapping by `doc_stride`, with token types where the model has them."""
+    """Windows of `max_length` tokens (question included) overlapping by `doc_stride`."""
 
     max_length: int = 384
     doc_stride: int = 128
@@ -173,10 +162,8 @@ class SquadEvalFeatures:
     """Evaluation windows plus what post-processing needs to map tokens back to text."""
 
     dataset: EncodedDataset
-    example_index: list[int]
-    """Window -> index of its question in the example list."""
-    offsets: list[list[tuple[int, int] | None]]
-    """Window -> per-token character span in the context (None outside the context)."""
+    example_index: list[int]  # window -> index of its question in the example list
+    offsets: list[list[tuple[int, int] | None]]  # window -> each token's span in the context (or None)
     cls_index: list[int]
 
 

@@ -19,13 +19,10 @@ from swbert.finetune.squad_data import SquadEvalFeatures, SquadExample
 
 
 @dataclass
-class SquadPredictions:
-    answers: dict[str, str]
-    """Question id -> final answer ("" = no answer)."""
-    best_spans: dict[str, str]
-    """Question id -> best non-null span, whatever the threshold (for threshold search)."""
-    null_score_diffs: dict[str, float]
-    """Question id -> null score minus best span score (higher: the model prefers no answer)."""
+class SquadPredictions:  # by question id
+    answers: dict[str, str]  # the final answer ("": no answer)
+    best_spans: dict[str, str]  # the best non-null span, whatever the threshold (for its search)
+    null_score_diffs: dict[str, float]  # null score minus best span score (higher: prefers no answer)
 
 
 def decode_spans(
@@ -65,10 +62,6 @@ def decode_spans(
                         best_score = score
                         best_text = ex.context[offsets[s][0] : offsets[e][1]]
         best_spans[ex.qid] = best_text
-        diff = null_score - best_score if best_score > -math.inf else math.inf
-        diffs[ex.qid] = diff
-        if version == "2.0" and diff > null_threshold:
-            answers[ex.qid] = ""
-        else:
-            answers[ex.qid] = best_text
+        diffs[ex.qid] = diff = null_score - best_score if best_score > -math.inf else math.inf
+        answers[ex.qid] = "" if version == "2.0" and diff > null_threshold else best_text
     return SquadPredictions(answers, best_spans, diffs)

@@ -106,7 +106,6 @@ class SweepConfig(StudyOptions, FitOptions):
             raise ValueError("--learning-rates and --seeds each need at least one value")
 
     def checkpoints(self) -> list[Checkpoint]:
-        """The `--checkpoint` folders, checked and named."""
         return parse_checkpoints(self.checkpoint)
 
     def data_files(self) -> list[Path]:
@@ -114,15 +113,15 @@ class SweepConfig(StudyOptions, FitOptions):
         return []
 
     def lr_settings(self) -> list[tuple[float, ...]]:
-        """What each seed is run with: one setting per learning rate (grid), or the whole sequence of
-        rates as one setting, a stage each (stepped)."""
-        if self.lr_plan == "stepped":
-            return [tuple(self.learning_rates)]
-        return [(lr,) for lr in self.learning_rates]
+        """One setting per learning rate (grid), or all the rates as one setting, a stage each (stepped)."""
+        return (
+            [tuple(self.learning_rates)]
+            if self.lr_plan == "stepped"
+            else [(lr,) for lr in self.learning_rates]
+        )
 
     def finetune_config(self, lr: float | None = None, seed: int = 0) -> FinetuneConfig:
-        """The hyper-parameters of one run of this sweep (a stepped plan's first stage: `fit` runs the
-        later ones)."""
+        """One run's hyper-parameters (a stepped plan's first stage: `fit` runs the later ones)."""
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(FitOptions)}
         return FinetuneConfig(**shared, learning_rate=self.learning_rates[0] if lr is None else lr, seed=seed,
                               group_by_length=not self.unpadded(), compile=self.compiled())  # fmt: skip
@@ -130,10 +129,6 @@ class SweepConfig(StudyOptions, FitOptions):
     def unpadded(self) -> bool:
         """Whether this sweep's runs go unpadded (`--unpad`, on this process's device)."""
         return resolve_unpad(self.unpad, default_device().type, self.attention_dropout)
-
-    def batching(self) -> str:
-        """How this sweep's batches are formed, as trials record it (the Figure 3 table says it)."""
-        return "unpadded" if self.unpadded() else "grouped"
 
     def compiled(self) -> bool:
         """Whether this sweep's runs are compiled (`--compile`, on this process's device)."""
@@ -146,13 +141,12 @@ class SweepConfig(StudyOptions, FitOptions):
         return self.compile == "on" or (self.compile == "auto" and on_gpu and not self.unpadded())
 
     def dropout(self) -> dict[str, float]:
-        """The model config's dropouts for this sweep's runs (hidden: the checkpoint's unless given)."""
+        """The model config's dropouts (hidden: the checkpoint's unless given)."""
         hidden = {} if self.hidden_dropout is None else {"hidden_dropout_prob": self.hidden_dropout}
         return {"attention_probs_dropout_prob": self.attention_dropout, **hidden}
 
     def collate(self, pad_token_id: int) -> Callable[[list[dict]], dict]:
-        """The batches of this sweep's runs: one token stream when unpadded, else padded (to length
-        buckets when compiled, at most the launcher's --max-seq-length)."""
+        """One token stream when unpadded, else padded (to length buckets when compiled)."""
         if self.unpadded():
             return unpad_collate(pad_token_id)
         if self.compiled():
@@ -172,7 +166,7 @@ class Trials:
         self.runner = PointRunner(trial_records(self.sweep), Trial.of, writes=ParallelDims.from_env().is_main)
 
     def per_task(self) -> int:
-        """Trials of one checkpoint on one task: a learning-rate setting x a seed each."""
+        """Trials of one checkpoint on one task."""
         return len(self.sweep.lr_settings()) * len(self.sweep.seeds)
 
     def task_trials(
@@ -192,8 +186,8 @@ class Trials:
         return done, summary
 
     def key(self, spec: TrialSpec, **facts: Any) -> dict[str, Any]:
-        """What must be equal for a recorded trial to stand for `spec`: the sweep's options, the
-        trial's own, the checkpoint's files and the trial's data."""
+        """What a trial's record stands for: the sweep's options, the trial's own, the checkpoint's
+        files and the trial's data."""
         data = self.options.get(DATA, {})
         mine = {f: data[f] for f in map(lambda p: str(Path(p).resolve()), spec.files) if f in data}
         return point_key(
@@ -214,9 +208,8 @@ def checkpoint_fingerprint(folder: Path) -> list[list[Any]]:
 
 
 def run_sweep(sweep: SweepConfig, kind: str, run: Callable[[Any, Trials], object]) -> int:
-    """What a fine-tuning launcher does with its parsed sweep: the study's options checked against
-    the folder's, a new parent MLflow run around `run` (a killed sweep's runs marked KILLED), then the
-    tables (`report_sweep`). Returns the exit status."""
+    """A fine-tuning launcher's sweep: its options checked against the folder's, a new parent MLflow
+    run around `run` (a killed sweep's runs marked KILLED), then the tables. Returns the exit status."""
     from swbert.logs import setup_logging
 
     setup_logging()
@@ -242,8 +235,7 @@ def run_sweep(sweep: SweepConfig, kind: str, run: Callable[[Any, Trials], object
 
 
 def report_sweep(study: StudyLog, sweep: SweepConfig) -> None:
-    """After a sweep (rank 0): its tables under <output-dir>/report, logged to the parent run, and
-    printed as markdown."""
+    """The sweep's tables (rank 0) under <output-dir>/report, logged to the parent run and printed."""
     from swbert.finetune.report import build_report, collect
 
     if not ParallelDims.from_env().is_main:
@@ -277,8 +269,7 @@ class TrialSpec:
         return f"{self.ckpt.name}/{self.task}/lr{lr_label(self.lrs)}/seed{self.seed}"
 
     @property
-    def folder(self) -> str:
-        """The fine-tuned model's folder under <output-dir>/<checkpoint>/<task>/."""
+    def folder(self) -> str:  # the fine-tuned model's, under <output-dir>/<checkpoint>/<task>/
         return f"lr{'-'.join(f'{lr:g}' for lr in self.lrs)}-seed{self.seed}"
 
 
@@ -305,15 +296,15 @@ def trial_params(sweep: SweepConfig, spec: TrialSpec) -> dict[str, Any]:
         "max_seq_length": sweep.max_seq_length,
         "attention_dropout": sweep.attention_dropout,
         "hidden_dropout": sweep.hidden_dropout,
-        "batching": sweep.batching(),
+        "batching": "unpadded" if sweep.unpadded() else "grouped",  # the Figure 3 table says it
         **spec.params,
     }
 
 
 def run_trial(trials: Trials, spec: TrialSpec, task: TrialTask) -> Trial:
-    """One trial, settled as a point of the sweep's study (`PointRunner`; a recorded one is logged as
-    a child tagged with the run that trained it): fine-tuned in a child run (every stage of a stepped
-    plan, best dev epoch kept), its model saved (unless --keep none), then recorded."""
+    """One trial, settled as a point of the sweep's study: fine-tuned in a child run (best dev epoch
+    kept), its model saved (unless --keep none), then recorded; a recorded one is logged as a child
+    tagged with the run that trained it."""
     sweep, params = trials.sweep, trial_params(trials.sweep, spec)
     tags = {KIND: spec.kind, VARIANT: spec.ckpt.name, TASK: spec.task, CHECKPOINT: str(spec.ckpt.path)}
 
@@ -339,13 +330,12 @@ def run_trial(trials: Trials, spec: TrialSpec, task: TrialTask) -> Trial:
             if sweep.keep != "none":
                 model_dir = str(sweep.output_dir / spec.ckpt.name / spec.task / spec.folder)
                 save_finetuned(model, task.tokenizer, model_dir)
-        metrics = nest_metrics(best)
         return Trial(
             spec.ckpt.name,
             spec.task,
             spec.lr,
             spec.seed,
-            metrics,
+            nest_metrics(best),
             model_dir,
             spec.lrs[1:],
             run_id=run_id,

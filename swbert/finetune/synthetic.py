@@ -1,4 +1,4 @@
-"""Tiny synthetic tasks in GLUE's TSV and SQuAD's JSON formats, and a tokenizer of their words.
+"""Tiny synthetic tasks in GLUE's TSV and SQuAD's JSON formats, over a vocabulary of a few words.
 
 For tests, smoke runs and the offline quick start (`make finetune`), which must not download
 anything: the files have the exact layouts of the real ones (CoLA without a header, MNLI with
@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from transformers import BertTokenizer
-
 from swbert import cli
 from swbert.finetune.tasks import GlueTask, get_task
 
@@ -29,11 +27,6 @@ FILLER = "the a cat dog sat on mat ran to park big small red blue house tree car
 MARKERS = ["alpha", "beta", "gamma"]
 SQUAD_WORDS = ["key", "where", "is", "what", "?", ".", ","]
 VOCAB = SPECIALS + FILLER + MARKERS + SQUAD_WORDS
-
-
-def make_tokenizer() -> BertTokenizer:
-    """A WordPiece tokenizer over :data:`VOCAB` (``[PAD]``=0 ... ``[MASK]``=4, as the real exports)."""
-    return BertTokenizer(vocab={w: i for i, w in enumerate(VOCAB)}, do_lower_case=True)
 
 
 def _sentence(rng: random.Random, marker: str | None, length: int = 6) -> str:

@@ -16,28 +16,27 @@ MetricName = Literal["accuracy", "f1", "matthews", "pearson", "spearman"]
 class GlueTask:
     """One GLUE task and how to read it."""
 
-    name: str
-    """Our short name, also the Hub config name (``cola``, ``sst2``, ...)."""
-    tsv_dir: str
-    """Folder name inside a GLUE data directory (GLUE's ``download_glue_data.py`` layout)."""
-    hub_text_columns: tuple[str, str | None]
-    """First and second text column in the Hub dataset (``None``: single-sentence task)."""
-    tsv_text_columns: tuple[str | int, str | int | None]
-    """The same columns in the TSV files: header names, or 0-based indices for header-less files."""
-    tsv_label_column: str | int
-    """Label column in the TSV files (header name or 0-based index)."""
-    label_names: tuple[str, ...]
-    """Class names in index order; empty for regression (STS-B)."""
-    tsv_label_values: tuple[str, ...]
-    """How each class is spelled in the TSV files, in index order."""
-    metrics: tuple[MetricName, ...]
-    """Metrics GLUE reports for the task; their mean is the task score used for model selection."""
-    dev_splits: dict[str, str] = field(default_factory=lambda: {"validation": "dev.tsv"})
-    """Evaluation split name (as on the Hub) -> TSV file name."""
-    tsv_has_header: bool = True
-    """CoLA's train/dev files have no header row."""
+    name: str  # our short name, also the Hub config name (cola, sst2, ...)
+    tsv_dir: str  # folder in a GLUE data directory (GLUE's download_glue_data.py layout)
+    hub_text_columns: tuple[str, str | None]  # first and second text column on the Hub (None: single)
+    label_names: tuple[str, ...]  # class names in index order; empty for regression (STS-B)
+    # metrics GLUE reports for the task; their mean is the score that selects the best checkpoint
+    metrics: tuple[MetricName, ...] = ("accuracy",)
+    # the text columns in the TSV files: header names, or 0-based indices for header-less files
+    # (default: the Hub's names)
+    tsv_text_columns: tuple[str | int, str | int | None] | None = None
+    tsv_label_column: str | int = "label"  # label column in the TSV files (name or 0-based index)
+    tsv_label_values: tuple[str, ...] | None = None  # each class as the TSVs spell it (default: its name)
+    dev_splits: dict[str, str] = field(default_factory=lambda: {"validation": "dev.tsv"})  # Hub -> TSV
+    tsv_has_header: bool = True  # CoLA's train/dev files have no header row
+    # QQP's train file has rows with missing fields; GLUE's loaders skip them, so do we (and say how many)
     skip_malformed_rows: bool = False
-    """QQP's train file has rows with missing fields; GLUE's loaders skip them, so do we (and say how many)."""
+
+    def __post_init__(self) -> None:
+        if self.tsv_text_columns is None:
+            object.__setattr__(self, "tsv_text_columns", self.hub_text_columns)
+        if self.tsv_label_values is None:
+            object.__setattr__(self, "tsv_label_values", self.label_names)
 
     @property
     def is_regression(self) -> bool:
@@ -59,6 +58,7 @@ class GlueTask:
 
 _BINARY = ("0", "1")
 _NLI2 = ("entailment", "not_entailment")
+_PAIR = ("sentence1", "sentence2")
 
 GLUE_TASKS: dict[str, GlueTask] = {
     t.name: t
@@ -67,101 +67,59 @@ GLUE_TASKS: dict[str, GlueTask] = {
             "cola",
             "CoLA",
             ("sentence", None),
+            ("unacceptable", "acceptable"),
+            ("matthews",),
             (3, None),
             1,
-            ("unacceptable", "acceptable"),
             _BINARY,
-            ("matthews",),
             tsv_has_header=False,
         ),
-        GlueTask(
-            "sst2",
-            "SST-2",
-            ("sentence", None),
-            ("sentence", None),
-            "label",
-            ("negative", "positive"),
-            _BINARY,
-            ("accuracy",),
-        ),
+        GlueTask("sst2", "SST-2", ("sentence", None), ("negative", "positive"), tsv_label_values=_BINARY),
         GlueTask(
             "mrpc",
             "MRPC",
-            ("sentence1", "sentence2"),
+            _PAIR,
+            ("not_equivalent", "equivalent"),
+            ("accuracy", "f1"),
             ("#1 String", "#2 String"),
             "Quality",
-            ("not_equivalent", "equivalent"),
             _BINARY,
-            ("accuracy", "f1"),
         ),
-        GlueTask(
-            "stsb",
-            "STS-B",
-            ("sentence1", "sentence2"),
-            ("sentence1", "sentence2"),
-            "score",
-            (),
-            (),
-            ("pearson", "spearman"),
-        ),
+        GlueTask("stsb", "STS-B", _PAIR, (), ("pearson", "spearman"), tsv_label_column="score"),
         GlueTask(
             "qqp",
             "QQP",
             ("question1", "question2"),
-            ("question1", "question2"),
-            "is_duplicate",
             ("not_duplicate", "duplicate"),
-            _BINARY,
             ("accuracy", "f1"),
+            tsv_label_column="is_duplicate",
+            tsv_label_values=_BINARY,
             skip_malformed_rows=True,
         ),
         GlueTask(
             "mnli",
             "MNLI",
             ("premise", "hypothesis"),
-            ("sentence1", "sentence2"),
-            "gold_label",
             ("entailment", "neutral", "contradiction"),
-            ("entailment", "neutral", "contradiction"),
-            ("accuracy",),
+            tsv_text_columns=_PAIR,
+            tsv_label_column="gold_label",
             dev_splits={
                 "validation_matched": "dev_matched.tsv",
                 "validation_mismatched": "dev_mismatched.tsv",
             },
         ),
-        GlueTask(
-            "qnli",
-            "QNLI",
-            ("question", "sentence"),
-            ("question", "sentence"),
-            "label",
-            _NLI2,
-            _NLI2,
-            ("accuracy",),
-        ),
-        GlueTask(
-            "rte",
-            "RTE",
-            ("sentence1", "sentence2"),
-            ("sentence1", "sentence2"),
-            "label",
-            _NLI2,
-            _NLI2,
-            ("accuracy",),
-        ),
+        GlueTask("qnli", "QNLI", ("question", "sentence"), _NLI2),
+        GlueTask("rte", "RTE", _PAIR, _NLI2),
         # WNLI's TSV spells the classes 0/1 with 1 = entailment, the reverse of RTE/QNLI.
-        GlueTask(
-            "wnli",
-            "WNLI",
-            ("sentence1", "sentence2"),
-            ("sentence1", "sentence2"),
-            "label",
-            ("not_entailment", "entailment"),
-            _BINARY,
-            ("accuracy",),
-        ),
+        GlueTask("wnli", "WNLI", _PAIR, ("not_entailment", "entailment"), tsv_label_values=_BINARY),
     ]
 }
+
+
+def _columns(order: str) -> tuple[tuple[str, str], ...]:
+    """(task, dev split) of the tasks in `order`, each task's dev splits in turn."""
+    return tuple((t, split) for t in order.split() for split in GLUE_TASKS[t].dev_splits)
+
 
 # The paper's GLUE benchmark: eight tasks (no WNLI). The GLUE launcher runs these by default; WNLI only
 # when named in --tasks, and it never enters Table 1's average.
@@ -174,45 +132,16 @@ PAPER_GLUE_TASKS: tuple[str, ...] = ("mnli", "qqp", "qnli", "sst2", "cola", "sts
 # STS-B: Table 1 prints one number where its caption says "Pearson/Spearman"; Pearson is our reading
 # (the report's --stsb-metric changes it).
 PAPER_AVG_METRIC: dict[str, tuple[str, MetricName]] = {
-    "mnli": ("validation_matched", "accuracy"),
-    "qqp": ("validation", "accuracy"),
-    "qnli": ("validation", "accuracy"),
-    "sst2": ("validation", "accuracy"),
-    "cola": ("validation", "matthews"),
-    "stsb": ("validation", "pearson"),
-    "mrpc": ("validation", "accuracy"),
-    "rte": ("validation", "accuracy"),
+    t: (GLUE_TASKS[t].main_split, {"cola": "matthews", "stsb": "pearson"}.get(t, "accuracy"))  # type: ignore[misc]
+    for t in PAPER_GLUE_TASKS
 }
 
 # Table 1's column order in the paper (arXiv 2412.00359v1): MRPC, CoLA, MNLI (m/mm), QQP, RTE, STS-B,
 # QNLI, SST-2. MNLI contributes two splits (one "m/mm" cell in the report); WNLI, not in the paper,
 # comes last when it was run.
-TABLE1_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("mrpc", "validation"),
-    ("cola", "validation"),
-    ("mnli", "validation_matched"),
-    ("mnli", "validation_mismatched"),
-    ("qqp", "validation"),
-    ("rte", "validation"),
-    ("stsb", "validation"),
-    ("qnli", "validation"),
-    ("sst2", "validation"),
-    ("wnli", "validation"),
-)
-
+TABLE1_COLUMNS = _columns("mrpc cola mnli qqp rte stsb qnli sst2 wnli")
 # GLUE's own order (Wang et al., the benchmark's tables and leaderboard), the report's --column-order glue.
-GLUE_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("cola", "validation"),
-    ("sst2", "validation"),
-    ("mrpc", "validation"),
-    ("stsb", "validation"),
-    ("qqp", "validation"),
-    ("mnli", "validation_matched"),
-    ("mnli", "validation_mismatched"),
-    ("qnli", "validation"),
-    ("rte", "validation"),
-    ("wnli", "validation"),
-)
+GLUE_COLUMNS = _columns("cola sst2 mrpc stsb qqp mnli qnli rte wnli")
 COLUMN_ORDERS: dict[str, tuple[tuple[str, str], ...]] = {"paper": TABLE1_COLUMNS, "glue": GLUE_COLUMNS}
 
 _ALIASES = {"sst-2": "sst2", "sts-b": "stsb", "mnli-m": "mnli", "mnli-mm": "mnli", "mnli_matched": "mnli"}

@@ -21,14 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from swbert.finetune.batching import epoch_sampler, train_loader
-from swbert.finetune.engine import (
-    DEFAULT_DS_CONFIG,
-    Engine,
-    build_engine,
-    compile_training,
-    process_group,
-    uncompile,
-)
+from swbert.finetune.engine import DEFAULT_DS_CONFIG, build_engine, compile_training, process_group, uncompile
 from swbert.finetune.metrics import selection_value
 from swbert.runtime.ds_config import BatchShape, Flags, build_ds_config, resolve_precision
 from swbert.runtime.ranks import ParallelDims
@@ -65,30 +58,25 @@ class FinetuneConfig(FitOptions):
 
     learning_rate: float = 1e-4
     seed: int = 0
-    log_every: int = 50
-    """Optimiser steps between logged training losses: the only steps that read the loss back."""
-    group_by_length: bool = False
-    """Batches of similar lengths (swbert.finetune.batching), for padded batches: less padding."""
+    log_every: int = 50  # optimiser steps between logged losses: the only steps that read one back
+    group_by_length: bool = False  # padded batches of similar lengths (swbert.finetune.batching)
+    # torch.compile the training forward (`compile_training`); the collate should pad to length
+    # buckets (`pad_collate(..., bucket=COMPILE_BUCKET)`), as the sweeps' does
     compile: bool = False
-    """torch.compile the training forward (`swbert.finetune.engine.compile_training`); the collate
-    should pad to length buckets (`pad_collate(..., bucket=COMPILE_BUCKET)`), as the sweeps' does."""
-    compile_backend: Any = "inductor"
-    """torch.compile's backend: a name, or a callable (tests record the graphs with one)."""
+    compile_backend: Any = "inductor"  # a name, or a callable (tests record the graphs with one)
 
 
 @dataclass
 class FitResult:
     best_metrics: dict[str, float]
-    best_epoch: int
-    """Counted over every stage's epochs (a stepped plan's)."""
+    best_epoch: int  # counted over every stage's epochs (a stepped plan's)
     best_stage: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
     steps: int = 0
-    steps_per_epoch: int = 0
-    """Optimiser steps in one full pass over the training set (on this rank's share of it)."""
+    steps_per_epoch: int = 0  # optimiser steps in one pass over this rank's share of the training set
+    # the training steps' wall time, dev evaluations excluded: seconds per epoch compare fine-tuning
+    # cost across variants (the paper's Figure 3)
     train_seconds: float = 0.0
-    """Wall time of the training steps only: the dev evaluations after each epoch are not in it, so
-    seconds per epoch compare fine-tuning cost across variants (the paper's Figure 3)."""
     eval_seconds: float = 0.0
 
     @property
@@ -101,7 +89,7 @@ class FitResult:
         return {
             "best_epoch": self.best_epoch,
             "best_stage": self.best_stage,
-            "train_seconds": self.train_seconds,  # training steps only, evaluations excluded
+            "train_seconds": self.train_seconds,
             "eval_seconds": self.eval_seconds,
             "epochs_trained": self.epochs_trained,
             "seconds_per_epoch": self.train_seconds / max(self.epochs_trained, 1e-9),
@@ -127,8 +115,7 @@ def default_device(info: ParallelDims | None = None) -> torch.device:
 
 
 def move(batch: dict[str, torch.Tensor | int], device: torch.device) -> dict[str, torch.Tensor | int]:
-    # an unpadded batch's max_seqlen is a host int
-    return {
+    return {  # an unpadded batch's max_seqlen is a host int
         k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
     }
 
@@ -141,9 +128,8 @@ def predict(
     batch_size: int = 128,
     outputs: tuple[str, ...] = ("logits",),
 ) -> list[np.ndarray]:
-    """The model's `outputs` for a whole dataset, in order (labels are not passed in); each float32, as
-    wide as the widest batch: a narrower batch (unpadded batches are as wide as their longest
-    sequence) is padded at the lowest logit, as padding gets."""
+    """The model's `outputs` for a whole dataset, in order (labels not passed in), float32; a batch
+    narrower than the widest (an unpadded one: its longest sequence) is padded at the lowest logit."""
     device = next(model.parameters()).device
     out: list[list[torch.Tensor]] = [[] for _ in outputs]
     for batch in DataLoader(dataset, batch_size=batch_size, collate_fn=collate):
@@ -160,7 +146,7 @@ def predict(
 
 
 def progress_bar(total: int, desc: str, **kwargs: object):  # -> tqdm
-    """A tqdm bar on rank 0 (a disabled one elsewhere): per run, and over a sweep's runs."""
+    """A tqdm bar on rank 0 (a disabled one elsewhere)."""
     from tqdm.auto import tqdm
 
     return tqdm(
@@ -181,10 +167,9 @@ FLAGS = Flags(
 
 
 def deepspeed_config(path: str | Path, cfg: FinetuneConfig, world_size: int, precision: str) -> dict:
-    """The DeepSpeed JSON (a path or a shipped ``ds_configs/`` name) filled from ``cfg`` by the builder
-    pretraining uses: batch sizes, clipping and ``bf16``/``fp16`` where "auto" or absent, an error for a
-    value that disagrees with the flags or an ``optimizer``/``scheduler`` section. ZeRO-3 is refused:
-    best-epoch weights are kept as a full state dict, which stage 3 does not hold on any one rank."""
+    """The DeepSpeed JSON (a path or a ``ds_configs/`` name) filled from ``cfg`` by pretraining's
+    builder (`build_ds_config`). ZeRO-3 is refused: the best epoch's weights are kept as a full state
+    dict, which stage 3 does not hold on any one rank."""
     if cfg.batch_size % world_size:
         raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by the world size {world_size}")
     batch = BatchShape(cfg.batch_size, cfg.batch_size // world_size, 1)
@@ -193,8 +178,8 @@ def deepspeed_config(path: str | Path, cfg: FinetuneConfig, world_size: int, pre
 
 @dataclass
 class _Best:
-    """The best dev epoch so far, its weights on the CPU, and the epochs of this stage since its own
-    best (what --patience counts)."""
+    """The best dev epoch so far, its weights on the CPU, and this stage's epochs since its own best
+    (what --patience counts)."""
 
     value: float = -math.inf
     state: dict[str, torch.Tensor] | None = None
@@ -215,15 +200,12 @@ class _Best:
 
 
 class FitRun:
-    """The state of one `fit`: the engine, the loader, the step count, the loss of the steps since
-    the last logged one (summed on the device) and the best epoch so far.
-
-    `step` is one optimizer step and reads nothing back from the device except on a logging step
-    (every ``log_every`` steps and the last): the loss is read there, once, for the window."""
+    """One stage of a `fit`: the engine, the loader, the step count, the loss of the steps since the
+    last logged one (summed on the device: read back once per window) and the best epoch so far."""
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Any,
         loader: DataLoader,
         cfg: FinetuneConfig,
         total: int,
@@ -231,9 +213,9 @@ class FitRun:
         bar: Any,
         stage: tuple[int, FitResult, _Best],
     ) -> None:
-        self.e, self.loader, self.cfg, self.bar = engine, loader, cfg, bar
+        self.engine, self.loader, self.cfg, self.bar = engine, loader, cfg, bar
         self.log_metrics = log_metrics if ParallelDims.from_env().is_main else None
-        self.device = engine.engine.device
+        self.device = engine.device
         self.stage, self.result, self.best = stage  # the result and best epoch so far, of every stage
         self.best.stage_value, self.result.steps_per_epoch = None, len(loader)
         self.steps, self.window_steps = self.result.steps, 0  # logged steps continue across stages
@@ -245,12 +227,12 @@ class FitRun:
         return self.steps >= self.total
 
     def train_epoch(self, epoch: int) -> None:
-        """One pass over this rank's share (or up to ``total`` steps), timed with its kernels: the
-        accelerator is synchronised once at the end, so the epoch's time is its own."""
+        """One pass over this rank's share (or up to ``total`` steps), timed with its kernels (one
+        synchronisation at the end)."""
         from deepspeed.accelerator import get_accelerator
 
         epoch_sampler(self.loader).set_epoch(epoch)
-        self.e.engine.train()
+        self.engine.train()
         started = time.perf_counter()
         for batch in self.loader:
             self.step(batch)
@@ -260,10 +242,9 @@ class FitRun:
         self.result.train_seconds += time.perf_counter() - started
 
     def step(self, batch: dict[str, torch.Tensor]) -> None:
-        """Forward, backward and update of one batch; the loss joins the window's sum on the device."""
-        loss = self.e.engine(**move(batch, self.device)).loss
-        self.e.engine.backward(loss)
-        self.e.engine.step()
+        loss = self.engine(**move(batch, self.device)).loss
+        self.engine.backward(loss)
+        self.engine.step()
         self.loss_sum += loss.detach().float()
         self.steps += 1
         self.window_steps += 1
@@ -272,18 +253,17 @@ class FitRun:
             self.log_window()
 
     def log_window(self) -> None:
-        """The mean training loss of the steps since the last logged one (this rank's: one read, no
-        collective) and the learning rate."""
+        """The window's mean training loss (this rank's: no collective) and the learning rate."""
         if self.log_metrics is not None:
-            loss = self.loss_sum.item() / self.window_steps
-            self.log_metrics({"train/loss": loss, "train/lr": self.e.scheduler.get_last_lr()[0]}, self.steps)
+            loss, lr = self.loss_sum.item() / self.window_steps, self.engine.lr_scheduler.get_last_lr()[0]
+            self.log_metrics({"train/loss": loss, "train/lr": lr}, self.steps)
         self.loss_sum.zero_()
         self.window_steps = 0
 
     def end_epoch(self, epoch: int, evaluate: Callable[[nn.Module], dict[str, float]], select: str) -> bool:
-        """Evaluate on dev, keep the weights if the epoch is the best so far; True to stop (the step
-        budget is spent, or ``patience`` epochs passed without a better score)."""
-        module = self.e.module
+        """Evaluate on dev, keep the weights of the best epoch; True to stop (the step budget is spent,
+        or ``patience`` epochs passed without a better score)."""
+        module = self.engine.module
         started = time.perf_counter()
         module.eval()
         with torch.no_grad():
@@ -303,12 +283,12 @@ class FitRun:
         return self.done or bool(self.cfg.patience and self.best.stale >= self.cfg.patience)
 
     def finish(self) -> None:
-        """The best weights so far back into the model, the engine's hooks dropped: the next stage
-        of a stepped learning-rate plan fits the same model again with a new engine."""
+        """The best weights so far back into the model, the engine's hooks dropped: the next stage of
+        a stepped plan fits the same model with a new engine."""
         self.result.steps = self.steps
         if self.best.state is not None:
-            self.e.module.load_state_dict(self.best.state)
-        self.e.engine.destroy()
+            self.engine.module.load_state_dict(self.best.state)
+        self.engine.destroy()
 
 
 def start_run(
@@ -321,8 +301,7 @@ def start_run(
     bar_desc: str,
     stage: tuple[int, FitResult, _Best],
 ) -> FitRun:
-    """The loader, the step budget and the engine of one `fit` (the DeepSpeed config filled from
-    ``cfg`` as pretraining fills its own)."""
+    """The loader, the step budget and the engine of one stage of a `fit`."""
     on_gpu = torch.cuda.is_available()
     precision = resolve_precision(cfg.precision, on_gpu)
     ds_cfg = deepspeed_config(cfg.deepspeed or DEFAULT_DS_CONFIG, cfg, dims.world, precision)
@@ -363,14 +342,9 @@ def fit(
     """Fine-tune ``model`` in place; on return it holds the weights of the best dev epoch.
 
     ``evaluate(model)`` returns dev metrics; ``select`` names the one to maximise. ``log_metrics``
-    (rank 0 only) receives the training loss and learning rate every ``cfg.log_every`` steps and the
-    dev metrics after every epoch (keys prefixed ``dev/``), with the optimiser step as ``step``. Rank 0
-    shows a progress bar over the steps, labelled ``desc``. One process or many, the model trains in
-    a DeepSpeed engine (see `swbert.finetune.engine`).
-
-    ``later_lrs``: a stepped plan's later stages, each run like the first at its learning rate (no
-    warm-up) in a new engine, starting from the best weights of the stages before it.
-    """
+    (rank 0) gets the training loss and learning rate every ``cfg.log_every`` steps and the dev
+    metrics (``dev/...``) after every epoch, at the optimiser step. ``later_lrs``: a stepped plan's
+    later stages, each in a new engine at its rate (no warm-up) from the best weights so far."""
     result, best = FitResult(best_metrics={}, best_epoch=-1), _Best()
     stages = (cfg.learning_rate, *later_lrs)
     with process_group() as dims:

@@ -62,11 +62,8 @@ def to_examples(
 def read_triviaqa_json(
     path: str | Path, evidence_dir: str | Path | None = None, context_words: int = 400
 ) -> list[SquadExample]:
-    """Examples from an official TriviaQA RC file (or a file already in SQuAD's format).
-
-    ``evidence_dir`` holds ``wikipedia/`` and ``web/``; by default the release's layout is assumed:
-    ``<release>/qa/<file>.json`` next to ``<release>/evidence/``.
-    """
+    """Examples from an official TriviaQA RC file (or one in SQuAD's format); ``evidence_dir`` holds
+    ``wikipedia/`` and ``web/`` (default: the release's ``evidence/`` beside its ``qa/``)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

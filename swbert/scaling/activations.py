@@ -51,9 +51,8 @@ def attention_trace(
     device: Device = "gpu",
     rows: int | None = None,
 ) -> AttentionTrace:
-    """`AttentionTrace` of `config`'s attention on `batch` x `seq_len` tokens at `precision` (see the
-    module docstring), with `rows`: its output at that many positions only (the last block's).
-    Fake tensors hold no memory, so the real shape is traced. Cached."""
+    """`AttentionTrace` of `config`'s attention on `batch` x `seq_len` tokens (`rows`: its output at
+    that many positions only, the last block's), traced at the real shape on fake tensors. Cached."""
     key = (config.to_json_string(use_diff=False), precision, device, batch, seq_len, rows)
     if key not in _TRACES:
         if device == "gpu":  # the fused kernels keep no S x S matrices, with or without dropout
@@ -172,11 +171,8 @@ def activation_memory(
     device: Device = "gpu",
     predictions_per_seq: int | None = None,
 ) -> ActivationMemory:
-    """Activation bytes of one rank for one micro-batch of `micro_batch` x `seq_len` tokens.
-
-    `device`: "gpu" counts the GPU's kernels (fused attention, bool dropout masks), "cpu" the CPU's.
-    `predictions_per_seq`: the MLM head's positions per sequence (the trainer's default: 15%).
-    """
+    """Activation bytes of one rank for `micro_batch` x `seq_len` tokens; `device`: whose kernels
+    ("gpu": fused attention, bool dropout masks); `predictions_per_seq`: default 15%."""
     check_activation_layout(tp, sequence_parallel, checkpointing)
     if sequence_parallel and seq_len % tp:
         raise ValueError(f"sequence length {seq_len} is not divisible by tensor-parallel size {tp}")

@@ -130,10 +130,8 @@ def expand_layouts(
     sequence_parallel: Sequence[bool] = (False,),
     checkpointing: Sequence[Checkpointing] = ("none",),
 ) -> list[Layout]:
-    """Every layout name with every value of `sequence_parallel` and `checkpointing` (`--sequence-parallel`,
-    `--activation-checkpointing`), in that order and each once; a name that says `-sp` or `-ac-MODE`
-    keeps its own. A combination the trainer refuses (sequence parallelism without tensor
-    parallelism, selective checkpointing with it) is an error that names the flag."""
+    """Every layout name with every value of `sequence_parallel` and `checkpointing`, each once (a name
+    that says `-sp` or `-ac-MODE` keeps its own); a combination the trainer refuses is an error."""
     out: list[Layout] = []
     for text in layouts:
         for sp in sequence_parallel:
@@ -206,9 +204,8 @@ def estimate(
     vocab_size: int = BERT_VOCAB,
     fused_attention: bool = True,
 ) -> dict[str, Any]:
-    """The closed-form figures of one point on `gpus` devices (data-parallel size gpus / tp).
-
-    `fused_attention`: count the activations a GPU keeps (False: a CPU's; see `activation_memory`)."""
+    """The closed-form figures of one point on `gpus` devices; `fused_attention`: count the
+    activations a GPU keeps (False: a CPU's)."""
     layout = point.layout
     if gpus % layout.tp:
         raise ValueError(f"{point.name}: {gpus} GPUs are not divisible by tensor-parallel size {layout.tp}")

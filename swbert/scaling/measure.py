@@ -1,19 +1,14 @@
-"""Measured short runs: the real pretraining launcher on this machine, one grid point at a time.
-
-Each point runs `launchers/pretrain.py` under torchrun in its own process group with a time
-limit, while the resident memory of all its processes is sampled; the trainer's metrics.jsonl
-gives loss and throughput. A point that fails (out of memory, a bad layout) is recorded with the
-reason and the sweep goes on.
-"""
+"""Measured short runs of grid points on this machine: the pretraining launcher as a study's job
+(`swbert.studies.jobs`), the memory of all its processes sampled; its metrics.jsonl gives loss and
+throughput. A point that fails (out of memory, a bad layout) is recorded with the reason."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,7 +109,7 @@ class Measurement:
     records: list[dict[str, Any]] = field(default_factory=list)
 
     def row(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "records"}
+        return {k: v for k, v in vars(self).items() if k != "records"}
 
 
 def _memory(proc: psutil.Process) -> int:
@@ -126,11 +121,8 @@ def _memory(proc: psutil.Process) -> int:
 
 
 class MemorySampler(threading.Thread):
-    """Samples the memory of a process tree until stopped; kills the tree above `limit` bytes.
-
-    The limit protects whoever else uses the machine: a run that outgrows what was planned for it
-    is stopped here, before the kernel's out-of-memory killer picks a process, maybe someone else's.
-    """
+    """Samples the memory of a process tree until stopped (or the block ends); kills the tree above
+    `limit` bytes, before the kernel's out-of-memory killer picks a process, maybe someone else's."""
 
     def __init__(self, pid: int, limit: float | None = None, interval: float = 0.5) -> None:
         super().__init__(daemon=True)
@@ -163,10 +155,16 @@ class MemorySampler(threading.Thread):
         self._stop_event.set()
         self.join()
 
+    def __enter__(self) -> MemorySampler:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
 
 def pretrain_args(point: GridPoint, ds_config: Path, output_dir: Path, steps: int, dp: int) -> list[str]:
-    """Arguments of `launchers/pretrain.py` for a short run of `point` (measured here, or a task of
-    the grid's job array)."""
+    """`launchers/pretrain.py`'s arguments for a short run of `point` (here, or an array task)."""
     return [
         "--size", point.size, "--attention-type", point.attention, "--seq-len", str(point.seq_len),
         "--micro-batch-size", str(point.micro_batch), "--global-batch-size", str(point.micro_batch * dp),
@@ -187,8 +185,8 @@ def point_command(
     data_dir: str | None = None,
     plugins: Sequence[str] = (),
 ) -> tuple[list[str], Path | None]:
-    """The torchrun command of a measured run of `point`, and the folder it starts in (the checkout:
-    every path it is given is made absolute here, against the caller's working directory)."""
+    """The torchrun command of a measured run of `point` (its paths made absolute: it starts in the
+    checkout), and the folder it starts in."""
     args = pretrain_args(point, absolute(ds_config), absolute(output_dir), steps, ranks // point.layout.tp)
     args += ["--keep-checkpoints", "1", "--resume", "none"]
     args += ["--data-dir", absolute(data_dir)] if data_dir else []
@@ -208,7 +206,7 @@ def run_point(
     plugins: Sequence[str] = (),
 ) -> Measurement:
     """Run `steps` optimizer steps of `point` with `hardware.ranks` processes and measure them
-    (`plugins`: the modules that register its attention variant, imported by every rank)."""
+    (`plugins`: the modules that register its attention variant)."""
     output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     cmd, cwd = point_command(point, ds_config, output_dir, hardware.ranks, steps, data_dir, plugins)
@@ -218,19 +216,13 @@ def run_point(
     limit = hardware.headroom * hardware.host_bytes if hardware.accelerator == "cpu" else None
     samplers: list[MemorySampler] = []
 
-    @contextlib.contextmanager
-    def watch(pid: int) -> Iterator[None]:
+    def watch(pid: int) -> MemorySampler:  # one sampler per attempt: the last is the job's
         samplers.append(MemorySampler(pid, limit))
-        samplers[-1].start()
-        try:
-            yield
-        finally:
-            samplers[-1].stop()
+        return samplers[-1]
 
     end = jobs.run_job(cmd, cwd, env, output_dir / "run.log", timeout_s, watch)
     sampler = samplers[-1]
-    m = Measurement(status="failed", wall_s=end.wall_s)
-    m.peak_rss_gib = sampler.peak_total / GIB
+    m = Measurement("failed", wall_s=end.wall_s, peak_rss_gib=sampler.peak_total / GIB)
     m.peak_rank_rss_gib = sampler.peak_single / GIB
     if sampler.exceeded is not None and limit is not None:
         m.reason = (

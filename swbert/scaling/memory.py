@@ -43,19 +43,12 @@ class ParamTensor:
 
 def model_tensors(config: SWBertConfig) -> list[ParamTensor]:
     """The parameter tensors of `SWBertForMaskedLM` (the tied decoder weight once), read off the
-    model built on the meta device, so every attention variant is counted as it is built.
-
-    Whether tensor parallelism shards a tensor is its plan's say (`swbert.parallel.plan`): the
-    attention projections and per-head parameters, the output projection's weight (row-parallel),
-    the MLP's first layer and second weight, and the word embedding with the tied decoder's bias
-    by vocabulary rows; the rest is replicated.
-    """
-    # imported here: swbert.parallel brings megatron-core and DeepSpeed (seconds, and their import
-    # warnings), which the rest of these closed forms never need
+    model built on the meta device (every variant counted as it is built); whether tensor parallelism
+    shards one is its plan's say (`swbert.parallel.plan`)."""
+    # imported here: swbert.parallel brings megatron-core and DeepSpeed (seconds, import warnings)
     from swbert.parallel.plan import partition_dim
 
-    # a grid asks for the same model many times (per layout, per ZeRO stage): build it once; the
-    # class is part of the key, since a variant's name can be registered to another class
+    # built once per model (a grid asks per layout and stage); a name can be registered to another class
     key = (config.to_json_string(use_diff=False), attention_class(config.attention_type))
     if key not in _TENSORS:
         with torch.device("meta"):
@@ -176,7 +169,7 @@ def model_state_bytes(
     param_buffer_count: int = 5,
     param_buffer_size: int = 100_000_000,
 ) -> StateMemory:
-    """Model-state bytes of one rank after backward (see the module docstring for the layout)."""
+    """Model-state bytes of one rank after backward (docs/scaling.md gives them per stage)."""
     if dp < 1:
         raise ValueError(f"data-parallel size must be >= 1, got {dp}")
     sizes = rank_tensor_sizes(config, layout.tp)
@@ -216,11 +209,8 @@ def model_state_bytes(
 
 
 def deepspeed_estimate(config: SWBertConfig, layout: Layout, dp: int) -> tuple[float, float] | None:
-    """(device, host) bytes from DeepSpeed's own estimators for mixed precision, or None (stage 0/1).
-
-    DeepSpeed counts the peak inside the optimizer step (fp32 gradient copies included) and pads
-    host memory by 1.5x, so it is above `model_state_bytes` by design.
-    """
+    """(device, host) bytes from DeepSpeed's own estimators for mixed precision, or None (stage 0/1):
+    above `model_state_bytes` by design (the peak inside the step, host memory padded by 1.5x)."""
     n = params_per_rank(config, layout.tp)
     offload = layout.offload != "none"
     if layout.zero == 2:

@@ -1,6 +1,5 @@
 """The scaling study: closed forms for every grid point, measured runs where the machine allows,
-one MLflow run per point under a parent run, a CSV and plots; or the grid as a SLURM job array.
-"""
+one MLflow run per point under a parent run, a CSV and plots; or the grid as a SLURM job array."""
 
 from __future__ import annotations
 
@@ -126,9 +125,9 @@ class PointRow:
     @classmethod
     def runner(cls, out: Path, retry_failed: bool, unrecorded: tuple[str, ...]) -> PointRunner[PointRow]:
         """Settles grid points against their point.json; only measured points stand for good."""
-        final, unrecorded_ = frozenset({"measured"}), frozenset(unrecorded)
+        records = Records(out / "points", *RECORDS)
         return PointRunner(
-            Records(out / "points", *RECORDS), lambda d: cls(**d), retry_failed, final, unrecorded_
+            records, lambda d: cls(**d), retry_failed, frozenset({"measured"}), frozenset(unrecorded)
         )
 
 
@@ -208,17 +207,13 @@ def evaluate_point(
     if row["params"] > cfg.measure_max_params:
         row["reason"] = f"not measured: {row['params']:,} parameters > --measure-max-params"
         return row
-    local = point.layout.tp
-    if hardware.ranks % local:
-        row.update(
-            status="skipped", reason=f"tensor-parallel size {local} does not divide --nproc {hardware.ranks}"
-        )
-        return row
+    if hardware.ranks % point.layout.tp:
+        reason = f"tensor-parallel size {point.layout.tp} does not divide --nproc {hardware.ranks}"
+        return {**row, "status": "skipped", "reason": reason}
     local_row = estimate(point, hardware.ranks, vocab, fused_attention=fused)
     reason = hardware.fits(local_row)
     if reason:
-        row.update(status="skipped", reason=f"does not fit this machine: {reason}")
-        return row
+        return {**row, "status": "skipped", "reason": f"does not fit this machine: {reason}"}
     point_dir = cfg.output_dir / "points" / point.name
     ds_config = write_ds_config(point.layout, cfg.output_dir / "ds_configs", _nvme(cfg))
     m = run_point(
@@ -250,8 +245,7 @@ def _nvme(cfg: StudyConfig) -> Path:
 
 
 def _sweep_line(cfg: StudyConfig, point: GridPoint, world: int) -> tuple[str, bool]:
-    """A sweep file's line for `point` on `world` ranks: its launcher flags (True), or a comment
-    saying why it is skipped (False)."""
+    """A sweep file's line for `point` on `world` ranks: its flags (True), or why it is skipped."""
     if world % point.layout.tp:
         return f"# skipped {point.name}: tensor-parallel size does not divide {world} GPUs", False
     if point.layout.sequence_parallel and point.seq_len % point.layout.tp:
@@ -273,12 +267,9 @@ def _sweep_line(cfg: StudyConfig, point: GridPoint, world: int) -> tuple[str, bo
 def emit_slurm(
     cfg: StudyConfig, nodes: int, gpus_per_node: int, extra: list[str] | None = None
 ) -> tuple[Path, str]:
-    """Write the grid as a sweep file for `pretrain.sbatch --sweep` and return (file, sbatch command).
-
-    Each array task runs one grid point for `cfg.steps` steps into output_dir/points/NAME; collect the
-    results afterwards with `launchers/scaling_study.py --collect output_dir`. `gpus_per_node=0`
-    means CPU nodes: one process per node and no GPU request.
-    """
+    """Write the grid as a sweep file for `pretrain.sbatch --sweep` (a point per array task, into
+    output_dir/points/NAME; `--collect output_dir` reads them back) and return (file, sbatch command).
+    `gpus_per_node=0`: CPU nodes, one process each."""
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
     precision = cfg.precision if cfg.precision != "auto" else ("bf16" if gpus_per_node else "fp32")
@@ -309,10 +300,9 @@ def emit_slurm(
 
 
 def collect(output_dir: Path, plugins: list[str] | tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """Rows for a grid run as a job array (see `emit_slurm`): closed forms plus each point's metrics,
-    settled as the studies' points are (`PointRunner`: a point no task has measured is `missing`).
-    Imports only `plugins` (the caller's --plugins), never those grid.json names. The CSV, plots and
-    MLflow runs are written only when at least one point was measured."""
+    """Rows of a grid run as a job array: closed forms and each point's metrics (a point no task has
+    measured is `missing`). Imports only `plugins` (the caller's), never those grid.json names; the
+    CSV, plots and MLflow runs are written once a point was measured."""
     spec = json.loads((output_dir / "grid.json").read_text())
     cfg = StudyConfig(**{**spec["study"], "output_dir": output_dir, "plugins": list(plugins)})
     load_plugins(cfg.plugins)

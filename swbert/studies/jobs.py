@@ -1,10 +1,6 @@
-"""A point's training job: started tied to the study, given a time limit, waited for while another
-job still holds its run folder, and its failure put in one line.
-
-Every study's point that trains (a measured run of the systems grid, a rung of the quality ladder)
-is `launchers/pretrain.py` under torchrun in a session of its own, its output in the point's
-`run.log`.
-"""
+"""A point's training job (`launchers/pretrain.py` under torchrun, in a session of its own, output in
+the point's `run.log`): tied to the study, given a time limit, waited for while another job still
+holds its run folder, and its failure put in one line."""
 
 from __future__ import annotations
 
@@ -37,10 +33,9 @@ BUSY_WAIT_S, BUSY_RETRY_S = 600.0, 10.0
 
 
 def start_job(cmd: list[str], cwd: Path | None, env: dict[str, str], out: Any) -> subprocess.Popen:
-    """Start a training job (torchrun and its ranks) writing to `out`: in its own process group, so
-    a time limit kills it whole, and tied to this process. On Linux the launcher gets SIGTERM the
-    moment this process dies, however it dies (kill -9 included); its ranks then checkpoint and stop
-    (`die_with_launcher`) rather than train on as orphans holding the run folder's lock."""
+    """Start a training job writing to `out`, in its own process group (a time limit kills it whole).
+    On Linux the launcher gets SIGTERM when this process dies, however (kill -9 included): its ranks
+    checkpoint and stop rather than train on as orphans holding the run folder's lock."""
     parent = os.getpid()
     return subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -50,7 +45,7 @@ def start_job(cmd: list[str], cwd: Path | None, env: dict[str, str], out: Any) -
 
 def wait_job(proc: subprocess.Popen, timeout_s: float) -> int | None:
     """The job's exit status, or None when it ran past `timeout_s` (then killed whole). A study that
-    stops (Ctrl-C, SIGTERM) stops its job too, which checkpoints: the point resumes on the next run."""
+    stops (Ctrl-C, SIGTERM) stops its job, which checkpoints."""
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -67,8 +62,8 @@ _ERROR = re.compile(r"^(?:\[rank\d+\]: )?(error: .*|\w*(?:Error|Exception)\b.*)"
 
 
 def last_error(log_path: Path, offset: int = 0) -> str:
-    """The training processes' own error line (not the launcher's summary), else the last line, in
-    what `log_path` holds from byte `offset` on."""
+    """The ranks' own error line (not the launcher's summary), else the last line, of `log_path`
+    from byte `offset` on."""
     with open(log_path, "rb") as f:
         f.seek(offset)
         text = f.read().decode(errors="replace")
@@ -82,17 +77,16 @@ def last_error(log_path: Path, offset: int = 0) -> str:
 
 def pretrain_command(nproc: int, args: Sequence[str]) -> tuple[list[str], Path | None]:
     """`launchers/pretrain.py ARGS` under torchrun on `nproc` local processes, and the folder it
-    starts in (the checkout, where the launchers are; the wheel's copy of them elsewhere)."""
+    starts in (the checkout; None: the wheel's copy of the launchers)."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-        "-m", "swbert.launchers.pretrain", *args,  # the checkout's launchers/ or the wheel's copy
+        "-m", "swbert.launchers.pretrain", *args,
     ]  # fmt: skip
     return cmd, REPO if (REPO / "launchers").is_dir() else None
 
 
 def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a point's job: unbuffered output, and no MLflow store of its own (the
-    study records the point)."""
+    """A point's job's environment: unbuffered, no MLflow store of its own (the study records it)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra or {}))
     env.pop("MLFLOW_TRACKING_URI", None)
     return env
@@ -108,8 +102,7 @@ class JobEnd:
     log: Path
 
     @property
-    def busy(self) -> bool:
-        """Refused because another job still held the run folder (not the point's failure)."""
+    def busy(self) -> bool:  # refused: another job still held the run folder (not a failure)
         return self.rc not in (0, None) and BUSY in self.error
 
     def reason(self, timeout_s: float) -> str | None:
@@ -140,10 +133,9 @@ def run_job(
     timeout_s: float,
     watch: Watch | None = None,
 ) -> JobEnd:
-    """Run a point's job to its end, its output appended to `log_path`; `watch(pid)` is entered
-    around each attempt (a memory watchdog). A job refused because its folder is still held by
-    another one (a killed study's job, checkpointing on its way out) is started again every
-    BUSY_RETRY_S for up to BUSY_WAIT_S."""
+    """Run a point's job to its end, output appended to `log_path`, `watch(pid)` around each attempt
+    (a memory watchdog). One refused because another job (a killed study's, checkpointing on its way
+    out) still holds its folder is started again every BUSY_RETRY_S for up to BUSY_WAIT_S."""
     start, busy_until = time.perf_counter(), time.monotonic() + BUSY_WAIT_S
     with open(log_path, "a") as out:
         while True:

@@ -13,9 +13,8 @@ log = logging.getLogger("swbert.studies")
 
 
 def read_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """A training run's metrics.jsonl as {step: its last record} (a resumed run logs the steps
-    after its checkpoint again). A torn last line (a run cut off while writing) is left out; any
-    other line that is not JSON is an error naming it."""
+    """A training run's metrics.jsonl as {step: its last record} (a resumed run logs steps again). A
+    torn last line (a run cut off while writing) is left out; any other bad line is an error."""
     path = Path(run_dir) / "metrics.jsonl"
     text = path.read_text(encoding="utf-8", errors="replace")
     lines = text.splitlines()
@@ -38,15 +37,11 @@ def read_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
     """One row per dict; the columns are the union of all rows' keys, in first-seen order."""
-    columns: list[str] = []
-    for row in rows:
-        columns += [k for k in row if k not in columns]
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in columns})
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
+        writer.writeheader()  # an absent or None value: an empty cell
+        writer.writerows({k: v for k, v in row.items() if v is not None} for row in rows)
     return path
 
 

@@ -5,6 +5,7 @@ the study was run with: a re-run with others is refused naming what differs, unl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -41,8 +42,8 @@ def read_json(path: Path) -> Any | None:
 
 
 class Records:
-    """A study's point records: `folder/<pattern with the point's name>`, each a JSON object with
-    its format, the key it stands for (None: any) and the study's payload."""
+    """A study's point records, `folder/<pattern>`: JSON with the format, the key it stands for (None:
+    any) and the study's payload."""
 
     def __init__(self, folder: Path, fmt: str, pattern: str = "{name}.json") -> None:
         self.folder, self.fmt, self.pattern = Path(folder), fmt, pattern
@@ -67,15 +68,11 @@ class Records:
         return path
 
     def any(self) -> bool:
-        """Whether any point has a record here."""
         return any(p.is_file() for p in self.folder.rglob(Path(self.pattern).name.format(name="*")))
 
     def set_aside(self, name: str) -> Path:
-        """Move point `name`'s record aside (with its folder when the point has one of its own),
-        for a run with other options: kept, never read back as this point's."""
-        path = self.path(name)
-        own = self.pattern.startswith("{name}/")
-        old = path.parent if own else path
+        """Move point `name`'s record aside (with the point's own folder, if any): kept, never read."""
+        old = self.path(name).parent if self.pattern.startswith("{name}/") else self.path(name)
         aside = old.with_name(f"{old.name}.before-{time.strftime('%Y%m%d-%H%M%S')}")
         os.replace(old, aside)
         return aside
@@ -88,7 +85,7 @@ def jsonable(value: Any) -> Any:
 
 def data_identity(files: Iterable[str | Path]) -> dict[str, str]:
     """{path: sha256} of the files a study's points read (a shard folder's manifest.json, which holds
-    every shard's hash; a fine-tuning task's files): what `study.json` and the point keys hold."""
+    every shard's hash; a fine-tuning task's files)."""
     return {str(Path(f).resolve()): file_sha256(f) for f in dict.fromkeys(files)}
 
 
@@ -115,10 +112,9 @@ def study_changes(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
 def check_study(
     folder: Path, kind: str, spec: dict[str, Any], allow_change: bool = False, records: Records | None = None
 ) -> None:
-    """Keep `spec` (the options that decide a study's points and what each runs) in folder/study.json;
-    a ValueError naming what differs when the folder holds a `kind` study run with other options,
-    unless `allow_change` (then the file takes the new options) or no point has a record in
-    `records` yet (a run stopped by bad input made nothing to relabel)."""
+    """Keep `spec` (the options that decide the points) in folder/study.json; a ValueError naming what
+    differs from the `kind` study there, unless `allow_change` or no point has a record in `records`
+    yet (a run stopped by bad input made nothing to relabel)."""
     spec = jsonable(spec)
     path = Path(folder) / STUDY_FILE
     saved = read_json(path)
@@ -144,18 +140,14 @@ NOT_OPTIONS = ("output_dir", "tracking_uri", "experiment", "plugins", "allow_stu
 
 
 def study_options(config: Any, left_out: Iterable[str], data: dict[str, str] | None = None) -> dict[str, Any]:
-    """A study config's fields, less `NOT_OPTIONS` and `left_out`, and the identity of its `data`
-    (`data_identity`): any field added later counts."""
-    import dataclasses
-
+    """A study config's fields, less `NOT_OPTIONS` and `left_out`, and its `data`'s identity."""
     skip = {*NOT_OPTIONS, *left_out}
     options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in skip}
     return jsonable({**options, DATA: data or {}})
 
 
 def point_key(options: dict[str, Any], chooses: Iterable[str], **point: Any) -> dict[str, Any]:
-    """What a point's record stands for: the study's options (`study_options`) less those that only
-    choose which points there are (a new size or seed leaves the other points' keys alone), and the
-    point's own facts."""
+    """What a point's record stands for: the study's options less those that only choose which points
+    there are (a new size or seed leaves the others' keys alone), and the point's own facts."""
     skip = set(chooses)
     return jsonable({"options": {k: v for k, v in options.items() if k not in skip}, **point})

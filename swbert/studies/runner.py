@@ -1,8 +1,7 @@
-"""The point runner every study uses: plan points, skip the finished, resume the one in flight,
-record failures with their reason, log one MLflow child run per point under the study's parent
-(docs/scaling.md, "Long studies are safe"). A study is a small description: its points' names, what
-running one does (`attempt`), how a result is read back from what a run left when the study
-stopped before recording it (`recover`), and the row and MLflow run a result makes."""
+"""The point runner every study uses: skip the finished points, resume the one in flight, record
+failures with their reason, log one MLflow child run per point under the study's parent
+(docs/scaling.md, "Long studies are safe"). A study says what running a point does (`attempt`), how
+a result is read back from a run the study stopped before recording (`recover`), and its child run."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 from swbert.studies.records import Records, read_json, write_json_atomic
-from swbert.studies.tracking import Tracker, finite, flat_params
+from swbert.studies.tracking import Tracker, flat_params
 
 log = logging.getLogger("swbert.studies")
 
@@ -36,11 +35,10 @@ CHILDREN_FILE = "mlflow_points.json"  # in a study's folder: point name -> its M
 
 
 def absolute(path: str | Path | None) -> Any:
-    """`path` made absolute against the caller's working directory (the type it came as): a study's
-    runs start in the checkout, where a relative path would name another folder, or none."""
+    """`path` made absolute (as the type it came as): a study's runs start in the checkout."""
     if path is None:
         return None
-    return type(path)(Path(path).resolve()) if isinstance(path, str) else Path(path).resolve()
+    return str(Path(path).resolve()) if isinstance(path, str) else Path(path).resolve()
 
 
 def absolute_plugins(plugins: Iterable[str]) -> list[str]:
@@ -49,8 +47,8 @@ def absolute_plugins(plugins: Iterable[str]) -> list[str]:
 
 
 def stop_on_sigterm() -> None:
-    """SIGTERM (a scheduler's stop, `kill`) unwinds like Ctrl-C: the point in flight is told to stop
-    (it checkpoints) before the study exits, so a re-run resumes it and finds no run still going."""
+    """SIGTERM (a scheduler's stop, `kill`) unwinds like Ctrl-C: the point in flight checkpoints and
+    stops before the study exits, so a re-run resumes it."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
@@ -65,10 +63,9 @@ class Settled(Generic[R]):
 
 @dataclass
 class PointRunner(Generic[R]):
-    """Settles points against a study's records: a recorded point is read back, never run again (a
-    failure too, unless `retry_failed`); else one whose run ended is recorded from what it left
-    (`recover`); else it runs (`attempt`). A result whose status is in `unrecorded` (stopped, its
-    folder held, not run yet) is reported, not recorded: the next run of the study runs it."""
+    """Settles points against a study's records: a recorded point is read back (a failure too, unless
+    `retry_failed`); else one whose run ended is recorded from what it left (`recover`); else it runs
+    (`attempt`). A status in `unrecorded` (stopped, folder held, not run yet) is not recorded."""
 
     records: Records
     load: Callable[[dict[str, Any]], R]  # a recorded result (its payload's "result") back
@@ -115,8 +112,8 @@ class ChildRun:
 
 
 class StudyLog:
-    """A point's child run under the study's parent: a parent continued from an earlier run of the
-    study gets only the points trained since (or never logged); a new parent gets every point."""
+    """Points' child runs under the study's parent: a continued parent gets only the points trained
+    since (or never logged); a new one gets every point."""
 
     def __init__(self, tracker: Tracker, folder: Path, parent: str | None = None) -> None:
         self.tracker, self.path, self.parent = tracker, Path(folder) / CHILDREN_FILE, parent
@@ -130,14 +127,15 @@ class StudyLog:
             return  # logged by an earlier run of the study and unchanged since
         with self.live(name, child.tags, child.params, logged) as run_id:
             self.tracker.set_tags(run_id, child.tags)
-            self.tracker.log(run_id, finite(child.metrics))
-            self.tracker.log_curve(run_id, child.curve, child.curve_keys)
+            self.tracker.log(run_id, child.metrics)
+            for record in child.curve:  # `curve_keys` of each record at its step (a loss curve)
+                self.tracker.log(run_id, {k: record.get(k) for k in child.curve_keys}, int(record["step"]))
 
     @contextlib.contextmanager
     def live(
         self, name: str, tags: dict[str, str], params: dict[str, Any], run_id: str | None = None
     ) -> Iterator[str | None]:
-        """The point's child run, open while the point runs (a fine-tuning trial logs as it trains)."""
+        """The point's child run, open while the point runs (a trial logs as it trains)."""
         with self.tracker.run(name, tags, params, run_id=run_id) as run_id:
             yield run_id
         if run_id is not None:
@@ -149,8 +147,8 @@ class StudyLog:
 def study_run(
     folder: Path, store: str, experiment: str, kind: str, params: dict[str, Any], **how: Any
 ) -> Iterator[StudyLog]:
-    """The study's MLflow parent run (`Tracker.sweep`; `how`: its `name`, `resume`, and the
-    tracker's `enabled` and `system_metrics`) and the log of its points."""
+    """The study's MLflow parent run and the log of its points; `how`: `name`, `resume`, `enabled`,
+    `system_metrics`."""
     tracker = Tracker(store, experiment, how.get("enabled", True), how.get("system_metrics", False))
     name = how.get("name") or f"{kind.partition('_')[0]}-{time.strftime('%Y%m%d-%H%M%S')}"
     with tracker.sweep(name, kind, flat_params(params), folder, how.get("resume", True)) as parent:
@@ -165,15 +163,14 @@ def run_points(
     study_log: StudyLog | None = None,
     after: Callable[[list[Settled[R]]], None] | None = None,
 ) -> list[Settled[R]]:
-    """Settle every point in order, logging each (`after` runs on what is settled so far: a table
+    """Settle every point in order, logging each; `after` runs on what is settled so far (a table
     written after every point keeps what an interrupted study has)."""
     done: list[Settled[R]] = []
     for i, point in enumerate(points):
         settled = settle(point)
         done.append(settled)
         result = settled.result
-        status, reason = result.status, result.reason
-        log.info("[%d/%d] %s: %s %s", i + 1, len(points), name(point), status, reason)
+        log.info("[%d/%d] %s: %s %s", i + 1, len(points), name(point), result.status, result.reason)
         if study_log is not None and child is not None:
             study_log.point(settled.name, settled.trained, child(point, settled))
         if after is not None:

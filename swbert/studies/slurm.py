@@ -1,6 +1,5 @@
 """A study as a SLURM job array: one array task per point, written as OUTPUT_DIR/submit.sh; the
-study's `--collect` then reads back what the tasks left (`PointRunner.settle` with an attempt that
-reports a point `missing` rather than running it)."""
+study's `--collect` then reads back what the tasks left (a point no task finished is `missing`)."""
 
 from __future__ import annotations
 

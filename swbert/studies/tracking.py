@@ -69,21 +69,18 @@ class Tracker:
             self.client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
         return run_id
 
-    def log(self, run_id: str | None, metrics: dict[str, float], step: int = 0) -> None:
-        """Log finite metrics at ``step`` (MLflow rejects nan; a missing value reads as missing)."""
+    def log(self, run_id: str | None, metrics: dict[str, Any], step: int = 0) -> None:
+        """Log the finite numbers of `metrics` at ``step`` (MLflow rejects nan; None, a bool or a nan
+        reads as missing)."""
         if not self.enabled or run_id is None:
             return
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(k, v, now, step) for k, v in finite(metrics).items()]
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        batch = [Metric(k, float(v), now, step) for k, v in numbers.items() if math.isfinite(v)]
         for i in range(0, len(batch), 1000):  # MLflow's per-request limit
             self.client.log_batch(run_id, metrics=batch[i : i + 1000])
-
-    def log_curve(self, run_id: str | None, records: list[dict[str, Any]], keys: tuple[str, ...]) -> None:
-        """`keys` of each record at its "step" (a loss curve)."""
-        for record in records:
-            self.log(run_id, {k: record[k] for k in keys if record.get(k) is not None}, int(record["step"]))
 
     def set_tags(self, run_id: str | None, tags: dict[str, str]) -> None:
         if self.enabled and run_id is not None:
@@ -111,19 +108,15 @@ class Tracker:
         folder: Path | None = None,
         resume: bool = False,
     ) -> Iterator[str | None]:
-        """The parent run of a study; its children are nested under it in the MLflow UI. With
-        `folder`, the run is named there for the next run of the study, which continues it
-        (`resume`) or marks it and its children KILLED where they are still RUNNING.
+        """The parent run of a study, with its system metrics (MLflow's monitor). With `folder`, the
+        run is named there for the next run of the study, which continues it (`resume`) or marks it
+        and its children KILLED where they are still RUNNING."""
+        from swbert.runtime.monitor import start_system_metrics, stop_system_metrics
 
-        The study's system metrics (MLflow's monitor: CPU, memory, GPU) are logged to it."""
         run_id = self._open_parent(name, kind, params, folder, resume)
-        monitor = None
-        if run_id is not None and self.system_metrics:
-            from swbert.runtime.monitor import start_system_metrics
-
-            monitor = start_system_metrics(run_id, self.uri)
+        monitor = start_system_metrics(run_id, self.uri) if run_id and self.system_metrics else None
         try:
-            with self._ended(run_id, lambda: self._stop(monitor)):
+            with self._ended(run_id, lambda: stop_system_metrics(monitor)):
                 yield run_id
         finally:
             self.parent_id = None
@@ -131,14 +124,14 @@ class Tracker:
     @contextlib.contextmanager
     def _ended(self, run_id: str | None, before_end: Any = lambda: None) -> Iterator[None]:
         """Ends `run_id` FINISHED after the block, or FAILED (the error re-raised) if it raises."""
+        status = "FAILED"
         try:
             yield
-        except BaseException:
+            status = "FINISHED"
+        finally:
             before_end()
-            self._end(run_id, "FAILED")
-            raise
-        before_end()
-        self._end(run_id, "FINISHED")
+            if self.enabled and run_id is not None:
+                self.client.set_terminated(run_id, status)
 
     def _open_parent(
         self, name: str, kind: str, params: dict | None, folder: Path | None, resume: bool
@@ -158,12 +151,6 @@ class Tracker:
         if folder is not None and run_id is not None:
             write_json_atomic(Path(folder) / PARENT_FILE, {"run_id": run_id, "tracking_uri": self.uri})
         return run_id
-
-    @staticmethod
-    def _stop(monitor: object) -> None:
-        from swbert.runtime.monitor import stop_system_metrics
-
-        stop_system_metrics(monitor)
 
     def log_artifacts(self, run_id: str | None, folder: str | Path, artifact_path: str | None = None) -> None:
         """Files of ``folder`` (reports, figures) as artifacts of ``run_id``."""
@@ -212,7 +199,3 @@ class Tracker:
         for rid in marked:
             self.client.set_terminated(rid, "KILLED")
         return marked
-
-    def _end(self, run_id: str | None, status: str) -> None:
-        if self.enabled and run_id is not None:
-            self.client.set_terminated(run_id, status)

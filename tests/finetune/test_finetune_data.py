@@ -18,9 +18,9 @@ from swbert.finetune.squad_data import (
     read_squad_json,
 )
 from swbert.finetune.squad_post import decode_spans
-from swbert.finetune.synthetic import make_tokenizer, write_glue_fixture, write_squad_fixture
+from swbert.finetune.synthetic import write_glue_fixture, write_squad_fixture
 from swbert.finetune.tasks import GLUE_TASKS, get_task
-from tests.finetune_fixtures import make_checkpoint
+from tests.finetune_fixtures import make_checkpoint, make_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,10 @@ from swbert.finetune.robustness import (
     evaluate_under_noise,
     mean_embedding_norm,
 )
-from swbert.finetune.synthetic import make_tokenizer, write_glue_fixture
+from swbert.finetune.synthetic import write_glue_fixture
 from swbert.finetune.tasks import get_task
 from swbert.finetune.trainer import predict
-from tests.finetune_fixtures import make_checkpoint
+from tests.finetune_fixtures import make_checkpoint, make_tokenizer
 
 
 @pytest.fixture(scope="module")
