@@ -3,7 +3,7 @@
 
     python launchers/report.py --runs-dir runs/glue --out reports/
     MLFLOW_TRACKING_URI=http://mlflow:5000 python launchers/report.py --out reports/
-    python launchers/report.py --tracking-uri sqlite:///runs/glue/mlflow.db --parent-run <id> --out reports/
+    python launchers/report.py --tracking-uri sqlite:///runs/mlflow.db --parent-run <id> --out reports/
     python launchers/report.py --runs-dir runs/glue --out reports/ \\
         --pretrain-runs standard=runs/base-standard shared=runs/base-shared
 

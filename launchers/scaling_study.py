@@ -8,9 +8,10 @@ sizes x attention variants x parallel layouts, with measured short runs where th
     python launchers/scaling_study.py --no-measure --gpus 8 --layouts tp2-z1 tp4-z1 \
         --sequence-parallel false true --activation-checkpointing none full   # how activations are kept
     python launchers/scaling_study.py --quality      # held-out loss of a ladder, fitted (see --quality --help)
+    python launchers/scaling_study.py --quality --isoflop-budgets 2e12 4e12 8e12 1.6e13   # isoFLOP profiles
 
 Writes OUTPUT_DIR/scaling.csv, OUTPUT_DIR/plots/*.png and one MLflow run per grid point under a
-parent run (MLFLOW_TRACKING_URI, else sqlite:///OUTPUT_DIR/mlflow.db). Layouts: z0..z3, optionally
+parent run (MLFLOW_TRACKING_URI, else OUTPUT_DIR/../mlflow.db, shared). Layouts: z0..z3, optionally
 with a tensor-parallel size (tp2-z1) and offload (z3-offload: optimizer; z3-offload-params: both),
 sequence parallelism (tp2-z1-sp) and activation checkpointing (z1-ac-full, z1-ac-selective);
 --sequence-parallel and --activation-checkpointing give every other layout each of their values.

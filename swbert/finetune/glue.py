@@ -33,7 +33,15 @@ from swbert.finetune.glue_data import (
     split_file,
 )
 from swbert.finetune.metrics import glue_metrics
-from swbert.finetune.results import CHECKPOINT, TASK, VARIANT, Summary, Trial, task_summaries
+from swbert.finetune.results import (
+    CHECKPOINT,
+    TASK,
+    VARIANT,
+    Summary,
+    Trial,
+    majority_metrics,
+    task_summaries,
+)
 from swbert.finetune.robustness import DEFAULT_LEVELS, NOISE_SCALES
 from swbert.finetune.sweep import SweepConfig, Trials, TrialSpec, TrialTask, run_trial
 from swbert.finetune.tasks import GLUE_TASKS, PAPER_GLUE_TASKS, GlueTask, get_task
@@ -180,7 +188,9 @@ def glue_trial(
             lambda: load_classifier(ckpt.path, task, **sweep.dropout()),
             data.train,
             collate,
-            lambda m: evaluate_task(m, data, collate, sweep.eval_batch_size),
+            lambda m: (
+                evaluate_task(m, data, collate, sweep.eval_batch_size) | majority_metrics(task, data.dev)
+            ),
             f"{task.main_split}/score",
             tokenizer,
         ),

@@ -5,6 +5,7 @@ docs/finetuning.md ("Tables and figures"). GLUE numbers are in percent (correlat
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -18,16 +19,21 @@ from swbert.finetune import figures
 from swbert.finetune.cross_domain import CROSS_DOMAIN_TASKS
 from swbert.finetune.figures import TRIVIAQA_SUFFIX, Table, Timing, noise_metric, variant_key, variant_label
 from swbert.finetune.results import (
+    CHANCE_RULE,
     DEFAULT_EXPERIMENT,
     TASK,
     VARIANT,
     Summary,
     Trial,
+    chance_metric,
+    is_qa,
     nest_metrics,
     task_summaries,
 )
 from swbert.finetune.tasks import COLUMN_ORDERS, PAPER_AVG_METRIC, get_task, split_label
-from swbert.studies.tracking import KIND
+from swbert.runtime.tracking import STORE_FILE, mlflow_client
+from swbert.studies.records import read_json
+from swbert.studies.tracking import KIND, PARENT_FILE
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +52,10 @@ class ReportConfig:
     """The flags of `launchers/report.py`: where the runs are and where the tables and figures go."""
 
     out: Path  # folder for the .md/.csv/.png files
-    runs_dir: Path | None = None  # a launcher's --output-dir holding mlflow.db
-    # MLflow store (default: $MLFLOW_TRACKING_URI, else --runs-dir's mlflow.db)
+    # a sweep's --output-dir (its store, its last sweep only unless --parent-run) or a folder holding
+    # mlflow.db (every run in it): swbert.runtime.tracking says where a run's store is
+    runs_dir: Path | None = None
+    # MLflow store (default: $MLFLOW_TRACKING_URI, else --runs-dir's)
     tracking_uri: str | None = None
     experiment: str = DEFAULT_EXPERIMENT  # MLflow experiment of the sweeps
     parent_run: list[str] | None = None  # only runs under these sweep (parent) run ids
@@ -68,12 +76,22 @@ class ReportConfig:
 
     def uri(self) -> str | None:
         """The store to read; None when there is none and Figure 2's runs are all there is to report.
-        A ValueError says what to pass when there is nothing at all."""
+        A ValueError says what to pass when there is nothing at all. --runs-dir: a folder holding
+        mlflow.db (a project's shared store, or a run folder's own from before it was shared) is read
+        whole; else a sweep's folder names its store and its last sweep (`PARENT_FILE`), which becomes
+        --parent-run unless that is given."""
         if self.runs_dir is not None:
-            db = self.runs_dir / "mlflow.db"
-            if not db.is_file():
-                raise ValueError(f"--runs-dir {self.runs_dir}: no mlflow.db there")
-            return f"sqlite:///{db.resolve()}"
+            db = self.runs_dir / STORE_FILE
+            if db.is_file():
+                return f"sqlite:///{db.resolve()}"
+            sweep = read_json(self.runs_dir / PARENT_FILE)
+            if not isinstance(sweep, dict) or not sweep.get("tracking_uri"):
+                raise ValueError(
+                    f"--runs-dir {self.runs_dir}: neither {STORE_FILE} nor a sweep's {PARENT_FILE} there; "
+                    "pass a fine-tuning launcher's --output-dir, or the folder holding the runs' mlflow.db"
+                )
+            self.parent_run = self.parent_run or [sweep["run_id"]]
+            return sweep["tracking_uri"]
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not uri and not self.pretrain_runs:
             raise ValueError(
@@ -120,6 +138,69 @@ def _csv(value: float) -> object:
     return "" if value is None or math.isnan(value) else round(100 * value, 4)
 
 
+CHANCE_MARK = "†"  # after a cell whose median hides a seed at chance level (results.at_chance)
+
+
+def _seed_count(summaries: list[Summary]) -> int:
+    """The table's usual number of seeds per cell of several (the most common); a cell with another
+    number says so."""
+    counts = collections.Counter(len(s.seeds) for s in summaries if len(s.seeds) > 1)
+    return counts.most_common(1)[0][0] if counts else 1
+
+
+def _median_cell(s: Summary | None, split: str, metric: str, n: int, unit: float = 1.0) -> str:
+    """The median over seeds, two decimals in percent, and its spread: ``84.12 [83.50–85.01]``, the
+    lowest and highest seed (``, n=2`` inside when the cell has other than the table's `n` seeds);
+    '–' when missing. `unit`: 1 for fractions (GLUE), 100 for percent (SQuAD)."""
+    value = s.median.get(split, {}).get(metric, float("nan")) if s else float("nan")
+    text = _pct(value / unit, 2)
+    low, high, k = s.spread.get(split, {}).get(metric, (0.0, 0.0, 1)) if s else (0.0, 0.0, 1)
+    if k > 1 and not math.isnan(value):
+        text += f" [{_pct(low / unit, 2)}–{_pct(high / unit, 2)}{f', n={k}' if k != n else ''}]"
+    return text
+
+
+def _chance_seeds(summaries: list[Summary | None]) -> str:
+    """``rte=1,3 cola=2``: the seeds at chance level of each task (the CSV's seeds_at_chance)."""
+    return " ".join(
+        f"{s.task}={','.join(map(str, sorted(s.at_chance)))}" for s in summaries if s and s.at_chance
+    )
+
+
+def _spread_csv(s: Summary | None, split: str, metric: str, unit: float = 1.0) -> list[object]:
+    """The lowest and highest seed of a CSV column, in percent (`_csv`; `unit` as `_median_cell`)."""
+    low, high, _ = s.spread.get(split, {}).get(metric, (float("nan"),) * 3) if s else (float("nan"),) * 3
+    return [_csv(low / unit), _csv(high / unit)]
+
+
+def spread_note(summaries: list[Summary]) -> str:
+    """What a table's brackets and its chance mark mean, for the table's note ('' when neither shows)."""
+    notes = []
+    if any(len(s.seeds) > 1 for s in summaries):
+        notes.append(
+            f"[a–b]: the lowest and highest of the n = {_seed_count(summaries)} seeds at that setting "
+            "(n=K in a cell with another number; none for one seed); the CSV's min/max columns (ours)."
+        )
+    if any(s.at_chance for s in summaries):
+        notes.append(f"{CHANCE_MARK} a seed scored at chance level ({CHANCE_RULE}): the median may hide a "
+                     "failed run; the CSV's seeds_at_chance names it.")  # fmt: skip
+    return " ".join(notes)
+
+
+def warn_at_chance(summaries: list[Summary], table: str) -> None:
+    """One console warning per (variant, task) whose median hides a seed at chance level."""
+    for s in summaries:
+        if s.at_chance:
+            split, metric = chance_metric(s.task)
+            unit = 1.0 if is_qa(s.task) else 100.0
+            scores = ", ".join(f"seed {k} {unit * v:.2f}" for k, v in sorted(s.at_chance.items()))
+            log.warning(
+                "%s: %s %s: %s at chance level (%s %s in percent, chance %.2f): a failed run inside the "
+                "median over %d seed(s)", table, s.variant, s.task, scores, split, metric, unit * s.chance,
+                len(s.seeds),
+            )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------- collecting
 
 
@@ -148,9 +229,7 @@ def collect(
     A trial repeated in several sweeps (same variant, task, learning-rate setting and seed) counts once:
     the most recent run wins, so re-running a sweep does not double the seeds.
     """
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri)
+    client = mlflow_client(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         if missing_ok:
@@ -236,27 +315,33 @@ def _cell_label(task: str, splits: list[str]) -> str:
 
 def glue_table(summaries: list[Summary], stsb_metric: str = "pearson", order: str = "paper") -> Table:
     """Table 1 from GLUE summaries (`swbert.finetune.results.task_summaries`), two decimals as
-    the paper prints it, columns in the paper's order (or GLUE's: ``order="glue"``)."""
+    the paper prints it, columns in the paper's order (or GLUE's: ``order="glue"``); each median with
+    its spread over seeds, and a mark where a seed scored at chance level."""
     by = {(s.variant, s.task): s for s in summaries}
     cells = _columns(summaries, order)
-    header, csv_header = ["Model"], ["variant"]
+    header, csv_header, spread_header = ["Model"], ["variant"], []
     for t, splits in cells:
         extra = " (not in Avg)" if t not in PAPER_AVG_METRIC else ""
         metric = METRIC_ABBREV[paper_metric(t, splits[0], stsb_metric)]
         header.append(f"{_cell_label(t, splits)} ({metric}){extra}")
-        csv_header += [f"{split_label(get_task(t), sp)} {m}" for sp in splits for m in get_task(t).metrics]
+        names = [f"{split_label(get_task(t), sp)} {m}" for sp in splits for m in get_task(t).metrics]
+        csv_header += names
+        spread_header += [f"{name} {end}" for name in names for end in ("min", "max")]
     header.append("Avg")
-    csv_header += ["avg", "avg_glue_score_ours", "learning_rates", "seeds"]
+    csv_header += ["avg", "avg_glue_score_ours", "learning_rates", "seeds", *spread_header, "seeds_at_chance"]
+    n = _seed_count(summaries)
     rows, csv_rows = [], []
     for variant in sorted({v for v, _ in by}, key=variant_key):
-        row, csv_row, scores, lrs, seeds = [variant_label(variant)], [variant], [], [], set()
+        row, csv_row, spread, scores, lrs, seeds = [variant_label(variant)], [variant], [], [], [], set()
         mine = {t: s for (v, t), s in by.items() if v == variant}
         for t, splits in cells:
             s = mine.get(t)
             meds = [s.median.get(sp, {}) if s else {} for sp in splits]
             metric = paper_metric(t, splits[0], stsb_metric)
-            row.append("/".join(_pct(med.get(metric, float("nan")), 2) for med in meds))
+            mark = CHANCE_MARK if s and s.at_chance else ""
+            row.append("/".join(_median_cell(s, sp, metric, n) for sp in splits) + mark)
             csv_row += [_csv(med.get(m, float("nan"))) for med in meds for m in get_task(t).metrics]
+            spread += [x for sp in splits for m in get_task(t).metrics for x in _spread_csv(s, sp, m)]
             scores += [m["score"] for m in meds if not math.isnan(m.get("score", float("nan")))]
             if s:
                 lrs.append(f"{t}={s.lr_label}")
@@ -266,13 +351,14 @@ def glue_table(summaries: list[Summary], stsb_metric: str = "pearson", order: st
         ours = float(np.mean(scores)) if scores else float("nan")
         csv_row += [_csv(avg), _csv(ours), " ".join(dict.fromkeys(lrs)), "/".join(map(str, sorted(seeds)))]
         rows.append(row)
-        csv_rows.append(csv_row)
+        csv_rows.append(csv_row + spread + [_chance_seeds([mine.get(t) for t, _ in cells])])
     note = (
         "Avg: the mean over the paper's eight tasks (MRPC, CoLA, MNLI-m, QQP, RTE, STS-B, QNLI, SST-2) "
         f"of the metric shown, MNLI matched only, STS-B as {stsb_metric.capitalize()}; '–' unless all eight "
         "were run. The CSV's avg_glue_score_ours is the mean of GLUE's task scores over every task run "
         "(ours). Each number: the median over seeds at the best learning-rate setting (ours)."
     )
+    note = " ".join(filter(None, [note, spread_note(summaries)]))
     return Table(
         "Table 1: GLUE dev (median over seeds, best learning rate)", header, rows, csv_header, csv_rows, note
     )
@@ -286,13 +372,10 @@ def squad_average(em_f1: list[tuple[float, float]]) -> tuple[float, float]:
     return float(np.mean([em for em, _ in em_f1])), float(np.mean([f1 for _, f1 in em_f1]))
 
 
-def _em_f1(em: float, f1: float) -> str:
-    return f"{_pct(em / 100, 2)}/{_pct(f1 / 100, 2)}"
-
-
 def squad_table(summaries: list[Summary]) -> Table:
     """Table 2: EM/F1 per SQuAD version and their average over v1.1 and v2.0, two decimals as the paper
-    prints it; ``NAME+triviaqa`` rows are the paper's "single + TriviaQA"."""
+    prints it, each median with its spread over seeds and a mark where a seed scored at chance level;
+    ``NAME+triviaqa`` rows are the paper's "single + TriviaQA"."""
     by = {(s.variant, s.task): s for s in summaries}
     versions = [v for v in ("1.1", "2.0") if any(t == f"squad{v}" for _, t in by)]
     both = len(versions) == 2
@@ -302,34 +385,43 @@ def squad_table(summaries: list[Summary]) -> Table:
         + [f"v{v} {m}" for v in versions for m in ("exact", "f1")]
         + (["average exact", "average f1"] if both else [])
         + ["learning_rates", "seeds"]
+        + [f"v{v} {m} {end}" for v in versions for m in ("exact", "f1") for end in ("min", "max")]
+        + ["seeds_at_chance"]
     )
     rows, csv_rows = [], []
+    shown = [s for s in summaries if s.task.startswith("squad")]
+    n = _seed_count(shown)
     squad_variants = sorted({v for v, t in by if t.startswith("squad")}, key=variant_key)
     for variant in squad_variants:
-        row, csv_row, lrs, seeds, pairs = [variant_label(variant)], [variant], [], set(), []
-        for v in versions:
-            s = by.get((variant, f"squad{v}"))
+        row, csv_row, lrs, seeds, pairs, spread = [variant_label(variant)], [variant], [], set(), [], []
+        mine = [by.get((variant, f"squad{v}")) for v in versions]
+        for v, s in zip(versions, mine):
             med = s.median.get("validation", {}) if s else {}
             em, f1 = med.get("exact", float("nan")), med.get("f1", float("nan"))
-            row.append(_em_f1(em, f1))
+            cell = "/".join(_median_cell(s, "validation", m, n, unit=100.0) for m in ("exact", "f1"))
+            row.append(cell + (CHANCE_MARK if s and s.at_chance else ""))
             csv_row += [em, f1]
+            spread += [x for m in ("exact", "f1") for x in _spread_csv(s, "validation", m, unit=100.0)]
             if s:
                 pairs.append((em, f1))
                 lrs.append(f"v{v}={s.lr_label}")
                 seeds.add(len(s.seeds))
         if both:
             avg = squad_average(pairs)
-            row.append(_em_f1(*avg))
+            row.append(f"{_pct(avg[0] / 100, 2)}/{_pct(avg[1] / 100, 2)}")
             csv_row += list(avg)
         rows.append(row)
-        csv_rows.append(csv_row + [" ".join(lrs), "/".join(map(str, sorted(seeds)))])
+        csv_rows.append(
+            csv_row + [" ".join(lrs), "/".join(map(str, sorted(seeds)))] + spread + [_chance_seeds(mine)]
+        )
     notes = ["Average: the mean of v1.1 and v2.0 (the paper's Average column)."] if both else []
     if any(v.endswith(TRIVIAQA_SUFFIX) for v in squad_variants):
         notes.append(
             "A '+ TriviaQA' row was fine-tuned on TriviaQA reading comprehension first, then on SQuAD."
         )
+    notes.append(spread_note(shown))
     title = "Table 2: SQuAD dev (median over seeds, best learning rate)"
-    return Table(title, header, rows, csv_header, csv_rows, " ".join(notes))
+    return Table(title, header, rows, csv_header, csv_rows, " ".join(filter(None, notes)))
 
 
 def noise_table(noise: dict[tuple[str, str, str], dict[int, dict[float, float]]], scale: str) -> Table:
@@ -403,9 +495,13 @@ def build_report(
     ``pretrain_runs``: name -> run folder) and ``figure3_finetune_time``."""
     tables: dict[str, Table] = {}
     if collected.glue:
-        tables["table1_glue"] = glue_table(task_summaries(collected.glue), stsb_metric, column_order)
+        glue = task_summaries(collected.glue)
+        tables["table1_glue"] = glue_table(glue, stsb_metric, column_order)
+        warn_at_chance(glue, "Table 1")
     if any(t.task.startswith("squad") for t in collected.squad):
-        tables["table2_squad"] = squad_table(task_summaries(collected.squad))
+        squad = [s for s in task_summaries(collected.squad) if s.task.startswith("squad")]
+        tables["table2_squad"] = squad_table(squad)
+        warn_at_chance(squad, "Table 2")
     for scale, stem in NOISE_TABLES.items():
         if any(k[2] == scale for k in collected.noise):
             tables[stem] = noise_table(collected.noise, scale)

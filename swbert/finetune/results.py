@@ -3,7 +3,9 @@
 For each variant and task: the median over seeds of every metric, at the learning-rate setting whose
 median selection score on the main dev split is best. This is our aggregation, not the paper's (it does
 not say how it combines seeds; docs/paper.md). The launchers print this at the end of a sweep and the
-report command computes it again from MLflow, with the same function.
+report command computes it again from MLflow, with the same function. Beside each median: the spread
+over those seeds (lowest and highest, and how many), and the seeds that scored at chance level
+(`at_chance`, our definition), which a median can hide.
 """
 
 from __future__ import annotations
@@ -11,13 +13,15 @@ from __future__ import annotations
 import math
 import shutil
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from swbert.finetune.tasks import get_task
+from swbert.finetune.figures import noise_metric
+from swbert.finetune.tasks import GlueTask, get_task
 
 # the MLflow tags of fine-tuning's child runs besides swbert.kind (what the report reads)
 VARIANT, TASK, CHECKPOINT = "swbert.variant", "swbert.task", "swbert.checkpoint"
@@ -76,6 +80,12 @@ class Summary:
     """Learning-rate setting (one rate, or a stepped sequence) -> median selection score."""
     later_lrs: tuple[float, ...] = ()
     """The chosen setting's later rates when it is a stepped plan."""
+    spread: dict[str, dict[str, tuple[float, float, int]]] = field(default_factory=dict)
+    """split -> metric -> (lowest, highest, number of seeds with a value) over the chosen seeds."""
+    at_chance: dict[int, float] = field(default_factory=dict)
+    """Seed -> its score (`chance_metric`) for the chosen seeds that scored at chance level."""
+    chance: float = float("nan")
+    """The task's chance score (`chance_score`) those seeds are judged against."""
 
     @property
     def lr_label(self) -> str:
@@ -100,9 +110,107 @@ def prune_models(trials: list[Trial], keep: Trial) -> None:
             shutil.rmtree(t.model_dir, ignore_errors=True)
 
 
+def _finite(values: list[float]) -> list[float]:
+    return [v for v in values if v is not None and not math.isnan(v)]
+
+
 def _nanmedian(values: list[float]) -> float:
-    finite = [v for v in values if v is not None and not math.isnan(v)]
+    finite = _finite(values)
     return float(np.median(finite)) if finite else float("nan")
+
+
+def _over_seeds(chosen: list[Trial]) -> tuple[dict, dict]:
+    """The median (`Summary.median`) and the spread (`Summary.spread`) of every metric over `chosen`."""
+    median: dict[str, dict[str, float]] = {}
+    spread: dict[str, dict[str, tuple[float, float, int]]] = {}
+    for sp in sorted({s for t in chosen for s in t.metrics}):
+        median[sp] = {}
+        for m in sorted({m for t in chosen for m in t.metrics.get(sp, {})}):
+            values = [t.metrics.get(sp, {}).get(m, float("nan")) for t in chosen]
+            median[sp][m] = _nanmedian(values)
+            finite = _finite(values)
+            if finite:
+                spread.setdefault(sp, {})[m] = (min(finite), max(finite), len(finite))
+    return median, spread
+
+
+# ------------------------------------------------------------------------------ chance level (ours)
+# A seed "at chance" scored no better than a model that learned nothing; the report flags a median
+# that hides one. The paper reports no per-seed numbers: this definition and its margin are ours.
+
+CHANCE_MARGIN = 0.02
+"""How far above its chance score a seed still counts as at chance: 2 points of accuracy, MCC or
+correlation (GLUE metrics are fractions; SQuAD's are percent, so 2.0 there)."""
+CHANCE_RULE = (
+    "ours: accuracy at most 2 points above the dev labels' majority class (1/classes for runs that "
+    "did not log it), MCC or correlation at most 0.02 or none, SQuAD F1 at most 2 above answering nothing"
+)
+"""`at_chance` in words, for the tables' notes."""
+MAJORITY = "majority_accuracy"
+"""What a GLUE trial logs per dev split beside its metrics: the share of the split's labels in its
+most frequent class, the accuracy of always predicting that class (`majority_metrics`)."""
+
+
+def is_qa(task: str) -> bool:
+    """SQuAD (``squad1.1``, ``squad2.0``) or TriviaQA, not a GLUE task."""
+    return task.startswith("squad") or task == "triviaqa"
+
+
+def majority_metrics(task: GlueTask, dev: Mapping[str, tuple[Any, Any]]) -> dict[str, float]:
+    """``<split>/majority_accuracy`` of each dev split (``split -> (examples, encoded)``) of a
+    classification task; none for a regression task (STS-B)."""
+    if task.is_regression:
+        return {}
+    out = {}
+    for split, (examples, _) in dev.items():
+        counts = np.bincount(np.asarray(examples.labels, dtype=np.int64), minlength=task.num_labels)
+        out[f"{split}/{MAJORITY}"] = float(counts.max() / max(1, counts.sum()))
+    return out
+
+
+def chance_metric(task: str) -> tuple[str, str]:
+    """(split, metric) a trial of `task` is judged on: the main dev split's accuracy where the task
+    has one, else its own metric (CoLA: MCC, STS-B: Pearson); F1 for SQuAD and TriviaQA."""
+    if is_qa(task):
+        return "validation", "f1"
+    t = get_task(task)
+    return t.main_split, noise_metric(t)
+
+
+def chance_score(trial: Trial) -> float:
+    """What a model that learned nothing scores on `chance_metric` (ours). Accuracy: the majority
+    class's share of the dev labels the trial logged (`MAJORITY`), else 1 / the number of classes
+    (uniform guessing, for runs that did not log it). MCC and correlations: 0. SQuAD v2.0: the share of
+    unanswerable questions (answering none gets those right), else 0 (v1.1, TriviaQA). In the metric's
+    units: GLUE fractions, SQuAD percent."""
+    split, metric = chance_metric(trial.task)
+    got = trial.metrics.get(split, {})
+    if is_qa(trial.task):
+        total, unanswerable = got.get("total"), got.get("NoAns_total")
+        return 100.0 * unanswerable / total if total and unanswerable else 0.0
+    if metric == "accuracy":
+        return got.get(MAJORITY, 1.0 / get_task(trial.task).num_labels)
+    return 0.0
+
+
+def at_chance(trial: Trial) -> bool:
+    """Whether the trial scored at most `CHANCE_MARGIN` above its `chance_score` (or below it). A
+    correlation with no value counts as at chance: a constant prediction has none (`glue_metrics`)."""
+    split, metric = chance_metric(trial.task)
+    value = trial.metrics.get(split, {}).get(metric)
+    if value is None or math.isnan(value):
+        return metric in ("pearson", "spearman")
+    return value <= chance_score(trial) + CHANCE_MARGIN * (100.0 if is_qa(trial.task) else 1.0)
+
+
+def seeds_at_chance(trials: list[Trial]) -> dict[int, float]:
+    """Seed -> its `chance_metric` value for the trials `at_chance`."""
+    out = {}
+    for t in trials:
+        if at_chance(t):
+            split, metric = chance_metric(t.task)
+            out[t.seed] = t.metrics.get(split, {}).get(metric, float("nan"))
+    return out
 
 
 def summarize(
@@ -134,19 +242,15 @@ def summarize(
             key=lambda k: (-math.inf if math.isnan(per_lr[k]) else per_lr[k], tuple(-x for x in k)),
         )
         chosen = sorted(by_lr[best], key=lambda t: t.seed)
-        median: dict[str, dict[str, float]] = {}
-        for sp in sorted({s for t in chosen for s in t.metrics}):
-            names = sorted({m for t in chosen for m in t.metrics.get(sp, {})})
-            median[sp] = {
-                m: _nanmedian([t.metrics.get(sp, {}).get(m, float("nan")) for t in chosen]) for m in names
-            }
+        median, spread = _over_seeds(chosen)
         target = per_lr[best]
         nearest = min(
             chosen, key=lambda t: (abs(score(t) - target) if not math.isnan(score(t)) else math.inf, t.seed)
         )
-        out.append(
-            Summary(variant, task, best[0], [t.seed for t in chosen], median, nearest, per_lr, best[1:])
-        )
+        seeds = [t.seed for t in chosen]
+        summary = Summary(variant, task, best[0], seeds, median, nearest, per_lr, best[1:], spread)
+        summary.at_chance, summary.chance = seeds_at_chance(chosen), chance_score(nearest)
+        out.append(summary)
     return sorted(out, key=lambda s: (s.variant, s.task))
 
 
@@ -155,6 +259,6 @@ def task_summaries(trials: list[Trial]) -> list[Summary]:
     score on its main dev split."""
     splits, metrics = {}, {}
     for name in {t.task for t in trials}:
-        qa = name.startswith("squad") or name == "triviaqa"
+        qa = is_qa(name)
         splits[name], metrics[name] = ("validation", "f1") if qa else (get_task(name).main_split, "score")
     return summarize(trials, splits, metrics)

@@ -21,8 +21,9 @@ from swbert.studies.runner import absolute, absolute_plugins
 class StudyOptions:
     """Where a study writes and tracks, and what it may import or change."""
 
-    output_dir: Path  # the study's folder: its records, tables, plots and (by default) mlflow.db
-    # MLflow store (default: $MLFLOW_TRACKING_URI, else <output-dir>/mlflow.db)
+    output_dir: Path  # the study's folder: its records, tables and plots
+    # MLflow store (default: $MLFLOW_TRACKING_URI, else mlflow.db beside the output folder, shared by
+    # every run there; swbert.runtime.tracking)
     tracking_uri: str | None = None
     experiment: str  # MLflow experiment name
     # modules imported first that register attention variants (ours; see swbert.models.plugins):
@@ -36,7 +37,8 @@ class StudyOptions:
         load_plugins(self.plugins)
 
     def store(self) -> str:
-        """The MLflow store: --tracking-uri, else $MLFLOW_TRACKING_URI, else the folder's mlflow.db."""
+        """The MLflow store: --tracking-uri, else `tracking_uri`: $MLFLOW_TRACKING_URI, else the
+        mlflow.db beside the output folder (the folder's own one, for a study made before it was shared)."""
         return self.tracking_uri or tracking_uri(self.output_dir)
 
     def make_absolute(self) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from swbert.runtime.tracking import experiment_id
+from swbert.runtime.tracking import experiment_id, mlflow_client
 from swbert.studies.records import read_json, write_json_atomic
 
 log = logging.getLogger("swbert.studies")
@@ -32,29 +32,16 @@ def flat_params(values: dict[str, Any]) -> dict[str, str]:
     }
 
 
-def finite(values: dict[str, Any]) -> dict[str, float]:
-    """The finite numbers of `values` (not booleans): what MLflow takes as metrics."""
-    out = {}
-    for key, value in values.items():
-        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-            out[key] = float(value)
-    return out
-
-
 class Tracker:
     """A thin MLflow client wrapper; ``enabled=False`` (non-zero ranks) makes every call a no-op."""
 
     def __init__(self, uri: str, experiment: str, enabled: bool = True, system_metrics: bool = True) -> None:
-        self.enabled = enabled
+        self.enabled, self.uri, self.system_metrics = enabled, uri, system_metrics
         self.parent_id: str | None = None
         self.continued = False  # the parent run is an earlier run of the study, continued
-        self.uri = uri
-        self.system_metrics = system_metrics
         if not enabled:
             return
-        from mlflow import MlflowClient
-
-        self.client = MlflowClient(uri)
+        self.client = mlflow_client(uri)  # rides out another job's lock on a shared SQLite store
         self.experiment_id = experiment_id(uri, experiment)
 
     def _create(self, name: str, tags: dict[str, str], params: dict | None) -> str | None:

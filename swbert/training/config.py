@@ -156,7 +156,7 @@ class TrainConfig:
     # train_tokenizer wrote): without --data-dir, the default corpus is tokenized with it; with
     # --data-dir (--data-mix), it must be the tokenizer the shards were made with. None: the data's
     tokenizer: str | None = None
-    mlflow: bool = True  # log to MLflow (MLFLOW_TRACKING_URI, else a SQLite store in output_dir)
+    mlflow: bool = True  # log to MLflow (MLFLOW_TRACKING_URI, else mlflow.db beside output_dir)
     system_metrics: bool = True  # MLflow's system metrics (CPU, memory, disk, network; GPUs when present)
     progress_bar: bool = True  # a tqdm bar on rank 0
     num_threads: int | None = None  # CPU: torch threads per rank (default: cores / local ranks)

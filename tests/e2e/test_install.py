@@ -162,13 +162,13 @@ def test_the_default_store_holds_a_loadable_model_system_metrics_and_the_configs
     here, run = wheel_run
     assert run.returncode == 0, run.stderr[-3000:]
     out = here / "run"
-    uri = f"sqlite:///{out / 'mlflow.db'}"
+    uri = f"sqlite:///{out.parent / 'mlflow.db'}"
     assert f"MLflow store:                {uri}" in run.stdout
     client = MlflowClient(uri)
     run_id = (out / "mlflow_run_id").read_text().strip()
     info = client.get_run(run_id)
     assert info.info.status == "FINISHED"
-    assert info.info.artifact_uri.startswith((out / "mlartifacts").as_uri())
+    assert info.info.artifact_uri.startswith((out.parent / "mlartifacts").as_uri())
 
     system = {k for k in info.data.metrics if k.startswith("system/")}
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= system, system

@@ -269,7 +269,7 @@ def test_bad_input_errors_name_what_to_change(data_dir, tmp_path, capsys):
     assert read_metrics(out)[3]["lr"] == pytest.approx(1e-3 * 4 / 5)  # warm-up step 4 of 5, new peak
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=f"sqlite:///{out.parent / 'mlflow.db'}")
     run = client.get_run((out / "mlflow_run_id").read_text().strip())
     assert run.data.tags["resume_change.step_00000002"] == "seed: 1234 -> 99; lr: 0.002 -> 0.001"
     # the exit status and message of a real process

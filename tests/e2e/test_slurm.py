@@ -432,7 +432,7 @@ def test_finetune_job_on_one_node(cluster, tmp_path):
     cluster.wait(bogus)
     text = (tmp_path / f"slurm-{job}.out").read_text()
     assert cluster.accounting(job)[-1] == ("COMPLETED", "0:0"), text + cluster.logs()
-    assert (out / "mlflow.db").is_file()
+    assert (out.parent / "mlflow.db").is_file()
     job_txt = (tmp_path / "logs" / f"swbert-finetune-{job}" / "job.txt").read_text()
     assert "--resume" not in job_txt
     assert cluster.accounting(bogus)[-1] == ("FAILED", "2:0")

@@ -7,6 +7,7 @@ import json
 import runpy
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from swbert.finetune.report import collect
@@ -63,8 +64,8 @@ STANDARD = {
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("report")
-    tracker = Tracker(tracking_uri(root), DEFAULT_EXPERIMENT)
+    root = tmp_path_factory.mktemp("report")  # a project's folder: its sweeps share root/mlflow.db
+    tracker = Tracker(tracking_uri(root / "glue"), DEFAULT_EXPERIMENT)
     with tracker.sweep("first", "glue_sweep") as first:
         # standard/MRPC: lr 1e-4 scores .83 .85 .87 (median .85); lr 2e-5 scores .75 .91 .88 (median .88) wins
         for seed, (a, f) in enumerate([(0.80, 0.86), (0.82, 0.88), (0.84, 0.90)], 1):
@@ -124,11 +125,17 @@ def store(tmp_path_factory):
         # a run from before the diagonal took the task's own labels: its binary diagonal is left out
         with tracker.run("cross", {KIND: "cross_domain", VARIANT: "shared", TASK: "qnli"}) as rid:
             tracker.log(rid, {"qnli/validation/accuracy": 0.99, "mnli/validation_matched/accuracy": 0.5})
-    with tracker.sweep("second", "glue_sweep"):
+    with tracker.sweep("second", "glue_sweep", folder=root / "glue"):  # names the sweep in its folder
         trial(
             tracker, "standard", "mrpc", 2e-5, 1, mrpc(0.90, 0.92)
         )  # a re-run replaces seed 1, not a 4th seed
     return root, first
+
+
+def spread(values: list[float], n: int = 3) -> str:
+    """A Table 1 cell computed here: the median over seeds, [lowest–highest], n when not the table's."""
+    more = f", n={len(values)}" if len(values) != n else ""
+    return f"{100 * np.median(values):.2f} [{100 * min(values):.2f}–{100 * max(values):.2f}{more}]"
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -150,13 +157,25 @@ def test_tables_from_a_store(store, tmp_path, capsys):
     # The paper's Avg, by hand: its eight tasks, one metric each (MNLI matched; accuracy for QQP and MRPC,
     # Pearson for STS-B); standard's MRPC at lr 2e-5 after the re-run has accuracies .90 .90 .86: median .90
     paper_avg = (65 + 85 + 88 + 91 + 50 + 86 + 90 + 62) / 8
-    assert md[4] == (
-        f"| standard | 90.00 | 50.00 | 65.00/66.00 | 85.00 | 62.00 | 86.00 | 88.00 | 91.00 | 30.00 | {paper_avg:.2f} |"
+    # each median with the lowest and highest seed; 3 seeds is the table's usual number, shared's MRPC
+    # has 2; WNLI's one seed (30%) is below chance for two classes (no majority share logged: 1/2)
+    mrpc_, mnli_m, mnli_mm = (
+        spread([0.90, 0.90, 0.86]),
+        spread([0.60, 0.70, 0.65]),
+        spread([0.61, 0.69, 0.66]),
     )
-    assert md[5] == "| shared | 85.00 | – | 60.00/– | – | – | – | – | – | – | – |"  # not all eight: no Avg
-    assert "Avg: the mean over the paper's eight tasks" in md[-1]
+    assert md[4] == (
+        f"| standard | {mrpc_} | 50.00 | {mnli_m}/{mnli_mm} | 85.00 | 62.00 | 86.00 | 88.00 | 91.00 | "
+        f"30.00† | {paper_avg:.2f} |"
+    )
+    shared_mrpc = spread([0.9, 0.8], n=3)
+    assert md[5] == f"| shared | {shared_mrpc} | – | 60.00/– | – | – | – | – | – | – | – |"  # no Avg
+    assert "Avg: the mean over the paper's eight tasks" in md[-1] and "n = 3 seeds" in md[-1]
+    assert "† a seed scored at chance level" in md[-1]
     rows = read_csv(tmp_path / "table1_glue.csv")
     assert rows[0]["MRPC accuracy"] == "90.0" and rows[0]["MRPC f1"] == "92.0" and rows[0]["seeds"] == "1/3"
+    assert (float(rows[0]["MRPC accuracy min"]), float(rows[0]["MRPC accuracy max"])) == (86.0, 90.0)
+    assert rows[0]["seeds_at_chance"] == "wnli=1" and rows[1]["seeds_at_chance"] == ""
     assert float(rows[0]["avg"]) == pytest.approx(paper_avg)
     # ours, labelled: the mean of GLUE's task scores over every column run (MNLI-mm and WNLI included)
     ours = (65 + 66 + 82.5 + 88 + 91 + 50 + 85 + 91 + 62 + 30) / 10
@@ -271,7 +290,7 @@ def test_parent_filter_and_failed_runs(store):
 
 def test_empty_experiment_and_missing_store(store, tmp_path, capsys):
     root, _ = store
-    Tracker(tracking_uri(root), "empty")  # an experiment with no runs
+    Tracker(tracking_uri(root / "glue"), "empty")  # an experiment with no runs
     assert report_main(["--runs-dir", str(root), "--experiment", "empty", "--out", str(tmp_path)]) == 1
     assert "no finished fine-tuning runs in experiment 'empty'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:  # one line, no traceback
@@ -281,3 +300,66 @@ def test_empty_experiment_and_missing_store(store, tmp_path, capsys):
     assert err.count("\n") == 1, err
     with pytest.raises(SystemExit):
         report_main(["--runs-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path)])
+
+
+@pytest.mark.slow  # reads the store the `store` fixture fills
+def test_a_sweep_folder_under_a_shared_store_reports_its_last_sweep(store, tmp_path, capsys):
+    """--runs-dir of a sweep's folder (no mlflow.db of its own): the store and the sweep its
+    sweep_run.json names, not every sweep in the project's store."""
+    root, _ = store
+    assert not (root / "glue" / "mlflow.db").exists()
+    assert report_main(["--runs-dir", str(root / "glue"), "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "table1_glue.md").read_text().splitlines()
+    assert md[2] == "| Model | MRPC (Acc) | Avg |" and md[4] == "| standard | 90.00 | – |"
+    with pytest.raises(SystemExit):
+        report_main(["--runs-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path)])
+    assert "neither mlflow.db nor a sweep's sweep_run.json" in capsys.readouterr().err
+
+
+def test_the_spread_over_seeds_and_a_seed_at_chance(tmp_path, caplog):
+    """Three seeds, one at chance level: the table shows the median with the lowest and highest seed,
+    marks the cell, names the seed in the CSV and warns on the console; the numbers are computed here."""
+    from types import SimpleNamespace
+
+    from swbert.finetune.report import Collected, build_report
+    from swbert.finetune.results import CHANCE_MARGIN, Trial, majority_metrics
+    from swbert.finetune.tasks import get_task
+
+    labels = np.array([0, 1, 1, 0, 1, 1, 1, 0])  # RTE-like dev labels: 5 of 8 in class 1
+    majority = majority_metrics(get_task("rte"), {"validation": (SimpleNamespace(labels=labels), None)})
+    share = np.bincount(labels).max() / len(labels)
+    assert majority == {"validation/majority_accuracy": pytest.approx(share)}
+    rte = {"shared": [0.80, share, 0.76], "standard": [share + 0.1, share + 0.08, share + 2 * CHANCE_MARGIN]}
+    cola = [0.30, 0.0, 0.35]  # MCC 0: a model that learned nothing
+    glue = [
+        Trial(v, "rte", 1e-4, seed, {"validation": {"accuracy": a, "score": a, "majority_accuracy": share}})
+        for v, accs in rte.items()
+        for seed, a in enumerate(accs, 1)
+    ] + [Trial("shared", "cola", 1e-4, seed, {"validation": {"matthews": m, "score": m}}) for seed, m in
+         enumerate(cola, 1)]  # fmt: skip
+    unanswerable = 0.5  # SQuAD v2.0: answering nothing scores the unanswerable half
+    f1s = [71.0, 100 * unanswerable + 1.0, 74.0]
+    squad = [
+        Trial("shared", "squad2.0", 1e-4, seed, {"validation": {"exact": f1 - 3, "f1": f1, "total": 200.0,
+                                                                "NoAns_total": 200.0 * unanswerable}})
+        for seed, f1 in enumerate(f1s, 1)
+    ]  # fmt: skip
+    with caplog.at_level("WARNING", logger="swbert.finetune.report"):
+        tables = build_report(Collected(glue=glue, squad=squad), tmp_path)
+    t1 = {row[0]: row for row in tables["table1_glue"].rows}
+    assert tables["table1_glue"].header[1:3] == ["CoLA (MCC)", "RTE (Acc)"]
+    assert t1["shared"][2] == spread(rte["shared"]) + "†"
+    assert t1["shared"][1] == spread(cola) + "†"
+    assert t1["standard"][2] == spread(rte["standard"])  # 2 points above chance: no mark
+    rows = {r["variant"]: r for r in read_csv(tmp_path / "table1_glue.csv")}
+    low, high = float(rows["shared"]["RTE accuracy min"]), float(rows["shared"]["RTE accuracy max"])
+    assert (low, high) == pytest.approx((100 * min(rte["shared"]), 100 * max(rte["shared"])))
+    assert rows["shared"]["seeds_at_chance"] == "cola=2 rte=2" and rows["standard"]["seeds_at_chance"] == ""
+    ems = [f - 3 for f in f1s]
+    cell = f"{np.median(ems):.2f} [{min(ems):.2f}–{max(ems):.2f}]/{np.median(f1s):.2f} [{min(f1s):.2f}–{max(f1s):.2f}]†"
+    assert tables["table2_squad"].rows == [["shared", cell]]
+    assert "† a seed scored at chance level" in tables["table2_squad"].note
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("shared rte: seed 2" in m and f"chance {100 * share:.2f}" in m for m in warned), warned
+    assert any("shared squad2.0: seed 2" in m and f"chance {100 * unanswerable:.2f}" in m for m in warned)
+    assert not any("standard rte" in m for m in warned)

@@ -14,8 +14,9 @@ import torch
 from mlflow import MlflowClient
 
 from swbert import SWBertConfig, SWBertForSequenceClassification
-from swbert.finetune.glue_data import EncodedDataset, pad_collate
+from swbert.finetune.glue_data import EncodedDataset, load_glue_split, pad_collate
 from swbert.finetune.synthetic import write_glue_fixture, write_squad_fixture
+from swbert.finetune.tasks import get_task
 from swbert.finetune.trainer import FinetuneConfig, deepspeed_config, fit
 from tests.finetune_fixtures import make_checkpoint, write_triviaqa_fixture
 
@@ -57,7 +58,7 @@ def glue_run(tmp_path_factory, store):
             "--max-seq-length", "32", "--noise-levels", "0", "0.2", "--noise-seeds", "0", "--cross-domain",
             "--tracking-uri", store, "--experiment", "glue"]  # fmt: skip
     assert launcher("finetune_glue")(argv) == 0
-    assert not (out / "mlflow.db").exists()  # --tracking-uri wins over the default store
+    assert not (out / "mlflow.db").exists() and not (root / "mlflow.db").exists()  # --tracking-uri wins
     return out, {
         (r.data.tags["swbert.kind"], r.data.tags.get("swbert.task")): r for r in runs_of(store, "glue")
     }
@@ -85,6 +86,12 @@ def test_regression_and_pair_tasks_produce_their_metrics(glue_run):
     assert {"best/validation/accuracy", "best/validation/f1"} <= set(
         runs[("glue_trial", "mrpc")].data.metrics
     )
+    # the majority class's share of the dev labels, what the tables judge a seed at chance against
+    labels = load_glue_split(get_task("mrpc"), "validation", out.parent / "glue").labels
+    majority = Counter(labels.tolist()).most_common(1)[0][1] / len(labels)
+    mrpc = runs[("glue_trial", "mrpc")].data.metrics
+    assert mrpc["best/validation/majority_accuracy"] == pytest.approx(majority)
+    assert "best/validation/majority_accuracy" not in stsb  # regression: no classes
     table = (out / "report" / "table1_glue.md").read_text()
     # the paper's metric per task; Avg needs all eight of the paper's tasks, four were run
     assert table.splitlines()[2] == "| Model | MRPC (Acc) | STS-B (P) | QNLI (Acc) | SST-2 (Acc) | Avg |"

@@ -263,7 +263,7 @@ def test_driver_runs_a_small_grid_end_to_end(data_dir, tmp_path_factory):
     """Tiny points measured with the real trainer; an xl point that cannot fit is skipped, not run.
     One process per point: the driver is under test here, the engines on 2 ranks above."""
     data = data_dir
-    out = tmp_path_factory.mktemp("scaling")
+    out = tmp_path_factory.mktemp("scaling") / "study"  # the MLflow store beside it
     result = subprocess.run(
         [sys.executable, "launchers/scaling_study.py", "--output-dir", str(out), "--sizes", "tiny", "xl",
          "--attention", "standard", "shared", "--layouts", "z2", "--steps", "3", "--seq-len", "64",
@@ -288,7 +288,7 @@ def test_driver_runs_a_small_grid_end_to_end(data_dir, tmp_path_factory):
     for name in ("throughput.png", "memory.png", "loss.png"):
         assert (out / "plots" / name).stat().st_size > 1000
     # MLflow: one parent run and a nested run per point, with its status and the measured steps.
-    db = sqlite3.connect(out / "mlflow.db")
+    db = sqlite3.connect(out.parent / "mlflow.db")
     runs = dict(db.execute("select run_uuid, name from runs").fetchall())
     parents = [r for r in runs if not db.execute(
         "select 1 from tags where run_uuid=? and key='mlflow.parentRunId'", (r,)).fetchone()]  # fmt: skip
@@ -303,8 +303,8 @@ def test_driver_runs_a_small_grid_end_to_end(data_dir, tmp_path_factory):
     (where,) = db.execute(
         "select artifact_location from experiments where name = 'swbert-scaling'"
     ).fetchone()
-    assert where == (out / "mlartifacts").resolve().as_uri()
-    assert len(list((out / "mlartifacts").rglob("throughput.png"))) == 1
+    assert where == (out.parent / "mlartifacts").resolve().as_uri()
+    assert len(list((out.parent / "mlartifacts").rglob("throughput.png"))) == 1
 
 
 def test_memory_watchdog_stops_a_process_tree_above_its_limit(tmp_path):
@@ -395,7 +395,7 @@ def test_collect_with_nothing_run_says_so_and_where_it_looked(tmp_path, capsys):
         captured.err.startswith("nothing measured: none of the 2 point(s)")
         and str(out / "points") in captured.err
     )
-    assert not (out / "scaling.csv").exists() and not (out / "mlflow.db").exists()
+    assert not (out / "scaling.csv").exists() and not (out.parent / "mlflow.db").exists()
 
 
 def test_collect_imports_no_plugin_it_was_not_given(tmp_path, capsys):

@@ -244,7 +244,7 @@ def runs_of(cfg: QualityConfig) -> tuple[list[str], dict[str, list[str]]]:
     """The study's parent runs, and each point's nested runs by name."""
     from mlflow import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{cfg.output_dir / 'mlflow.db'}")
+    client = MlflowClient(f"sqlite:///{cfg.output_dir.parent / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name(cfg.experiment).experiment_id])
     parents = [r.info.run_id for r in runs if "mlflow.parentRunId" not in r.data.tags]
     points: dict[str, list[str]] = {}
@@ -378,7 +378,7 @@ def test_the_default_study_trains_fits_and_a_rerun_trains_nothing(tmp_path):
         assert losses == sorted(losses, reverse=True), (attention, losses)
         law = entry["L(N)"]
         assert law["converged"] and all(math.isfinite(v) for v in law["intervals"]["alpha"])
-    assert (out / "plots" / "loss_vs_params.png").is_file() and (out / "mlflow.db").is_file()
+    assert (out / "plots" / "loss_vs_params.png").is_file() and (out.parent / "mlflow.db").is_file()
     start = time.perf_counter()
     subprocess.run(cmd, cwd=REPO, env=job_env(), check=True, timeout=300)
     assert time.perf_counter() - start < 60

@@ -65,7 +65,7 @@ def test_export_every_writes_loadable_folders_equal_to_their_checkpoints(run):
 
     tags = [ckpt.tag_for(step) for step in range(EVERY, STEPS + 1, EVERY)]
     assert sorted(p.name for p in (run / "exports").iterdir()) == tags
-    client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=f"sqlite:///{run.parent / 'mlflow.db'}")
     (mlflow_run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     for tag in tags:
         folder = run / "exports" / tag

@@ -68,14 +68,14 @@ def test_mlflow_gets_params_metrics_and_tags_and_a_resume_logs_into_the_same_run
     second = MetricsLogger(tmp_path, "run-a", {"lr": 1e-3}, True, system_metrics=False)
     second.log(2, {"loss": 1.0})
     second.close()
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path.parent / 'mlflow.db'}")  # the shared store
     run = client.get_run((tmp_path / "mlflow_run_id").read_text().strip())
     assert run.data.params == {"lr": "0.001", "variant": "shared"}
     assert run.data.tags["stage"] == "one" and run.info.status == "FINISHED"
     history = client.get_metric_history(run.info.run_id, "loss")
     assert [(m.step, m.value) for m in history] == [(1, 2.0), (2, 1.0)]  # one run, both records
     assert "phase" not in run.data.metrics  # strings go to metrics.jsonl only
-    assert (tmp_path / "mlartifacts").resolve().as_uri() in client.get_experiment(
+    assert (tmp_path.parent / "mlartifacts").resolve().as_uri() in client.get_experiment(
         run.info.experiment_id
     ).artifact_location
 
@@ -103,7 +103,7 @@ def test_an_outage_of_the_tracking_server_is_ridden_out_and_the_run_is_ended(tmp
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(MlflowClient, "log_batch", flaky)
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path.parent / 'mlflow.db'}")  # the shared store
     with caplog.at_level(logging.WARNING, logger="swbert.training.metrics"):
         logger = MetricsLogger(tmp_path, "run", {"lr": 1e-3}, True, system_metrics=False)
         logger.log(1, {"loss": 4.0})
