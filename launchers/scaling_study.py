@@ -115,7 +115,8 @@ def quality_main(argv: list[str]) -> int:
         return {"done": 0, "stopped": PREEMPTED_EXIT}.get(row["status"], 3)
     done = sum(r["status"] == "done" for r in rows)
     out = cfg.output_dir
-    print(f"{done} of {len(rows)} point(s) done\n  fits: {out / 'fits.json'}\n  table: {out / 'points.csv'}\n"
+    fits = out / ("isoflop.json" if cfg.isoflop_budgets else "fits.json")
+    print(f"{done} of {len(rows)} point(s) done\n  fits: {fits}\n  table: {out / 'points.csv'}\n"
           f"  plots: {out / 'plots'}")  # fmt: skip
     if rows and not done:
         print(f"error: every point failed; see the reasons in {out / 'points.csv'}", file=sys.stderr)

@@ -13,7 +13,9 @@ not context: its ratio against another attention variant says nothing about atte
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,11 +74,12 @@ class NgramFloors:
 
 
 def held_out_floors(
-    data_dir: str | Path, seq_len: int, mlm_probability: float, seed: int, sequences: int
-) -> dict[str, float]:
+    data_dir: str | Path, seq_len: int, mlm_probability: float, seed: int | Sequence[int], sequences: int
+) -> dict[str, Any]:
     """The floors over the first `sequences` validation sequences of `data_dir`, masked as
     pretraining's validation masks them with `seed` (a run's held-out loss is measured on the
-    same tokens): {"unigram", "bigram"} in nats, and "predicted_tokens"."""
+    same tokens): {"unigram", "bigram"} in nats, and "predicted_tokens". Several seeds (each masks
+    its own tokens): their means, and each seed's own under "by_seed"."""
     corpus = open_corpus(data_dir, "train")
     special = corpus.special_ids
     valid = PackedSequences(open_corpus(data_dir, "valid", corpus.tokenizer_hash), seq_len)
@@ -87,12 +90,21 @@ def held_out_floors(
         pad_token_id=special.pad,
         special_ids=special.ids,
     )
-    stream = MaskedStream(valid, collator, seed, shuffle=False, stream_seed=seed + VALID_STREAM_OFFSET)
     floors = NgramFloors(corpus, special.ids)
-    uni = bi = 0.0
-    count = 0
-    for start in range(0, sequences, 64):
-        u, b, n = floors.batch_nll(stream.batch(start, min(64, sequences - start)))
-        uni, bi, count = uni + u, bi + b, count + n
-    count = max(count, 1)
-    return {"unigram": uni / count, "bigram": bi / count, "predicted_tokens": float(count)}
+    by_seed = {}
+    for one in [seed] if isinstance(seed, int) else list(dict.fromkeys(seed)):
+        stream = MaskedStream(valid, collator, one, shuffle=False, stream_seed=one + VALID_STREAM_OFFSET)
+        uni = bi = 0.0
+        count = 0
+        for start in range(0, sequences, 64):
+            u, b, n = floors.batch_nll(stream.batch(start, min(64, sequences - start)))
+            uni, bi, count = uni + u, bi + b, count + n
+        count = max(count, 1)
+        by_seed[str(one)] = {"unigram": uni / count, "bigram": bi / count, "predicted_tokens": float(count)}
+    if len(by_seed) == 1:
+        return next(iter(by_seed.values()))
+    mean = {
+        k: sum(f[k] for f in by_seed.values()) / len(by_seed)
+        for k in ("unigram", "bigram", "predicted_tokens")
+    }
+    return {**mean, "by_seed": by_seed}

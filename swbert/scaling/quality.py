@@ -16,17 +16,29 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from swbert.cli import read_recipe
 from swbert.models.config import SWBertConfig
 from swbert.models.flops import masked_lm_flops, masked_lm_params
 from swbert.runtime.exits import PREEMPTED_EXIT
 from swbert.scaling.fit import MIN_POINTS, MIN_SIZES
+from swbert.scaling.floors import held_out_floors
 from swbert.scaling.grid import check_names, write_ds_config
+from swbert.scaling.isoflop import PROFILE_SIZES, best_over_scales, budget_label, write_isoflop
 from swbert.scaling.memory import Layout
 from swbert.scaling.quality_report import non_embedding_params, write_outputs
 from swbert.studies import jobs
 from swbert.studies.options import PointOptions
-from swbert.studies.outputs import read_metrics
-from swbert.studies.records import Records, check_study, point_key, study_options
+from swbert.studies.outputs import read_metrics, write_csv
+from swbert.studies.records import (
+    DATA,
+    Records,
+    check_study,
+    jsonable,
+    point_key,
+    read_json,
+    study_options,
+    write_json_atomic,
+)
 from swbert.studies.runner import ChildRun, PointRunner, Settled, run_points, study_run
 from swbert.studies.slurm import NOT_RUN, array_command, without_switches, write_submit
 from swbert.studies.tracking import KIND
@@ -34,8 +46,11 @@ from swbert.studies.tracking import KIND
 log = logging.getLogger("swbert.scaling.quality")
 
 # Named or layers x width (64-dim heads) sizes small enough for 2 CPU cores: with the default budget,
-# 4 sizes x 2 variants finish in about 20 minutes (docs/scaling.md).
-CPU_LADDER = ["1x64", "2x64", "2x128", "3x128"]
+# batch and seeds, 12 points, every one past the unigram floor, in under 20 minutes (docs/scaling.md,
+# "The default study"). Narrower models (1x64, 2x64) do not leave the floor in that time.
+CPU_LADDER = ["1x128", "2x128", "3x128"]
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+DEFAULT_MASKING = 0.15  # pretraining's mlm_probability when no recipe sets it (swbert.training.config)
 
 
 @dataclass(kw_only=True)
@@ -45,15 +60,31 @@ class QualityConfig(PointOptions):
     quality: bool = True  # the quality study (train a ladder to a budget and fit held-out loss)
     output_dir: Path = Path("runs/quality")  # points/, fits.json, points.csv, plots/, mlflow.db
     sizes: list[str] = field(default_factory=lambda: list(CPU_LADDER))
-    seeds: list[int] = field(default_factory=lambda: [1234])  # one run per seed at every size and variant
-    tokens_per_param: float = 1.0  # budget: tokens = this x non-embedding parameters (Kaplan et al.)
+    # one run per seed at every size and variant; two, so that the fit's residual can be set against
+    # the spread of seeds (ours)
+    seeds: list[int] = field(default_factory=lambda: [1234, 1235])
+    tokens_per_param: float = 4.0  # budget: tokens = this x non-embedding parameters (Kaplan et al.)
     lr_scale: float = 1.0  # times LR(N) = 0.003239 - 0.0001395 ln N (Kaplan et al.'s fit)
     warmup_fraction: float = 0.05  # warm-up steps as a share of each point's steps (ours)
+    # a point whose held-out loss is less than this many nats below the data's unigram floor is "at the
+    # floor": marked, and left out of the fits unless --fit-floor-points (ours)
+    floor_margin: float = 0.1
+    fit_floor_points: bool = False  # keep the points at the floor in the fits and isoFLOP profiles
+    # isoFLOP mode: training FLOPs per point, one ladder of --sizes per budget (tokens = budget / the
+    # size's training FLOPs per token; --tokens-per-param is then ignored); a size whose point would
+    # take fewer than --min-steps optimizer steps at a budget is left out of that budget
+    isoflop_budgets: list[float] = field(default_factory=list)
+    # an LR sweep: each point at each of these x LR(N) (--lr-scale is then ignored); the analysis takes
+    # each point's best held-out loss over the scales and records which scale won (ours)
+    lr_scales: list[float] = field(default_factory=list)
+    min_steps: int = 100  # fewer optimizer steps than this: a point not expected to leave the floor (ours)
     # a pretraining recipe every point starts from (e.g. modern: its positions, local/global attention,
     # schedule, masking and dropout), the ladder setting size, variant, seed, length, batches, budget,
     # LR and warm-up; default: the pretraining defaults (learned positions) with cosine decay
     recipe: str | None = None
-    global_batch: int = 32  # sequences per optimizer step
+    # sequences per optimizer step: at these sizes 16 reaches a lower loss for the same tokens than 32
+    # (more steps), measured on the default corpus (ours)
+    global_batch: int = 16
     micro_batch: int = 16
     evaluations: int = 4  # held-out evaluations along each run (the last at its final step)
     eval_batches: int = 8  # validation micro-batches per evaluation (always the same ones)
@@ -77,12 +108,14 @@ class QualityConfig(PointOptions):
         """Bad input stops here, one line naming the flag, before anything trains."""
         super().check()
         check_names(self.sizes, self.attentions)
-        recipes = Path(__file__).resolve().parents[1] / "recipes"
-        if self.recipe and not (Path(self.recipe).is_file() or (recipes / f"{self.recipe}.yaml").is_file()):
-            shipped = ", ".join(sorted(p.stem for p in recipes.glob("*.yaml")))
+        if self.recipe and not (Path(self.recipe).is_file() or (RECIPES / f"{self.recipe}.yaml").is_file()):
+            shipped = ", ".join(sorted(p.stem for p in RECIPES.glob("*.yaml")))
             raise ValueError(f"--recipe {self.recipe}: not a recipe file nor one of {shipped}")
         distinct = len(set(self.sizes))
-        if distinct < MIN_SIZES or distinct * len(set(self.seeds)) < MIN_POINTS:
+        too_few = (
+            distinct * len(set(self.seeds)) < MIN_POINTS and not self.isoflop_budgets
+        )  # (profiles: 3 sizes)
+        if distinct < MIN_SIZES or too_few:
             raise ValueError(
                 f"--sizes: {distinct} size(s) x {len(set(self.seeds))} seed(s) per variant; the fit "
                 f"L = E + A N^-alpha needs at least {MIN_SIZES} sizes and {MIN_POINTS} points: add sizes "
@@ -95,9 +128,22 @@ class QualityConfig(PointOptions):
             "micro_batch",
             "evaluations",
             "bootstrap",
+            "min_steps",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be positive")
+        for name, label in (("isoflop_budgets", budget_label), ("lr_scales", scale_label)):
+            values = getattr(self, name)
+            flag = f"--{name.replace('_', '-')}"
+            bad = [v for v in values if not (v > 0 and math.isfinite(v))]
+            if bad:
+                raise ValueError(f"{flag} {bad[0]:g}: must be positive and finite")
+            if len({label(v) for v in values}) < len(values):
+                spelled = " ".join(f"{v:g}" for v in values)
+                raise ValueError(
+                    f"{flag} {spelled}: two values name the same points "
+                    f"({', '.join(label(v) for v in values)}): give distinct values"
+                )
         if not 0 <= self.warmup_fraction < 1:
             raise ValueError(f"--warmup-fraction {self.warmup_fraction}: must be in [0, 1)")
         if not 0 < self.level < 1:
@@ -121,6 +167,8 @@ class Point:
     lr: float
     warmup_steps: int
     train_flops_per_token: float
+    budget: float | None = None  # isoFLOP mode: the training FLOPs it is trained to (None: a ladder point)
+    lr_scale: float | None = None  # an LR sweep: its scale of LR(N) (None: the study's one --lr-scale)
 
     @property
     def train_flops(self) -> float:
@@ -133,14 +181,39 @@ def kaplan_lr(n: int) -> float:
     return max(0.003239 - 0.0001395 * math.log(n), 1e-5)
 
 
-def plan_point(cfg: QualityConfig, size: str, attention: str, seed: int, vocab: int) -> Point:
-    """The point's parameters, budget, steps and schedule; ValueError naming the flag when the
-    budget is smaller than one optimizer step."""
+def scale_label(scale: float) -> str:
+    return f"{scale:g}"
+
+
+def point_name(size: str, attention: str, seed: int, budget: float | None, lr_scale: float | None) -> str:
+    """`2x64-shared-s1234`, with `-c3e13` in isoFLOP mode and `-lr0.5` in an LR sweep."""
+    name = f"{size}-{attention}-s{seed}"
+    if budget is not None:
+        name += f"-c{budget_label(budget)}"
+    if lr_scale is not None:
+        name += f"-lr{scale_label(lr_scale)}"
+    return name
+
+
+def plan_point(
+    cfg: QualityConfig,
+    size: str,
+    attention: str,
+    seed: int,
+    vocab: int,
+    budget: float | None = None,
+    lr_scale: float | None = None,
+) -> Point:
+    """The point's parameters, budget, steps and schedule: tokens = --tokens-per-param x N, or, given
+    a `budget` of training FLOPs, budget / the training FLOPs per token; ValueError naming the flag
+    when a ladder's budget is smaller than one optimizer step (isoFLOP points too short are left
+    out by `plan`)."""
     config = SWBertConfig.from_size(size, attention_type=attention, vocab_size=vocab)
     n = non_embedding_params(config)
-    tokens = int(round(cfg.tokens_per_param * n))
+    per_token = masked_lm_flops(config, cfg.seq_len).training
+    tokens = int(round(budget / per_token if budget is not None else cfg.tokens_per_param * n))
     per_step = cfg.global_batch * cfg.seq_len
-    if tokens < per_step:
+    if budget is None and tokens < per_step:
         raise ValueError(
             f"--tokens-per-param {cfg.tokens_per_param}: {size} {attention} has {n:,} non-embedding "
             f"parameters, a budget of {tokens:,} tokens, less than one optimizer step of {per_step:,} "
@@ -148,7 +221,7 @@ def plan_point(cfg: QualityConfig, size: str, attention: str, seed: int, vocab: 
         )
     steps = math.ceil(tokens / per_step)
     return Point(
-        name=f"{size}-{attention}-s{seed}",
+        name=point_name(size, attention, seed, budget, lr_scale),
         size=size,
         attention=attention,
         seed=seed,
@@ -156,21 +229,63 @@ def plan_point(cfg: QualityConfig, size: str, attention: str, seed: int, vocab: 
         non_embedding_params=n,
         tokens=tokens,
         steps=steps,
-        lr=kaplan_lr(n) * cfg.lr_scale,
+        lr=kaplan_lr(n) * (cfg.lr_scale if lr_scale is None else lr_scale),
         warmup_steps=max(1, round(cfg.warmup_fraction * steps)),
-        train_flops_per_token=masked_lm_flops(config, cfg.seq_len).training,
+        train_flops_per_token=per_token,
+        budget=budget,
+        lr_scale=lr_scale,
     )
 
 
 def plan(cfg: QualityConfig, vocab: int) -> list[Point]:
-    """Every point, smallest sizes first (so a study cut short still has its cheap end)."""
+    """Every point, cheapest budget and smallest sizes first (so a study cut short still has its
+    cheap end); ValueError naming the flag when the plan cannot leave the floor (`check_steps`)."""
     points = [
-        plan_point(cfg, size, attention, seed, vocab)
+        plan_point(cfg, size, attention, seed, vocab, budget, scale)
+        for budget in (cfg.isoflop_budgets or [None])
         for size in dict.fromkeys(cfg.sizes)
         for seed in dict.fromkeys(cfg.seeds)
         for attention in dict.fromkeys(cfg.attentions)
+        for scale in (cfg.lr_scales or [None])
     ]
-    return sorted(points, key=lambda p: p.non_embedding_params)
+    points = check_steps(cfg, points)
+    return sorted(points, key=lambda p: (p.budget or 0.0, p.non_embedding_params))
+
+
+def check_steps(cfg: QualityConfig, points: list[Point]) -> list[Point]:
+    """The points to train. A ladder: all of them, unless none reaches --min-steps optimizer steps
+    (ValueError naming --tokens-per-param). isoFLOP mode: at each budget, the sizes whose every point
+    reaches --min-steps (the others left out, logged in one line); ValueError naming the budget when
+    fewer than 3 sizes are left (a parabola in log N needs 3)."""
+    if not cfg.isoflop_budgets:
+        longest = max(points, key=lambda p: p.steps)
+        if longest.steps < cfg.min_steps:
+            raise ValueError(
+                f"--tokens-per-param {cfg.tokens_per_param}: no point reaches --min-steps {cfg.min_steps} "
+                f"optimizer steps (the longest, {longest.size} {longest.attention}, takes {longest.steps}); "
+                "points this short stay at the unigram floor: raise --tokens-per-param (or lower --global-batch)"
+            )
+        return points
+    short: dict[tuple[float | None, str], int] = {}
+    for p in points:
+        if p.steps < cfg.min_steps:
+            short[(p.budget, p.size)] = min(p.steps, short.get((p.budget, p.size), p.steps))
+    for budget in cfg.isoflop_budgets:
+        kept = [s for s in dict.fromkeys(cfg.sizes) if (budget, s) not in short]
+        if len(kept) < PROFILE_SIZES:
+            steps = ", ".join(f"{s} {n}" for (b, s), n in short.items() if b == budget)
+            raise ValueError(
+                f"--isoflop-budgets {budget_label(budget)}: only {len(kept)} size(s) of --sizes reach --min-steps "
+                f"{cfg.min_steps} optimizer steps at this budget (steps: {steps}); a profile needs "
+                f"{PROFILE_SIZES}: raise the budget or add sizes (smaller ones take more steps)"
+            )
+    if short:
+        log.info(
+            "isoFLOP plan: left out under --min-steps %d (size at budget: steps): %s",
+            cfg.min_steps,
+            ", ".join(f"{s} at {budget_label(b)}: {n}" for (b, s), n in short.items()),
+        )
+    return [p for p in points if (p.budget, p.size) not in short]
 
 
 def check_data(cfg: QualityConfig) -> tuple[int, dict[str, str]]:
@@ -270,8 +385,17 @@ Trainer = Callable[[Point, QualityConfig, Path, str], PointResult]
 # Flags that say how the study is run or fitted, not what its points train (besides those of every
 # study, `swbert.studies.records.NOT_OPTIONS`): a re-run may change them; any other change is refused.
 NOT_IN_STUDY = ("quality", "nproc", "zero", "mlflow", "point_index", "reference", "extrapolate_to", "bootstrap",
-                "level")  # fmt: skip
-CHOOSES = ("sizes", "attentions", "seeds")  # which points there are: not in a point's record key
+                "level", "floor_margin", "fit_floor_points")  # fmt: skip
+# which points there are: not in a point's record key (each point's own budget and scale are)
+CHOOSES = ("sizes", "attentions", "seeds", "isoflop_budgets", "lr_scales", "min_steps")
+
+
+def ignored_options(cfg: QualityConfig) -> tuple[str, ...]:
+    """Options this study's points do not depend on, left out of its identity (study.json) so that
+    a study from before isoFLOP mode and LR sweeps keeps its own: a ladder ignores the isoFLOP
+    options (--min-steps only checks it), isoFLOP mode --tokens-per-param, a sweep --lr-scale."""
+    ignored = ("tokens_per_param",) if cfg.isoflop_budgets else ("isoflop_budgets", "min_steps")
+    return ignored + (("lr_scale",) if cfg.lr_scales else ("lr_scales",))
 
 
 def point_records(cfg: QualityConfig) -> Records:
@@ -289,7 +413,7 @@ def settle_point(
         point.name,
         lambda: trainer(point, cfg, run_dir, str(cfg.data_dir)),
         lambda: read_run(run_dir, point),
-        point_key(options, CHOOSES, point=asdict(point)),
+        point_key(options, CHOOSES, point={k: v for k, v in asdict(point).items() if v is not None}),
     )
 
 
@@ -302,7 +426,7 @@ def prepare(cfg: QualityConfig) -> tuple[list[Point], dict[str, Any]]:
     vocab, data = check_data(cfg)
     points = plan(cfg, vocab)
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
-    options = study_options(cfg, NOT_IN_STUDY, data)
+    options = study_options(cfg, NOT_IN_STUDY + ignored_options(cfg), data)
     check_study(cfg.output_dir, "quality", options, cfg.allow_study_change, point_records(cfg))
     return points, options
 
@@ -329,8 +453,51 @@ def run_quality(cfg: QualityConfig, trainer: Trainer = train_point) -> list[dict
     with tracked if cfg.mlflow else contextlib.nullcontext() as study:
         done = run_points(points, lambda p: p.name, one, child_run, study)
         rows = [point_row(by_name[s.name], s.result, s.trained) for s in done]
-        write_outputs(cfg, rows, study)
+        floors = study_floors(cfg, options[DATA])
+        if cfg.isoflop_budgets:
+            write_isoflop(cfg, rows, study, floors)
+        elif cfg.lr_scales:  # the fits take each point's best scale; points.csv keeps every run
+            write_outputs(cfg, best_over_scales(rows), study, floors=floors)
+            write_csv(rows, cfg.output_dir / "points.csv")
+        else:
+            write_outputs(cfg, rows, study, floors=floors)
     return rows
+
+
+def held_out_masking(cfg: QualityConfig) -> float:
+    """The masking rate the points' held-out loss is measured at: the recipe's final rate when it
+    schedules one (validation masks at it), else its rate, else pretraining's default (ours: read
+    from the recipe file alone, not resolved through the training config)."""
+    if not cfg.recipe:
+        return DEFAULT_MASKING
+    recipe = {str(k).replace("-", "_"): v for k, v in read_recipe(cfg.recipe, RECIPES).items()}
+    return float(recipe.get("mlm_probability_final") or recipe.get("mlm_probability", DEFAULT_MASKING))
+
+
+def study_floors(cfg: QualityConfig, data: dict[str, str]) -> dict[str, float] | None:
+    """The data's held-out unigram and bigram floors (`swbert.scaling.floors`) over the sequences a
+    point's validation reads (--eval-batches x --micro-batch, masked with each seed), computed
+    once and kept in OUTPUT_DIR/floors.json for this data and these settings; None (logged) when the
+    data cannot give them."""
+    masking = held_out_masking(cfg)
+    sequences = cfg.eval_batches * cfg.micro_batch
+    seeds = list(dict.fromkeys(cfg.seeds))
+    key = jsonable({"data": data, "seq_len": cfg.seq_len, "mlm_probability": masking, "seeds": seeds,
+                    "sequences": sequences})  # fmt: skip
+    path = cfg.output_dir / "floors.json"
+    saved = read_json(path)
+    if isinstance(saved, dict) and saved.get("key") == key:
+        return saved["floors"]
+    try:
+        floors = held_out_floors(cfg.data_dir, cfg.seq_len, masking, seeds, sequences)
+    except (OSError, ValueError) as err:
+        log.warning("the held-out floors were not computed (%s): no point is checked against them", err)
+        return None
+    write_json_atomic(path, {"key": key, "floors": floors})
+    return floors
+
+
+CHILD_PARAMS = ("size", "attention", "seed", "tokens", "steps", "lr", "warmup_steps", "budget", "lr_scale")
 
 
 def child_run(point: Point, settled: Any) -> ChildRun:
@@ -338,7 +505,7 @@ def child_run(point: Point, settled: Any) -> ChildRun:
     row = point_row(point, settled.result, settled.trained)
     return ChildRun(
         tags={KIND: "quality_point", "status": row["status"], "reason": str(row["reason"])[:5000]},
-        params={k: row[k] for k in ("size", "attention", "seed", "tokens", "steps", "lr", "warmup_steps")},
+        params={k: row[k] for k in CHILD_PARAMS if row[k] is not None},
         metrics={k: row[k] for k in ("params", "non_embedding_params", "train_flops", "val_loss", "wall_s")},
         curve=settled.result.curve,
         curve_keys=("loss", "val_loss"),

@@ -73,3 +73,11 @@ def test_held_out_floors_score_the_tokens_the_trainers_validation_predicts(data_
     torch.testing.assert_close(got["unigram"], uni / count, rtol=1e-9, atol=0)
     torch.testing.assert_close(got["bigram"], bi / count, rtol=1e-9, atol=0)
     assert got["bigram"] < got["unigram"]
+
+
+def test_several_seeds_give_each_its_own_floor_and_their_mean(data_dir):
+    one, two = (held_out_floors(data_dir, 64, 0.15, seed, 16) for seed in (1, 2))
+    both = held_out_floors(data_dir, 64, 0.15, [1, 2], 16)
+    assert both["by_seed"] == {"1": one, "2": two} and one != two  # each seed masks other tokens
+    for key in ("unigram", "bigram"):
+        torch.testing.assert_close(both[key], (one[key] + two[key]) / 2, rtol=1e-12, atol=0)

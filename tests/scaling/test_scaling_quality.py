@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import psutil
@@ -53,9 +52,18 @@ class StandIn:
         return PointResult("done", val_loss=loss, curve=[{"step": point.steps, "val_loss": loss}])
 
 
+# the settings these tests were written for, pinned so that a change of the study's defaults (sized
+# for the real default study) does not move them
+PINNED = dict(seeds=[1234], tokens_per_param=1.0, global_batch=32)
+
+
 def config(tmp_path: Path, **kw) -> QualityConfig:
     defaults = dict(
-        output_dir=tmp_path / "study", data_dir=fake_data(tmp_path / "data"), mlflow=False, bootstrap=200
+        output_dir=tmp_path / "study",
+        data_dir=fake_data(tmp_path / "data"),
+        mlflow=False,
+        bootstrap=200,
+        **PINNED,
     )
     return QualityConfig(**{**defaults, **kw})
 
@@ -76,7 +84,8 @@ def test_the_budget_counts_non_embedding_parameters():
     mini = next(p for p in points if p.size == "mini" and p.attention == "standard")
     n = non_embedding_params(SWBertConfig.from_size("mini", attention_type="standard"))
     assert mini.non_embedding_params == n < mini.params  # embeddings left out
-    assert mini.tokens == round(1.0 * n) and mini.steps == math.ceil(mini.tokens / (32 * 128))
+    k, batch = cfg.tokens_per_param, cfg.global_batch * cfg.seq_len
+    assert mini.tokens == round(k * n) and mini.steps == math.ceil(mini.tokens / batch)
     assert mini.lr == pytest.approx(0.003239 - 0.0001395 * math.log(n))
 
 
@@ -367,21 +376,34 @@ def test_a_killed_study_stops_its_job_instead_of_leaving_it_to_train_on(tmp_path
 
 
 @pytest.mark.long  # the default ladder trains 8 points: about 20 minutes on 2 CPU cores
-def test_the_default_study_trains_fits_and_a_rerun_trains_nothing(tmp_path):
+def test_the_default_study_clears_the_floor_fits_and_a_rerun_trains_nothing(tmp_path):
+    """Every default point is below the data's unigram floor by more than --floor-margin (none left
+    out), each fit either converges with finite intervals or says why not, the table is printed and
+    written as fits.md, and a re-run trains nothing."""
     out = tmp_path / "quality"
     cmd = [sys.executable, "launchers/scaling_study.py", "--quality", "--output-dir", str(out)]
-    subprocess.run(cmd, cwd=REPO, env=job_env(), check=True, timeout=1800)
+    first = subprocess.run(
+        cmd, cwd=REPO, env=job_env(), check=True, timeout=3600, capture_output=True, text=True
+    )
     fits = json.loads((out / "fits.json").read_text())
+    floors = fits["floors"]
+    assert floors["bigram"] < floors["unigram"]
     for attention in ("standard", "shared"):
         entry = fits["variants"][attention]
+        assert not entry["excluded"] and len(entry["points"]) == 4, entry["excluded"]
+        for point in entry["points"]:
+            assert floors["unigram"] - point["val_loss"] > floors["margin"], point
         losses = [p["val_loss"] for p in sorted(entry["points"], key=lambda p: p["non_embedding_params"])]
         assert losses == sorted(losses, reverse=True), (attention, losses)
         law = entry["L(N)"]
-        assert law["converged"] and all(math.isfinite(v) for v in law["intervals"]["alpha"])
+        assert law["converged"] == (not law["why_not_converged"])
+        if law["converged"]:
+            assert all(math.isfinite(v) for v in law["intervals"]["alpha"])
+    table = (out / "fits.md").read_text()
+    assert table.strip() in first.stdout and "alpha" in table
     assert (out / "plots" / "loss_vs_params.png").is_file() and (out.parent / "mlflow.db").is_file()
-    start = time.perf_counter()
-    subprocess.run(cmd, cwd=REPO, env=job_env(), check=True, timeout=300)
-    assert time.perf_counter() - start < 60
+    subprocess.run(cmd, cwd=REPO, env=job_env(), check=True, timeout=600, capture_output=True)
+    assert not any(row["trained_now"] == "True" for row in read_csv(out / "points.csv"))
     shutil.rmtree(out / "points", ignore_errors=True)
 
 
