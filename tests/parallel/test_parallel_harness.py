@@ -136,10 +136,27 @@ def run_ranks(
     """Run `fn(*args)` in `world` processes on gloo; `deepspeed=True` starts them the DeepSpeed way.
     A rank that fails stops the others and fails the test with its traceback; ranks still running
     after `timeout` seconds (default: the suite's hang guard, HANG_S) are killed and the test fails
-    (a hang is reported, not waited out)."""
-    from tests.launch_utils import HANG_S, _rank_context, _stop_ranks, _wait_ranks
+    (a hang is reported, not waited out). A port another process took between `_free_port` and the
+    rendezvous (EADDRINUSE: `fn` never ran) is not the test's failure: the ranks start again on
+    another port, up to PORT_TRIES times."""
+    from tests.launch_utils import HANG_S
 
     timeout = HANG_S if timeout is None else timeout
+    for _ in range(PORT_TRIES):
+        code, failed = _launch(fn, world, args, deepspeed, timeout)
+        if code == 0 or "EADDRINUSE" not in failed:
+            break
+    assert code == 0, f"{fn.__name__} failed in a rank (exit code {code}){failed}"
+
+
+PORT_TRIES = 3
+
+
+def _launch(
+    fn: Callable[..., None], world: int, args: tuple, deepspeed: bool, timeout: float
+) -> tuple[int, str]:
+    """The ranks' exit code and the failed ranks' tracebacks, on a fresh free port."""
+    from tests.launch_utils import _rank_context, _stop_ranks, _wait_ranks
 
     context, port, env = _rank_context(), _free_port(), dict(os.environ)
     start_method = multiprocessing.get_start_method()  # the test process's, not the server's
@@ -165,7 +182,7 @@ def run_ranks(
         raise AssertionError(f"{fn.__name__} in {world} ranks did not finish in {timeout:.0f} s") from None
     finally:
         shutil.rmtree(logs, ignore_errors=True)
-    assert code == 0, f"{fn.__name__} failed in a rank (exit code {code}){failed}"
+    return code, failed
 
 
 def _tail(path: Path, chars: int = 2000) -> str:
