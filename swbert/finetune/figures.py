@@ -16,7 +16,6 @@ from swbert.finetune.tasks import GLUE_TASKS, GlueTask, get_task, split_label
 from swbert.studies.outputs import pyplot, read_metrics, save_figure, write_csv
 
 FIGURE2 = "figure2_pretrain_loss"
-FIGURE3 = "figure3_finetune_time"
 # Figure 3's tasks in the order section 3 of the paper lists them ("Training Time"); others follow
 FIGURE3_TASKS = ("cola", "mnli", "mrpc", "qnli", "rte", "qqp")
 # Under this many seconds per epoch a time is mostly one-time start-up (the first trial a process runs
@@ -45,15 +44,11 @@ class Table:
             lines += ["", self.note]
         return "\n".join(lines) + "\n"
 
-    def write(self, out_dir: Path, stem: str) -> list[Path]:
+    def write(self, out_dir: Path, stem: str) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        md, cs = out_dir / f"{stem}.md", out_dir / f"{stem}.csv"
-        md.write_text(self.markdown(), encoding="utf-8")
-        with open(cs, "w", newline="", encoding="utf-8") as f:
-            w = csv.writer(f)
-            w.writerow(self.csv_header)
-            w.writerows(self.csv_rows)
-        return [md, cs]
+        (out_dir / f"{stem}.md").write_text(self.markdown(), encoding="utf-8")
+        with open(out_dir / f"{stem}.csv", "w", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerows([self.csv_header, *self.csv_rows])
 
 
 @dataclass
@@ -120,38 +115,23 @@ def pretraining_figure(runs: dict[str, Path], out_dir: Path) -> list[Path]:
 # ------------------------------------------------------------------------------------------ Figure 3
 
 
-def _task_order(task: str) -> tuple[int, str]:
-    order = FIGURE3_TASKS
-    return (order.index(task) if task in order else len(order), task)
-
-
 def _task_label(task: str) -> str:
     return split_label(get_task(task), "validation") if task in GLUE_TASKS else task
 
 
-def seconds_per_epoch(timings: list[Timing]) -> dict[tuple[str, str], float]:
-    """(variant, task) -> median seconds per epoch over its trials (learning rates and seeds)."""
+def _timing_grid(timings: list[Timing], baseline: str) -> tuple[dict, dict, list[str], list[str]]:
+    """Figure 3's numbers: (variant, task) -> the median seconds per epoch over its trials (learning
+    rates and seeds), and -> the percentage of the baseline's time saved (negative: slower); the tasks
+    and the variants in their order."""
     groups: dict[tuple[str, str], list[float]] = {}
     for t in timings:
         groups.setdefault((t.variant, t.task), []).append(t.seconds_per_epoch)
-    return {k: float(np.median(v)) for k, v in groups.items()}
-
-
-def _timing_grid(timings: list[Timing], baseline: str) -> tuple[dict, dict, list[str], list[str]]:
-    """Figure 3's numbers: seconds per epoch and percent saved per (variant, task), the tasks and the
-    variants in their order."""
-    times = seconds_per_epoch(timings)
-    tasks = sorted({t for _, t in times}, key=_task_order)
-    return times, saved_percent(times, baseline), tasks, sorted({v for v, _ in times}, key=variant_key)
-
-
-def saved_percent(times: dict[tuple[str, str], float], baseline: str) -> dict[tuple[str, str], float]:
-    """(variant, task) -> percent of the baseline's time per epoch saved (negative: slower)."""
-    return {
-        (v, task): 100.0 * (1.0 - sec / times[(baseline, task)])
-        for (v, task), sec in times.items()
-        if (baseline, task) in times and times[(baseline, task)] > 0
-    }
+    times = {k: float(np.median(v)) for k, v in groups.items()}
+    base = {task: sec for (v, task), sec in times.items() if v == baseline and sec > 0}
+    saved = {(v, task): 100.0 * (1.0 - sec / base[task]) for (v, task), sec in times.items() if task in base}
+    order = FIGURE3_TASKS
+    tasks = sorted({t for _, t in times}, key=lambda t: (order.index(t) if t in order else len(order), t))
+    return times, saved, tasks, sorted({v for v, _ in times}, key=variant_key)
 
 
 def timing_table(timings: list[Timing], baseline: str, batch_size: int | None) -> Table:
@@ -165,12 +145,9 @@ def timing_table(timings: list[Timing], baseline: str, batch_size: int | None) -
     for v in variants:
         cells, raw = [v], [v]
         for t in tasks:
-            sec = times.get((v, t))
-            pct = saved.get((v, t))
-            cell = "–" if sec is None else _seconds(sec)
-            if pct is not None and v != baseline:
-                cell += f" ({-pct:+.0f}%)"
-            cells.append(cell)
+            sec, pct = times.get((v, t)), saved.get((v, t))
+            change = f" ({-pct:+.0f}%)" if pct is not None and v != baseline else ""
+            cells.append(("–" if sec is None else _seconds(sec)) + change)
             raw += ["" if sec is None else round(sec, 4), "" if pct is None else round(pct, 2)]
         rows.append(cells)
         csv_rows.append(raw)
@@ -223,27 +200,37 @@ def plot_timing(timings: list[Timing], baseline: str, path: Path) -> Path:
 # ---------------------------------------------------------------------------------------- Table 5
 
 
+def noise_curves(
+    noise: dict[tuple[str, str, str], dict[int, dict[float, float]]], scale: str
+) -> dict[tuple[str, str], dict[float, list[float]]]:
+    """Table 5's numbers for one noise definition: (variant, task) -> noise level -> the values over
+    noise seeds, in the tables' order (variants, then tasks) and each level's."""
+    curves: dict[tuple[str, str], dict[float, list[float]]] = {}
+    for variant, task, s in sorted(noise, key=lambda k: (variant_key(k[0]), k[1])):
+        if s == scale:
+            levels = curves.setdefault((variant, task), {})
+            for curve in noise[(variant, task, s)].values():
+                for level, value in curve.items():
+                    levels.setdefault(level, []).append(value)
+    return {k: dict(sorted(v.items())) for k, v in curves.items()}
+
+
 def plot_noise(
     noise: dict[tuple[str, str, str], dict[int, dict[float, float]]], scale: str, path: Path
 ) -> Path:
     """Table 5's curves for one noise definition: one panel per task, a line per variant, error bars
     over noise seeds."""
-    noise = {k: v for k, v in noise.items() if k[2] == scale}
-    tasks = sorted({t for _, t, _ in noise})
+    curves = noise_curves(noise, scale)
+    tasks = sorted({t for _, t in curves})
     fig, axes = pyplot().subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.5), squeeze=False)
     for ax, task in zip(axes[0], tasks):
-        for variant in sorted({v for v, t, _ in noise if t == task}, key=variant_key):
-            seeds = noise[(variant, task, scale)]
-            levels = sorted({lvl for c in seeds.values() for lvl in c})
-            vals = [[c[lvl] for c in seeds.values() if lvl in c] for lvl in levels]
-            ax.errorbar(
-                [100 * lvl for lvl in levels],
-                [100 * np.mean(v) for v in vals],
-                yerr=[100 * np.std(v) for v in vals],
-                label=variant,
-                marker="o",
-                capsize=3,
-            )
+        for (variant, of), curve in curves.items():
+            if of == task:
+                means = [100 * np.mean(v) for v in curve.values()]
+                stds = [100 * np.std(v) for v in curve.values()]
+                ax.errorbar(
+                    [100 * lvl for lvl in curve], means, yerr=stds, label=variant, marker="o", capsize=3
+                )
         t = get_task(task)
         xlabel = "noise level (% x std-1 noise)" if scale == "unit" else "noise (% of mean embedding norm)"
         ax.set(title=split_label(t, t.main_split), xlabel=xlabel, ylabel=f"dev {noise_metric(t)} (%)")

@@ -75,11 +75,9 @@ class ReportConfig:
         self.pretrain_curves()  # bad NAME=RUN_DIR specs fail before anything is read
 
     def uri(self) -> str | None:
-        """The store to read; None when there is none and Figure 2's runs are all there is to report.
-        A ValueError says what to pass when there is nothing at all. --runs-dir: a folder holding
+        """The store to read (None: Figure 2's runs are all there is). --runs-dir: a folder holding
         mlflow.db (a project's shared store, or a run folder's own from before it was shared) is read
-        whole; else a sweep's folder names its store and its last sweep (`PARENT_FILE`), which becomes
-        --parent-run unless that is given."""
+        whole; a sweep's folder names its store and its last sweep (`PARENT_FILE`, the --parent-run)."""
         if self.runs_dir is not None:
             db = self.runs_dir / STORE_FILE
             if db.is_file():
@@ -119,13 +117,15 @@ class ReportConfig:
 
 @dataclass
 class Collected:
+    """What `collect` read from a store: the trials, Table 5's noise curves and Table 6's accuracies."""
+
     glue: list[Trial] = field(default_factory=list)
     squad: list[Trial] = field(default_factory=list)
+    # (variant, task, noise scale) -> noise seed -> noise level (fraction) -> accuracy (else the task's
+    # own metric) on the main split
     noise: dict[tuple[str, str, str], dict[int, dict[float, float]]] = field(default_factory=dict)
-    """(variant, task, noise scale) -> noise seed -> noise level (fraction) -> accuracy (else the task's
-    own metric) on the main split."""
+    # variant -> (trained on, evaluated on, split) -> accuracy (own labels on the diagonal)
     cross: dict[str, dict[tuple[str, str, str], float]] = field(default_factory=dict)
-    """variant -> (trained on, evaluated on, split) -> accuracy (own labels on the diagonal)."""
     timings: list[Timing] = field(default_factory=list)
 
 
@@ -139,38 +139,57 @@ def _csv(value: float) -> object:
 
 
 CHANCE_MARK = "†"  # after a cell whose median hides a seed at chance level (results.at_chance)
+# a cell of Table 1 or 2: its summary, the (split, metric) pairs shown, and those in the CSV
+Cell = tuple[Summary | None, list[tuple[str, str]], list[tuple[str, str]]]
 
 
 def _seed_count(summaries: list[Summary]) -> int:
-    """The table's usual number of seeds per cell of several (the most common); a cell with another
-    number says so."""
+    """The most common number of seeds among a table's cells of several (a cell with another says so)."""
     counts = collections.Counter(len(s.seeds) for s in summaries if len(s.seeds) > 1)
     return counts.most_common(1)[0][0] if counts else 1
 
 
-def _median_cell(s: Summary | None, split: str, metric: str, n: int, unit: float = 1.0) -> str:
+def _median(s: Summary | None, split: str, metric: str) -> float:
+    return s.median.get(split, {}).get(metric, float("nan")) if s else float("nan")
+
+
+def _spread(s: Summary | None, split: str, metric: str) -> tuple[float, float, int]:
+    none = (float("nan"), float("nan"), 0)
+    return s.spread.get(split, {}).get(metric, none) if s else none
+
+
+def _median_cell(s: Summary | None, split: str, metric: str, n: int, unit: float) -> str:
     """The median over seeds, two decimals in percent, and its spread: ``84.12 [83.50–85.01]``, the
     lowest and highest seed (``, n=2`` inside when the cell has other than the table's `n` seeds);
     '–' when missing. `unit`: 1 for fractions (GLUE), 100 for percent (SQuAD)."""
-    value = s.median.get(split, {}).get(metric, float("nan")) if s else float("nan")
+    value = _median(s, split, metric)
+    low, high, k = _spread(s, split, metric)
     text = _pct(value / unit, 2)
-    low, high, k = s.spread.get(split, {}).get(metric, (0.0, 0.0, 1)) if s else (0.0, 0.0, 1)
     if k > 1 and not math.isnan(value):
         text += f" [{_pct(low / unit, 2)}–{_pct(high / unit, 2)}{f', n={k}' if k != n else ''}]"
     return text
 
 
-def _chance_seeds(summaries: list[Summary | None]) -> str:
-    """``rte=1,3 cola=2``: the seeds at chance level of each task (the CSV's seeds_at_chance)."""
-    return " ".join(
-        f"{s.task}={','.join(map(str, sorted(s.at_chance)))}" for s in summaries if s and s.at_chance
-    )
+def _variant_row(cells: dict[str, Cell], n: int, unit: float) -> tuple[list[str], list[float], list[object]]:
+    """One variant's row of Table 1 or 2 from its cells by name: the markdown cells, the CSV's medians,
+    and the CSV's columns after the table's own (`_csv_header`)."""
+    md, medians, spread = [], [], []
+    for s, shown, columns in cells.values():
+        mark = CHANCE_MARK if s and s.at_chance else ""
+        md.append("/".join(_median_cell(s, sp, m, n, unit) for sp, m in shown) + mark)
+        medians += [_median(s, sp, m) for sp, m in columns]
+        spread += [_csv(x / unit) for sp, m in columns for x in _spread(s, sp, m)[:2]]
+    run = {name: s for name, (s, _, _) in cells.items() if s}
+    lrs = " ".join(f"{name}={s.lr_label}" for name, s in run.items())
+    seeds = "/".join(map(str, sorted({len(s.seeds) for s in run.values()})))
+    at_chance = [f"{s.task}={','.join(map(str, sorted(s.at_chance)))}" for s in run.values() if s.at_chance]
+    return md, medians, [lrs, seeds, *spread, " ".join(at_chance)]
 
 
-def _spread_csv(s: Summary | None, split: str, metric: str, unit: float = 1.0) -> list[object]:
-    """The lowest and highest seed of a CSV column, in percent (`_csv`; `unit` as `_median_cell`)."""
-    low, high, _ = s.spread.get(split, {}).get(metric, (float("nan"),) * 3) if s else (float("nan"),) * 3
-    return [_csv(low / unit), _csv(high / unit)]
+def _csv_header(names: list[str], extra: list[str]) -> list[str]:
+    """Table 1's and 2's CSV columns: the medians' `names`, the table's `extra`, then `_variant_row`'s."""
+    ends = [f"{name} {end}" for name in names for end in ("min", "max")]
+    return ["variant", *names, *extra, "learning_rates", "seeds", *ends, "seeds_at_chance"]
 
 
 def spread_note(summaries: list[Summary]) -> str:
@@ -286,8 +305,8 @@ def _columns(summaries: list[Summary], order: str = "paper") -> list[tuple[str, 
     return list(cells.items())
 
 
-def paper_metric(task: str, split: str, stsb_metric: str = "pearson") -> str:
-    """The one metric Table 1 shows (and averages) for a task's dev split."""
+def paper_metric(task: str, stsb_metric: str = "pearson") -> str:
+    """The one metric Table 1 shows (and averages) for a task."""
     if task == "stsb":
         return stsb_metric
     return PAPER_AVG_METRIC[task][1] if task in PAPER_AVG_METRIC else get_task(task).metrics[0]
@@ -296,11 +315,10 @@ def paper_metric(task: str, split: str, stsb_metric: str = "pearson") -> str:
 def paper_average(by_task: dict[str, Summary], stsb_metric: str = "pearson") -> float:
     """Table 1's Avg: the mean over the paper's eight tasks of one metric each (tasks.PAPER_AVG_METRIC);
     nan unless all eight are there (a mean over fewer tasks is not the paper's number)."""
-    values = []
-    for task, (split, metric) in PAPER_AVG_METRIC.items():
-        s = by_task.get(task)
-        metric = stsb_metric if task == "stsb" else metric
-        values.append(s.median.get(split, {}).get(metric, float("nan")) if s else float("nan"))
+    values = [
+        _median(by_task.get(t), split, paper_metric(t, stsb_metric))
+        for t, (split, _) in PAPER_AVG_METRIC.items()
+    ]
     return float("nan") if any(math.isnan(v) for v in values) else float(np.mean(values))
 
 
@@ -318,50 +336,33 @@ def glue_table(summaries: list[Summary], stsb_metric: str = "pearson", order: st
     the paper prints it, columns in the paper's order (or GLUE's: ``order="glue"``); each median with
     its spread over seeds, and a mark where a seed scored at chance level."""
     by = {(s.variant, s.task): s for s in summaries}
-    cells = _columns(summaries, order)
-    header, csv_header, spread_header = ["Model"], ["variant"], []
-    for t, splits in cells:
+    header, names, pairs = ["Model"], [], {}
+    for t, splits in _columns(summaries, order):
+        task, metric = get_task(t), paper_metric(t, stsb_metric)
         extra = " (not in Avg)" if t not in PAPER_AVG_METRIC else ""
-        metric = METRIC_ABBREV[paper_metric(t, splits[0], stsb_metric)]
-        header.append(f"{_cell_label(t, splits)} ({metric}){extra}")
-        names = [f"{split_label(get_task(t), sp)} {m}" for sp in splits for m in get_task(t).metrics]
-        csv_header += names
-        spread_header += [f"{name} {end}" for name in names for end in ("min", "max")]
-    header.append("Avg")
-    csv_header += ["avg", "avg_glue_score_ours", "learning_rates", "seeds", *spread_header, "seeds_at_chance"]
+        header.append(f"{_cell_label(t, splits)} ({METRIC_ABBREV[metric]}){extra}")
+        pairs[t] = ([(sp, metric) for sp in splits], [(sp, m) for sp in splits for m in task.metrics])
+        names += [f"{split_label(task, sp)} {m}" for sp, m in pairs[t][1]]
     n = _seed_count(summaries)
     rows, csv_rows = [], []
     for variant in sorted({v for v, _ in by}, key=variant_key):
-        row, csv_row, spread, scores, lrs, seeds = [variant_label(variant)], [variant], [], [], [], set()
-        mine = {t: s for (v, t), s in by.items() if v == variant}
-        for t, splits in cells:
-            s = mine.get(t)
-            meds = [s.median.get(sp, {}) if s else {} for sp in splits]
-            metric = paper_metric(t, splits[0], stsb_metric)
-            mark = CHANCE_MARK if s and s.at_chance else ""
-            row.append("/".join(_median_cell(s, sp, metric, n) for sp in splits) + mark)
-            csv_row += [_csv(med.get(m, float("nan"))) for med in meds for m in get_task(t).metrics]
-            spread += [x for sp in splits for m in get_task(t).metrics for x in _spread_csv(s, sp, m)]
-            scores += [m["score"] for m in meds if not math.isnan(m.get("score", float("nan")))]
-            if s:
-                lrs.append(f"{t}={s.lr_label}")
-                seeds.add(len(s.seeds))
+        mine = {t: by.get((variant, t)) for t in pairs}
+        md, medians, tail = _variant_row({t: (mine[t], *pairs[t]) for t in pairs}, n, 1.0)
         avg = paper_average(mine, stsb_metric)
-        row.append(_pct(avg, 2))
-        ours = float(np.mean(scores)) if scores else float("nan")
-        csv_row += [_csv(avg), _csv(ours), " ".join(dict.fromkeys(lrs)), "/".join(map(str, sorted(seeds)))]
-        rows.append(row)
-        csv_rows.append(csv_row + spread + [_chance_seeds([mine.get(t) for t, _ in cells])])
+        scores = [_median(mine[t], sp, "score") for t, (shown, _) in pairs.items() for sp, _ in shown]
+        ours = float(np.mean([v for v in scores if not math.isnan(v)] or [float("nan")]))
+        rows.append([variant_label(variant), *md, _pct(avg, 2)])
+        csv_rows.append([variant, *map(_csv, medians), _csv(avg), _csv(ours), *tail])
     note = (
         "Avg: the mean over the paper's eight tasks (MRPC, CoLA, MNLI-m, QQP, RTE, STS-B, QNLI, SST-2) "
         f"of the metric shown, MNLI matched only, STS-B as {stsb_metric.capitalize()}; '–' unless all eight "
         "were run. The CSV's avg_glue_score_ours is the mean of GLUE's task scores over every task run "
         "(ours). Each number: the median over seeds at the best learning-rate setting (ours)."
     )
+    title = "Table 1: GLUE dev (median over seeds, best learning rate)"
+    csv_header = _csv_header(names, ["avg", "avg_glue_score_ours"])
     note = " ".join(filter(None, [note, spread_note(summaries)]))
-    return Table(
-        "Table 1: GLUE dev (median over seeds, best learning rate)", header, rows, csv_header, csv_rows, note
-    )
+    return Table(title, [*header, "Avg"], rows, csv_header, csv_rows, note)
 
 
 def squad_average(em_f1: list[tuple[float, float]]) -> tuple[float, float]:
@@ -373,108 +374,83 @@ def squad_average(em_f1: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def squad_table(summaries: list[Summary]) -> Table:
-    """Table 2: EM/F1 per SQuAD version and their average over v1.1 and v2.0, two decimals as the paper
-    prints it, each median with its spread over seeds and a mark where a seed scored at chance level;
-    ``NAME+triviaqa`` rows are the paper's "single + TriviaQA"."""
+    """Table 2 from SQuAD summaries: EM/F1 per version and their average over v1.1 and v2.0, two
+    decimals as the paper prints it, each median with its spread over seeds and a mark where a seed
+    scored at chance level; ``NAME+triviaqa`` rows are the paper's "single + TriviaQA"."""
     by = {(s.variant, s.task): s for s in summaries}
     versions = [v for v in ("1.1", "2.0") if any(t == f"squad{v}" for _, t in by)]
     both = len(versions) == 2
     header = ["Model"] + [f"SQuAD v{v} (EM/F1)" for v in versions] + (["Average (EM/F1)"] if both else [])
-    csv_header = (
-        ["variant"]
-        + [f"v{v} {m}" for v in versions for m in ("exact", "f1")]
-        + (["average exact", "average f1"] if both else [])
-        + ["learning_rates", "seeds"]
-        + [f"v{v} {m} {end}" for v in versions for m in ("exact", "f1") for end in ("min", "max")]
-        + ["seeds_at_chance"]
-    )
+    em, f1 = ("validation", "exact"), ("validation", "f1")
+    n = _seed_count(summaries)
+    variants = sorted({v for v, _ in by}, key=variant_key)
     rows, csv_rows = [], []
-    shown = [s for s in summaries if s.task.startswith("squad")]
-    n = _seed_count(shown)
-    squad_variants = sorted({v for v, t in by if t.startswith("squad")}, key=variant_key)
-    for variant in squad_variants:
-        row, csv_row, lrs, seeds, pairs, spread = [variant_label(variant)], [variant], [], set(), [], []
-        mine = [by.get((variant, f"squad{v}")) for v in versions]
-        for v, s in zip(versions, mine):
-            med = s.median.get("validation", {}) if s else {}
-            em, f1 = med.get("exact", float("nan")), med.get("f1", float("nan"))
-            cell = "/".join(_median_cell(s, "validation", m, n, unit=100.0) for m in ("exact", "f1"))
-            row.append(cell + (CHANCE_MARK if s and s.at_chance else ""))
-            csv_row += [em, f1]
-            spread += [x for m in ("exact", "f1") for x in _spread_csv(s, "validation", m, unit=100.0)]
-            if s:
-                pairs.append((em, f1))
-                lrs.append(f"v{v}={s.lr_label}")
-                seeds.add(len(s.seeds))
+    for variant in variants:
+        mine = {f"v{v}": by.get((variant, f"squad{v}")) for v in versions}
+        md, medians, tail = _variant_row({k: (s, [em, f1], [em, f1]) for k, s in mine.items()}, n, 100.0)
+        row, csv_row = [variant_label(variant), *md], [variant, *medians]
         if both:
-            avg = squad_average(pairs)
+            avg = squad_average([(_median(s, *em), _median(s, *f1)) for s in mine.values() if s])
             row.append(f"{_pct(avg[0] / 100, 2)}/{_pct(avg[1] / 100, 2)}")
-            csv_row += list(avg)
+            csv_row += avg
         rows.append(row)
-        csv_rows.append(
-            csv_row + [" ".join(lrs), "/".join(map(str, sorted(seeds)))] + spread + [_chance_seeds(mine)]
-        )
+        csv_rows.append(csv_row + tail)
     notes = ["Average: the mean of v1.1 and v2.0 (the paper's Average column)."] if both else []
-    if any(v.endswith(TRIVIAQA_SUFFIX) for v in squad_variants):
+    if any(v.endswith(TRIVIAQA_SUFFIX) for v in variants):
         notes.append(
             "A '+ TriviaQA' row was fine-tuned on TriviaQA reading comprehension first, then on SQuAD."
         )
-    notes.append(spread_note(shown))
+    notes.append(spread_note(summaries))
     title = "Table 2: SQuAD dev (median over seeds, best learning rate)"
+    names = [f"v{v} {m}" for v in versions for m in ("exact", "f1")]
+    csv_header = _csv_header(names, ["average exact", "average f1"] if both else [])
     return Table(title, header, rows, csv_header, csv_rows, " ".join(filter(None, notes)))
 
 
 def noise_table(noise: dict[tuple[str, str, str], dict[int, dict[float, float]]], scale: str) -> Table:
     """Table 5 for one noise definition: mean (over noise seeds) accuracy at each noise level."""
-    noise = {k: v for k, v in noise.items() if k[2] == scale}
-    levels = sorted({lvl for seeds in noise.values() for curve in seeds.values() for lvl in curve})
-    tasks = sorted({t for _, t, _ in noise})
-    header = ["Model"] + (["Task"] if len(tasks) > 1 else []) + [f"{round(100 * lvl)}%" for lvl in levels]
-    csv_header = (
-        ["variant", "task", "metric"]
-        + [f"{round(100 * lvl)}% {s}" for lvl in levels for s in ("mean", "std")]
-        + ["noise_seeds"]
-    )
+    curves = figures.noise_curves(noise, scale)
+    levels = sorted({lvl for curve in curves.values() for lvl in curve})
+    several = len({t for _, t in curves}) > 1
+    header = ["Model"] + (["Task"] if several else []) + [f"{round(100 * lvl)}%" for lvl in levels]
+    csv_header = ["variant", "task", "metric"]
+    csv_header += [f"{round(100 * lvl)}% {s}" for lvl in levels for s in ("mean", "std")] + ["noise_seeds"]
     rows, csv_rows = [], []
-    for variant, task, _ in sorted(noise, key=lambda k: (variant_key(k[0]), k[1])):
-        seeds = noise[(variant, task, scale)]
+    for (variant, task), curve in curves.items():
         t = get_task(task)
         metric = noise_metric(t)
         label = split_label(t, t.main_split) + ("" if metric == "accuracy" else f" ({METRIC_ABBREV[metric]})")
-        row = [variant_label(variant)] + ([label] if len(tasks) > 1 else [])
+        row = [variant_label(variant)] + ([label] if several else [])
         csv_row: list[object] = [variant, task, metric]
-        for lvl in levels:
-            vals = [c[lvl] for c in seeds.values() if lvl in c]
+        for vals in (curve.get(lvl, []) for lvl in levels):
             mean = float(np.mean(vals)) if vals else float("nan")
             row.append(_pct(mean))
             csv_row += [round(100 * mean, 4), round(100 * float(np.std(vals)), 4)] if vals else ["", ""]
         rows.append(row)
-        csv_rows.append(csv_row + [len(seeds)])
-    return Table(NOISE_TITLES.get(scale, f"Table 5 ({scale} noise)"), header, rows, csv_header, csv_rows)
+        csv_rows.append(csv_row + [len(noise[(variant, task, scale)])])
+    return Table(NOISE_TITLES[scale], header, rows, csv_header, csv_rows)
 
 
 def cross_domain_table(cross: dict[str, dict[tuple[str, str, str], float]]) -> Table:
     """Table 6: per variant, rows trained on, columns evaluated on (each task's main dev split)."""
     order = {t: i for i, t in enumerate(CROSS_DOMAIN_TASKS)}
-    tasks = sorted({k[0] for v in cross.values() for k in v} | {k[1] for v in cross.values() for k in v},
-                   key=lambda t: (order.get(t, 9), t))  # fmt: skip
+    tasks = sorted(
+        {t for pairs in cross.values() for k in pairs for t in k[:2]}, key=lambda t: (order.get(t, 9), t)
+    )
     main = {t: get_task(t).main_split for t in tasks}
     names = [split_label(get_task(t), main[t]) for t in tasks]
-    header = ["Model", "Trained on"] + names
-    csv_header = ["variant", "trained_on"] + [f"{n} accuracy" for n in names]
     rows, csv_rows = [], []
     for variant in sorted(cross, key=variant_key):
-        sources = sorted({k[0] for k in cross[variant]}, key=lambda t: (order.get(t, 9), t))
-        for source in sources:
+        for source in [t for t in tasks if any(k[0] == t for k in cross[variant])]:
             vals = [cross[variant].get((source, t, main[t]), float("nan")) for t in tasks]
             cells = [f"**{_pct(v)}**" if t == source else _pct(v) for t, v in zip(tasks, vals)]
             rows.append([variant_label(variant), split_label(get_task(source), main[source]), *cells])
-            csv_rows.append([variant, source, *[_csv(v) for v in vals]])
+            csv_rows.append([variant, source, *map(_csv, vals)])
     return Table(
         "Table 6: cross-domain accuracy (rows: fine-tuned on; columns: evaluated on)",
-        header,
+        ["Model", "Trained on", *names],
         rows,
-        csv_header,
+        ["variant", "trained_on", *(f"{n} accuracy" for n in names)],
         csv_rows,
         "Diagonal (bold): the task's own labels (MNLI 3-way). Off the diagonal, the model's classes and the "
         "target's labels are mapped to one binary question, entailment/duplicate/equivalent or not (ours).",

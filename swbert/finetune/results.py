@@ -1,12 +1,8 @@
-"""From trials (one fine-tuning run each) to one number per variant and task.
-
-For each variant and task: the median over seeds of every metric, at the learning-rate setting whose
-median selection score on the main dev split is best. This is our aggregation, not the paper's (it does
-not say how it combines seeds; docs/paper.md). The launchers print this at the end of a sweep and the
-report command computes it again from MLflow, with the same function. Beside each median: the spread
-over those seeds (lowest and highest, and how many), and the seeds that scored at chance level
-(`at_chance`, our definition), which a median can hide.
-"""
+"""From trials (one fine-tuning run each) to one number per variant and task: the median over seeds
+of every metric at the learning-rate setting with the best median selection score on the main dev
+split (ours: the paper does not say how it combines seeds; docs/paper.md), with the spread over those
+seeds and the seeds that scored at chance level (`at_chance`, ours), which a median can hide. Sweeps
+print it at their end; the report computes it again from MLflow."""
 
 from __future__ import annotations
 
@@ -42,21 +38,14 @@ class Trial:
     task: str
     learning_rate: float
     seed: int
-    metrics: dict[str, dict[str, float]]
-    """split -> metric -> value (GLUE: fractions; SQuAD: percent, as the official scripts)."""
-    model_dir: str = ""
-    """Where the fine-tuned model was saved ("" when it was not kept)."""
+    metrics: dict[str, dict[str, float]]  # split -> metric -> value (GLUE: fractions; SQuAD: percent)
+    model_dir: str = ""  # where the fine-tuned model was saved ("" when it was not kept)
+    # a stepped plan's later learning rates (each stage continuing from the best weights so far)
     later_lrs: tuple[float, ...] = ()
-    """A stepped plan's later learning rates (each stage continuing from the best weights so far);
-    () for a run at one learning rate."""
     status: str = "done"
     reason: str = ""
     run_id: str | None = None  # the MLflow run that trained it
     logged: dict[str, float] = field(default_factory=dict)  # the metrics that run logged last
-
-    @property
-    def lr_setting(self) -> tuple[float, ...]:
-        return (self.learning_rate, *self.later_lrs)
 
     @classmethod
     def of(cls, recorded: dict[str, Any]) -> Trial:
@@ -68,24 +57,21 @@ class Trial:
 
 @dataclass
 class Summary:
+    """One variant on one task: the median over seeds at the best learning-rate setting."""
+
     variant: str
     task: str
     learning_rate: float
     seeds: list[int]
-    median: dict[str, dict[str, float]]
-    """split -> metric -> median over seeds."""
+    median: dict[str, dict[str, float]]  # split -> metric -> median over seeds
+    # the trial whose selection score is nearest the median (the one kept for noise/cross-domain)
     median_trial: Trial
-    """The trial whose selection score is nearest the median (the one kept for noise/cross-domain)."""
-    per_lr: dict[tuple[float, ...], float] = field(default_factory=dict)
-    """Learning-rate setting (one rate, or a stepped sequence) -> median selection score."""
-    later_lrs: tuple[float, ...] = ()
-    """The chosen setting's later rates when it is a stepped plan."""
+    later_lrs: tuple[float, ...] = ()  # the chosen setting's later rates when it is a stepped plan
+    # split -> metric -> (lowest, highest, number of seeds with a value) over the chosen seeds
     spread: dict[str, dict[str, tuple[float, float, int]]] = field(default_factory=dict)
-    """split -> metric -> (lowest, highest, number of seeds with a value) over the chosen seeds."""
+    # seed -> its score (`chance_metric`) for the chosen seeds that scored at chance level
     at_chance: dict[int, float] = field(default_factory=dict)
-    """Seed -> its score (`chance_metric`) for the chosen seeds that scored at chance level."""
-    chance: float = float("nan")
-    """The task's chance score (`chance_score`) those seeds are judged against."""
+    chance: float = float("nan")  # the task's `chance_score` those seeds are judged against
 
     @property
     def lr_label(self) -> str:
@@ -138,17 +124,16 @@ def _over_seeds(chosen: list[Trial]) -> tuple[dict, dict]:
 # A seed "at chance" scored no better than a model that learned nothing; the report flags a median
 # that hides one. The paper reports no per-seed numbers: this definition and its margin are ours.
 
+# How far above its chance score a seed still counts as at chance: 2 points of accuracy, MCC or
+# correlation (GLUE metrics are fractions; SQuAD's are percent, so 2.0 there)
 CHANCE_MARGIN = 0.02
-"""How far above its chance score a seed still counts as at chance: 2 points of accuracy, MCC or
-correlation (GLUE metrics are fractions; SQuAD's are percent, so 2.0 there)."""
-CHANCE_RULE = (
+CHANCE_RULE = (  # `at_chance` in words, for the tables' notes
     "ours: accuracy at most 2 points above the dev labels' majority class (1/classes for runs that "
     "did not log it), MCC or correlation at most 0.02 or none, SQuAD F1 at most 2 above answering nothing"
 )
-"""`at_chance` in words, for the tables' notes."""
+# What a GLUE trial logs per dev split beside its metrics: the accuracy of always predicting the most
+# frequent class of the split's labels (`majority_metrics`)
 MAJORITY = "majority_accuracy"
-"""What a GLUE trial logs per dev split beside its metrics: the share of the split's labels in its
-most frequent class, the accuracy of always predicting that class (`majority_metrics`)."""
 
 
 def is_qa(task: str) -> bool:
@@ -193,72 +178,54 @@ def chance_score(trial: Trial) -> float:
     return 0.0
 
 
+def _chance_value(trial: Trial) -> float | None:
+    split, metric = chance_metric(trial.task)
+    return trial.metrics.get(split, {}).get(metric, float("nan"))
+
+
 def at_chance(trial: Trial) -> bool:
     """Whether the trial scored at most `CHANCE_MARGIN` above its `chance_score` (or below it). A
     correlation with no value counts as at chance: a constant prediction has none (`glue_metrics`)."""
-    split, metric = chance_metric(trial.task)
-    value = trial.metrics.get(split, {}).get(metric)
+    value = _chance_value(trial)
     if value is None or math.isnan(value):
-        return metric in ("pearson", "spearman")
+        return chance_metric(trial.task)[1] in ("pearson", "spearman")
     return value <= chance_score(trial) + CHANCE_MARGIN * (100.0 if is_qa(trial.task) else 1.0)
 
 
-def seeds_at_chance(trials: list[Trial]) -> dict[int, float]:
-    """Seed -> its `chance_metric` value for the trials `at_chance`."""
-    out = {}
-    for t in trials:
-        if at_chance(t):
-            split, metric = chance_metric(t.task)
-            out[t.seed] = t.metrics.get(split, {}).get(metric, float("nan"))
-    return out
-
-
-def summarize(
-    trials: list[Trial], main_split: dict[str, str], select_metric: dict[str, str]
-) -> list[Summary]:
-    """Median over seeds at the best learning-rate setting, per (variant, task). This aggregation is
-    ours: the paper does not say how it combines seeds (docs/paper.md).
-
-    ``main_split[task]`` and ``select_metric[task]`` name the split and metric that pick the setting
-    (GLUE: the task score on the matched/only dev split; SQuAD: F1). A setting is one learning rate, or
-    a stepped plan's sequence of rates.
-    """
+def task_summaries(trials: list[Trial]) -> list[Summary]:
+    """Median over seeds at the best learning-rate setting, per (variant, task), sorted by both. This
+    aggregation is ours: the paper does not say how it combines seeds (docs/paper.md). A setting is one
+    learning rate, or a stepped plan's sequence of rates."""
     groups: dict[tuple[str, str], dict[tuple[float, ...], list[Trial]]] = defaultdict(
         lambda: defaultdict(list)
     )
     for t in trials:
-        groups[(t.variant, t.task)][t.lr_setting].append(t)
-    out = []
-    for (variant, task), by_lr in groups.items():
-        split, metric = main_split[task], select_metric[task]
-
-        def score(t: Trial, split: str = split, metric: str = metric) -> float:
-            return t.metrics.get(split, {}).get(metric, float("nan"))
-
-        per_lr = {lr: _nanmedian([score(t) for t in ts]) for lr, ts in by_lr.items()}
-        # ties: the smaller rates (as before for single rates)
-        best = max(
-            per_lr,
-            key=lambda k: (-math.inf if math.isnan(per_lr[k]) else per_lr[k], tuple(-x for x in k)),
-        )
-        chosen = sorted(by_lr[best], key=lambda t: t.seed)
-        median, spread = _over_seeds(chosen)
-        target = per_lr[best]
-        nearest = min(
-            chosen, key=lambda t: (abs(score(t) - target) if not math.isnan(score(t)) else math.inf, t.seed)
-        )
-        seeds = [t.seed for t in chosen]
-        summary = Summary(variant, task, best[0], seeds, median, nearest, per_lr, best[1:], spread)
-        summary.at_chance, summary.chance = seeds_at_chance(chosen), chance_score(nearest)
-        out.append(summary)
-    return sorted(out, key=lambda s: (s.variant, s.task))
+        groups[(t.variant, t.task)][(t.learning_rate, *t.later_lrs)].append(t)
+    return sorted(map(_summary, groups.values()), key=lambda s: (s.variant, s.task))
 
 
-def task_summaries(trials: list[Trial]) -> list[Summary]:
-    """`summarize` with each task's selection: SQuAD and TriviaQA by dev F1, a GLUE task by its
-    score on its main dev split."""
-    splits, metrics = {}, {}
-    for name in {t.task for t in trials}:
-        qa = is_qa(name)
-        splits[name], metrics[name] = ("validation", "f1") if qa else (get_task(name).main_split, "score")
-    return summarize(trials, splits, metrics)
+def _summary(by_lr: dict[tuple[float, ...], list[Trial]]) -> Summary:
+    """One variant and task from its trials by learning-rate setting, picked on the main dev split:
+    SQuAD and TriviaQA by F1, a GLUE task by its score."""
+    first = next(iter(by_lr.values()))[0]
+    split, metric = chance_metric(first.task)
+    metric = metric if is_qa(first.task) else "score"
+
+    def score(t: Trial) -> float:
+        return t.metrics.get(split, {}).get(metric, float("nan"))
+
+    per_lr = {lrs: _nanmedian([score(t) for t in ts]) for lrs, ts in by_lr.items()}
+    # ties: the smaller rates
+    best = max(per_lr, key=lambda k: (-math.inf if math.isnan(per_lr[k]) else per_lr[k], [-x for x in k]))
+    chosen = sorted(by_lr[best], key=lambda t: t.seed)
+    median, spread = _over_seeds(chosen)
+
+    def distance(t: Trial) -> tuple[float, int]:  # to the median score; a trial without one is last
+        return (math.inf if math.isnan(score(t)) else abs(score(t) - per_lr[best]), t.seed)
+
+    nearest = min(chosen, key=distance)
+    seeds = [t.seed for t in chosen]
+    summary = Summary(first.variant, first.task, best[0], seeds, median, nearest, best[1:], spread)
+    summary.chance = chance_score(nearest)
+    summary.at_chance = {t.seed: _chance_value(t) for t in chosen if at_chance(t)}
+    return summary

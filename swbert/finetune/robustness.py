@@ -17,15 +17,6 @@ NoiseScale = Literal["unit", "norm"]
 NOISE_SCALES: tuple[NoiseScale, ...] = ("unit", "norm")
 
 
-def noise_sigma(level: float, mean_norm: float, dim: int, scale: NoiseScale) -> float:
-    """Standard deviation of each noise coordinate at ``level`` under the definition ``scale``."""
-    if scale == "unit":
-        return level
-    if scale == "norm":
-        return level * mean_norm / math.sqrt(dim)
-    raise ValueError(f"noise scale {scale!r} is not one of {', '.join(NOISE_SCALES)}")
-
-
 @torch.no_grad()
 def mean_embedding_norm(model: nn.Module, loader: torch.utils.data.DataLoader) -> float:
     """Mean L2 norm of the word embeddings of all non-padding tokens the loader yields."""
@@ -50,13 +41,16 @@ def embedding_noise(
     """Within the block, the model's word embeddings get noise at ``level`` (``norm``: of RMS norm
     ``level * mean_norm``; ``unit``: of standard deviation ``level`` per coordinate), drawn on the CPU
     from ``seed``: the same perturbations on any device."""
+    if scale not in NOISE_SCALES:
+        raise ValueError(f"noise scale {scale!r} is not one of {', '.join(NOISE_SCALES)}")
     if level < 0:
         raise ValueError(f"noise level {level} must be >= 0")
     if level == 0:
         yield
         return
     emb = model.get_input_embeddings()
-    sigma = noise_sigma(level, mean_norm, emb.embedding_dim, scale)
+    # per coordinate: `unit` the level itself; `norm` so that the noise's RMS norm is level * mean_norm
+    sigma = level if scale == "unit" else level * mean_norm / math.sqrt(emb.embedding_dim)
     gen = torch.Generator().manual_seed(seed)
 
     def add_noise(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> torch.Tensor:

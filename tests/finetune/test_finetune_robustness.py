@@ -68,26 +68,31 @@ def test_mean_norm_is_over_real_tokens(setup):
     assert got != pytest.approx(weight.norm(dim=-1).mean().item(), rel=1e-3)  # not the vocabulary mean
 
 
+def added_noise(model, enc, collate, level: float, mean_norm: float, scale: str) -> torch.Tensor:
+    """(tokens, d): what `embedding_noise` added to the word embeddings of the whole dev split."""
+    emb = model.get_input_embeddings()
+    batch = collate([enc[i] for i in range(len(enc))])
+    clean = emb(batch["input_ids"]).detach()
+    seen = []
+    with torch.no_grad(), embedding_noise(model, level, mean_norm, seed=3, scale=scale):
+        handle = emb.register_forward_hook(lambda m, i, out: seen.append(out.detach()))
+        model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
+        handle.remove()
+    return (seen[0] - clean).reshape(-1, clean.shape[-1])
+
+
 @pytest.mark.parametrize("level", [0.05, 0.4])
 def test_noise_scale_is_the_stated_fraction_of_the_mean_norm(setup, level):
     model, data, collate = setup
     _, enc = data.dev["validation"]
-    emb = model.get_input_embeddings()
     mean_norm = mean_embedding_norm(model, DataLoader(enc, batch_size=32, collate_fn=collate))
-    batch = collate([enc[i] for i in range(len(enc))])
-    clean = emb(batch["input_ids"]).detach()
-    seen = []
-    with torch.no_grad(), embedding_noise(model, level, mean_norm, seed=3):
-        handle = emb.register_forward_hook(lambda m, i, out: seen.append(out.detach()))
-        model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
-        handle.remove()
-    noise = (seen[0] - clean).reshape(-1, clean.shape[-1])  # (tokens, d)
+    noise = added_noise(model, enc, collate, level, mean_norm, "norm")
     rms = noise.norm(dim=-1).pow(2).mean().sqrt().item()
     assert rms == pytest.approx(level * mean_norm, rel=0.03)
     # spherical: every coordinate has the same spread
     per_dim = noise.std(dim=0)
     assert per_dim.std().item() / per_dim.mean().item() < 0.1
-    sigma = level * mean_norm / math.sqrt(clean.shape[-1])
+    sigma = level * mean_norm / math.sqrt(noise.shape[-1])
     assert noise.mean().abs().item() < 0.05 * sigma  # zero-mean
 
 
@@ -108,15 +113,7 @@ def test_unit_noise_has_the_papers_standard_deviation_times_the_level(setup, lev
     """The paper's definition: each coordinate N(0, 1) scaled by the level, whatever the embeddings' size."""
     model, data, collate = setup
     _, enc = data.dev["validation"]
-    emb = model.get_input_embeddings()
-    batch = collate([enc[i] for i in range(len(enc))])
-    clean = emb(batch["input_ids"]).detach()
-    seen = []
-    with torch.no_grad(), embedding_noise(model, level, mean_norm=123.0, seed=3, scale="unit"):
-        handle = emb.register_forward_hook(lambda m, i, out: seen.append(out.detach()))
-        model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
-        handle.remove()
-    noise = seen[0] - clean
+    noise = added_noise(model, enc, collate, level, 123.0, "unit")
     assert noise.std().item() == pytest.approx(level, rel=0.03)  # the mean norm plays no part
     with pytest.raises(ValueError, match="noise scale 'other' is not one of unit, norm"):
         with embedding_noise(model, level, 1.0, seed=0, scale="other"):  # type: ignore[arg-type]
