@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
 from transformers import AutoTokenizer
 
 from swbert import SWBertConfig
+from swbert.models.remote_code import add_remote_code
+from swbert.runtime.ranks import ParallelDims
 from swbert.runtime.run_tokenizer import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -50,8 +54,7 @@ def parse_checkpoints(specs: list[str], unique: bool = True) -> list[Checkpoint]
         if not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
             raise CheckpointError(f"--checkpoint {spec}: name {name!r} may only use letters, digits and _.+-")
         out.append(Checkpoint(name, folder))
-    names = [c.name for c in out]
-    dupes = sorted({n for n in names if names.count(n) > 1})
+    dupes = sorted(n for n, count in Counter(c.name for c in out).items() if count > 1)
     if unique and dupes:
         raise CheckpointError(
             f"two checkpoints are both named {dupes[0]!r}: pass them as NAME=PATH with distinct names"
@@ -60,8 +63,9 @@ def parse_checkpoints(specs: list[str], unique: bool = True) -> list[Checkpoint]
 
 
 def load_tokenizer(folder: str | Path, tokenizer_path: str | Path | None = None, allow_change: bool = False):
-    """The checkpoint's tokenizer (or ``tokenizer_path``), checked against the model config; with
-    ``allow_change`` another vocabulary than the recorded one is used with a warning."""
+    """The checkpoint's tokenizer (or ``tokenizer_path``), refused when it cannot be the one the model
+    was trained with; with ``allow_change`` another vocabulary than the recorded one is used with a
+    warning."""
     folder = Path(folder)
     source = Path(tokenizer_path) if tokenizer_path else folder
     try:
@@ -70,26 +74,19 @@ def load_tokenizer(folder: str | Path, tokenizer_path: str | Path | None = None,
         raise CheckpointError(
             f"{source}: no loadable tokenizer ({e}); the export folder should hold the tokenizer files"
         ) from e
-    check_tokenizer(tok, SWBertConfig.from_pretrained(folder), folder, source, allow_change)
-    return tok
-
-
-def check_tokenizer(
-    tokenizer, config: SWBertConfig, folder: Path, source: Path, allow_change: bool = False
-) -> None:
-    """Raise when ``tokenizer`` cannot be the one ``config``'s model was trained with."""
-    if len(tokenizer) > config.vocab_size:
+    config = SWBertConfig.from_pretrained(folder)
+    if len(tok) > config.vocab_size:
         raise CheckpointError(
-            f"{source}: the tokenizer has {len(tokenizer)} tokens but the model in {folder} has "
+            f"{source}: the tokenizer has {len(tok)} tokens but the model in {folder} has "
             f"vocab_size={config.vocab_size}; it is the tokenizer of another model"
         )
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id != config.pad_token_id:
+    if tok.pad_token_id is None or tok.pad_token_id != config.pad_token_id:
         raise CheckpointError(
-            f"{source}: the tokenizer's [PAD] id is {tokenizer.pad_token_id} but the model in {folder} uses "
+            f"{source}: the tokenizer's [PAD] id is {tok.pad_token_id} but the model in {folder} uses "
             f"pad_token_id={config.pad_token_id}; it is the tokenizer of another model"
         )
     saved = getattr(config, "tokenizer_sha256", None)
-    if saved and saved != tokenizer_fingerprint(tokenizer):
+    if saved and saved != tokenizer_fingerprint(tok):
         message = (
             f"{source}: the tokenizer's vocabulary differs from the one recorded in {folder}/config.json "
             "(tokenizer_sha256): the model would read other ids than it was trained on"
@@ -97,22 +94,19 @@ def check_tokenizer(
         if not allow_change:
             raise CheckpointError(f"{message}; pass the model's own tokenizer, or --allow-tokenizer-change")
         log.warning("%s; used anyway (--allow-tokenizer-change)", message)
+    return tok
 
 
 def save_finetuned(model, tokenizer, folder: str | Path) -> None:
     """Save a fine-tuned model with its tokenizer and its vocabulary's hash (rank 0); every rank
     waits for the folder to be complete."""
-    from swbert.finetune.trainer import barrier
-    from swbert.runtime.ranks import ParallelDims
-
     if ParallelDims.from_env().is_main:
         model.config.tokenizer_sha256 = tokenizer_fingerprint(tokenizer)
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        from swbert.models.remote_code import add_remote_code
-
         add_remote_code(folder)  # the heads load without swbert too (trust_remote_code)
-    barrier()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def uses_token_types(config: SWBertConfig) -> bool:

@@ -39,23 +39,17 @@ def process_group() -> Iterator[ParallelDims]:
     try:
         yield ParallelDims.from_env()
     finally:
-        if not launched:
-            _destroy_group(saved)
+        if not launched:  # DeepSpeed's references, then torch's group (its teardown leaves it up)
+            import deepspeed.comm
 
-
-def _destroy_group(saved: dict[str, str | None]) -> None:
-    """Tear down a 1-rank group `process_group` started (DeepSpeed's references, torch's groups) and
-    restore the launcher variables it set."""
-    import deepspeed.comm
-
-    deepspeed.comm.destroy_process_group()
-    if torch.distributed.is_initialized():  # DeepSpeed's own teardown leaves torch's group up
-        torch.distributed.destroy_process_group()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+            deepspeed.comm.destroy_process_group()
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+            for key, value in saved.items():  # the launcher variables it set
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 def build_engine(
@@ -85,7 +79,8 @@ def build_engine(
 class CompiledInTraining:
     """A model's ``forward``, compiled for its training steps only: evaluation (other batch sizes, no
     gradients) runs eagerly, so the graphs are the training batches' shapes, one per length bucket.
-    Static shapes (``dynamic=False``): each is compiled once, as pretraining compiles its units."""
+    Static shapes (``dynamic=False``): each is compiled once, as pretraining compiles its units.
+    Set as the model's ``forward`` (`fit` with ``compile``); `uncompile` removes it."""
 
     def __init__(self, module: nn.Module, backend: Any) -> None:
         self.module, self.eager = module, module.forward
@@ -93,11 +88,6 @@ class CompiledInTraining:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return (self.compiled if self.module.training else self.eager)(*args, **kwargs)
-
-
-def compile_training(model: nn.Module, backend: Any = "inductor") -> None:
-    """Compile ``model``'s training forward in place (undone by `uncompile`)."""
-    model.forward = CompiledInTraining(model, backend)
 
 
 def uncompile(model: nn.Module) -> None:

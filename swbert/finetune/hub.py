@@ -8,12 +8,8 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlparse
-
-TRUE_VALUES = ("1", "true", "yes", "on")
 
 
 class HubUnreachable(ConnectionError):
@@ -22,9 +18,8 @@ class HubUnreachable(ConnectionError):
 
 def offline_requested() -> bool:
     """Whether the environment asks for offline mode (read now: `datasets` read it at its import)."""
-    return any(
-        os.environ.get(k, "").lower() in TRUE_VALUES for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    )
+    flags = (os.environ.get(k, "").lower() for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return any(flag in ("1", "true", "yes", "on") for flag in flags)
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -40,30 +35,21 @@ def hub_reachable(timeout: float = 3.0) -> bool:
     return True
 
 
-@contextmanager
-def cache_only() -> Iterator[None]:
-    """Offline mode for `datasets` and `huggingface_hub` within the block, restored after it."""
+def load_hub_dataset(name: str, config: str | None, split: str) -> Any:
+    """`datasets.load_dataset(name, config, split=split)`: from the Hub when it answers, else from
+    the local cache at once (offline mode for `datasets` and `huggingface_hub` for this call only),
+    raising `HubUnreachable` when the dataset is not there."""
     import datasets
     import huggingface_hub.constants as hub_constants
 
+    if hub_reachable():
+        return datasets.load_dataset(name, config, split=split)
     saved = datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE
     datasets.config.HF_HUB_OFFLINE = hub_constants.HF_HUB_OFFLINE = True
     try:
-        yield
+        return datasets.load_dataset(name, config, split=split)
+    except Exception as err:  # datasets raises many types: ConnectionError, FileNotFoundError, ...
+        where = "offline mode is set" if offline_requested() else "the Hub is unreachable"
+        raise HubUnreachable(f"{where} and {name} is not in the local datasets cache") from err
     finally:
         datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE = saved
-
-
-def load_hub_dataset(name: str, config: str | None, split: str) -> Any:
-    """`datasets.load_dataset(name, config, split=split)`: from the Hub when it answers, else from
-    the local cache at once, raising `HubUnreachable` when the dataset is not there."""
-    import datasets
-
-    if hub_reachable():
-        return datasets.load_dataset(name, config, split=split)
-    with cache_only():
-        try:
-            return datasets.load_dataset(name, config, split=split)
-        except Exception as err:  # datasets raises many types: ConnectionError, FileNotFoundError, ...
-            where = "offline mode is set" if offline_requested() else "the Hub is unreachable"
-            raise HubUnreachable(f"{where} and {name} is not in the local datasets cache") from err

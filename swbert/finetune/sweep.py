@@ -1,9 +1,7 @@
-"""What every fine-tuning sweep shares: its flags, and one trial (fit, log the best epoch, save).
-
-GLUE's `GlueSweep` and SQuAD's `SquadSweep` extend `SweepConfig`. Every (checkpoint, task, learning
-rate setting, seed) is one trial: a point of the sweep's study (`swbert.studies`), recorded under
-<output-dir>/trials/ once its model is saved, and an MLflow child run of the sweep's parent run.
-"""
+"""What every fine-tuning sweep shares: its flags (`SweepConfig`, which `GlueSweep` and `SquadSweep`
+extend), and one trial per (checkpoint, task, learning rate setting, seed): fit, log the best epoch,
+save; a point of the sweep's study (`swbert.studies`), recorded under <output-dir>/trials/ once its
+model is saved, and an MLflow child run of the sweep's parent run."""
 
 from __future__ import annotations
 
@@ -17,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from torch import nn
+from transformers import set_seed
 
 from swbert.finetune.batching import COMPILE_BUCKET, resolve_unpad, unpad_collate
 from swbert.finetune.checkpoint import Checkpoint, parse_checkpoints, save_finetuned
@@ -33,19 +32,10 @@ from swbert.finetune.results import (
     prune_models,
     task_summaries,
 )
-from swbert.finetune.trainer import FinetuneConfig, FitOptions, default_device, fit, set_seed
+from swbert.finetune.trainer import FinetuneConfig, FitOptions, default_device, fit
 from swbert.runtime.ranks import ParallelDims
 from swbert.studies.options import StudyOptions
-from swbert.studies.records import (
-    DATA,
-    Records,
-    check_study,
-    data_identity,
-    jsonable,
-    point_key,
-    read_json,
-    study_options,
-)
+from swbert.studies.records import DATA, Records, check_study, data_identity, point_key, study_options
 from swbert.studies.runner import ChildRun, PointRunner, Settled, StudyLog, study_run
 from swbert.studies.tracking import KIND, REUSED_FROM, flat_params
 
@@ -189,10 +179,9 @@ class Trials:
         """What a trial's record stands for: the sweep's options, the trial's own, the checkpoint's
         files and the trial's data."""
         data = self.options.get(DATA, {})
-        mine = {f: data[f] for f in map(lambda p: str(Path(p).resolve()), spec.files) if f in data}
-        return point_key(
-            self.options, CHOOSES, checkpoint=checkpoint_fingerprint(spec.ckpt.path), data=mine, **facts
-        )
+        mine = {f: data[f] for f in (str(Path(p).resolve()) for p in spec.files) if f in data}
+        fingerprint = checkpoint_fingerprint(spec.ckpt.path)
+        return point_key(self.options, CHOOSES, checkpoint=fingerprint, data=mine, **facts)
 
 
 def trial_records(sweep: SweepConfig) -> Records:
@@ -369,16 +358,14 @@ LEGACY_NOT_IN_KEY = frozenset(
 def legacy_trial(trials: Trials, name: str, params: dict[str, Any], tags: dict[str, str]) -> Trial | None:
     """Trial `name` as a record of the previous format holds it, when that record stands for this
     trial (the same key, in the previous format's terms); else None."""
-    record = read_json(trials.runner.records.path(name))
-    if not isinstance(record, dict) or record.get("format") != LEGACY_FORMAT:
-        return None
     sweep = flat_params(dataclasses.asdict(trials.sweep))
-    key = jsonable({
-        "params": {("deepspeed_config" if k == "deepspeed" else k): str(v) for k, v in sorted(params.items())},
-        "tags": dict(sorted(tags.items())),
+    key = {
+        "params": {("deepspeed_config" if k == "deepspeed" else k): str(v) for k, v in params.items()},
+        "tags": tags,
         "checkpoint": checkpoint_fingerprint(Path(tags[CHECKPOINT])),
-        "sweep": {k: v for k, v in sorted(sweep.items()) if k not in LEGACY_NOT_IN_KEY},
-    })  # fmt: skip
-    if record.get("key") != key:
+        "sweep": {k: v for k, v in sweep.items() if k not in LEGACY_NOT_IN_KEY},
+    }
+    record = Records(trials.runner.records.folder, LEGACY_FORMAT).load(name, key)
+    if record is None:
         return None
     return Trial.of({**record["trial"], "run_id": record.get("run_id"), "logged": record.get("metrics", {})})

@@ -1,13 +1,13 @@
-"""Tiny synthetic tasks in GLUE's TSV and SQuAD's JSON formats, over a vocabulary of a few words.
+"""usage: python -m swbert.finetune.synthetic --output DIR [--key value ...]
 
-For tests, smoke runs and the offline quick start (`make finetune`), which must not download
-anything: the files have the exact layouts of the real ones (CoLA without a header, MNLI with
-matched/mismatched dev files, SQuAD's nested JSON), and the tasks are trivially learnable (a marker
-word decides the label), so a working pipeline beats chance by a wide margin within a few hundred
-steps of a tiny model. They check the pipeline; they measure nothing about a model.
-
-    python -m swbert.finetune.synthetic --output runs/quickstart/data   # glue/ and squad/ for the launchers
-"""
+Writes tiny synthetic tasks over a vocabulary of a few words for the fine-tuning launchers' offline
+data flags, and prints those flags: a GLUE-style task (GLUE's TSV layout, under DIR/glue) and a
+SQuAD-style one (SQuAD's JSON files, under DIR/squad), with the exact layouts of the real files (CoLA
+without a header, MNLI with matched/mismatched dev files, SQuAD's nested JSON). Each task is decided by
+one marker word, so a working pipeline beats chance by a wide margin within a few hundred steps of a
+tiny model: for tests, smoke runs and the offline quick start (`make finetune`), which download
+nothing. It checks that the pipeline runs and learns; it is not a benchmark, and its scores say
+nothing about a model's quality."""
 
 from __future__ import annotations
 
@@ -63,14 +63,9 @@ def _write_tsv(task: GlueTask, path: Path, rows: list[tuple[str, str | None, str
                 w.writerow(["gj04", y, "" if y == "1" else "*", a])
             return
         # A realistic header: the columns we read plus a leading index column GLUE files also have.
-        cols = (
-            ["index", task.tsv_text_columns[0]]
-            + ([task.tsv_text_columns[1]] if task.is_pair else [])
-            + [task.tsv_label_column]
-        )
-        w.writerow(cols)
+        w.writerow(["index", *task.tsv_text_columns[: 2 if task.is_pair else 1], task.tsv_label_column])
         for i, (a, b, y) in enumerate(rows):
-            w.writerow([str(i), a] + ([b] if task.is_pair else []) + [y])
+            w.writerow([str(i), a, *([b] if task.is_pair else []), y])
 
 
 def write_glue_fixture(
@@ -99,33 +94,18 @@ def write_squad_fixture(
     articles = []
     for i in range(n):
         words = [rng.choice(FILLER) for _ in range(context_words)]
-        impossible = version == "2.0" and i % 4 == 3
-        answers = []
-        if not impossible:
-            pos = rng.randrange(context_words - 1)
-            target = rng.choice(MARKERS)
-            words[pos : pos + 2] = ["key", target]
-            context = " ".join(words)
-            start = len(" ".join(words[: pos + 1])) + 1
-            answers = [{"text": target, "answer_start": start}]
-        else:
-            context = " ".join(words)
-        qa = {"id": f"q{i}", "question": "where is key ?", "answers": answers}
+        qa: dict = {"id": f"q{i}", "question": "where is key ?", "answers": []}
         if version == "2.0":
-            qa["is_impossible"] = impossible
-        articles.append({"title": f"article {i}", "paragraphs": [{"context": context, "qas": [qa]}]})
+            qa["is_impossible"] = i % 4 == 3
+        if not qa.get("is_impossible"):
+            pos, target = rng.randrange(context_words - 1), rng.choice(MARKERS)
+            words[pos : pos + 2] = ["key", target]
+            qa["answers"] = [{"text": target, "answer_start": len(" ".join(words[: pos + 1])) + 1}]
+        articles.append({"title": f"article {i}", "paragraphs": [{"context": " ".join(words), "qas": [qa]}]})
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"version": f"v{version}", "data": articles}), encoding="utf-8")
     return path
-
-
-USAGE = """usage: python -m swbert.finetune.synthetic --output DIR [--key value ...]
-
-Writes a small embedded GLUE-style task (GLUE's TSV layout, under DIR/glue) and a SQuAD-style one
-(SQuAD's JSON files, under DIR/squad) for the fine-tuning launchers' offline data flags, and prints
-those flags. Each task is decided by one marker word: it checks that the pipeline runs and learns
-(`make finetune`); it is not a benchmark, and its scores say nothing about a model's quality."""
 
 
 @dataclass
@@ -174,7 +154,7 @@ def write_quickstart(cfg: SyntheticData) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 written; 2 bad input (a flag), with a one-line error."""
-    cfg = cli.parse_or_exit(SyntheticData, argv, USAGE, recipes=False)
+    cfg = cli.parse_or_exit(SyntheticData, argv, __doc__, recipes=False)
     for line in cli.exit_on_bad_input(lambda: write_quickstart(cfg)):
         print(line)
     return 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +20,13 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from swbert.finetune.batching import epoch_sampler, train_loader
-from swbert.finetune.engine import DEFAULT_DS_CONFIG, build_engine, compile_training, process_group, uncompile
+from swbert.finetune.engine import (
+    DEFAULT_DS_CONFIG,
+    CompiledInTraining,
+    build_engine,
+    process_group,
+    uncompile,
+)
 from swbert.finetune.metrics import selection_value
 from swbert.runtime.ds_config import BatchShape, Flags, build_ds_config, resolve_precision
 from swbert.runtime.ranks import ParallelDims
@@ -60,8 +65,8 @@ class FinetuneConfig(FitOptions):
     seed: int = 0
     log_every: int = 50  # optimiser steps between logged losses: the only steps that read one back
     group_by_length: bool = False  # padded batches of similar lengths (swbert.finetune.batching)
-    # torch.compile the training forward (`compile_training`); the collate should pad to length
-    # buckets (`pad_collate(..., bucket=COMPILE_BUCKET)`), as the sweeps' does
+    # torch.compile the training forward (`engine.CompiledInTraining`); the collate should pad to
+    # length buckets (`pad_collate(..., bucket=COMPILE_BUCKET)`), as the sweeps' does
     compile: bool = False
     compile_backend: Any = "inductor"  # a name, or a callable (tests record the graphs with one)
 
@@ -95,18 +100,6 @@ class FitResult:
             "seconds_per_epoch": self.train_seconds / max(self.epochs_trained, 1e-9),
             "steps": self.steps,
         }
-
-
-def barrier() -> None:
-    """Wait for every rank (a no-op in single-process runs)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-
-
-def set_seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def default_device(info: ParallelDims | None = None) -> torch.device:
@@ -176,58 +169,80 @@ def deepspeed_config(path: str | Path, cfg: FinetuneConfig, world_size: int, pre
     return build_ds_config(path, batch, cfg.max_grad_norm, precision, FLAGS, max_zero_stage=2)
 
 
-@dataclass
-class _Best:
-    """The best dev epoch so far, its weights on the CPU, and this stage's epochs since its own best
-    (what --patience counts)."""
-
-    value: float = -math.inf
-    state: dict[str, torch.Tensor] | None = None
-    stale: int = 0
-    stage_value: float | None = None  # this stage's best so far
-
-    def update(
-        self, module: nn.Module, metrics: dict[str, float], select: str, result: FitResult, stage: int
-    ) -> None:
-        value = selection_value(metrics[select])
-        better_in_stage = self.stage_value is None or value > self.stage_value
-        self.stale, self.stage_value = (0, value) if better_in_stage else (self.stale + 1, self.stage_value)
-        if self.state is None or value > self.value:
-            self.value = value
-            self.state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
-            result.best_metrics, result.best_stage = dict(metrics), stage
-            result.best_epoch = len(result.history) - 1
+def stage_config(cfg: FinetuneConfig, stage: int, lr: float) -> FinetuneConfig:
+    """Stage `stage` of a stepped plan at `lr`: a warm-up in the first stage only (the later ones
+    continue a tuned model)."""
+    return dataclasses.replace(cfg, learning_rate=lr, warmup_ratio=0.0 if stage else cfg.warmup_ratio)
 
 
 class FitRun:
-    """One stage of a `fit`: the engine, the loader, the step count, the loss of the steps since the
-    last logged one (summed on the device: read back once per window) and the best epoch so far."""
+    """A `fit`, one stage at a time: its result and the best dev epoch's weights (on the CPU) over
+    every stage; for the stage running, its engine, loader, step budget and the loss of the steps since
+    the last logged one (summed on the device: read back once per window)."""
 
     def __init__(
         self,
-        engine: Any,
-        loader: DataLoader,
-        cfg: FinetuneConfig,
-        total: int,
+        train_set: Dataset,
+        collate: Callable,
+        evaluate: Callable[[nn.Module], dict[str, float]],
+        select: str,
         log_metrics: Callable[[dict[str, float], int], None] | None,
-        bar: Any,
-        stage: tuple[int, FitResult, _Best],
+        dims: ParallelDims,
     ) -> None:
-        self.engine, self.loader, self.cfg, self.bar = engine, loader, cfg, bar
-        self.log_metrics = log_metrics if ParallelDims.from_env().is_main else None
-        self.device = engine.device
-        self.stage, self.result, self.best = stage  # the result and best epoch so far, of every stage
-        self.best.stage_value, self.result.steps_per_epoch = None, len(loader)
-        self.steps, self.window_steps = self.result.steps, 0  # logged steps continue across stages
-        self.total = self.steps + total
-        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.train_set, self.collate, self.dims = train_set, collate, dims
+        self.evaluate, self.select = evaluate, select
+        self.log_metrics = log_metrics if dims.is_main else None
+        self.result = FitResult(best_metrics={}, best_epoch=-1)
+        self.best_value, self.best_state = -math.inf, None
+        self.steps = 0  # logged steps continue across stages
+
+    def run_stage(self, model: nn.Module, cfg: FinetuneConfig, stage: int, desc: str) -> None:
+        """Fit `model` at `cfg`'s rate in a new engine; it ends holding the best weights so far, the
+        engine's hooks dropped (the next stage of a stepped plan fits the same model)."""
+        self.start(model, cfg, desc)
+        self.stage_best, self.stale = None, 0  # this stage's best and its epochs since (--patience)
+        try:
+            for epoch in range(cfg.epochs):
+                self.train_epoch(epoch)
+                if self.end_epoch(epoch, stage):
+                    break
+        finally:
+            self.bar.close()
+            uncompile(model)
+        self.result.steps = self.steps
+        if self.best_state is not None:
+            model.load_state_dict(self.best_state)
+        self.engine.destroy()
+
+    def start(self, model: nn.Module, cfg: FinetuneConfig, desc: str) -> None:
+        """The stage's loader, step budget and engine."""
+        on_gpu, world = torch.cuda.is_available(), self.dims.world
+        precision = resolve_precision(cfg.precision, on_gpu)
+        ds_cfg = deepspeed_config(cfg.deepspeed or DEFAULT_DS_CONFIG, cfg, world, precision)
+        micro = cfg.batch_size // world
+        self.loader = train_loader(
+            self.train_set, self.collate, micro, self.dims, cfg.seed, cfg.num_workers, cfg.group_by_length
+        )
+        if len(self.loader) == 0:
+            raise ValueError("the training split is empty")
+        budget = cfg.epochs * len(self.loader)
+        budget = budget if cfg.max_steps is None else min(cfg.max_steps, budget)
+        model.to(default_device(self.dims))
+        warmup = int(cfg.warmup_ratio * budget)
+        self.engine = build_engine(model, ds_cfg, cfg.learning_rate, cfg.weight_decay, budget, warmup, on_gpu)
+        if cfg.compile:
+            model.forward = CompiledInTraining(model, cfg.compile_backend)
+        self.cfg, self.total, self.window_steps = cfg, self.steps + budget, 0
+        self.result.steps_per_epoch = len(self.loader)
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.engine.device)
+        self.bar = progress_bar(budget, desc, unit="step", leave=False)
 
     @property
     def done(self) -> bool:
         return self.steps >= self.total
 
     def train_epoch(self, epoch: int) -> None:
-        """One pass over this rank's share (or up to ``total`` steps), timed with its kernels (one
+        """One pass over this rank's share (or up to the step budget), timed with its kernels (one
         synchronisation at the end)."""
         from deepspeed.accelerator import get_accelerator
 
@@ -242,7 +257,7 @@ class FitRun:
         self.result.train_seconds += time.perf_counter() - started
 
     def step(self, batch: dict[str, torch.Tensor]) -> None:
-        loss = self.engine(**move(batch, self.device)).loss
+        loss = self.engine(**move(batch, self.engine.device)).loss
         self.engine.backward(loss)
         self.engine.step()
         self.loss_sum += loss.detach().float()
@@ -260,14 +275,14 @@ class FitRun:
         self.loss_sum.zero_()
         self.window_steps = 0
 
-    def end_epoch(self, epoch: int, evaluate: Callable[[nn.Module], dict[str, float]], select: str) -> bool:
+    def end_epoch(self, epoch: int, stage: int) -> bool:
         """Evaluate on dev, keep the weights of the best epoch; True to stop (the step budget is spent,
-        or ``patience`` epochs passed without a better score)."""
-        module = self.engine.module
+        or ``patience`` epochs passed without a better score in this stage)."""
+        module, select = self.engine.module, self.select
         started = time.perf_counter()
         module.eval()
         with torch.no_grad():
-            metrics = evaluate(module)
+            metrics = self.evaluate(module)
         self.result.eval_seconds += time.perf_counter() - started
         metrics["epoch"] = float(epoch)
         self.result.history.append(metrics)
@@ -275,57 +290,21 @@ class FitRun:
             dev = {f"dev/{k}": v for k, v in metrics.items() if k != "epoch" and not math.isnan(v)}
             self.log_metrics(dev, self.steps)
         self.bar.set_postfix({select: f"{metrics[select]:.4f}", "epoch": epoch})
-        self.best.update(module, metrics, select, self.result, self.stage)
+        value = selection_value(metrics[select])
+        if self.stage_best is None or value > self.stage_best:
+            self.stage_best, self.stale = value, 0
+        else:
+            self.stale += 1
+        if self.best_state is None or value > self.best_value:
+            self.best_value = value
+            self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+            self.result.best_metrics, self.result.best_stage = dict(metrics), stage
+            self.result.best_epoch = len(self.result.history) - 1
         log.info(
             "epoch %d step %d: %s=%.4f (best %.4f at epoch %d)",
-            *(epoch, self.steps, select, metrics[select], self.best.value, self.result.best_epoch),
+            *(epoch, self.steps, select, metrics[select], self.best_value, self.result.best_epoch),
         )
-        return self.done or bool(self.cfg.patience and self.best.stale >= self.cfg.patience)
-
-    def finish(self) -> None:
-        """The best weights so far back into the model, the engine's hooks dropped: the next stage of
-        a stepped plan fits the same model with a new engine."""
-        self.result.steps = self.steps
-        if self.best.state is not None:
-            self.engine.module.load_state_dict(self.best.state)
-        self.engine.destroy()
-
-
-def start_run(
-    model: nn.Module,
-    train_set: Dataset,
-    collate: Callable,
-    cfg: FinetuneConfig,
-    dims: ParallelDims,
-    log_metrics: Callable[[dict[str, float], int], None] | None,
-    bar_desc: str,
-    stage: tuple[int, FitResult, _Best],
-) -> FitRun:
-    """The loader, the step budget and the engine of one stage of a `fit`."""
-    on_gpu = torch.cuda.is_available()
-    precision = resolve_precision(cfg.precision, on_gpu)
-    ds_cfg = deepspeed_config(cfg.deepspeed or DEFAULT_DS_CONFIG, cfg, dims.world, precision)
-    micro = cfg.batch_size // dims.world
-    loader = train_loader(train_set, collate, micro, dims, cfg.seed, cfg.num_workers, cfg.group_by_length)
-    if len(loader) == 0:
-        raise ValueError("the training split is empty")
-    total = (
-        cfg.epochs * len(loader) if cfg.max_steps is None else min(cfg.max_steps, cfg.epochs * len(loader))
-    )
-    model.to(default_device(dims))
-    engine = build_engine(
-        model, ds_cfg, cfg.learning_rate, cfg.weight_decay, total, int(cfg.warmup_ratio * total), on_gpu
-    )
-    if cfg.compile:
-        compile_training(engine.module, cfg.compile_backend)
-    bar = progress_bar(total, bar_desc, unit="step", leave=False)
-    return FitRun(engine, loader, cfg, total, log_metrics, bar, stage)
-
-
-def stage_config(cfg: FinetuneConfig, stage: int, lr: float) -> FinetuneConfig:
-    """Stage `stage` of a stepped plan at `lr`: a warm-up in the first stage only (the later ones
-    continue a tuned model)."""
-    return dataclasses.replace(cfg, learning_rate=lr, warmup_ratio=0.0 if stage else cfg.warmup_ratio)
+        return self.done or bool(self.cfg.patience and self.stale >= self.cfg.patience)
 
 
 def fit(
@@ -345,23 +324,11 @@ def fit(
     (rank 0) gets the training loss and learning rate every ``cfg.log_every`` steps and the dev
     metrics (``dev/...``) after every epoch, at the optimiser step. ``later_lrs``: a stepped plan's
     later stages, each in a new engine at its rate (no warm-up) from the best weights so far."""
-    result, best = FitResult(best_metrics={}, best_epoch=-1), _Best()
     stages = (cfg.learning_rate, *later_lrs)
     with process_group() as dims:
+        run = FitRun(train_set, collate, evaluate, select, log_metrics, dims)
         for stage, lr in enumerate(stages):
-            stage_cfg = stage_config(cfg, stage, lr)
             label = desc + (f" stage {stage + 1}/{len(stages)}" if stage else "")
-            run = start_run(
-                model, train_set, collate, stage_cfg, dims, log_metrics, label, (stage, result, best)
-            )
-            try:
-                for epoch in range(cfg.epochs):
-                    run.train_epoch(epoch)
-                    if run.end_epoch(epoch, evaluate, select):
-                        break
-            finally:
-                run.bar.close()
-                uncompile(model)
-            run.finish()
-            log.info("%s: stage %d at lr %g, best %s=%.4f", desc, stage, lr, select, best.value)
-    return result
+            run.run_stage(model, stage_config(cfg, stage, lr), stage, label)
+            log.info("%s: stage %d at lr %g, best %s=%.4f", desc, stage, lr, select, run.best_value)
+    return run.result

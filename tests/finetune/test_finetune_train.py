@@ -292,10 +292,7 @@ def test_squad_defaults_are_the_papers_appendix(tmp_path, capsys):
 
 
 def test_fit_restores_the_best_epoch_and_stops_early():
-    torch.manual_seed(0)
-    model = SWBertForSequenceClassification(SWBertConfig.from_size("tiny", vocab_size=32, num_labels=2))
-    data = EncodedDataset({"input_ids": [[2, 5 + i % 7, 3] for i in range(16)], "attention_mask": [[1, 1, 1]] * 16},
-                          {"labels": torch.tensor([i % 2 for i in range(16)]).numpy()})  # fmt: skip
+    model, data = _tiny_model(), _tiny_data()
     scores, snapshots = iter([0.5, 0.9, 0.7, 0.6, 0.95]), []
 
     def evaluate(m):
@@ -313,9 +310,9 @@ def test_fit_restores_the_best_epoch_and_stops_early():
 def test_one_process_trains_in_deepspeeds_precision_as_ranks_do():
     """A single process trains in a DeepSpeed engine too, so bf16 is DeepSpeed's there as on N ranks
     (bf16 weights, fp32 master weights in the optimizer), not autocast over fp32 weights."""
-    model, evaluated = _two_rank_model(), []
+    model, evaluated = _tiny_model(), []
     cfg = FinetuneConfig(learning_rate=1e-3, epochs=1, batch_size=8, precision="bf16")
-    fit(model, _two_rank_data(), pad_collate(0), lambda m: evaluated.append(m) or {"validation/score": 0.0},
+    fit(model, _tiny_data(), pad_collate(0), lambda m: evaluated.append(m) or {"validation/score": 0.0},
         "validation/score", cfg)  # fmt: skip
     assert evaluated == [model]  # the engine's module is the model itself
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
@@ -342,7 +339,7 @@ def test_ranks_start_after_an_in_process_fine_tuning_run():
 
     env, children = dict(os.environ), {c.pid for c in psutil.Process().children()}
     cfg = FinetuneConfig(learning_rate=1e-3, epochs=1, batch_size=8, precision="fp32", num_workers=1)
-    fit(_two_rank_model(), _two_rank_data(), pad_collate(0), lambda m: {"validation/score": 0.0},
+    fit(_tiny_model(), _tiny_data(), pad_collate(0), lambda m: {"validation/score": 0.0},
         "validation/score", cfg)  # fmt: skip
     assert not torch.distributed.is_initialized() and dict(os.environ) == env
     assert {c.pid for c in psutil.Process().children()} <= children  # the loader's workers ended
@@ -366,7 +363,7 @@ def test_compiled_fine_tuning_sees_one_shape_per_length_bucket():
     ]
     data = EncodedDataset({"input_ids": texts, "attention_mask": [[1] * len(t) for t in texts]},
                           {"labels": torch.tensor([i % 2 for i in range(len(texts))]).numpy()})  # fmt: skip
-    model = _two_rank_model()
+    model = _tiny_model()
     model.config.problem_type = "single_label_classification"  # as glue.load_classifier sets it
     model.register_forward_pre_hook(lambda m, a, k: lengths.append(k["input_ids"].shape[1]), with_kwargs=True)
     cfg = FinetuneConfig(learning_rate=1e-3, epochs=1, batch_size=4, precision="fp32", num_workers=0,
@@ -383,11 +380,8 @@ def test_compiled_fine_tuning_sees_one_shape_per_length_bucket():
 def test_deepspeed_config_is_filled_from_the_flags(tmp_path):
     cfg = FinetuneConfig(batch_size=32, max_grad_norm=1.0)
     ds = deepspeed_config("zero2.json", cfg, world_size=4, precision="bf16")  # a shipped config, by name
-    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_clipping"]) == (
-        32,
-        8,
-        1.0,
-    )
+    batch = (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_clipping"])
+    assert batch == (32, 8, 1.0)
     assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
     assert ds["zero_optimization"]["stage"] == 2
     path = tmp_path / "ds.json"
@@ -407,13 +401,13 @@ def test_deepspeed_config_is_filled_from_the_flags(tmp_path):
         deepspeed_config("zero1.json", cfg, world_size=3, precision="fp32")
 
 
-def _two_rank_data() -> EncodedDataset:
+def _tiny_data() -> EncodedDataset:
     ids = [[2, 5 + (7 * i) % 20, 5 + (3 * i) % 20, 3] for i in range(16)]  # one length: no padding
     return EncodedDataset({"input_ids": ids, "attention_mask": [[1] * 4] * 16},
                           {"labels": torch.tensor([i % 2 for i in range(16)]).numpy()})  # fmt: skip
 
 
-def _two_rank_model() -> SWBertForSequenceClassification:
+def _tiny_model() -> SWBertForSequenceClassification:
     torch.manual_seed(0)
     config = SWBertConfig.from_size(
         "tiny", vocab_size=32, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
@@ -424,12 +418,12 @@ def _two_rank_model() -> SWBertForSequenceClassification:
 def _fit_full_batch(out: str | None = None) -> dict[str, torch.Tensor]:
     """Three full-batch epochs; the last is the best, so both runs keep the same epoch's weights. In
     the ranks (``out``), every training step's host syncs and the collating processes are recorded."""
-    model, calls = _two_rank_model(), iter(range(100))
+    model, calls = _tiny_model(), iter(range(100))
     cfg = FinetuneConfig(learning_rate=1e-3, epochs=3, batch_size=16, precision="fp32",
                       deepspeed="zero1.json" if out else None)  # fmt: skip
     collate = _count_syncs(Path(out), pad_collate(0)) if out else pad_collate(0)
     logged = (lambda metrics, step: None) if out else None  # the ranks take the logging path too
-    fit(model, _two_rank_data(), collate, lambda m: {"validation/score": float(next(calls))},
+    fit(model, _tiny_data(), collate, lambda m: {"validation/score": float(next(calls))},
         "validation/score", cfg, logged)  # fmt: skip
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if out:
@@ -479,13 +473,6 @@ DEEPSPEED_SYNCS = Counter(
 )
 
 
-def _syncs(calls: list[dict]) -> dict[str, Counter]:
-    """A step's counted calls by owner (tests/training/test_host_syncs.py's rule), none left out."""
-    from tests.training.test_host_syncs import _count
-
-    return _count(calls)
-
-
 @pytest.mark.slow
 def test_two_ranks_under_deepspeed_train_like_one_process(tmp_path):
     """The DeepSpeed path of ``fit`` (2 gloo ranks, ZeRO-1, the global batch split in two) ends with the
@@ -493,10 +480,11 @@ def test_two_ranks_under_deepspeed_train_like_one_process(tmp_path):
     batches are collated in loader workers, and a step that logs nothing reads nothing from the device:
     no host sync of swbert's (counted as tests/training/test_host_syncs.py counts pretraining's)."""
     from tests.parallel.test_parallel_harness import run_ranks
+    from tests.training.test_host_syncs import _count  # a step's calls by owner, none left out
 
     run_ranks(_fit_full_batch, 2, str(tmp_path), deepspeed=True)
     single = _fit_full_batch()
-    start = _two_rank_model().state_dict()
+    start = _tiny_model().state_dict()
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for name, value in single.items():
         assert torch.equal(ranks[0][name], ranks[1][name]), name  # the ranks agree
@@ -509,7 +497,7 @@ def test_two_ranks_under_deepspeed_train_like_one_process(tmp_path):
     for rank, record in enumerate(records):
         assert [s["logged"] for s in record["steps"]] == [False, False, True]  # the last step logs
         for i, step in enumerate(record["steps"]):
-            counts = _syncs(step["calls"])
+            counts = _count(step["calls"])
             stacks = "".join(f"\n  {c['kind']}: {c['stack'][-3:]}" for c in step["calls"])
             where = f"rank {rank}, step {i + 1}: {stacks}"
             expected = Counter({"item@log_window": 1}) if step["logged"] and rank == 0 else Counter()
@@ -529,11 +517,8 @@ def test_glue_defaults_are_the_papers_appendix(tmp_path, capsys):
     cfg = args.finetune_config()
     assert args.learning_rates == [1e-4, 2e-5, 2e-6] and len(args.seeds) >= 3
     assert args.lr_settings() == [(1e-4, 2e-5, 2e-6)]  # stepped: one sequence of three stages per seed
-    assert parse(["--checkpoint", "c", "--output-dir", "o", "--lr-plan", "grid"]).lr_settings() == [
-        (1e-4,),
-        (2e-5,),
-        (2e-6,),
-    ]
+    grid = parse(["--checkpoint", "c", "--output-dir", "o", "--lr-plan", "grid"])
+    assert grid.lr_settings() == [(1e-4,), (2e-5,), (2e-6,)]
     assert sorted(args.tasks) == ["cola", "mnli", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb"]
     assert (cfg.weight_decay, cfg.epochs, args.attention_dropout) == (0.1, 10, 0.1)
     ckpt = make_checkpoint(tmp_path / "ckpt")
@@ -559,10 +544,7 @@ def test_stepped_plan_continues_from_the_best_weights(tmp_path):
     best weights of all stages; logged steps continue across stages."""
     from swbert.finetune.sweep import SweepConfig
 
-    torch.manual_seed(0)
-    model = SWBertForSequenceClassification(SWBertConfig.from_size("tiny", vocab_size=32, num_labels=2))
-    data = EncodedDataset({"input_ids": [[2, 5 + i % 7, 3] for i in range(16)], "attention_mask": [[1, 1, 1]] * 16},
-                          {"labels": torch.tensor([i % 2 for i in range(16)]).numpy()})  # fmt: skip
+    model, data = _tiny_model(), _tiny_data()
     scores, evaluated, started = iter([0.5, 0.9, 0.7, 0.8, 0.95, 0.6]), [], []
 
     def evaluate(m):
