@@ -35,11 +35,10 @@ def resolve_unpad(setting: Unpad, device: str, attention_dropout: float) -> bool
     if setting == "off" or (setting == "auto" and kernel is None):
         log.info("--unpad %s: padded batches of similar lengths (length-grouped)", setting)
         return False
-    how = (
-        kernel
-        or f"the per-sequence reference (no variable-length kernel on {device} at dropout {attention_dropout:g})"
+    reference = (
+        f"the per-sequence reference (no variable-length kernel on {device} at dropout {attention_dropout:g})"
     )
-    log.info("--unpad %s: unpadded batches, attention by %s", setting, how)
+    log.info("--unpad %s: unpadded batches, attention by %s", setting, kernel or reference)
     return True
 
 
@@ -76,25 +75,18 @@ def unpad_collate(pad_token_id: int = 0) -> Callable[[list[dict]], Batch]:
 class LengthGroupedBatchSampler(Sampler[list[int]]):
     """Batches of examples of similar lengths, in a random order: little padding per batch.
 
-    Per epoch (seeded by `seed` and the epoch): shuffle, cut into megabatches of `group` global
+    Per epoch (seeded by `seed` and the epoch): shuffle, cut into megabatches of `GROUP` global
     batches, sort each by length and cut it into global batches of `batch_size * world`, shuffle
     those. Rank r takes the r-th slice of each, so the ranks' shares together are the single-process
     batches (indices padded by repetition to a multiple of the world size, as DistributedSampler)."""
 
-    def __init__(
-        self,
-        lengths: Sequence[int],
-        batch_size: int,
-        seed: int = 0,
-        world: int = 1,
-        rank: int = 0,
-        group: int = 50,
-    ) -> None:
+    GROUP = 50  # global batches per megabatch (ours)
+
+    def __init__(self, lengths: Sequence[int], batch_size: int, seed: int = 0, world: int = 1, rank: int = 0):
         if batch_size <= 0 or not 0 <= rank < world:
             raise ValueError(f"batch_size={batch_size} must be positive and rank={rank} in [0, {world})")
         self.lengths = np.asarray(lengths)
-        self.batch_size, self.seed, self.world, self.rank, self.group = batch_size, seed, world, rank, group
-        self.epoch = 0
+        self.batch_size, self.seed, self.world, self.rank, self.epoch = batch_size, seed, world, rank, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -107,8 +99,8 @@ class LengthGroupedBatchSampler(Sampler[list[int]]):
         order = np.concatenate([order, order[:extra]])
         size = self.batch_size * self.world
         batches = []
-        for start in range(0, len(order), size * self.group):
-            mega = order[start : start + size * self.group]
+        for start in range(0, len(order), size * self.GROUP):
+            mega = order[start : start + size * self.GROUP]
             mega = mega[np.argsort(-self.lengths[mega], kind="stable")]
             batches += [mega[i : i + size] for i in range(0, len(mega), size)]
         return [batches[i] for i in rng.permutation(len(batches))]
@@ -120,17 +112,6 @@ class LengthGroupedBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return math.ceil(math.ceil(len(self.lengths) / self.world) / self.batch_size)
-
-
-def dataset_lengths(dataset: Dataset) -> list[int]:
-    """Real tokens of every example (read off the token lists when the dataset holds them)."""
-    features = getattr(dataset, "features", None)
-    if isinstance(features, dict) and "input_ids" in features:
-        masks = features.get("attention_mask")
-        if masks is not None:
-            return [int(sum(m)) for m in masks]
-        return [len(ids) for ids in features["input_ids"]]
-    return [example_length(dataset[i]) for i in range(len(dataset))]
 
 
 def train_loader(
@@ -155,7 +136,8 @@ def train_loader(
         pin_memory=torch.cuda.is_available(),
     )
     if grouped:
-        batches = LengthGroupedBatchSampler(dataset_lengths(train_set), micro, seed, dims.world, dims.rank)
+        lengths = [example_length(train_set[i]) for i in range(len(train_set))]
+        batches = LengthGroupedBatchSampler(lengths, micro, seed, dims.world, dims.rank)
         return DataLoader(train_set, batch_sampler=batches, **common)
     sampler = DistributedSampler(train_set, dims.world, dims.rank, shuffle=True, seed=seed)
     return DataLoader(train_set, batch_size=micro, sampler=sampler, drop_last=False, **common)

@@ -5,6 +5,7 @@ table reports is in docs/finetuning.md."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -167,79 +168,65 @@ def evaluate_task(model: nn.Module, data: TaskData, collate, batch_size: int = 1
     return metrics
 
 
-def glue_trial(
-    trials: Trials, ckpt: Checkpoint, data: TaskData, tokenizer, lrs: tuple[float, ...], seed: int
-) -> Trial:
-    """Fine-tune one (checkpoint, task, learning-rate setting, seed) and log it as a child run."""
+def glue_trials(
+    trials: Trials, ckpt: Checkpoint, data: TaskData, tokenizer: Any, bar: Any
+) -> tuple[list[Trial], Summary]:
+    """Every (learning-rate setting, seed) of one checkpoint on one task, each a child run, and their
+    summary."""
     sweep, task = trials.sweep, data.task
     collate = sweep.collate(tokenizer.pad_token_id)
-    return run_trial(
-        trials,
-        TrialSpec(
-            ckpt,
-            task.name,
-            lrs,
-            seed,
-            "glue_trial",
-            {"train_examples": len(data.train)},
-            tuple(sweep.task_files(task.name)),
-        ),  # fmt: skip
-        TrialTask(
-            lambda: load_classifier(ckpt.path, task, **sweep.dropout()),
-            data.train,
-            collate,
-            lambda m: (
-                evaluate_task(m, data, collate, sweep.eval_batch_size) | majority_metrics(task, data.dev)
-            ),
-            f"{task.main_split}/score",
-            tokenizer,
-        ),
+    files = tuple(sweep.task_files(task.name))
+    work = TrialTask(
+        lambda: load_classifier(ckpt.path, task, **sweep.dropout()),
+        data.train,
+        collate,
+        lambda m: evaluate_task(m, data, collate, sweep.eval_batch_size) | majority_metrics(task, data.dev),
+        f"{task.main_split}/score",
+        tokenizer,
     )
 
+    def one(lrs: tuple[float, ...], seed: int) -> Trial:
+        params = {"train_examples": len(data.train)}
+        return run_trial(trials, TrialSpec(ckpt, task.name, lrs, seed, "glue_trial", params, files), work)
 
-def noise_evaluation(sweep: GlueSweep, tracker: Tracker, name: str, model_dir: Path, data: TaskData) -> dict:
+    return trials.task_trials(ckpt, task.name, one, bar)
+
+
+def eval_model(path: Path, task: GlueTask) -> tuple[nn.Module, Callable]:
+    """A fine-tuned classifier of `task` ready to evaluate, and its collate."""
+    model = load_classifier(path, task).to(default_device()).eval()
+    return model, pad_collate(model.config.pad_token_id)
+
+
+def noise_evaluation(sweep: GlueSweep, tracker: Tracker, name: str, model_dir: Path, data: TaskData) -> None:
     """Table 5: evaluate a fine-tuned model under embedding noise at the sweep's levels; one MLflow run
     per (noise definition, noise seed), the level in percent as the step."""
-    task, batch_size = data.task, sweep.eval_batch_size
-    model = load_classifier(model_dir, task).to(default_device()).eval()
-    collate = pad_collate(model.config.pad_token_id)
-    _, main_enc = data.dev[task.main_split]
-    mean_norm = robustness.mean_embedding_norm(
-        model, DataLoader(main_enc, batch_size=batch_size, collate_fn=collate)
-    )
-    out = {}
+    task, levels, seeds, batch_size = data.task, sweep.noise_levels, sweep.noise_seeds, sweep.eval_batch_size
+    model, collate = eval_model(model_dir, task)
+    loader = DataLoader(data.dev[task.main_split][1], batch_size=batch_size, collate_fn=collate)
+    mean_norm = robustness.mean_embedding_norm(model, loader)
+    evaluate = functools.partial(evaluate_task, data=data, collate=collate, batch_size=batch_size)
+    tags = {KIND: "noise", VARIANT: name, TASK: task.name, CHECKPOINT: str(model_dir)}
     for scale in sweep.noise_scales:
-        results = robustness.evaluate_under_noise(
-            model,
-            lambda m: evaluate_task(m, data, collate, batch_size),
-            mean_norm,
-            sweep.noise_levels,
-            sweep.noise_seeds,
-            scale,
-        )
-        for seed in sweep.noise_seeds:
-            tags = {KIND: "noise", VARIANT: name, TASK: task.name, CHECKPOINT: str(model_dir)}
+        results = robustness.evaluate_under_noise(model, evaluate, mean_norm, levels, seeds, scale)
+        for seed in seeds:
             params = {"noise_seed": seed, "noise_scale": scale, "mean_embedding_norm": mean_norm}
             with tracker.run(f"{name}/{task.name}/noise-{scale}-seed{seed}", tags, params) as rid:
-                for level in sweep.noise_levels:
+                for level in levels:
                     tracker.log(rid, results[(level, seed)], step=round(level * 100))
-        out[scale] = results
-    return out
 
 
 def cross_domain_evaluation(
     name: str, models: dict[str, Path], data: dict[str, TaskData], tracker: Tracker, batch_size: int = 128
-) -> dict:
-    """Table 6: each trained-on task's model on every evaluated-on task's dev sets, scored as
+) -> None:
+    """Table 6: each task's model (`models`) on the dev sets of every task of `models`, scored as
     docs/finetuning.md says (own labels on the diagonal, one binary question off it)."""
-    out = {}
     for source, model_dir in models.items():
         source_task = get_task(source)
-        model = load_classifier(model_dir, source_task).to(default_device()).eval()
-        collate = pad_collate(model.config.pad_token_id)
+        model, collate = eval_model(model_dir, source_task)
         metrics = {}
-        for target, td in data.items():
-            for split, (ex, enc) in td.dev.items():
+        for target in models:
+            for split, (ex, enc) in data[target].dev.items():
                 # the source model's classes; cross_domain maps them and the target's gold labels
                 preds = classify(source_task, model, enc, collate, batch_size)
                 binary = cross_domain.cross_domain_accuracy(source, preds, target, ex.labels)
@@ -251,39 +238,41 @@ def cross_domain_evaluation(
         tags = {KIND: "cross_domain", VARIANT: name, TASK: source, CHECKPOINT: str(model_dir)}
         with tracker.run(f"{name}/{source}/cross-domain", tags, {"diagonal": "own_labels"}) as rid:
             tracker.log(rid, metrics)
-        out[source] = metrics
-    return out
+
+
+def evaluate_kept(
+    sweep: GlueSweep, tracker: Tracker, name: str, models: dict[str, Path], data: dict[str, TaskData]
+) -> None:
+    """--noise and --cross-domain on one variant's kept models (task -> folder)."""
+    if sweep.noise_levels:
+        for task_name, model_dir in models.items():
+            noise_evaluation(sweep, tracker, name, model_dir, data[task_name])
+    if sweep.cross_domain:
+        sources = {t: models[t] for t in cross_domain.CROSS_DOMAIN_TASKS if t in models}
+        cross_domain_evaluation(name, sources, data, tracker, sweep.eval_batch_size)
 
 
 def run_glue(sweep: GlueSweep, trials: Trials) -> tuple[list[Trial], list[Summary]]:
     """The whole sweep; returns every trial and the per-(variant, task) summaries. With
     `evaluate_finetuned`, only the noise and cross-domain evaluations of already fine-tuned folders."""
     sweep.check()
-    tracker = trials.log.tracker
     if sweep.evaluate_finetuned:
-        evaluate_finetuned(sweep, tracker)
+        evaluate_finetuned(sweep, trials.log.tracker)
         return [], []
     checkpoints = sweep.checkpoints()
     done: list[Trial] = []
     bar = progress_bar(len(checkpoints) * len(sweep.tasks) * trials.per_task(), "GLUE sweep", unit="run")
     for ckpt in checkpoints:
         tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer, sweep.allow_tokenizer_change)
-        kept: dict[str, Path] = {}
         tasks = [get_task(name) for name in sweep.tasks]
-        datas = {task.name: load_task_data(task, tokenizer, sweep, ckpt.config) for task in tasks}
-        for data in datas.values():
-            one = functools.partial(glue_trial, trials, ckpt, data, tokenizer)  # (lrs, seed) -> Trial
-            task_trials, summary = trials.task_trials(ckpt, data.task.name, one, bar)
+        data = {task.name: load_task_data(task, tokenizer, sweep, ckpt.config) for task in tasks}
+        kept: dict[str, Path] = {}
+        for task_name, task_data in data.items():
+            task_trials, summary = glue_trials(trials, ckpt, task_data, tokenizer, bar)
             done += task_trials
             if sweep.keep != "none":
-                kept[data.task.name] = Path(summary.median_trial.model_dir)
-            if sweep.noise_levels:
-                noise_evaluation(sweep, tracker, ckpt.name, kept[data.task.name], data)
-        if sweep.cross_domain:
-            sources = {t: kept[t] for t in cross_domain.CROSS_DOMAIN_TASKS if t in kept}
-            cross_domain_evaluation(
-                ckpt.name, sources, {t: datas[t] for t in sources}, tracker, sweep.eval_batch_size
-            )
+                kept[task_name] = Path(summary.median_trial.model_dir)
+        evaluate_kept(sweep, trials.log.tracker, ckpt.name, kept, data)
     bar.close()
     return done, task_summaries(done)
 
@@ -309,7 +298,7 @@ def evaluate_finetuned(sweep: GlueSweep, tracker: Tracker) -> None:
     """Noise and/or cross-domain evaluation of already fine-tuned folders (their task is in
     config.json), grouped by their ``NAME`` (``NAME=PATH``, one folder per task)."""
     for name, paths in _by_variant(sweep.checkpoints()).items():
-        datas, fingerprints = {}, {}
+        data, fingerprints = {}, {}
         for task_name, path in paths.items():
             tok = load_tokenizer(path)
             fingerprints[path] = tokenizer_fingerprint(tok)
@@ -319,11 +308,5 @@ def evaluate_finetuned(sweep: GlueSweep, tracker: Tracker) -> None:
                     f"needs models fine-tuned from the same pretrained checkpoint"
                 )
             config = Checkpoint(name, path).config
-            datas[task_name] = load_task_data(get_task(task_name), tok, sweep, config, with_train=False)
-            if sweep.noise_levels:
-                noise_evaluation(sweep, tracker, name, path, datas[task_name])
-        if sweep.cross_domain:
-            sources = {t: p for t, p in paths.items() if t in cross_domain.CROSS_DOMAIN_TASKS}
-            cross_domain_evaluation(
-                name, sources, {t: datas[t] for t in sources}, tracker, sweep.eval_batch_size
-            )
+            data[task_name] = load_task_data(get_task(task_name), tok, sweep, config, with_train=False)
+        evaluate_kept(sweep, tracker, name, paths, data)

@@ -9,6 +9,7 @@ column, a label outside the task's label set, an empty split) is an error naming
 from __future__ import annotations
 
 import csv
+import dataclasses
 import logging
 import sys
 from dataclasses import dataclass
@@ -23,7 +24,6 @@ from swbert.finetune.tasks import GlueTask
 log = logging.getLogger(__name__)
 
 HUB_DATASET = "nyu-mll/glue"
-STSB_RANGE = (0.0, 5.0)
 
 
 class GlueDataError(ValueError):
@@ -46,19 +46,16 @@ class GlueExamples:
 
     def head(self, n: int | None) -> GlueExamples:
         """The first ``n`` examples (all when ``n`` is None): for quick runs."""
-        if n is None or n >= len(self):
-            return self
-        b = None if self.text_b is None else self.text_b[:n]
-        return GlueExamples(self.task, self.split, self.source, self.text_a[:n], b, self.labels[:n])
+        text_b = None if self.text_b is None else self.text_b[:n]
+        return dataclasses.replace(self, text_a=self.text_a[:n], text_b=text_b, labels=self.labels[:n])
 
 
 def split_file(task: GlueTask, split: str) -> str:
     """TSV file name of ``split`` (``train`` or one of the task's dev splits)."""
-    if split == "train":
-        return "train.tsv"
-    if split not in task.dev_splits:
-        raise GlueDataError(f"{task.name} has no split {split!r}; it has train, {', '.join(task.dev_splits)}")
-    return task.dev_splits[split]
+    files = {"train": "train.tsv", **task.dev_splits}
+    if split not in files:
+        raise GlueDataError(f"{task.name} has no split {split!r}; it has {', '.join(files)}")
+    return files[split]
 
 
 def load_glue_split(task: GlueTask, split: str, data_dir: str | Path | None = None) -> GlueExamples:
@@ -80,43 +77,25 @@ def read_glue_tsv(task: GlueTask, path: str | Path, split: str) -> GlueExamples:
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # some MNLI parse columns are long
     # utf-8-sig: MRPC's files as distributed start with a byte-order mark before "Quality".
     with open(path, encoding="utf-8-sig", newline="") as f:
-        rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-    first_data_line = 1
+        rows = list(enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), start=1))
     columns = [*task.tsv_text_columns, task.tsv_label_column]
-    if task.tsv_has_header:
-        if not rows:
-            raise GlueDataError(f"{path}: the file is empty; expected a header row and examples")
-        header, rows = rows[0], rows[1:]
-        first_data_line = 2
-        missing = [c for c in columns if c is not None and c not in header]
-        if missing:
-            raise GlueDataError(
-                f"{path}, line 1: header has no column {', '.join(map(repr, missing))} (found {header}); "
-                f"is this the {task.tsv_dir} file of GLUE?"
-            )
-        index = [None if c is None else header.index(c) for c in columns]
-    else:
-        index = list(columns)
-    needed = max(i for i in index if i is not None) + 1
-    ia, ib, il = index
-    text_a: list[str] = []
-    text_b: list[str] = []
-    labels: list[float] = []
-    skipped: list[int] = []
-    for n, row in enumerate(rows):
-        line = first_data_line + n
+    ia, ib, il = _column_index(task, path, rows, columns)
+    needed = max(i for i in (ia, ib, il) if i is not None) + 1
+    text_a, labels, skipped = [], [], []
+    text_b: list[str] | None = None if ib is None else []
+    for line, row in rows:
         if not row or row == [""]:
             continue  # a trailing blank line
+        if len(row) < needed and task.skip_malformed_rows:
+            skipped.append(line)
+            continue
         if len(row) < needed:
-            if task.skip_malformed_rows:
-                skipped.append(line)
-                continue
             raise GlueDataError(
                 f"{path}, line {line}: {len(row)} fields, expected at least {needed} (a missing column?)"
             )
-        labels.append(_parse_label(task, row[il], path, line))
+        labels.append(_parse_label(task, row[il], f"{path}, line {line}"))
         text_a.append(_text(row[ia], f"{path}, line {line}: example {len(labels) - 1}", columns[0]))
-        if ib is not None:
+        if text_b is not None:
             text_b.append(row[ib])
     if skipped:
         lines = ", ".join(map(str, skipped[:5])) + (" ..." if len(skipped) > 5 else "")
@@ -126,9 +105,23 @@ def read_glue_tsv(task: GlueTask, path: str | Path, split: str) -> GlueExamples:
     if not labels:
         raise GlueDataError(f"{path}: the {split} split has no examples")
     dtype = np.float32 if task.is_regression else np.int64
-    return GlueExamples(
-        task, split, str(path), text_a, text_b if ib is not None else None, np.asarray(labels, dtype=dtype)
-    )
+    return GlueExamples(task, split, str(path), text_a, text_b, np.asarray(labels, dtype=dtype))
+
+
+def _column_index(task: GlueTask, path: Path, rows: list, columns: list) -> list[int | None]:
+    """Where `columns` are in each row: by the header row (taken off `rows`), or as given (no header)."""
+    if not task.tsv_has_header:
+        return columns
+    if not rows:
+        raise GlueDataError(f"{path}: the file is empty; expected a header row and examples")
+    header = rows.pop(0)[1]
+    missing = [c for c in columns if c is not None and c not in header]
+    if missing:
+        raise GlueDataError(
+            f"{path}, line 1: header has no column {', '.join(map(repr, missing))} (found {header}); "
+            f"is this the {task.tsv_dir} file of GLUE?"
+        )
+    return [None if c is None else header.index(c) for c in columns]
 
 
 def check_fits(data: EncodedDataset, positions: int, source: str) -> EncodedDataset:
@@ -149,26 +142,23 @@ def _text(text: str, where: str, column: str | int) -> str:
     return text
 
 
-def _parse_label(task: GlueTask, raw: str, path: Path, line: int) -> float:
+def _parse_label(task: GlueTask, raw: str, where: str) -> float:
     raw = raw.strip()
-    if task.is_regression:
-        try:
-            value = float(raw)
-        except ValueError:
+    if not task.is_regression:
+        if raw not in task.tsv_label_values:
             raise GlueDataError(
-                f"{path}, line {line}: label {raw!r} is not a number ({task.name} is a regression task)"
-            ) from None
-        lo, hi = STSB_RANGE
-        if not lo <= value <= hi:
-            raise GlueDataError(
-                f"{path}, line {line}: score {value} is outside {task.name}'s range [{lo}, {hi}]"
+                f"{where}: label {raw!r} is not one of {task.name}'s labels {list(task.tsv_label_values)}"
             )
-        return value
-    if raw not in task.tsv_label_values:
+        return task.tsv_label_values.index(raw)
+    try:
+        value = float(raw)
+    except ValueError:
         raise GlueDataError(
-            f"{path}, line {line}: label {raw!r} is not one of {task.name}'s labels {list(task.tsv_label_values)}"
-        )
-    return task.tsv_label_values.index(raw)
+            f"{where}: label {raw!r} is not a number ({task.name} is a regression task)"
+        ) from None
+    if not 0.0 <= value <= 5.0:  # STS-B's similarity scale
+        raise GlueDataError(f"{where}: score {value} is outside {task.name}'s range [0.0, 5.0]")
+    return value
 
 
 def hub_split(
@@ -273,7 +263,5 @@ def encode_glue(
 
 def model_inputs(enc, use_token_type_ids: bool) -> dict[str, list]:
     """The tokenizer's output the model takes: ids, mask, and token types where the model has them."""
-    keys = ["input_ids", "attention_mask"] + (
-        ["token_type_ids"] if use_token_type_ids and "token_type_ids" in enc else []
-    )
-    return {k: enc[k] for k in keys}
+    keys = ["input_ids", "attention_mask", *(["token_type_ids"] if use_token_type_ids else [])]
+    return {k: enc[k] for k in keys if k in enc}

@@ -1,11 +1,5 @@
-"""Evaluation metrics exactly as GLUE and SQuAD define them.
-
-GLUE: scikit-learn and scipy do the maths (Matthews correlation, accuracy, binary F1 of the positive
-class, Pearson and Spearman). SQuAD: the rules of the official evaluation scripts (v1.1 and v2.0):
-answers are normalised (lower case, punctuation and the articles a/an/the removed, white space
-collapsed), exact match and token F1 take the maximum over the gold answers, and in v2.0 an
-unanswerable question is scored against the empty string.
-"""
+"""Evaluation metrics exactly as GLUE and SQuAD define them: GLUE's by scikit-learn and scipy, SQuAD's
+by the rules of the official evaluation scripts (v1.1 and v2.0)."""
 
 from __future__ import annotations
 
@@ -63,11 +57,8 @@ def selection_value(value: float) -> float:
 
 def normalize_answer(text: str) -> str:
     """The official SQuAD normalisation: lower case, no punctuation, no articles, single spaces."""
-    text = text.lower()
-    exclude = set(string.punctuation)
-    text = "".join(ch for ch in text if ch not in exclude)
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
+    text = "".join(ch for ch in text.lower() if ch not in string.punctuation)
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
 
 
 def exact_match(prediction: str, gold: str) -> float:
@@ -81,21 +72,34 @@ def token_f1(prediction: str, gold: str, version: str = "2.0") -> float:
     gold_toks = normalize_answer(gold).split()
     if version == "2.0" and (not pred_toks or not gold_toks):
         return float(pred_toks == gold_toks)
-    common = collections.Counter(pred_toks) & collections.Counter(gold_toks)
-    num_same = sum(common.values())
+    num_same = sum((collections.Counter(pred_toks) & collections.Counter(gold_toks)).values())
     if num_same == 0:
         return 0.0
-    precision = num_same / len(pred_toks)
-    recall = num_same / len(gold_toks)
+    precision, recall = num_same / len(pred_toks), num_same / len(gold_toks)
     return 2 * precision * recall / (precision + recall)
 
 
-def _gold_answers(answers: Sequence[str], version: str) -> list[str]:
-    if version == "2.0":
+def _question_scores(
+    predictions: Mapping[str, str], references: Mapping[str, Sequence[str]], version: str
+) -> dict[str, tuple[float, float]]:
+    """(exact match, F1) of every question, the maximum over its gold answers; 0 without a prediction."""
+    out = {}
+    for qid, answers in references.items():
         # The v2.0 script drops gold answers that normalise to nothing; none left = unanswerable.
-        gold = [a for a in answers if normalize_answer(a)]
-        return gold or [""]
-    return list(answers)
+        gold = ([a for a in answers if normalize_answer(a)] or [""]) if version == "2.0" else list(answers)
+        if not gold:
+            raise ValueError(
+                f"question {qid!r} has no gold answer; SQuAD v1.1 has none unanswerable (use --version 2.0)"
+            )
+        pred = predictions.get(qid)
+        if pred is None:
+            out[qid] = (0.0, 0.0)
+        else:
+            out[qid] = (
+                max(exact_match(pred, g) for g in gold),
+                max(token_f1(pred, g, version) for g in gold),
+            )
+    return out
 
 
 def squad_scores(
@@ -108,34 +112,19 @@ def squad_scores(
         raise ValueError(f"SQuAD version must be '1.1' or '2.0', not {version!r}")
     if not references:
         raise ValueError("no SQuAD questions to score")
-    em, f1 = {}, {}
-    for qid, answers in references.items():
-        gold = _gold_answers(answers, version)
-        if version == "1.1" and not gold:
-            raise ValueError(
-                f"question {qid!r} has no gold answer; SQuAD v1.1 has none unanswerable (use --version 2.0)"
-            )
-        pred = predictions.get(qid)
-        if pred is None:
-            em[qid] = f1[qid] = 0.0
-            continue
-        em[qid] = max(exact_match(pred, g) for g in gold)
-        f1[qid] = max(token_f1(pred, g, version) for g in gold)
-    out = {
-        "exact": 100.0 * np.mean(list(em.values())),
-        "f1": 100.0 * np.mean(list(f1.values())),
-        "total": float(len(em)),
-    }
+    scores = _question_scores(predictions, references, version)
+    groups = {"": list(references)}
     if version == "2.0":
         # As in the official script, a question "has an answer" when its answer list is non-empty.
-        has_ans = [q for q, a in references.items() if len(a) > 0]
-        no_ans = [q for q, a in references.items() if len(a) == 0]
-        for name, ids in (("HasAns", has_ans), ("NoAns", no_ans)):
-            if ids:
-                out[f"{name}_exact"] = 100.0 * np.mean([em[q] for q in ids])
-                out[f"{name}_f1"] = 100.0 * np.mean([f1[q] for q in ids])
-                out[f"{name}_total"] = float(len(ids))
-    return {k: float(v) for k, v in out.items()}
+        groups["HasAns_"] = [q for q, a in references.items() if len(a) > 0]
+        groups["NoAns_"] = [q for q, a in references.items() if len(a) == 0]
+    out = {}
+    for prefix, ids in groups.items():
+        if ids:
+            out[f"{prefix}exact"] = 100.0 * float(np.mean([scores[q][0] for q in ids]))
+            out[f"{prefix}f1"] = 100.0 * float(np.mean([scores[q][1] for q in ids]))
+            out[f"{prefix}total"] = float(len(ids))
+    return out
 
 
 def best_null_threshold(
@@ -146,23 +135,16 @@ def best_null_threshold(
     """The official v2.0 script's ``best_exact``/``best_f1`` over no-answer thresholds, found as its
     ``find_best_thresh`` does: ``predictions`` are the best non-null spans, ``null_score_diffs`` how
     much more the model prefers "no answer"; questions walked in increasing diff order."""
+    scores = _question_scores(predictions, references, "2.0")
+    no_ans = {q for q, a in references.items() if len(a) == 0}
     result: dict[str, float] = {}
-    for metric, fn in (("exact", exact_match), ("f1", token_f1)):
-        raw = {}
-        for qid, answers in references.items():
-            gold = _gold_answers(answers, "2.0")
-            pred = predictions.get(qid, "")
-            raw[qid] = max(fn(pred, g) for g in gold)
-        no_ans = {q for q, a in references.items() if len(a) == 0}
+    for i, metric in enumerate(("exact", "f1")):
         # Start from "answer nothing anywhere": every unanswerable question is right.
         score = best = float(len(no_ans))
         best_thresh = 0.0
         for qid in sorted(references, key=lambda q: null_score_diffs.get(q, 0.0)):
-            if qid in no_ans:
-                diff = -1.0 if predictions.get(qid, "") else 0.0
-            else:
-                diff = raw[qid] if predictions.get(qid, "") else 0.0
-            score += diff
+            if predictions.get(qid, ""):  # answered: -1 where there is no answer, else its score
+                score += -1.0 if qid in no_ans else scores[qid][i]
             if score > best:
                 best, best_thresh = score, null_score_diffs.get(qid, 0.0)
         result[f"best_{metric}"] = 100.0 * best / len(references)

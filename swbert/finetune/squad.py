@@ -4,17 +4,15 @@ same trials as GLUE's (`swbert.finetune.sweep`), selected by dev F1; docs/finetu
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from torch import nn
 
 from swbert import SWBertForQuestionAnswering
 from swbert.finetune.checkpoint import Checkpoint, load_tokenizer, uses_token_types
-from swbert.finetune.glue_data import EncodedDataset, check_fits
+from swbert.finetune.glue_data import check_fits
 from swbert.finetune.metrics import best_null_threshold, squad_scores
 from swbert.finetune.results import Summary, Trial, task_summaries
 from swbert.finetune.squad_data import (
@@ -33,10 +31,7 @@ from swbert.finetune.triviaqa import load_triviaqa_hub, read_triviaqa_json
 
 SPLIT = "validation"
 TRIVIAQA = "triviaqa"  # its task name in MLflow and the suffix of the variants fine-tuned on it first
-
-
-def task_name(version: str) -> str:
-    return f"squad{version}"
+QAData = tuple[list[SquadExample], list[SquadExample]]  # a task's (train, dev) examples
 
 
 @dataclass(kw_only=True)
@@ -71,14 +66,13 @@ class SquadSweep(SweepConfig):
 
     def check(self) -> None:
         super().check()
+        if unknown := [v for v in self.versions if v not in ("1.1", "2.0")]:
+            raise ValueError(f"--version {' '.join(unknown)}: SQuAD versions are 1.1 and 2.0")
         self.train_files()
         self.dev_files()
-        for flag, path in [
-            ("--triviaqa-train-file", self.triviaqa_train_file),
-            ("--triviaqa-dev-file", self.triviaqa_dev_file),
-        ]:
+        for path, flag in ((self.triviaqa_train_file, "train"), (self.triviaqa_dev_file, "dev")):
             if path is not None and not path.is_file():
-                raise ValueError(f"{flag} {path}: not found")
+                raise ValueError(f"--triviaqa-{flag}-file {path}: not found")
         if self.triviaqa_context_words <= 0:
             raise ValueError(f"--triviaqa-context-words {self.triviaqa_context_words} must be positive")
 
@@ -115,10 +109,22 @@ def _version_files(flag: str, specs: list[str], versions: list[str]) -> dict[str
     return out
 
 
-def load_squad(version: str, split: Literal["train", "validation"], path: Path | None) -> list[SquadExample]:
-    if version not in ("1.1", "2.0"):
-        raise ValueError(f"--version {version}: SQuAD versions are 1.1 and 2.0")
-    return read_squad_json(path, version) if path else read_squad_hub(version, split)
+def load_examples(sweep: SquadSweep, task: str, split: Literal["train", "validation"]) -> list[SquadExample]:
+    """A split of SQuAD version `task` or of TriviaQA (`TRIVIAQA`): from its file, else from the Hub."""
+    if task == TRIVIAQA:
+        words = sweep.triviaqa_context_words
+        path = sweep.triviaqa_train_file if split == "train" else sweep.triviaqa_dev_file
+        if path is None:
+            return load_triviaqa_hub(split, sweep.triviaqa_hub_config, words)
+        return read_triviaqa_json(path, sweep.triviaqa_evidence_dir, words)
+    path = (sweep.train_files() if split == "train" else sweep.dev_files()).get(task)
+    return read_squad_json(path, task) if path else read_squad_hub(task, split)
+
+
+def load_task(sweep: SquadSweep, task: str) -> QAData:
+    """The (train, dev) examples of `task` (a SQuAD version or `TRIVIAQA`), cut as the sweep says."""
+    train = load_examples(sweep, task, "train")[: sweep.max_train_samples]
+    return train, load_examples(sweep, task, "validation")[: sweep.max_eval_samples]
 
 
 def evaluate_squad(
@@ -141,20 +147,26 @@ def evaluate_squad(
     return {f"{SPLIT}/{k}": v for k, v in scores.items()}
 
 
-def squad_trial(
-    trials: Trials,
-    ckpt: Checkpoint,
-    version: str,
-    tokenizer,
-    train_set: EncodedDataset,
-    dev: tuple[list[SquadExample], SquadEvalFeatures],
-    name: str,
-    lrs: tuple[float, ...],
-    seed: int,
-) -> Trial:
-    """One (checkpoint, version, learning-rate setting, seed) trial; ``name``: the task's in MLflow."""
-    sweep = trials.sweep
+def qa_trials(
+    trials: Trials, ckpt: Checkpoint, name: str, version: str, data: QAData, bar: Any
+) -> tuple[list[Trial], Summary]:
+    """Every (learning-rate setting, seed) of one checkpoint on one span-extraction task (`name`, its
+    MLflow task; `data`: train and dev examples), each a child run, and their summary."""
+    sweep, (train_ex, dev_ex) = trials.sweep, data
+    tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer, sweep.allow_tokenizer_change)
+    windows = Windows(sweep.max_seq_length, sweep.doc_stride, uses_token_types(ckpt.config))
+    train_set = encode_squad_train(train_ex, tokenizer, windows)
+    check_fits(train_set, ckpt.config.max_position_embeddings, f"the {name} training windows")
+    dev_features = encode_squad_eval(dev_ex, tokenizer, windows)
     collate = sweep.collate(tokenizer.pad_token_id)
+    work = TrialTask(
+        lambda: SWBertForQuestionAnswering.from_pretrained(ckpt.path, **sweep.dropout()),
+        train_set,
+        collate,
+        lambda m: evaluate_squad(m, dev_ex, dev_features, collate, sweep, version),
+        f"{SPLIT}/f1",
+        tokenizer,
+    )
     params = {
         "doc_stride": sweep.doc_stride,
         "n_best": sweep.n_best,
@@ -163,54 +175,20 @@ def squad_trial(
         "train_windows": len(train_set),
     }
     files = tuple(sweep.task_files(TRIVIAQA if name == TRIVIAQA else version))
-    return run_trial(
-        trials,
-        TrialSpec(ckpt, name, lrs, seed, "squad_trial", params, files),
-        TrialTask(
-            lambda: SWBertForQuestionAnswering.from_pretrained(ckpt.path, **sweep.dropout()),
-            train_set,
-            collate,
-            lambda m: evaluate_squad(m, *dev, collate, sweep, version),
-            f"{SPLIT}/f1",
-            tokenizer,
-        ),
-    )
 
+    def one(lrs: tuple[float, ...], seed: int) -> Trial:
+        return run_trial(trials, TrialSpec(ckpt, name, lrs, seed, "squad_trial", params, files), work)
 
-def qa_trials(
-    trials: Trials,
-    ckpt: Checkpoint,
-    name: str,
-    version: str,
-    train_ex: list[SquadExample],
-    dev_ex: list[SquadExample],
-    bar,
-) -> tuple[list[Trial], Summary]:
-    """Every (learning-rate setting, seed) of one checkpoint on one span-extraction task, and its summary."""
-    sweep = trials.sweep
-    tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer, sweep.allow_tokenizer_change)
-    windows = Windows(sweep.max_seq_length, sweep.doc_stride, uses_token_types(ckpt.config))
-    train_set = encode_squad_train(train_ex, tokenizer, windows)
-    check_fits(train_set, ckpt.config.max_position_embeddings, f"the {name} training windows")
-    dev = (dev_ex, encode_squad_eval(dev_ex, tokenizer, windows))
-    one = functools.partial(squad_trial, trials, ckpt, version, tokenizer, train_set, dev, name)
     return trials.task_trials(ckpt, name, one, bar)
 
 
-def load_triviaqa(sweep: SquadSweep, split: Literal["train", "validation"]) -> list[SquadExample]:
-    path = sweep.triviaqa_train_file if split == "train" else sweep.triviaqa_dev_file
-    if path is not None:
-        return read_triviaqa_json(path, sweep.triviaqa_evidence_dir, sweep.triviaqa_context_words)
-    return load_triviaqa_hub(split, sweep.triviaqa_hub_config, sweep.triviaqa_context_words)
-
-
 def triviaqa_first(
-    trials: Trials, ckpt: Checkpoint, data: tuple[list, list], bar
+    trials: Trials, ckpt: Checkpoint, data: QAData, bar: Any
 ) -> tuple[list[Trial], Checkpoint]:
     """Fine-tune ``ckpt`` on TriviaQA; the median seed's model at the best setting (kept whatever --keep
     says) becomes the checkpoint ``NAME+triviaqa``."""
     stage = dataclasses.replace(trials, sweep=dataclasses.replace(trials.sweep, keep="median"))
-    done, summary = qa_trials(stage, ckpt, TRIVIAQA, "1.1", data[0], data[1], bar)
+    done, summary = qa_trials(stage, ckpt, TRIVIAQA, "1.1", data, bar)
     return done, Checkpoint(f"{ckpt.name}+{TRIVIAQA}", Path(summary.median_trial.model_dir))
 
 
@@ -218,16 +196,11 @@ def run_squad(sweep: SquadSweep, trials: Trials) -> tuple[list[Trial], list[Summ
     """The whole sweep; returns every trial and the per-(variant, version) summaries. With --triviaqa,
     each checkpoint also yields a ``NAME+triviaqa`` variant (TriviaQA first, then SQuAD)."""
     sweep.check()
-    checkpoints, files = sweep.checkpoints(), {"train": sweep.train_files(), "validation": sweep.dev_files()}
-    done: list[Trial] = []
+    checkpoints, done = sweep.checkpoints(), []
     per_ckpt = len(sweep.versions) * (2 if sweep.triviaqa else 1) + (1 if sweep.triviaqa else 0)
     bar = progress_bar(len(checkpoints) * per_ckpt * trials.per_task(), "SQuAD sweep", unit="run")
-
-    def splits(load: Callable[[str], list[SquadExample]]) -> tuple[list, list]:  # (train, dev), cut short
-        return load("train")[: sweep.max_train_samples], load("validation")[: sweep.max_eval_samples]
-
-    squad = {v: splits(lambda split, v=v: load_squad(v, split, files[split].get(v))) for v in sweep.versions}
-    trivia = splits(lambda split: load_triviaqa(sweep, split)) if sweep.triviaqa else None
+    squad = {version: load_task(sweep, version) for version in sweep.versions}
+    trivia = load_task(sweep, TRIVIAQA) if sweep.triviaqa else None
     for ckpt in checkpoints:
         variants = [ckpt]
         if trivia is not None:
@@ -235,7 +208,7 @@ def run_squad(sweep: SquadSweep, trials: Trials) -> tuple[list[Trial], list[Summ
             done += first
             variants.append(adapted)
         for variant in variants:
-            for version, (train_ex, dev_ex) in squad.items():
-                done += qa_trials(trials, variant, task_name(version), version, train_ex, dev_ex, bar)[0]
+            for version, data in squad.items():
+                done += qa_trials(trials, variant, f"squad{version}", version, data, bar)[0]
     bar.close()
     return done, task_summaries(done)

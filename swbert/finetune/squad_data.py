@@ -55,17 +55,14 @@ def read_squad_json(path: str | Path, version: str | None = None) -> list[SquadE
                 for key in ("id", "question", "answers"):
                     if key not in qa:
                         raise SquadDataError(f"{where}, question {qa.get('id', '?')!r}: no {key!r} field")
-                texts, starts = [], []
-                for a in qa["answers"]:
-                    text, start = a["text"], int(a["answer_start"])
-                    found = context[start : start + len(text)]
-                    if found != text:
+                texts = [a["text"] for a in qa["answers"]]
+                starts = [int(a["answer_start"]) for a in qa["answers"]]
+                for text, start in zip(texts, starts):
+                    if (found := context[start : start + len(text)]) != text:
                         raise SquadDataError(
                             f"{where}, question {qa['id']!r}: answer {text!r} at offset {start} does not match "
                             f"the context there ({found!r})"
                         )
-                    texts.append(text)
-                    starts.append(start)
                 if not texts and not qa.get("is_impossible", False):
                     raise SquadDataError(
                         f"{where}, question {qa['id']!r}: no answers and not marked is_impossible"
@@ -92,8 +89,8 @@ def read_squad_hub(version: str, split: str) -> list[SquadExample]:
 class Windows:
     """Windows of `max_length` tokens (question included) overlapping by `doc_stride`."""
 
-    max_length: int = 384
-    doc_stride: int = 128
+    max_length: int
+    doc_stride: int
     use_token_type_ids: bool = True
 
 
@@ -129,21 +126,13 @@ def _tokenize_windows(examples: list[SquadExample], tokenizer, windows: Windows)
     )
 
 
-def _cls_index(input_ids: list[int], tokenizer) -> int:
-    cls = tokenizer.cls_token_id
-    return input_ids.index(cls) if cls is not None and cls in input_ids else 0
-
-
-def encode_squad_train(
-    examples: list[SquadExample], tokenizer, windows: Windows = Windows()
-) -> EncodedDataset:
+def encode_squad_train(examples: list[SquadExample], tokenizer, windows: Windows) -> EncodedDataset:
     """Training windows with ``start_positions``/``end_positions`` (``[CLS]`` when the answer is not inside)."""
-    enc = _tokenize_windows(examples, tokenizer, windows)
+    features = encode_squad_eval(examples, tokenizer, windows)
     spans = []
-    for i, offsets in enumerate(enc["offset_mapping"]):
-        ex = examples[enc["overflow_to_sample_mapping"][i]]
-        cls = _cls_index(enc["input_ids"][i], tokenizer)
-        ctx = [t for t, s in enumerate(enc.sequence_ids(i)) if s == 1]
+    for ex_i, offsets, cls in zip(features.example_index, features.offsets, features.cls_index):
+        ex = examples[ex_i]
+        ctx = [t for t, o in enumerate(offsets) if o is not None]
         # Train on the first gold answer, as the official BERT recipe does.
         a_start = ex.answer_starts[0] if ex.answers else 0
         a_end = a_start + len(ex.answers[0]) if ex.answers else 0
@@ -153,8 +142,8 @@ def encode_squad_train(
         s = next(t for t in ctx if offsets[t][1] > a_start)
         spans.append((s, next(t for t in reversed(ctx) if offsets[t][0] < a_end)))
     starts, ends = np.asarray(spans, np.int64).reshape(-1, 2).T
-    labels = {"start_positions": starts, "end_positions": ends}
-    return EncodedDataset(model_inputs(enc, windows.use_token_type_ids), labels)
+    features.dataset.labels = {"start_positions": starts, "end_positions": ends}
+    return features.dataset
 
 
 @dataclass
@@ -167,19 +156,14 @@ class SquadEvalFeatures:
     cls_index: list[int]
 
 
-def encode_squad_eval(
-    examples: list[SquadExample], tokenizer, windows: Windows = Windows()
-) -> SquadEvalFeatures:
+def encode_squad_eval(examples: list[SquadExample], tokenizer, windows: Windows) -> SquadEvalFeatures:
     """Evaluation windows; tokens outside the context get a None offset so no span can land there."""
     enc = _tokenize_windows(examples, tokenizer, windows)
     offsets = []
     for i, off in enumerate(enc["offset_mapping"]):
         seq = enc.sequence_ids(i)
         offsets.append([tuple(o) if seq[t] == 1 else None for t, o in enumerate(off)])
-    cls = [_cls_index(ids, tokenizer) for ids in enc["input_ids"]]
-    return SquadEvalFeatures(
-        EncodedDataset(model_inputs(enc, windows.use_token_type_ids)),
-        list(enc["overflow_to_sample_mapping"]),
-        offsets,
-        cls,
-    )
+    cls_id = tokenizer.cls_token_id
+    cls = [ids.index(cls_id) if cls_id is not None and cls_id in ids else 0 for ids in enc["input_ids"]]
+    dataset = EncodedDataset(model_inputs(enc, windows.use_token_type_ids))
+    return SquadEvalFeatures(dataset, list(enc["overflow_to_sample_mapping"]), offsets, cls)

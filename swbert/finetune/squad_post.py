@@ -43,24 +43,18 @@ def decode_spans(
         by_example[ex_i].append(w)
     answers, best_spans, diffs = {}, {}, {}
     for ex_i, ex in enumerate(examples):
-        best_score, best_text = -math.inf, ""
-        null_score = math.inf
-        for w in by_example.get(ex_i, []):
+        best_score, best_text, null_score = -math.inf, "", math.inf
+        for w in by_example[ex_i]:
             s_log, e_log, offsets = start_logits[w], end_logits[w], features.offsets[w]
             cls = features.cls_index[w]
             null_score = min(null_score, float(s_log[cls] + e_log[cls]))
-            starts = np.argsort(s_log)[::-1][:n_best]
             ends = np.argsort(e_log)[::-1][:n_best]
-            for s in starts:
-                if s >= len(offsets) or offsets[s] is None:
-                    continue
+            for s in np.argsort(s_log)[::-1][:n_best]:
                 for e in ends:
-                    if e >= len(offsets) or offsets[e] is None or e < s or e - s + 1 > max_answer_length:
+                    if offsets[s] is None or offsets[e] is None or not 0 <= e - s < max_answer_length:
                         continue
-                    score = float(s_log[s] + e_log[e])
-                    if score > best_score:
-                        best_score = score
-                        best_text = ex.context[offsets[s][0] : offsets[e][1]]
+                    if (score := float(s_log[s] + e_log[e])) > best_score:
+                        best_score, best_text = score, ex.context[offsets[s][0] : offsets[e][1]]
         best_spans[ex.qid] = best_text
         diffs[ex.qid] = diff = null_score - best_score if best_score > -math.inf else math.inf
         answers[ex.qid] = "" if version == "2.0" and diff > null_threshold else best_text

@@ -158,8 +158,4 @@ def get_task(name: str) -> GlueTask:
 def split_label(task: GlueTask, split: str) -> str:
     """Short column label for a task's dev split: ``MNLI-m``, ``MNLI-mm``, ``SST-2`` ..."""
     base = {"cola": "CoLA", "sst2": "SST-2", "stsb": "STS-B"}.get(task.name, task.name.upper())
-    if split == "validation_matched":
-        return f"{base}-m"
-    if split == "validation_mismatched":
-        return f"{base}-mm"
-    return base
+    return base + {"validation_matched": "-m", "validation_mismatched": "-mm"}.get(split, "")

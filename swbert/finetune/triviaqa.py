@@ -14,19 +14,13 @@ from swbert.finetune.glue_data import hub_split
 from swbert.finetune.squad_data import SquadDataError, SquadExample, read_squad_json
 
 HUB_DATASET = "mandarjoshi/trivia_qa"
-DEFAULT_HUB_CONFIG = "rc.wikipedia"
 # evidence folder of each document list in the official release
 EVIDENCE_FOLDERS = {"EntityPages": "wikipedia", "SearchResults": "web"}
 
 
 def head_words(text: str, words: int) -> str:
     """``text`` up to the end of its ``words``-th whitespace-separated word (all of it if shorter)."""
-    end = 0
-    for i, match in enumerate(re.finditer(r"\S+", text)):
-        if i == words:
-            break
-        end = match.end()
-    return text[:end]
+    return re.match(rf"(?:\s*\S+){{0,{words}}}", text).group(0)
 
 
 def find_answer(context: str, aliases: Iterable[str]) -> tuple[str, int] | None:
@@ -120,9 +114,7 @@ def from_hub_rows(rows: Iterable[Mapping[str, Any]], context_words: int = 400) -
     return out
 
 
-def load_triviaqa_hub(
-    split: str, config: str = DEFAULT_HUB_CONFIG, context_words: int = 400
-) -> list[SquadExample]:
+def load_triviaqa_hub(split: str, config: str, context_words: int) -> list[SquadExample]:
     """``mandarjoshi/trivia_qa`` (``split``: train or validation) from the Hub or the local cache."""
     offline = "pass --triviaqa-train-file/--triviaqa-dev-file (the official RC JSON)"
     ds = hub_split(f"{HUB_DATASET}:{config}:{split}", (HUB_DATASET, config, split), SquadDataError, offline)
