@@ -169,10 +169,9 @@ def activation_memory(
     sequence_parallel: bool = False,
     checkpointing: Checkpointing = "none",
     device: Device = "gpu",
-    predictions_per_seq: int | None = None,
 ) -> ActivationMemory:
-    """Activation bytes of one rank for `micro_batch` x `seq_len` tokens; `device`: whose kernels
-    ("gpu": fused attention, bool dropout masks); `predictions_per_seq`: default 15%."""
+    """Activation bytes of one rank for `micro_batch` x `seq_len` tokens, 15% of them predicted;
+    `device`: whose kernels ("gpu": fused attention, bool dropout masks)."""
     check_activation_layout(tp, sequence_parallel, checkpointing)
     if sequence_parallel and seq_len % tp:
         raise ValueError(f"sequence length {seq_len} is not divisible by tensor-parallel size {tp}")
@@ -180,7 +179,7 @@ def activation_memory(
     d, f, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     B, S = micro_batch, seq_len
     T = B * S
-    N = B * (predictions_per_seq or max(1, round(S * MLM_PROBABILITY)))
+    N = B * max(1, round(S * MLM_PROBABILITY))
     m = 0 if config.hidden_dropout_prob == 0 else (1 if device == "gpu" else p)
     # a block's masks under sequence parallelism: a bool chunk on every device (ShardedDropout)
     block_m = 1 if sequence_parallel and m else m

@@ -35,13 +35,6 @@ class PowerLaw:
     def loss(self, x: Any) -> Any:
         return self.E + self.A * np.asarray(x, dtype=float) ** -self.alpha
 
-    def reach(self, loss: Any) -> Any:
-        """The x at which the curve reaches `loss`; inf where it never does (loss at or below E)."""
-        gap = np.asarray(loss, dtype=float) - self.E
-        with np.errstate(divide="ignore", invalid="ignore"):
-            out = (self.A / gap) ** (1.0 / self.alpha)
-        return np.where(gap > 0, out, np.inf)
-
 
 @dataclass
 class Fit:
@@ -54,10 +47,14 @@ class Fit:
     y: np.ndarray
     best_at_edge: bool  # the best exponent lies at an end of the searched range
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
+    rmse: float = field(init=False)  # of the fitted curve at the points
+    seed_sd: float | None = field(init=False)  # the spread of seeds at one size (`seed_spread`)
 
     def __post_init__(self) -> None:
         for i, name in enumerate(("E", "A", "alpha")):
             self.intervals[name] = percentile_interval(self.replicates[:, i], self.level)
+        self.rmse = float(np.sqrt(np.mean((self.law.loss(self.x) - self.y) ** 2)))
+        self.seed_sd = seed_spread(self.x, self.y)
 
     @property
     def why_not_converged(self) -> list[str]:
@@ -80,14 +77,6 @@ class Fit:
         return not self.why_not_converged
 
     @property
-    def rmse(self) -> float:
-        return float(np.sqrt(np.mean((self.law.loss(self.x) - self.y) ** 2)))
-
-    @property
-    def seed_sd(self) -> float | None:
-        return seed_spread(self.x, self.y)
-
-    @property
     def warnings(self) -> list[str]:
         """The residual error against the seed spread, when it is more than RESIDUAL_WARN_RATIO x."""
         sd = self.seed_sd
@@ -100,8 +89,7 @@ class Fit:
 
     def band(self, x: Any) -> tuple[np.ndarray, np.ndarray]:
         """The pointwise interval of the fitted curve at `x`, from the replicates."""
-        x = np.asarray(x, dtype=float)
-        curves = self.replicates[:, :1] + self.replicates[:, 1:2] * x[None, :] ** -self.replicates[:, 2:3]
+        curves = _curves(self.replicates, np.asarray(x, dtype=float))
         tail = (1 - self.level) / 2 * 100
         return np.percentile(curves, tail, axis=0), np.percentile(curves, 100 - tail, axis=0)
 
@@ -121,6 +109,19 @@ class Fit:
             "rmse_over_seed_sd": self.rmse / sd if sd else None,
             "warnings": self.warnings,
         }
+
+
+def _curves(replicates: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """(draws, len(x)): each replicate's E + A x^-alpha."""
+    return replicates[:, :1] + replicates[:, 1:2] * x[None, :] ** -replicates[:, 2:3]
+
+
+def _reach(E: Any, A: Any, alpha: Any, loss: Any) -> np.ndarray:
+    """The x at which E + A x^-alpha reaches `loss`; inf where it never does (loss at or below E)."""
+    gap = np.asarray(loss, dtype=float) - E
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        out = (A / gap) ** (1.0 / alpha)
+    return np.where(gap > 0, out, np.inf)
 
 
 def seed_spread(x: np.ndarray, y: np.ndarray) -> float | None:
@@ -177,20 +178,6 @@ def _profile(xs: np.ndarray, Y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     return e, a, alpha, at_edge
 
 
-def check_points(x: np.ndarray, y: np.ndarray, what: str = "the fit") -> None:
-    """Raise FitError unless `x`, `y` can determine a three-parameter curve."""
-    if len(x) != len(y):
-        raise FitError(f"{what}: {len(x)} sizes but {len(y)} losses")
-    if not (np.all(np.isfinite(x)) and np.all(x > 0) and np.all(np.isfinite(y))):
-        raise FitError(f"{what}: sizes must be positive and losses finite")
-    distinct = len(np.unique(x))
-    if distinct < MIN_SIZES or len(x) < MIN_POINTS:
-        raise FitError(
-            f"{what}: {len(x)} point(s) at {distinct} distinct size(s); L = E + A x^-alpha needs at least "
-            f"{MIN_POINTS} points at {MIN_SIZES} or more sizes: add sizes (or seeds)"
-        )
-
-
 def _leverage(xs: np.ndarray, a: float, alpha: float) -> np.ndarray:
     """Each point's leverage in the linearised fit: residuals shrink by sqrt(1 - h) on average, so
     the bootstrap divides them by it (Davison and Hinkley, 1997, eq. 6.9), capped below 1."""
@@ -200,26 +187,42 @@ def _leverage(xs: np.ndarray, a: float, alpha: float) -> np.ndarray:
     return np.clip(h, 0.0, 0.99)
 
 
+def resample(y: np.ndarray, fitted: np.ndarray, leverage: np.ndarray, draws: int, seed: int) -> np.ndarray:
+    """(draws, n) replicate losses for a residual bootstrap of a three-parameter fit: the fitted
+    values plus resampled residuals, widened for their leverage and centred, scaled by a draw of the
+    noise level's own spread."""
+    n = len(y)
+    residuals = (y - fitted) / np.sqrt(1 - leverage)
+    residuals -= residuals.mean()
+    rng = np.random.default_rng(seed)
+    noise = np.sqrt((n - 3) / rng.chisquare(n - 3, size=(draws, 1)))
+    return fitted[None, :] + noise * residuals[rng.integers(0, n, size=(draws, n))]
+
+
 def fit_power_law(
     x: Sequence[float], y: Sequence[float], draws: int = 1000, level: float = 0.95, seed: int = 0
 ) -> Fit:
-    """Fit L = E + A x^-alpha to the points and bootstrap `draws` replicates (see the module doc)."""
+    """Fit L = E + A x^-alpha to the points and bootstrap `draws` replicates (see the module doc);
+    FitError unless the points can determine the curve."""
     x_arr, y_arr = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    check_points(x_arr, y_arr)
+    if len(x_arr) != len(y_arr):
+        raise FitError(f"the fit: {len(x_arr)} sizes but {len(y_arr)} losses")
+    if not (np.all(np.isfinite(x_arr)) and np.all(x_arr > 0) and np.all(np.isfinite(y_arr))):
+        raise FitError("the fit: sizes must be positive and losses finite")
+    distinct = len(np.unique(x_arr))
+    if distinct < MIN_SIZES or len(x_arr) < MIN_POINTS:
+        raise FitError(
+            f"the fit: {len(x_arr)} point(s) at {distinct} distinct size(s); L = E + A x^-alpha needs at "
+            f"least {MIN_POINTS} points at {MIN_SIZES} or more sizes: add sizes (or seeds)"
+        )
     scale = float(np.exp(np.mean(np.log(x_arr))))  # sizes near 1 keep x^-alpha well conditioned
     xs = x_arr / scale
     e, a, alpha, edge = _profile(xs, y_arr[None, :])
     if not np.isfinite(e[0]) or a[0] <= 0:
         raise FitError("the fit: the loss does not fall with size at these points; no power law fits")
     law = PowerLaw(float(e[0]), float(a[0] * scale ** alpha[0]), float(alpha[0]))
-    n = len(x_arr)
     fitted = e[0] + a[0] * xs ** -alpha[0]
-    residuals = (y_arr - fitted) / np.sqrt(1 - _leverage(xs, a[0], alpha[0]))
-    residuals -= residuals.mean()
-    rng = np.random.default_rng(seed)
-    noise = np.sqrt((n - 3) / rng.chisquare(n - 3, size=(draws, 1)))  # the noise level's own spread
-    Y = fitted[None, :] + noise * residuals[rng.integers(0, n, size=(draws, n))]
-    be, ba, balpha, _ = _profile(xs, Y)
+    be, ba, balpha, _ = _profile(xs, resample(y_arr, fitted, _leverage(xs, a[0], alpha[0]), draws, seed))
     replicates = np.stack([be, ba * scale**balpha, balpha], axis=1)
     return Fit(law, replicates, level, x_arr, y_arr, best_at_edge=bool(edge[0]))
 
@@ -230,14 +233,11 @@ def equivalent_size(target: Fit, reference: Fit, x: Any) -> dict[str, Any]:
     pairing is fair). Returns the equivalent size and the ratio (equivalent / x), each with its
     interval; inf where the reference curve never gets that low (its floor E is above the loss)."""
     x_arr = np.atleast_1d(np.asarray(x, dtype=float))
-    point = reference.law.reach(target.law.loss(x_arr))
-    t, r = target.replicates, reference.replicates
-    draws = min(len(t), len(r))
-    t_loss = t[:draws, :1] + t[:draws, 1:2] * x_arr[None, :] ** -t[:draws, 2:3]  # (draws, k)
-    gap = t_loss - r[:draws, :1]
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        rep = (r[:draws, 1:2] / gap) ** (1.0 / r[:draws, 2:3])
-    rep = np.where(gap > 0, rep, np.inf)
+    ref = reference.law
+    point = _reach(ref.E, ref.A, ref.alpha, target.law.loss(x_arr))
+    draws = min(len(target.replicates), len(reference.replicates))
+    r = reference.replicates[:draws]
+    rep = _reach(r[:, :1], r[:, 1:2], r[:, 2:3], _curves(target.replicates[:draws], x_arr))  # (draws, k)
     out = []
     for j, size in enumerate(x_arr):
         lo, hi = percentile_interval(rep[:, j], target.level)
@@ -250,3 +250,11 @@ def equivalent_size(target: Fit, reference: Fit, x: Any) -> dict[str, Any]:
             "unreached_share": float(np.mean(~np.isfinite(rep[:, j]))),
         })  # fmt: skip
     return {"level": target.level, "at": out}
+
+
+def fit_or_reason(x: Sequence[float], y: Sequence[float], draws: int, level: float) -> tuple[Fit | None, str]:
+    """`fit_power_law` of the points, or None and why no curve could be fitted."""
+    try:
+        return fit_power_law(x, y, draws=draws, level=level), ""
+    except FitError as err:
+        return None, str(err)

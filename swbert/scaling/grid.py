@@ -5,7 +5,6 @@ stage, DeepSpeed's estimate and the activations (docs/scaling.md)."""
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -16,11 +15,13 @@ from swbert.models.attention import attention_types
 from swbert.models.config import SWBertConfig, check_size
 from swbert.models.flops import masked_lm_flops, masked_lm_params
 from swbert.models.plugins import load_installed
+from swbert.runtime.ds_config import load_ds_config
 from swbert.scaling.activations import Checkpointing, activation_memory
 from swbert.scaling.memory import (
     GIB,
     Layout,
     Precision,
+    StateMemory,
     deepspeed_estimate,
     model_state_bytes,
     params_per_rank,
@@ -30,37 +31,13 @@ from swbert.scaling.memory import (
 TOKENS_PER_PARAM = 20  # compute-optimal tokens per parameter (Chinchilla)
 BERT_VOCAB = 30522
 
-# Communication settings of every generated DeepSpeed config (those of ds_configs/); the trainer
-# fills batch sizes, clipping and precision ("auto").
-DS_TEMPLATE: dict[str, Any] = {
-    "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto",
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "bf16": {"enabled": "auto"},
-    "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16},
-    "zero_optimization": {
-        "overlap_comm": True,
-        "contiguous_gradients": True,
-        "reduce_bucket_size": 20_000_000,
-        "allgather_bucket_size": 50_000_000,
-        "stage3_param_persistence_threshold": 100_000,
-    },
-    "steps_per_print": 1_000_000_000,
-    "wall_clock_breakdown": False,
-}
-
 
 def ds_config_for(layout: Layout, nvme_path: str = "runs/nvme") -> dict[str, Any]:
-    """A DeepSpeed config for the layout's ZeRO stage and offload (batch and precision: "auto")."""
-    ds = copy.deepcopy(DS_TEMPLATE)
+    """A DeepSpeed config for the layout's ZeRO stage and offload: the communication settings of
+    ds_configs/ (the trainer fills batch sizes, clipping and precision, "auto")."""
+    ds = load_ds_config("ds_configs/zero3.json" if layout.zero == 3 else "ds_configs/zero1.json")
     zero = ds["zero_optimization"]
     zero["stage"] = layout.zero
-    if layout.zero < 3:
-        del zero["stage3_param_persistence_threshold"]
-    else:
-        del zero["allgather_bucket_size"]
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
     target: dict[str, Any] = {"device": layout.device, "pin_memory": True}
     if layout.device == "nvme":
         target["nvme_path"] = nvme_path
@@ -91,14 +68,6 @@ def write_ds_config(layout: Layout, folder: Path, nvme_path: Path | None = None)
         nvme.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(ds_config_for(layout, str(nvme)), indent=2) + "\n")
     return path
-
-
-def activation_args(layout: Layout) -> list[str]:
-    """The `launchers/pretrain.py` flags that keep activations as `layout` says."""
-    return [
-        "--sequence-parallel", str(layout.sequence_parallel).lower(),
-        "--activation-checkpointing", layout.checkpointing,
-    ]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -180,13 +149,12 @@ def build_grid(
     ]
 
 
-def _point_columns(point: GridPoint, gpus: int, dp: int) -> dict[str, Any]:
-    """The columns that name a point: its fields and its layout's, the devices."""
+def _columns(point: GridPoint, gpus: int, dp: int) -> dict[str, Any]:
+    """The columns that name a point: its fields, its layout's and the devices."""
     layout = point.layout
     return {
         "name": point.name,
-        "size": point.size,
-        **{k: v for k, v in asdict(point).items() if k not in ("size", "layout")},
+        **asdict(point),
         "layout": layout.name,
         "tp": layout.tp,
         "zero": layout.zero,
@@ -196,6 +164,11 @@ def _point_columns(point: GridPoint, gpus: int, dp: int) -> dict[str, Any]:
         "gpus": gpus,
         "dp": dp,
     }
+
+
+def _states(config: SWBertConfig, layout: Layout, dp: int, precision: Precision) -> StateMemory:
+    """Model-state bytes of `layout` with its generated DeepSpeed config's settings."""
+    return model_state_bytes(config, layout, dp, precision, **zero_config_values(ds_config_for(layout)))
 
 
 def estimate(
@@ -211,11 +184,10 @@ def estimate(
         raise ValueError(f"{point.name}: {gpus} GPUs are not divisible by tensor-parallel size {layout.tp}")
     dp = gpus // layout.tp
     config = point.model_config(vocab_size)
-    params = masked_lm_params(config)
+    params, per_rank = masked_lm_params(config), params_per_rank(config, layout.tp)
     flops = masked_lm_flops(config, point.seq_len).training
-    settings = zero_config_values(ds_config_for(layout))
-    states = model_state_bytes(config, layout, dp, point.precision, **settings)
-    acts_by_part = activation_memory(
+    mine = _states(config, layout, dp, point.precision)
+    activations = activation_memory(
         config,
         point.seq_len,
         point.micro_batch,
@@ -223,37 +195,34 @@ def estimate(
         layout.tp,
         layout.sequence_parallel,
         layout.checkpointing,
-        device="gpu" if fused_attention else "cpu",
+        "gpu" if fused_attention else "cpu",
     )
-    acts = acts_by_part.peak  # kept for the backward, plus one block recomputed
-    tokens = TOKENS_PER_PARAM * params
-    row: dict[str, Any] = {
-        **_point_columns(point, gpus, dp),
+    acts = activations.peak  # kept for the backward, plus one block recomputed
+    ds = deepspeed_estimate(config, layout, dp) or (None, None)
+    return {
+        **_columns(point, gpus, dp),
         "vocab_size": vocab_size,
         "params": params,
-        "params_per_rank": params_per_rank(config, layout.tp),
+        "params_per_rank": per_rank,
         "train_flops_per_token": flops,
-        "compute_optimal_tokens": tokens,
-        "compute_optimal_flops": tokens * flops,
-        "mem_params_gib": states.params / GIB,
-        "mem_grads_gib": states.grads / GIB,
-        "mem_optimizer_gib": (states.master + states.optimizer) / GIB,
-        "mem_buffers_gib": states.buffers / GIB,
+        "compute_optimal_tokens": TOKENS_PER_PARAM * params,
+        "compute_optimal_flops": TOKENS_PER_PARAM * params * flops,
+        "mem_params_gib": mine.params / GIB,
+        "mem_grads_gib": mine.grads / GIB,
+        "mem_optimizer_gib": (mine.master + mine.optimizer) / GIB,
+        "mem_buffers_gib": mine.buffers / GIB,
         "mem_activations_gib": acts / GIB,
-        "mem_activations_kept_gib": acts_by_part.kept / GIB,
-        "mem_recompute_gib": acts_by_part.recompute / GIB,
-        "mem_device_gib": (states.device + acts) / GIB,
-        "mem_host_gib": states.host / GIB,
-        "disk_gib": states.disk / GIB,
+        "mem_activations_kept_gib": activations.kept / GIB,
+        "mem_recompute_gib": activations.recompute / GIB,
+        "mem_device_gib": (mine.device + acts) / GIB,
+        "mem_host_gib": mine.host / GIB,
+        "disk_gib": mine.disk / GIB,
         # The trainer builds the whole fp32 model on every rank before DeepSpeed partitions it.
-        "mem_init_gib": 4 * params_per_rank(config, layout.tp) / GIB,
+        "mem_init_gib": 4 * per_rank / GIB,
+        **{
+            f"mem_z{k}_gib": (_states(config, Layout(layout.tp, k), dp, point.precision).device + acts) / GIB
+            for k in range(4)
+        },
+        "ds_estimate_device_gib": None if ds[0] is None else ds[0] / GIB,
+        "ds_estimate_host_gib": None if ds[1] is None else ds[1] / GIB,
     }
-    for stage in range(4):
-        other = Layout(tp=layout.tp, zero=stage)
-        other_settings = zero_config_values(ds_config_for(other))
-        other_states = model_state_bytes(config, other, dp, point.precision, **other_settings)
-        row[f"mem_z{stage}_gib"] = (other_states.device + acts) / GIB
-    ds = deepspeed_estimate(config, layout, dp)
-    row["ds_estimate_device_gib"] = ds[0] / GIB if ds else None
-    row["ds_estimate_host_gib"] = ds[1] / GIB if ds else None
-    return row

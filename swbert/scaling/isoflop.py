@@ -4,24 +4,30 @@ the compute-optimal frontier is L*(C) across budgets, and variants are compared 
 by L*_variant(C) - L*_reference(C) (the method of Hoffmann et al., 2022, approach 2).
 
 Each profile is a parabola in ln N fitted by least squares, with intervals from a residual
-bootstrap as in `swbert.scaling.fit` (leverage-widened residuals, the noise level's own spread);
-a profile whose minimum lies outside its sizes, or that does not curve upward, gets no optimum
-instead of an extrapolated one (ours). Outputs: isoflop.json, isoflop.md, plots/isoflop.png,
-plots/frontier.png."""
+bootstrap as in `swbert.scaling.fit` (`resample`); a profile whose minimum lies outside its sizes,
+or that does not curve upward, gets no optimum instead of an extrapolated one (ours). Outputs:
+isoflop.json, isoflop.md, plots/isoflop.png, plots/frontier.png."""
 
 from __future__ import annotations
 
-import json
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from swbert.scaling.fit import FitError, fit_power_law, percentile_interval
-from swbert.scaling.floors import floor_lines, mark_floor
-from swbert.scaling.report import line_style
-from swbert.studies.outputs import pyplot, save_figure, write_csv
+from swbert.scaling.fit import fit_or_reason, percentile_interval, resample
+from swbert.scaling.quality_report import (
+    fitted_rows,
+    law_metrics,
+    marked_best,
+    md_table,
+    spelled,
+    write_answer,
+)
+from swbert.scaling.report import floor_lines, line_style, new_axes, save_plot
+from swbert.studies.outputs import pyplot
 from swbert.studies.runner import StudyLog
 
 PROFILE_SIZES = 3  # a parabola has three parameters
@@ -34,24 +40,6 @@ def budget_label(budget: float) -> str:
     """A budget as point names and tables spell it: 3e13, 1.5e14, 500."""
     mantissa, _, exponent = f"{budget:.3g}".partition("e")
     return mantissa + (f"e{int(exponent)}" if exponent else "")
-
-
-def best_over_scales(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (size, variant, seed, budget): of an LR sweep's runs, the finished one with the
-    lowest held-out loss (the first when none finished), with `lr_sweep`: each scale's loss. Rows
-    that are no sweep's pass through unchanged."""
-    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-    for row in rows:
-        key = (row["size"], row["attention"], row["seed"], row.get("budget"))
-        groups.setdefault(key, []).append(row)
-    best = []
-    for group in groups.values():
-        done = [r for r in group if r["status"] == "done"]
-        row = min(done, key=lambda r: r["val_loss"]) if done else group[0]
-        if row.get("lr_scale") is not None:
-            row = {**row, "lr_sweep": {f"{r['lr_scale']:g}": r["val_loss"] for r in group}}
-        best.append(row)
-    return best
 
 
 @dataclass
@@ -99,17 +87,10 @@ def fit_profile(n: list[float], loss: list[float], draws: int, level: float, see
     X = np.stack([np.ones_like(u), u, u * u], axis=1)
     solve = np.linalg.pinv(X)  # (3, n)
     coef = solve @ y
-    k = len(y)
-    if k <= 3:
+    if len(y) <= 3:
         return Profile(coef, np.empty((0, 3)), centre, u, level)
-    fitted = X @ coef
     leverage = np.clip(np.einsum("ij,ji->i", X, solve), 0.0, 0.99)  # the hat matrix's diagonal
-    residuals = (y - fitted) / np.sqrt(1 - leverage)
-    residuals -= residuals.mean()
-    rng = np.random.default_rng(seed)
-    noise = np.sqrt((k - 3) / rng.chisquare(k - 3, size=(draws, 1)))  # as swbert.scaling.fit does
-    Y = fitted[None, :] + noise * residuals[rng.integers(0, k, size=(draws, k))]
-    return Profile(coef, Y @ solve.T, centre, u, level)
+    return Profile(coef, resample(y, X @ coef, leverage, draws, seed) @ solve.T, centre, u, level)
 
 
 def interval(values: np.ndarray, level: float) -> list[float] | None:
@@ -157,17 +138,13 @@ def frontier_entry(cfg: Any, entries: dict[str, dict[str, Any]]) -> dict[str, An
             f"{FRONTIER_BUDGETS}: add budgets (or sizes)"
         )
         return {"points": points, "fit": {"error": why}}
-    try:
-        fit = fit_power_law(
-            [p["budget"] for p in points], [p["l_star"] for p in points], cfg.bootstrap, cfg.level
-        )
-    except FitError as err:
-        return {"points": points, "fit": {"error": str(err)}}
-    return {"points": points, "fit": fit.to_json()}
+    x, y = [p["budget"] for p in points], [p["l_star"] for p in points]
+    fit, why = fit_or_reason(x, y, cfg.bootstrap, cfg.level)
+    return {"points": points, "fit": fit.to_json() if fit else {"error": why}}
 
 
 def compare(
-    cfg: Any, profiles: dict[str, dict[str, dict[str, Any]]], l_stars: dict[tuple[str, str], np.ndarray]
+    cfg: Any, profiles: dict[str, dict[str, dict[str, Any]]], fits: dict[tuple[str, str], Profile]
 ) -> dict[str, Any]:
     """Each variant against cfg.reference at equal compute: L*_variant - L*_reference at each budget,
     its interval from replicate b against replicate b (independent runs, so any pairing is fair)."""
@@ -184,7 +161,8 @@ def compare(
                 row["reason"] = "no optimum within the sizes for both variants at this budget"
             else:
                 row["difference"] = mine["optimum"]["l_star"] - theirs["optimum"]["l_star"]
-                a, b = l_stars[(attention, label)], l_stars[(cfg.reference, label)]
+                ours, ref = fits[(attention, label)], fits[(cfg.reference, label)]
+                a, b = ours.optimum(ours.replicates)[1], ref.optimum(ref.replicates)[1]  # L* replicates
                 draws = min(len(a), len(b))
                 with np.errstate(invalid="ignore"):  # both without a minimum: no difference (dropped)
                     diff = a[:draws] - b[:draws]
@@ -194,22 +172,15 @@ def compare(
     return out
 
 
-def profile_rows(cfg: Any, rows: list[dict[str, Any]], floors: dict[str, float] | None) -> tuple[list, list]:
-    """Each point's best run over the LR scales (all of them, floors marked), and those the profiles
-    use: finished, and off the unigram floor unless cfg.fit_floor_points."""
-    best = best_over_scales(rows)
-    mark_floor(best, floors, cfg.floor_margin)
-    used = [r for r in best if r["status"] == "done" and (cfg.fit_floor_points or not r.get("at_floor"))]
-    return best, used
-
-
 def analyse(
     cfg: Any, rows: list[dict[str, Any]], floors: dict[str, float] | None
 ) -> tuple[dict[str, Any], dict[tuple[str, str], Profile]]:
-    """isoflop.json's content, and the profiles by (variant, budget label) (for the plots)."""
-    best, used = profile_rows(cfg, rows, floors)
+    """isoflop.json's content, and the profiles by (variant, budget label) (for the plots). The
+    profiles take each point's best run over the LR scales, finished and off the unigram floor
+    (unless cfg.fit_floor_points)."""
+    best = marked_best(cfg, rows, floors)
+    used = fitted_rows(cfg, best)[0]
     fits: dict[tuple[str, str], Profile] = {}
-    l_stars: dict[tuple[str, str], np.ndarray] = {}
     profiles: dict[str, dict[str, dict[str, Any]]] = {}
     for attention in dict.fromkeys(cfg.attentions):
         profiles[attention] = {}
@@ -218,16 +189,12 @@ def analyse(
             mine = [r for r in used if r["attention"] == attention and r["budget"] == budget]
             entry: dict[str, Any] = {"budget": budget, "attention": attention}
             if len({r["non_embedding_params"] for r in mine}) < PROFILE_SIZES:
-                entry.update(
-                    points=[r["name"] for r in mine],
-                    optimum=None,
-                    reason=f"{len(mine)} finished point(s) off the floor; a profile needs {PROFILE_SIZES} sizes",
-                )
+                why = f"{len(mine)} finished point(s) off the floor; a profile needs {PROFILE_SIZES} sizes"
+                entry.update(points=[r["name"] for r in mine], optimum=None, reason=why)
             else:
                 n, loss = [r["non_embedding_params"] for r in mine], [r["val_loss"] for r in mine]
-                fit = fits[(attention, label)] = fit_profile(n, loss, cfg.bootstrap, cfg.level)
-                l_stars[(attention, label)] = fit.optimum(fit.replicates)[1]
-                entry.update(profile_entry(fit, mine))
+                fits[(attention, label)] = fit_profile(n, loss, cfg.bootstrap, cfg.level)
+                entry.update(profile_entry(fits[(attention, label)], mine))
             profiles[attention][label] = entry
     result = {
         "study": {
@@ -246,7 +213,7 @@ def analyse(
         },
         "profiles": profiles,
         "frontier": {a: frontier_entry(cfg, entries) for a, entries in profiles.items()},
-        "comparison": compare(cfg, profiles, l_stars),
+        "comparison": compare(cfg, profiles, fits),
         "points": [{k: r.get(k) for k in (*ROW_KEYS, "lr_sweep", "at_floor", "below_unigram")} for r in best],
     }
     return result, fits
@@ -258,62 +225,34 @@ def write_isoflop(
     study: StudyLog | None = None,
     floors: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """isoflop.json, isoflop.md (the table, also printed), points.csv and
-    plots/{isoflop,frontier}.png under cfg.output_dir, logged to the study's MLflow run; returns
+    """isoflop.json, isoflop.md, points.csv and plots/{isoflop,frontier}.png under cfg.output_dir
+    (`write_answer`; each variant's frontier alpha and E to the study's MLflow run); returns
     isoflop.json's content."""
-    out = Path(cfg.output_dir)
     result, profiles = analyse(cfg, rows, floors)
-    json_path = out / "isoflop.json"
-    json_path.write_text(json.dumps(result, indent=2, default=float) + "\n")
-    table = markdown(result)
-    print(table, flush=True)  # the study's answer, on the console (as quality_report's table)
-    md_path = out / "isoflop.md"
-    md_path.write_text(table)
-    files = [json_path, md_path, write_csv(rows, out / "points.csv")]
-    files += [plot_profiles(result, profiles, out / "plots"), plot_frontier(result, out / "plots")]
-    if study is not None:
-        for attention, entry in result["frontier"].items():
-            fit = entry["fit"]
-            if "alpha" in fit:
-                metrics = {f"{attention}.frontier_alpha": fit["alpha"], f"{attention}.frontier_E": fit["E"]}
-                study.tracker.log(study.parent, metrics)
-        study.tracker.log_files(study.parent, files)
+    folder = Path(cfg.output_dir) / "plots"
+    metrics = law_metrics({attention: f["fit"] for attention, f in result["frontier"].items()}, "frontier_")
+    draw = functools.partial(plot_isoflop, result, profiles, folder)
+    plots = [folder / "isoflop.png", folder / "frontier.png"]
+    write_answer(Path(cfg.output_dir), "isoflop", result, markdown(result), rows, study, metrics, draw, plots)
     return result
-
-
-def spelled(value: float | None, bounds: list[float] | None = None) -> str:
-    """`4.51 [4.48, 4.55]`: a value with its interval, 3 significant digits."""
-    if value is None:
-        return "-"
-    return f"{value:.3g}" + (f" [{bounds[0]:.3g}, {bounds[1]:.3g}]" if bounds else "")
 
 
 def markdown(result: dict[str, Any]) -> str:
     """isoflop.md: per budget and variant, N*, L* and the difference to the reference at equal
     compute, with intervals; then the frontiers, the floors and the LR sweep's winners."""
     spec, ref = result["study"], result["study"]["reference"]
-    lines = [
-        f"## isoFLOP profiles ({spec['level']:.0%} intervals)",
-        "",
-        f"| budget (FLOPs) | variant | sizes | N* | L* | L* - L*({ref}) | note |",
-        "|---|---|---|---|---|---|---|",
-    ]
     diffs = {(a, d["budget"]): d for a, c in result["comparison"].items() for d in c["at"]}
+    rows = []
     for attention, entries in result["profiles"].items():
         for label, e in entries.items():
             opt, iv = e["optimum"] or {}, e.get("intervals") or {}
             d = diffs.get((attention, e["budget"]), {})
-            cells = [
-                label,
-                attention,
-                str(e.get("sizes", len(e["points"]))),
-                spelled(opt.get("n_star"), iv.get("n_star")),
-                spelled(opt.get("l_star"), iv.get("l_star")),
-                spelled(d.get("difference"), d.get("interval")),
-                e.get("reason") or d.get("reason", ""),
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
-    lines.append("")
+            optimum = [spelled(opt.get(k), iv.get(k)) for k in ("n_star", "l_star")]
+            gap = spelled(d.get("difference"), d.get("interval"))
+            note = e.get("reason") or d.get("reason", "")
+            rows.append([label, attention, str(e.get("sizes", len(e["points"]))), *optimum, gap, note])
+    header = ["budget (FLOPs)", "variant", "sizes", "N*", "L*", f"L* - L*({ref})", "note"]
+    lines = [f"## isoFLOP profiles ({spec['level']:.0%} intervals)", "", *md_table(header, rows), ""]
     lines += [f"- frontier, {a}: {frontier_said(f['fit'])}" for a, f in result["frontier"].items()]
     lines.append(floors_said(result["floors"], result["at_floor"]))
     won = [p["name"] for p in result["points"] if p.get("lr_sweep")]
@@ -342,26 +281,22 @@ def floors_said(floors: dict[str, float] | None, at: dict[str, Any]) -> str:
     )
 
 
-def budget_colours(budgets: list[float]) -> dict[float, Any]:
-    cmap = pyplot().get_cmap("viridis")
-    return {b: cmap(i / max(1, len(budgets) - 1)) for i, b in enumerate(budgets)}
-
-
-def plot_profiles(result: dict[str, Any], profiles: dict[tuple[str, str], Profile], folder: Path) -> Path:
+def plot_isoflop(
+    result: dict[str, Any], profiles: dict[tuple[str, str], Profile], folder: Path
+) -> list[Path]:
     """plots/isoflop.png: held-out loss against size, one colour per budget, a line style per
-    variant, the fitted parabolas and their minima, and the floors."""
-    fig, ax = pyplot().subplots(figsize=(7, 4.5))
-    colours = budget_colours(result["study"]["budgets"])
-    points = result["points"]
+    variant, the fitted parabolas and their minima, and the floors; plots/frontier.png: L*(C) per
+    variant with its intervals, and the power law when fitted."""
+    title = "isoFLOP profiles: a parabola in log N per budget (star: optimum)"
+    fig, ax = new_axes(title, "non-embedding parameters", "held-out MLM loss")
+    budgets = result["study"]["budgets"]
+    cmap = pyplot().get_cmap("viridis")
     for attention, entries in result["profiles"].items():
+        marker = "o" if attention == result["study"]["reference"] else "^"
         for label, e in entries.items():
-            colour = colours[e["budget"]]
-            mine = [
-                p
-                for p in points
-                if p["attention"] == attention and p["budget"] == e["budget"] and p["val_loss"]
-            ]
-            marker = "o" if attention == result["study"]["reference"] else "^"
+            colour = cmap(budgets.index(e["budget"]) / max(1, len(budgets) - 1))
+            mine = [p for p in result["points"] if p["attention"] == attention and p["budget"] == e["budget"]]
+            mine = [p for p in mine if p["val_loss"]]
             xs, ys = [p["non_embedding_params"] for p in mine], [p["val_loss"] for p in mine]
             ax.scatter(xs, ys, color=colour, s=16, marker=marker)
             profile = profiles.get((attention, label))
@@ -379,17 +314,13 @@ def plot_profiles(result: dict[str, Any], profiles: dict[tuple[str, str], Profil
             if e.get("optimum"):
                 ax.plot(e["optimum"]["n_star"], e["optimum"]["l_star"], "*", color=colour, markersize=10)
     floor_lines(ax, result["floors"])
-    ax.set_xscale("log")
-    ax.set_xlabel("non-embedding parameters")
-    ax.set_ylabel("held-out MLM loss")
-    ax.set_title("isoFLOP profiles: a parabola in log N per budget (star: optimum)")
-    ax.legend(fontsize=7)
-    return save_figure(fig, folder / "isoflop.png", dpi=120)
+    return [save_plot(fig, ax, folder / "isoflop.png"), plot_frontier(result, folder)]
 
 
 def plot_frontier(result: dict[str, Any], folder: Path) -> Path:
     """plots/frontier.png: L*(C) per variant with its intervals, and the power law when fitted."""
-    fig, ax = pyplot().subplots(figsize=(6, 4))
+    title = f"compute-optimal frontier ({result['study']['level']:.0%} intervals)"
+    fig, ax = new_axes(title, "training FLOPs", "L*: loss at the optimal size", figsize=(6, 4))
     for attention, frontier in result["frontier"].items():
         pts = frontier["points"]
         if not pts:
@@ -405,9 +336,4 @@ def plot_frontier(result: dict[str, Any], folder: Path) -> Path:
             curve = fit["E"] + fit["A"] * grid ** -fit["alpha"]
             ax.plot(grid, curve, line_style(attention), color=bars[0].get_color())
     floor_lines(ax, result["floors"])
-    ax.set_xscale("log")
-    ax.set_xlabel("training FLOPs")
-    ax.set_ylabel("L*: loss at the optimal size")
-    ax.set_title(f"compute-optimal frontier ({result['study']['level']:.0%} intervals)")
-    ax.legend(fontsize=8)
-    return save_figure(fig, folder / "frontier.png", dpi=120)
+    return save_plot(fig, ax, folder / "frontier.png", fontsize=8)

@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 
 from swbert.runtime.exits import PREEMPTED_EXIT
-from swbert.scaling.grid import GridPoint, activation_args
+from swbert.scaling.grid import GridPoint
 from swbert.scaling.memory import GIB
 from swbert.studies import jobs
 from swbert.studies.outputs import read_metrics
@@ -49,10 +49,8 @@ class Hardware:
         if memory_limit_gib is not None:
             host = min(host, memory_limit_gib * GIB)
         disk = float("inf")
-        if swap_dir is not None:
-            probe = swap_dir
-            while not probe.exists():
-                probe = probe.parent
+        if swap_dir is not None:  # free space of its nearest existing folder
+            probe = next(p for p in [swap_dir, *swap_dir.parents] if p.exists())
             disk = float(shutil.disk_usage(probe).free)
         import torch
 
@@ -121,8 +119,8 @@ def _memory(proc: psutil.Process) -> int:
 
 
 class MemorySampler(threading.Thread):
-    """Samples the memory of a process tree until stopped (or the block ends); kills the tree above
-    `limit` bytes, before the kernel's out-of-memory killer picks a process, maybe someone else's."""
+    """Samples the memory of a process tree while the block runs; kills the tree above `limit`
+    bytes, before the kernel's out-of-memory killer picks a process, maybe someone else's."""
 
     def __init__(self, pid: int, limit: float | None = None, interval: float = 0.5) -> None:
         super().__init__(daemon=True)
@@ -151,16 +149,13 @@ class MemorySampler(threading.Thread):
                 pass
             self._stop_event.wait(self.interval)
 
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join()
-
     def __enter__(self) -> MemorySampler:
         self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self._stop_event.set()
+        self.join()
 
 
 def pretrain_args(point: GridPoint, ds_config: Path, output_dir: Path, steps: int, dp: int) -> list[str]:
@@ -172,7 +167,8 @@ def pretrain_args(point: GridPoint, ds_config: Path, output_dir: Path, steps: in
         "--deepspeed-config", str(ds_config), "--train-steps", str(steps), "--warmup-steps", "1",
         "--log-interval", "1", "--eval-interval", str(steps + 1), "--eval-batches", "1",
         "--save-interval", str(steps + 1), "--export", "false", "--mlflow", "false", "--progress-bar", "false",
-        "--output-dir", str(output_dir), *activation_args(point.layout),
+        "--output-dir", str(output_dir), "--sequence-parallel", str(point.layout.sequence_parallel).lower(),
+        "--activation-checkpointing", point.layout.checkpointing,
     ]  # fmt: skip
 
 
@@ -202,7 +198,6 @@ def run_point(
     steps: int,
     data_dir: str | None = None,
     timeout_s: float = 1800,
-    extra_env: dict[str, str] | None = None,
     plugins: Sequence[str] = (),
 ) -> Measurement:
     """Run `steps` optimizer steps of `point` with `hardware.ranks` processes and measure them
@@ -210,7 +205,7 @@ def run_point(
     output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     cmd, cwd = point_command(point, ds_config, output_dir, hardware.ranks, steps, data_dir, plugins)
-    env = jobs.job_env(extra_env)
+    env = jobs.job_env()
     if hardware.accelerator == "cpu":
         env.setdefault("DS_ACCELERATOR", "cpu")
     limit = hardware.headroom * hardware.host_bytes if hardware.accelerator == "cpu" else None

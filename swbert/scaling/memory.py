@@ -175,21 +175,14 @@ def model_state_bytes(
     sizes = rank_tensor_sizes(config, layout.tp)
     n = sum(sizes)
     p = element_bytes(precision)
-    mixed = precision != "fp32"
-    if layout.zero == 0:
-        params, grads = p * n, p * n
-        master, optimizer = (MASTER_BYTES * n if mixed else 0), ADAM_BYTES * n
-        buffers = 0.0
-    elif layout.zero in (1, 2):
-        params, grads = p * n, p * n / dp
-        master, optimizer = MASTER_BYTES * n / dp, ADAM_BYTES * n / dp
-        buffers = 0.0
-    else:
+    shard = 1 if layout.zero == 0 else dp  # stages 1-3 partition gradients and optimizer states
+    params, grads = p * n, p * n / shard
+    # stages 1-3 keep an fp32 master partition even when training in fp32 (docs/scaling.md)
+    master = MASTER_BYTES * n / shard if precision != "fp32" or layout.zero else 0.0
+    optimizer, buffers = ADAM_BYTES * n / shard, 0.0
+    if layout.zero == 3:
         # Small tensors stay gathered on every rank on top of their partition.
-        persistent = sum(s for s in sizes if s <= persistence_threshold)
-        params = p * (n / dp + persistent)
-        grads = p * n / dp
-        master, optimizer = MASTER_BYTES * n / dp, ADAM_BYTES * n / dp
+        params = p * (n / dp + sum(s for s in sizes if s <= persistence_threshold))
         buffers = float(p * reduce_bucket_size)
     host = disk = 0.0
     if layout.offload != "none":

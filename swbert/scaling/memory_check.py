@@ -20,7 +20,7 @@ import torch
 
 from swbert import cli
 from swbert.models import SWBertConfig, SWBertForMaskedLM
-from swbert.scaling.memory import Layout, model_state_bytes, params_per_rank
+from swbert.scaling.memory import Layout, Precision, model_state_bytes, params_per_rank
 
 # Objects whose attributes are followed when collecting tensors: the engine, its optimizer and the
 # module tree. Anything else (process groups, loggers, the config) is not walked.
@@ -80,7 +80,9 @@ def ds_config(zero: int, precision: str, bucket: int, persistence: int) -> dict[
     return config
 
 
-def measure(config: SWBertConfig, zero: int, precision: str, bucket: int, persistence: int) -> dict[str, Any]:
+def measure(
+    config: SWBertConfig, zero: int, precision: Precision, bucket: int, persistence: int
+) -> dict[str, Any]:
     import deepspeed
     import torch.distributed as dist
 
@@ -105,14 +107,7 @@ def measure(config: SWBertConfig, zero: int, precision: str, bucket: int, persis
             held = held_tensor_bytes(engine)
         engine.step()
     dp = dist.get_world_size()
-    estimate = model_state_bytes(
-        config,
-        Layout(zero=zero),
-        dp,
-        precision,  # type: ignore[arg-type]
-        reduce_bucket_size=bucket,
-        persistence_threshold=persistence,
-    )
+    closed_form = model_state_bytes(config, Layout(zero=zero), dp, precision, bucket, persistence).total
     engine.destroy()
     del engine
     gc.collect()
@@ -122,8 +117,8 @@ def measure(config: SWBertConfig, zero: int, precision: str, bucket: int, persis
         "dp": dp,
         "params": params_per_rank(config),
         "measured_bytes": held,
-        "closed_form_bytes": estimate.total,
-        "relative_error": (estimate.total - held) / held,
+        "closed_form_bytes": closed_form,
+        "relative_error": (closed_form - held) / held,
     }
 
 
@@ -166,8 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     for attention in args.attention_type:
         config = SWBertConfig.from_size(args.size, attention_type=attention, **overrides)
         if args.tensor_parallel:
-            row = tensor_parallel_params(config, args.tensor_parallel)
-            emit({"attention": attention, **row})
+            emit({"attention": attention, **tensor_parallel_params(config, args.tensor_parallel)})
             continue
         for zero in args.zero:
             for precision in args.precision:

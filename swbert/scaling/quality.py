@@ -8,6 +8,7 @@ reason (docs/scaling.md, "Quality")."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import shlex
@@ -17,18 +18,18 @@ from pathlib import Path
 from typing import Any
 
 from swbert.cli import read_recipe
+from swbert.data.floors import held_out_floors
 from swbert.models.config import SWBertConfig
 from swbert.models.flops import masked_lm_flops, masked_lm_params
 from swbert.runtime.exits import PREEMPTED_EXIT
 from swbert.scaling.fit import MIN_POINTS, MIN_SIZES
-from swbert.scaling.floors import held_out_floors
 from swbert.scaling.grid import check_names, write_ds_config
-from swbert.scaling.isoflop import PROFILE_SIZES, best_over_scales, budget_label, write_isoflop
+from swbert.scaling.isoflop import PROFILE_SIZES, budget_label, write_isoflop
 from swbert.scaling.memory import Layout
 from swbert.scaling.quality_report import non_embedding_params, write_outputs
 from swbert.studies import jobs
 from swbert.studies.options import PointOptions
-from swbert.studies.outputs import read_metrics, write_csv
+from swbert.studies.outputs import read_metrics
 from swbert.studies.records import (
     DATA,
     Records,
@@ -51,6 +52,7 @@ log = logging.getLogger("swbert.scaling.quality")
 CPU_LADDER = ["1x128", "2x128", "3x128"]
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_MASKING = 0.15  # pretraining's mlm_probability when no recipe sets it (swbert.training.config)
+POSITIVE = "tokens_per_param lr_scale global_batch micro_batch evaluations bootstrap min_steps".split()
 
 
 @dataclass(kw_only=True)
@@ -111,38 +113,26 @@ class QualityConfig(PointOptions):
         if self.recipe and not (Path(self.recipe).is_file() or (RECIPES / f"{self.recipe}.yaml").is_file()):
             shipped = ", ".join(sorted(p.stem for p in RECIPES.glob("*.yaml")))
             raise ValueError(f"--recipe {self.recipe}: not a recipe file nor one of {shipped}")
-        distinct = len(set(self.sizes))
-        too_few = (
-            distinct * len(set(self.seeds)) < MIN_POINTS and not self.isoflop_budgets
-        )  # (profiles: 3 sizes)
-        if distinct < MIN_SIZES or too_few:
+        sizes, seeds = len(set(self.sizes)), len(set(self.seeds))
+        too_few = sizes * seeds < MIN_POINTS and not self.isoflop_budgets  # (profiles: 3 sizes)
+        if sizes < MIN_SIZES or too_few:
             raise ValueError(
-                f"--sizes: {distinct} size(s) x {len(set(self.seeds))} seed(s) per variant; the fit "
-                f"L = E + A N^-alpha needs at least {MIN_SIZES} sizes and {MIN_POINTS} points: add sizes "
-                "(or --seeds)"
+                f"--sizes: {sizes} size(s) x {seeds} seed(s) per variant; the fit L = E + A N^-alpha needs "
+                f"at least {MIN_SIZES} sizes and {MIN_POINTS} points: add sizes (or --seeds)"
             )
-        for name in (
-            "tokens_per_param",
-            "lr_scale",
-            "global_batch",
-            "micro_batch",
-            "evaluations",
-            "bootstrap",
-            "min_steps",
-        ):
+        for name in POSITIVE:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be positive")
         for name, label in (("isoflop_budgets", budget_label), ("lr_scales", scale_label)):
-            values = getattr(self, name)
-            flag = f"--{name.replace('_', '-')}"
+            values, flag = getattr(self, name), f"--{name.replace('_', '-')}"
             bad = [v for v in values if not (v > 0 and math.isfinite(v))]
             if bad:
                 raise ValueError(f"{flag} {bad[0]:g}: must be positive and finite")
             if len({label(v) for v in values}) < len(values):
                 spelled = " ".join(f"{v:g}" for v in values)
+                labels = ", ".join(label(v) for v in values)
                 raise ValueError(
-                    f"{flag} {spelled}: two values name the same points "
-                    f"({', '.join(label(v) for v in values)}): give distinct values"
+                    f"{flag} {spelled}: two values name the same points ({labels}): give distinct values"
                 )
         if not 0 <= self.warmup_fraction < 1:
             raise ValueError(f"--warmup-fraction {self.warmup_fraction}: must be in [0, 1)")
@@ -156,7 +146,7 @@ class QualityConfig(PointOptions):
 class Point:
     """One run of the ladder and the plan it trains to."""
 
-    name: str
+    name: str  # 2x64-shared-s1234, with -c3e13 in isoFLOP mode and -lr0.5 in an LR sweep
     size: str
     attention: str
     seed: int
@@ -185,16 +175,6 @@ def scale_label(scale: float) -> str:
     return f"{scale:g}"
 
 
-def point_name(size: str, attention: str, seed: int, budget: float | None, lr_scale: float | None) -> str:
-    """`2x64-shared-s1234`, with `-c3e13` in isoFLOP mode and `-lr0.5` in an LR sweep."""
-    name = f"{size}-{attention}-s{seed}"
-    if budget is not None:
-        name += f"-c{budget_label(budget)}"
-    if lr_scale is not None:
-        name += f"-lr{scale_label(lr_scale)}"
-    return name
-
-
 def plan_point(
     cfg: QualityConfig,
     size: str,
@@ -204,10 +184,9 @@ def plan_point(
     budget: float | None = None,
     lr_scale: float | None = None,
 ) -> Point:
-    """The point's parameters, budget, steps and schedule: tokens = --tokens-per-param x N, or, given
-    a `budget` of training FLOPs, budget / the training FLOPs per token; ValueError naming the flag
-    when a ladder's budget is smaller than one optimizer step (isoFLOP points too short are left
-    out by `plan`)."""
+    """The point's plan: tokens = --tokens-per-param x N, or, given a `budget` of training FLOPs,
+    budget / the training FLOPs per token; ValueError naming the flag when a ladder's budget is
+    smaller than one optimizer step (isoFLOP points too short are left out by `plan`)."""
     config = SWBertConfig.from_size(size, attention_type=attention, vocab_size=vocab)
     n = non_embedding_params(config)
     per_token = masked_lm_flops(config, cfg.seq_len).training
@@ -220,8 +199,11 @@ def plan_point(
             "(--global-batch x --seq-len); raise --tokens-per-param or lower --global-batch"
         )
     steps = math.ceil(tokens / per_step)
+    name = f"{size}-{attention}-s{seed}"
+    name += "" if budget is None else f"-c{budget_label(budget)}"
+    name += "" if lr_scale is None else f"-lr{scale_label(lr_scale)}"
     return Point(
-        name=point_name(size, attention, seed, budget, lr_scale),
+        name=name,
         size=size,
         attention=attention,
         seed=seed,
@@ -248,8 +230,7 @@ def plan(cfg: QualityConfig, vocab: int) -> list[Point]:
         for attention in dict.fromkeys(cfg.attentions)
         for scale in (cfg.lr_scales or [None])
     ]
-    points = check_steps(cfg, points)
-    return sorted(points, key=lambda p: (p.budget or 0.0, p.non_embedding_params))
+    return sorted(check_steps(cfg, points), key=lambda p: (p.budget or 0.0, p.non_embedding_params))
 
 
 def check_steps(cfg: QualityConfig, points: list[Point]) -> list[Point]:
@@ -307,7 +288,8 @@ def check_data(cfg: QualityConfig) -> tuple[int, dict[str, str]]:
 class PointResult:
     """What a point's run left: `done` with its held-out loss, or `failed` with the reason."""
 
-    status: str  # "done", "failed", or "stopped" (on request, checkpointed: resumes on a re-run)
+    # "done", "failed", "stopped" (on request, checkpointed: resumes on a re-run) or "missing" (--collect)
+    status: str
     reason: str = ""
     val_loss: float | None = None  # held-out MLM loss at the final step
     train_loss: float | None = None  # training loss of the last logged window
@@ -390,14 +372,6 @@ NOT_IN_STUDY = ("quality", "nproc", "zero", "mlflow", "point_index", "reference"
 CHOOSES = ("sizes", "attentions", "seeds", "isoflop_budgets", "lr_scales", "min_steps")
 
 
-def ignored_options(cfg: QualityConfig) -> tuple[str, ...]:
-    """Options this study's points do not depend on, left out of its identity (study.json) so that
-    a study from before isoFLOP mode and LR sweeps keeps its own: a ladder ignores the isoFLOP
-    options (--min-steps only checks it), isoFLOP mode --tokens-per-param, a sweep --lr-scale."""
-    ignored = ("tokens_per_param",) if cfg.isoflop_budgets else ("isoflop_budgets", "min_steps")
-    return ignored + (("lr_scale",) if cfg.lr_scales else ("lr_scales",))
-
-
 def point_records(cfg: QualityConfig) -> Records:
     return Records(cfg.output_dir / "points", "swbert-quality-point/1", "{name}/point.json")
 
@@ -405,8 +379,7 @@ def point_records(cfg: QualityConfig) -> Records:
 def settle_point(
     point: Point, cfg: QualityConfig, trainer: Trainer, options: dict[str, Any]
 ) -> Settled[PointResult]:
-    """The point settled by the study's `PointRunner` (a point in flight resumes from its newest
-    checkpoint)."""
+    """The point settled by the study's `PointRunner` (one in flight resumes from its checkpoint)."""
     run_dir = cfg.output_dir / "points" / point.name
     runner = PointRunner(point_records(cfg), lambda d: PointResult(**d), cfg.retry_failed)
     return runner.settle(
@@ -426,14 +399,18 @@ def prepare(cfg: QualityConfig) -> tuple[list[Point], dict[str, Any]]:
     vocab, data = check_data(cfg)
     points = plan(cfg, vocab)
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
-    options = study_options(cfg, NOT_IN_STUDY + ignored_options(cfg), data)
+    # options the points do not depend on are left out of the study's identity, so that a study from
+    # before isoFLOP mode and LR sweeps keeps its own: a ladder ignores the isoFLOP options
+    # (--min-steps only checks it), isoFLOP mode --tokens-per-param, a sweep --lr-scale
+    ignored = ("tokens_per_param",) if cfg.isoflop_budgets else ("isoflop_budgets", "min_steps")
+    ignored += ("lr_scale",) if cfg.lr_scales else ("lr_scales",)
+    options = study_options(cfg, NOT_IN_STUDY + ignored, data)
     check_study(cfg.output_dir, "quality", options, cfg.allow_study_change, point_records(cfg))
     return points, options
 
 
 def run_quality(cfg: QualityConfig, trainer: Trainer = train_point) -> list[dict[str, Any]]:
-    """Every point of the ladder (trained, resumed or read back), then fits, table, plots and
-    MLflow; returns the points' rows."""
+    """Every point (trained, resumed or read back), then fits, table, plots and MLflow; the rows."""
     points, options = prepare(cfg)
     if cfg.point_index is not None:  # one task of a job array: its point, recorded; no fits
         if not 0 <= cfg.point_index < len(points):
@@ -444,42 +421,26 @@ def run_quality(cfg: QualityConfig, trainer: Trainer = train_point) -> list[dict
         return [point_row(point, settled.result, settled.trained)]
     if cfg.collect:
         trainer = not_run
-    by_name = {p.name: p for p in points}
-
-    def one(point: Point) -> Settled[PointResult]:
-        return settle_point(point, cfg, trainer, options)
-
+    one = functools.partial(settle_point, cfg=cfg, trainer=trainer, options=options)
     tracked = study_run(cfg.output_dir, cfg.store(), cfg.experiment, "quality_study", asdict(cfg))
     with tracked if cfg.mlflow else contextlib.nullcontext() as study:
         done = run_points(points, lambda p: p.name, one, child_run, study)
-        rows = [point_row(by_name[s.name], s.result, s.trained) for s in done]
-        floors = study_floors(cfg, options[DATA])
-        if cfg.isoflop_budgets:
-            write_isoflop(cfg, rows, study, floors)
-        elif cfg.lr_scales:  # the fits take each point's best scale; points.csv keeps every run
-            write_outputs(cfg, best_over_scales(rows), study, floors=floors)
-            write_csv(rows, cfg.output_dir / "points.csv")
-        else:
-            write_outputs(cfg, rows, study, floors=floors)
+        rows = [point_row(point, s.result, s.trained) for point, s in zip(points, done)]
+        write = write_isoflop if cfg.isoflop_budgets else write_outputs
+        write(cfg, rows, study, study_floors(cfg, options[DATA]))
     return rows
 
 
-def held_out_masking(cfg: QualityConfig) -> float:
-    """The masking rate the points' held-out loss is measured at: the recipe's final rate when it
-    schedules one (validation masks at it), else its rate, else pretraining's default (ours: read
-    from the recipe file alone, not resolved through the training config)."""
-    if not cfg.recipe:
-        return DEFAULT_MASKING
-    recipe = {str(k).replace("-", "_"): v for k, v in read_recipe(cfg.recipe, RECIPES).items()}
-    return float(recipe.get("mlm_probability_final") or recipe.get("mlm_probability", DEFAULT_MASKING))
-
-
 def study_floors(cfg: QualityConfig, data: dict[str, str]) -> dict[str, float] | None:
-    """The data's held-out unigram and bigram floors (`swbert.scaling.floors`) over the sequences a
+    """The data's held-out unigram and bigram floors (`swbert.data.floors`) over the sequences a
     point's validation reads (--eval-batches x --micro-batch, masked with each seed), computed
     once and kept in OUTPUT_DIR/floors.json for this data and these settings; None (logged) when the
-    data cannot give them."""
-    masking = held_out_masking(cfg)
+    data cannot give them. Masked at the recipe's final rate when it schedules one (validation
+    masks at it), else its rate, else pretraining's default (ours: read from the recipe file alone,
+    not resolved through the training config)."""
+    recipe = read_recipe(cfg.recipe, RECIPES) if cfg.recipe else {}
+    recipe = {str(k).replace("-", "_"): v for k, v in recipe.items()}
+    masking = float(recipe.get("mlm_probability_final") or recipe.get("mlm_probability", DEFAULT_MASKING))
     sequences = cfg.eval_batches * cfg.micro_batch
     seeds = list(dict.fromkeys(cfg.seeds))
     key = jsonable({"data": data, "seq_len": cfg.seq_len, "mlm_probability": masking, "seeds": seeds,
@@ -518,9 +479,8 @@ def not_run(point: Point, cfg: QualityConfig, run_dir: Path, data_dir: str) -> P
 
 
 def emit_slurm(cfg: QualityConfig, argv: list[str], vocab: int) -> tuple[Path, str, str]:
-    """OUTPUT_DIR/submit.sh: one array task per point of the ladder (launchers/slurm/quality.sbatch
-    runs `--point-index $SLURM_ARRAY_TASK_ID` with the same flags); returns it, its command and the
-    --collect command to run after it."""
+    """OUTPUT_DIR/submit.sh: one array task per point (launchers/slurm/quality.sbatch runs `--point-index
+    $SLURM_ARRAY_TASK_ID` with the same flags); returns it, its command and the --collect to run after."""
     points = plan(cfg, vocab)
     flags = without_switches(argv, ("--quality", "--emit-slurm"))
     if not any(a.startswith(("--data-dir", "--data_dir")) for a in flags):  # the tasks read one folder
@@ -536,13 +496,5 @@ def emit_slurm(cfg: QualityConfig, argv: list[str], vocab: int) -> tuple[Path, s
 
 def point_row(point: Point, result: PointResult, trained: bool) -> dict[str, Any]:
     """The point's row of points.csv (and of fits.json's points)."""
-    return {
-        **{k: v for k, v in asdict(point).items()},
-        "train_flops": point.train_flops,
-        "status": result.status,
-        "reason": result.reason,
-        "val_loss": result.val_loss,
-        "train_loss": result.train_loss,
-        "wall_s": result.wall_s,
-        "trained_now": trained,
-    }
+    figures = {k: v for k, v in asdict(result).items() if k != "curve"}  # status, reason, losses, wall_s
+    return {**asdict(point), "train_flops": point.train_flops, **figures, "trained_now": trained}

@@ -7,13 +7,16 @@ at the data's unigram floor is left out unless --fit-floor-points), its warnings
 floors, and each variant's parameter efficiency against the reference variant: the reference's
 non-embedding parameter count that reaches the variant's loss, at every measured size and at the
 `--extrapolate-to` sizes, withheld there (with the reason) when its interval is unbounded or a fit
-has not converged (ours). fits.md is the same answer as a table per variant.
+has not converged (ours). fits.md is the same answer as a table per variant. The isoFLOP analysis
+(`swbert.scaling.isoflop`) writes its answer with the same helpers.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import textwrap
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +24,15 @@ import numpy as np
 
 from swbert.models.config import SIZES, SWBertConfig
 from swbert.models.flops import layer_params
-from swbert.scaling.fit import Fit, FitError, equivalent_size, fit_power_law
-from swbert.scaling.floors import floor_lines, mark_floor
-from swbert.scaling.report import line_style
-from swbert.studies.outputs import pyplot, save_figure, write_csv
+from swbert.scaling.fit import Fit, equivalent_size, fit_or_reason
+from swbert.scaling.report import floor_lines, line_style, new_axes, save_plot
+from swbert.studies.outputs import write_csv
 from swbert.studies.runner import StudyLog
 
-PLOTS = {"non_embedding_params": "loss_vs_params", "train_flops": "loss_vs_flops"}
 FITS = {"L(N)": "non_embedding_params", "L(C)": "train_flops"}  # each fit's label and x
+PLOTS = {"non_embedding_params": "loss_vs_params", "train_flops": "loss_vs_flops"}
 POINT_KEYS = ("name", "size", "seed", "params", "non_embedding_params", "tokens", "train_flops", "val_loss")
+WIDTH = 96  # the table's wrapped lines fit an ordinary terminal
 
 
 def non_embedding_params(config: SWBertConfig) -> int:
@@ -38,32 +41,51 @@ def non_embedding_params(config: SWBertConfig) -> int:
     return config.num_hidden_layers * layer_params(config) + d * d + 3 * d
 
 
-def fit_variant(rows: list[dict[str, Any]], x_key: str, draws: int, level: float) -> tuple[Fit | None, str]:
-    """The variant's fit of held-out loss against `x_key`, or None and why it could not be made."""
-    done = [r for r in rows if r["status"] == "done"]
-    try:
-        fit = fit_power_law([r[x_key] for r in done], [r["val_loss"] for r in done], draws=draws, level=level)
-    except FitError as err:
-        return None, str(err)
-    return fit, ""
+def best_over_scales(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (size, variant, seed, budget): of an LR sweep's runs, the finished one with the
+    lowest held-out loss (the first when none finished), with `lr_sweep`: each scale's loss. Rows
+    that are no sweep's pass through unchanged."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for row in rows:
+        key = (row["size"], row["attention"], row["seed"], row.get("budget"))
+        groups.setdefault(key, []).append(row)
+    best = []
+    for group in groups.values():
+        done = [r for r in group if r["status"] == "done"]
+        row = min(done, key=lambda r: r["val_loss"]) if done else group[0]
+        if row.get("lr_scale") is not None:
+            row = {**row, "lr_sweep": {f"{r['lr_scale']:g}": r["val_loss"] for r in group}}
+        best.append(row)
+    return best
 
 
-def floor_reason(row: dict[str, Any], margin: float) -> str:
-    """Why a point at the unigram floor is left out of the fits."""
-    below = row["below_unigram"]
-    side = f"{below:.3g} nats below it" if below >= 0 else f"{-below:.3g} nats above it"
-    return f"at the unigram floor: {side}, less than --floor-margin {margin:g}"
+def marked_best(cfg: Any, rows: list[dict[str, Any]], floors: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Each point's best run over the LR scales; given the data's `floors` (ours; docs/scaling.md,
+    "Floors"), with `below_unigram` (the unigram floor of its seed's masks, minus its held-out loss)
+    and `at_floor` (finished and less than cfg.floor_margin nats below it)."""
+    best = best_over_scales(rows)
+    for row in best if floors is not None else []:
+        loss = row.get("val_loss")
+        floor = floors.get("by_seed", {}).get(str(row.get("seed")), floors)["unigram"]  # its own masks
+        row["below_unigram"] = None if loss is None else floor - loss
+        row["at_floor"] = (
+            row["status"] == "done" and loss is not None and row["below_unigram"] < cfg.floor_margin
+        )
+    return best
 
 
 def fitted_rows(cfg: Any, mine: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
-    """The variant's rows its fits use, and those left out with their reason: not finished, or at
-    the unigram floor (unless --fit-floor-points)."""
+    """The rows the fits use, and those left out with their reason: not finished, or at the unigram
+    floor (unless --fit-floor-points)."""
     used, excluded = [], []
     for r in mine:
         if r["status"] != "done":
             excluded.append({"name": r["name"], "reason": r["reason"]})
         elif r.get("at_floor") and not cfg.fit_floor_points:
-            excluded.append({"name": r["name"], "reason": floor_reason(r, cfg.floor_margin)})
+            below = r["below_unigram"]
+            side = f"{below:.3g} nats below it" if below >= 0 else f"{-below:.3g} nats above it"
+            reason = f"at the unigram floor: {side}, less than --floor-margin {cfg.floor_margin:g}"
+            excluded.append({"name": r["name"], "reason": reason})
         else:
             used.append(r)
     return used, excluded
@@ -79,7 +101,8 @@ def variant_entry(cfg: Any, mine: list[dict[str, Any]]) -> tuple[dict[str, Any],
     }
     warnings, fits = [], {}
     for label, key in FITS.items():
-        fit, why = fit_variant(used, key, cfg.bootstrap, cfg.level)
+        losses = [r["val_loss"] for r in used]
+        fit, why = fit_or_reason([r[key] for r in used], losses, cfg.bootstrap, cfg.level)
         entry[label] = fit.to_json() if fit else {"error": why}
         if fit is None:
             warnings.append(f"{label}: no fit: {why}")
@@ -125,11 +148,13 @@ def ratio_problems(at: dict[str, Any], fits: dict[str, Fit], reference: str) -> 
 
 
 def efficiency_entry(
-    cfg: Any, attention: str, fits: dict[str, Fit], rows: list[dict[str, Any]]
+    cfg: Any, attention: str, by_n: dict[str, Fit], rows: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """The variant's parameter efficiency against the reference, at its measured sizes (with their
-    warnings) and at the --extrapolate-to sizes ({"size", "withheld": why} when it should not be read)."""
-    target, reference = fits[attention], fits[cfg.reference]
+    """The variant's parameter efficiency against the reference (`by_n`: L(N) fits by variant), at its
+    measured sizes (with warnings) and at the --extrapolate-to sizes ({"size", "withheld": why} when
+    it should not be read)."""
+    target, reference = by_n[attention], by_n[cfg.reference]
+    fits = {attention: target, cfg.reference: reference}
     measured = sorted({r["non_embedding_params"] for r in rows if r["attention"] == attention})
     entry: dict[str, Any] = {"reference": cfg.reference, "measured": [], "extrapolated": {}}
     for at in equivalent_size(target, reference, measured)["at"]:
@@ -145,7 +170,7 @@ def build_fits(
     cfg: Any, rows: list[dict[str, Any]], floors: dict[str, float] | None = None
 ) -> tuple[dict[str, Any], dict[str, dict[str, Fit]]]:
     """fits.json's content, and each variant's fits by label (for the plots). Rows at the floor are
-    marked beforehand (`mark_floor`)."""
+    marked beforehand (`marked_best`)."""
     variants: dict[str, Any] = {}
     fitted: dict[str, dict[str, Fit]] = {}
     for attention in dict.fromkeys(cfg.attentions):
@@ -154,9 +179,7 @@ def build_fits(
         )
     by_n = {attention: fits["L(N)"] for attention, fits in fitted.items() if "L(N)" in fits}
     efficiency = {
-        attention: efficiency_entry(
-            cfg, attention, {attention: by_n[attention], cfg.reference: by_n[cfg.reference]}, rows
-        )
+        attention: efficiency_entry(cfg, attention, by_n, rows)
         for attention in by_n
         if attention != cfg.reference and cfg.reference in by_n
     }
@@ -171,54 +194,68 @@ def build_fits(
     return {"study": spec, "floors": bounds, "variants": variants, "efficiency": efficiency}, fitted
 
 
+# ---- writing an answer ---------------------------------------------------------------------------
+
+
+def law_metrics(laws: dict[str, dict[str, Any]], prefix: str = "") -> dict[str, float]:
+    """Each variant's fitted alpha and E as MLflow metrics (`standard.alpha`); a law not fitted has none."""
+    return {f"{a}.{prefix}{k}": law[k] for a, law in laws.items() if "alpha" in law for k in ("alpha", "E")}
+
+
+def write_answer(
+    out: Path,
+    stem: str,
+    answer: dict[str, Any],
+    table: str,
+    rows: list[dict[str, Any]],
+    study: StudyLog | None,
+    metrics: dict[str, float],
+    draw: Callable[[], list[Path]],
+    plots: list[Path],
+) -> None:
+    """OUT/{stem}.json, OUT/{stem}.md (the table, also printed) and OUT/points.csv (every row); the
+    `plots` drawn by `draw`, unless a re-run found the same answer and every plot (then kept); all
+    of it logged to the study's MLflow run, with `metrics`."""
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, table_path = out / f"{stem}.json", out / f"{stem}.md"
+    text = json.dumps(answer, indent=2, default=float) + "\n"
+    unchanged = json_path.is_file() and json_path.read_text() == text and all(p.is_file() for p in plots)
+    json_path.write_text(text)
+    print(table, flush=True)  # the study's answer, on the console
+    table_path.write_text(table)
+    files = [json_path, table_path, write_csv(rows, out / "points.csv"), *(plots if unchanged else draw())]
+    if study is not None:
+        study.tracker.log(study.parent, metrics)
+        study.tracker.log_files(study.parent, files)
+
+
 def write_outputs(
     cfg: Any,
     rows: list[dict[str, Any]],
     study: StudyLog | None = None,
     floors: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """fits.json, fits.md (the table, also printed), points.csv and plots/ under cfg.output_dir (and to
-    the study's MLflow run: each variant's alpha and E, the files); returns the fits. Rows less than
-    cfg.floor_margin below the unigram floor of `floors` are marked, and left out of the fits unless
-    cfg.fit_floor_points."""
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    mark_floor(rows, floors, cfg.floor_margin)
-    fits, fitted = build_fits(cfg, rows, floors)
-    fits_path = out / "fits.json"
-    text = json.dumps(fits, indent=2, default=float) + "\n"
-    plots = [out / "plots" / f"{name}.png" for name in PLOTS.values()]
-    unchanged = fits_path.is_file() and fits_path.read_text() == text and all(p.is_file() for p in plots)
-    fits_path.write_text(text)
-    table = render_table(fits)
-    print(table, flush=True)  # the study's answer, on the console
-    table_path = out / "fits.md"
-    table_path.write_text(table)
-    csv_path = write_csv(rows, out / "points.csv")
-    if not unchanged:  # a re-run that found every point finished draws the same plots: keep them
-        plots = plot_fits(rows, fitted, fits, out / "plots")
-    if study is not None:
-        for attention, entry in fits["variants"].items():
-            law = entry["L(N)"]
-            if "alpha" in law:
-                study.tracker.log(
-                    study.parent, {f"{attention}.alpha": law["alpha"], f"{attention}.E": law["E"]}
-                )
-        study.tracker.log_files(study.parent, [fits_path, table_path, csv_path, *plots])
+    """fits.json, fits.md, points.csv and plots/ (`write_answer`, with each variant's alpha and E);
+    returns the fits. The fits take each point's best run over the LR scales, those at the unigram
+    floor of `floors` marked, and left out unless cfg.fit_floor_points."""
+    best = marked_best(cfg, rows, floors)
+    fits, fitted = build_fits(cfg, best, floors)
+    folder = Path(cfg.output_dir) / "plots"
+    metrics = law_metrics({attention: entry["L(N)"] for attention, entry in fits["variants"].items()})
+    draw = functools.partial(plot_fits, best, fitted, fits, folder)
+    plots = [folder / f"{name}.png" for name in PLOTS.values()]
+    write_answer(Path(cfg.output_dir), "fits", fits, render_table(fits), rows, study, metrics, draw, plots)
     return fits
 
 
 # ---- the table (console and fits.md) -------------------------------------------------------------
 
-WIDTH = 96  # the table's wrapped lines fit an ordinary terminal
 
-
-def _num(value: float | None, digits: int = 3) -> str:
-    return "-" if value is None else "inf" if value == np.inf else f"{value:.{digits}g}"
-
-
-def _interval(value: float, interval: list[float], digits: int = 3) -> str:
-    return f"{_num(value, digits)} [{_num(interval[0], digits)}, {_num(interval[1], digits)}]"
+def spelled(value: float | None, bounds: Sequence[float] | None = None, digits: int = 3) -> str:
+    """`4.51 [4.48, 4.55]`: a value with its interval ("-" for none)."""
+    if value is None:
+        return "-"
+    return f"{value:.{digits}g}" + (f" [{bounds[0]:.{digits}g}, {bounds[1]:.{digits}g}]" if bounds else "")
 
 
 def _count(n: float) -> str:
@@ -233,14 +270,14 @@ def _bullet(text: str) -> str:
     return textwrap.fill(text, WIDTH, initial_indent="- ", subsequent_indent="  ")
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
     """A markdown table with padded columns, so it reads as well on the console."""
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
     lines = [[c.ljust(w) for c, w in zip(r, widths)] for r in (header, ["-" * w for w in widths], *rows)]
     return ["| " + " | ".join(cells) + " |" for cells in lines]
 
 
-def fit_rows(entry: dict[str, Any]) -> list[str]:
+def fit_table(entry: dict[str, Any]) -> list[str]:
     """A variant's fits: alpha, E, converged, rmse against the seed spread."""
     rows = []
     for label in FITS:
@@ -249,11 +286,14 @@ def fit_rows(entry: dict[str, Any]) -> list[str]:
             rows.append([label, "no fit (see warnings)", "-", "-", "-"])
             continue
         ratio = law["rmse_over_seed_sd"]
-        spread = f"{_num(law['rmse'], 2)} / {_num(law['seed_sd'], 2)}" + (f" = {ratio:.1f}x" if ratio else "")
-        converged = "yes" if law["converged"] else "NO"
-        E = _interval(law["E"], law["intervals"]["E"], 4)
-        rows.append([label, _interval(law["alpha"], law["intervals"]["alpha"]), E, converged, spread])
-    return _table(["fit", "alpha", "E (nats)", "converged", "rmse / seed sd"], rows)
+        spread = f"{spelled(law['rmse'], digits=2)} / {spelled(law['seed_sd'], digits=2)}"
+        spread += f" = {ratio:.1f}x" if ratio else ""
+        alpha, E = (
+            spelled(law["alpha"], law["intervals"]["alpha"]),
+            spelled(law["E"], law["intervals"]["E"], 4),
+        )
+        rows.append([label, alpha, E, "yes" if law["converged"] else "NO", spread])
+    return md_table(["fit", "alpha", "E (nats)", "converged", "rmse / seed sd"], rows)
 
 
 def efficiency_lines(attention: str, entry: dict[str, Any] | None, level: float) -> list[str]:
@@ -265,16 +305,12 @@ def efficiency_lines(attention: str, entry: dict[str, Any] | None, level: float)
         f"Efficiency vs {ref} ({ref} parameters reaching {attention}'s loss / {attention}'s, {level:.0%}):"
     ]
     for at in entry["measured"]:
-        text = f"at {_count(at['size'])} (measured): {_interval(at['ratio'], at['ratio_interval'])}"
+        text = f"at {_count(at['size'])} (measured): {spelled(at['ratio'], at['ratio_interval'])}"
         lines.append(_bullet(text + "".join(f"; warning: {w}" for w in at["warnings"])))
     for name, at in entry["extrapolated"].items():
-        where = f"at {name} ({_count(at['size'])}, extrapolated)"
-        ratio = (
-            f"withheld: {at['withheld']}"
-            if "withheld" in at
-            else _interval(at["ratio"], at["ratio_interval"])
-        )
-        lines.append(_bullet(f"{where}: {ratio}"))
+        withheld = f"withheld: {at['withheld']}" if "withheld" in at else ""
+        ratio = withheld or spelled(at["ratio"], at["ratio_interval"])
+        lines.append(_bullet(f"at {name} ({_count(at['size'])}, extrapolated): {ratio}"))
     return [*lines, ""]
 
 
@@ -287,20 +323,14 @@ def render_table(fits: dict[str, Any]) -> str:
     said = "Floors: not computed; no point was checked against the unigram floor."
     if floors:
         said = (
-            f"Floors: unigram {floors['unigram']:.3f} nats, bigram {_num(floors['bigram'], 4)} nats; a "
-            f"point less than {floors['margin']:g} nats below the unigram floor is at the floor."
+            f"Floors: unigram {floors['unigram']:.3f} nats, bigram {spelled(floors['bigram'], digits=4)} "
+            f"nats; a point less than {floors['margin']:g} nats below the unigram floor is at the floor."
         )
     lines += [textwrap.fill(said, WIDTH), ""]
     for attention, entry in fits["variants"].items():
         fitted, left = len(entry["points"]), len(entry["excluded"])
-        lines += [
-            f"## {attention}",
-            "",
-            f"{fitted} point(s) fitted, {left} left out.",
-            "",
-            *fit_rows(entry),
-            "",
-        ]
+        lines += [f"## {attention}", "", f"{fitted} point(s) fitted, {left} left out.", ""]
+        lines += [*fit_table(entry), ""]
         lines += efficiency_lines(attention, fits["efficiency"].get(attention), level)
         if entry["warnings"]:
             lines += ["Warnings:", *(_bullet(w) for w in entry["warnings"]), ""]
@@ -318,35 +348,29 @@ def plot_fits(
     level = fits["study"]["level"]
     written = []
     for label, key in FITS.items():
-        fig, ax = pyplot().subplots(figsize=(6, 4))
+        xlabel = "non-embedding parameters" if key == "non_embedding_params" else "training FLOPs"
+        title = f"{label}: E + A x^-alpha, {level:.0%} bands"
+        fig, ax = new_axes(title, xlabel, "held-out MLM loss", figsize=(6, 4))
         for i, attention in enumerate(fits["variants"]):
             done = [r for r in rows if r["attention"] == attention and r["status"] == "done"]
             if done:
-                draw_variant(
-                    ax, attention, f"C{i}", [r[key] for r in done], done, fitted[attention].get(label)
-                )
+                draw_variant(ax, attention, f"C{i}", key, done, fitted[attention].get(label))
         floor_lines(ax, fits.get("floors"))
-        ax.set_xscale("log")
-        ax.set_xlabel("non-embedding parameters" if key == "non_embedding_params" else "training FLOPs")
-        ax.set_ylabel("held-out MLM loss")
-        ax.set_title(f"{label}: E + A x^-alpha, {level:.0%} bands")
-        ax.legend(fontsize=7)
-        written.append(save_figure(fig, folder / f"{PLOTS[key]}.png", dpi=120))
+        written.append(save_plot(fig, ax, folder / f"{PLOTS[key]}.png"))
     return written
 
 
 def draw_variant(
-    ax: Any, attention: str, color: str, xs: list[float], done: list[dict[str, Any]], fit: Fit | None
+    ax: Any, attention: str, color: str, key: str, done: list[dict[str, Any]], fit: Fit | None
 ) -> None:
-    """One variant's points (filled; hollow at the floor), its fitted curve and band."""
-    losses = [r["val_loss"] for r in done]
+    """One variant's points against `key` (filled; hollow at the floor), its fitted curve and band."""
     at = np.array([bool(r.get("at_floor")) for r in done])
-    x, y = np.asarray(xs, dtype=float), np.asarray(losses, dtype=float)
+    x = np.array([r[key] for r in done], dtype=float)
+    y = np.array([r["val_loss"] for r in done], dtype=float)
     ax.scatter(x[~at], y[~at], s=18, color=color, label=attention)
     if at.any():
         ax.scatter(x[at], y[at], s=18, facecolors="none", edgecolors=color, label=f"{attention} at the floor")
     if fit is not None:
         grid = np.geomspace(fit.x.min() / 1.5, fit.x.max() * 1.5, 100)
         ax.plot(grid, fit.law.loss(grid), line_style(attention), color=color)
-        lo, hi = fit.band(grid)
-        ax.fill_between(grid, lo, hi, alpha=0.15, color=color)
+        ax.fill_between(grid, *fit.band(grid), alpha=0.15, color=color)

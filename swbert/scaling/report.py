@@ -1,8 +1,8 @@
-"""The study's table (CSV) and plots: throughput, memory and loss against size, shared vs standard."""
+"""The studies' plots: the systems study's throughput, memory and loss against size, shared vs
+standard, and the axes every study plot shares (log x, one line style per variant, the data's floors)."""
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +20,32 @@ def line_style(attention: str) -> str:
     return LINE_STYLES[names.index(attention) % len(LINE_STYLES)] if attention in names else "-"
 
 
-def read_csv(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+def new_axes(
+    title: str, xlabel: str, ylabel: str, figsize: tuple[float, float] = (7, 4.5)
+) -> tuple[Any, Any]:
+    """A figure and its axes, labelled, with a light grid (`save_plot` makes x logarithmic)."""
+    fig, ax = pyplot().subplots(figsize=figsize)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    return fig, ax
+
+
+def floor_lines(ax: Any, floors: dict[str, float] | None) -> None:
+    """The unigram and bigram floors as labelled grey horizontal lines on a plot of held-out loss."""
+    for name, style in (("unigram", ":"), ("bigram", "-.")):
+        value = (floors or {}).get(name)
+        if value is not None:
+            ax.axhline(value, color="grey", linestyle=style, linewidth=1, label=f"{name} floor ({value:.2f})")
+
+
+def save_plot(fig: Any, ax: Any, path: Path, fontsize: int = 7) -> Path:
+    """x made logarithmic (after drawing: a log axis set before a lone point gives matplotlib a zero
+    width), the legend drawn and the figure written (`save_figure`)."""
+    ax.set_xscale("log")
+    ax.legend(fontsize=fontsize)
+    return save_figure(fig, path, dpi=120)
 
 
 def _series(
@@ -42,49 +65,32 @@ def plot(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
     """throughput.png, memory.png, loss.png (only those with data); returns the files written."""
     written = []
     measured = [r for r in rows if r.get("status") == "measured"]
-
-    def axes(title: str, ylabel: str):
-        fig, ax = pyplot().subplots(figsize=(7, 4.5))
-        ax.set_xscale("log")
-        ax.set_xlabel("parameters")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-        return fig, ax
-
-    def save(fig, ax, name: str) -> None:
-        ax.legend(fontsize=7)
-        written.append(save_figure(fig, folder / name, dpi=120))
-
     tput = _series(measured, "tokens_per_s", ("attention", "layout"))
     if tput:
-        fig, ax = axes("Measured training throughput", "tokens / s")
+        fig, ax = new_axes("Measured training throughput", "parameters", "tokens / s")
         ax.set_yscale("log")
         for (attention, layout), pts in tput.items():
             ax.plot(*zip(*pts), line_style(attention), marker="o", label=f"{attention} {layout}")
-        save(fig, ax, "throughput.png")
+        written.append(save_plot(fig, ax, folder / "throughput.png"))
 
     if rows:
-        fig, ax = axes("Memory per GPU by ZeRO stage (closed form) and measured peaks", "GiB")
+        title = "Memory per GPU by ZeRO stage (closed form) and measured peaks"
+        fig, ax = new_axes(title, "parameters", "GiB")
         ax.set_yscale("log")
         for stage in range(4):
             for (attention,), pts in _series(rows, f"mem_z{stage}_gib", ("attention",)).items():
-                ax.plot(
-                    *zip(*pts),
-                    line_style(attention),
-                    color=f"C{stage}",
-                    label=f"ZeRO-{stage} {attention}",
-                )
+                label = f"ZeRO-{stage} {attention}"
+                ax.plot(*zip(*pts), line_style(attention), color=f"C{stage}", label=label)
         for key, marker, label in (("train_rss_gib", "x", "measured RSS while training, rank 0"),
                                    ("peak_device_gib", "+", "measured GPU peak")):  # fmt: skip
             for (attention,), pts in _series(measured, key, ("attention",)).items():
                 ax.plot(*zip(*pts), marker, color="k", label=f"{label} ({attention})")
-        save(fig, ax, "memory.png")
+        written.append(save_plot(fig, ax, folder / "memory.png"))
 
     loss = _series(measured, "loss_last", ("attention", "layout"))
     if loss:
-        fig, ax = axes("Loss after the measured steps", "MLM loss")
+        fig, ax = new_axes("Loss after the measured steps", "parameters", "MLM loss")
         for (attention, layout), pts in loss.items():
             ax.plot(*zip(*pts), line_style(attention), marker="o", label=f"{attention} {layout}")
-        save(fig, ax, "loss.png")
+        written.append(save_plot(fig, ax, folder / "loss.png"))
     return written

@@ -3,6 +3,7 @@ one MLflow run per point under a parent run, a CSV and plots; or the grid as a S
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -12,21 +13,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from swbert.models.plugins import load_plugins
+from swbert.runtime.ds_config import resolve_precision
 from swbert.scaling.activations import Checkpointing
-from swbert.scaling.grid import (
-    BERT_VOCAB,
-    GridPoint,
-    build_grid,
-    estimate,
-    expand_layouts,
-    write_ds_config,
-)
+from swbert.scaling.grid import BERT_VOCAB, GridPoint, build_grid, estimate, expand_layouts, write_ds_config
 from swbert.scaling.measure import Hardware, Measurement, parse_metrics, pretrain_args, run_point
-from swbert.scaling.memory import Precision
 from swbert.scaling.report import plot
 from swbert.studies.options import PointOptions
 from swbert.studies.outputs import write_csv
-from swbert.studies.records import Records, check_study, point_key, study_options
+from swbert.studies.records import Records, check_study, jsonable, point_key, study_options
 from swbert.studies.runner import ChildRun, PointRunner, Settled, StudyLog, absolute, run_points, study_run
 from swbert.studies.slurm import NOT_RUN, array_command, write_submit
 from swbert.studies.tracking import KIND
@@ -80,19 +74,23 @@ class StudyConfig(PointOptions):
         super().make_absolute()
         self.nvme_path = absolute(self.nvme_path)
 
+    def grid(self, precision: str) -> list[GridPoint]:
+        """The study's grid points at `precision`."""
+        return build_grid(
+            self.sizes,
+            self.attentions,
+            self.layouts,
+            self.seq_len,
+            self.micro_batch,
+            precision,  # type: ignore[arg-type]
+            self.sequence_parallel,
+            self.activation_checkpointing,
+        )
 
-def grid_of(cfg: StudyConfig, precision: Precision) -> list[GridPoint]:
-    """The study's grid points at `precision`."""
-    return build_grid(
-        cfg.sizes,
-        cfg.attentions,
-        cfg.layouts,
-        cfg.seq_len,
-        cfg.micro_batch,
-        precision,
-        cfg.sequence_parallel,
-        cfg.activation_checkpointing,
-    )
+    @property
+    def swap(self) -> Path:
+        """Where *-nvme layouts swap."""
+        return self.nvme_path or self.output_dir / "nvme"
 
 
 def exit_status(rows: list[dict[str, Any]]) -> int:
@@ -105,7 +103,6 @@ def exit_status(rows: list[dict[str, Any]]) -> int:
 # `swbert.studies.records.NOT_OPTIONS`): a re-run may change them; any other change is refused.
 NOT_IN_STUDY = ("measure_max_params", "memory_limit_gib", "nvme_path", "keep_checkpoints", "nodes", "quality")
 CHOOSES = ("sizes", "attentions", "layouts", "sequence_parallel", "activation_checkpointing")  # which points
-RECORDS = ("swbert-scaling-point/1", "{name}/point.json")  # under OUTPUT_DIR/points
 
 
 @dataclass
@@ -118,17 +115,33 @@ class PointRow:
     records: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, row: dict[str, Any]) -> PointRow:
-        records = row.pop("_records", [])
-        return cls(row["status"], row.get("reason", ""), row, records)
+    def of(cls, row: dict[str, Any], status: str, reason: str = "", records: Any = ()) -> PointRow:
+        """`row` with its status and reason."""
+        return cls(status, reason, {**row, "status": status, "reason": reason}, list(records))
 
-    @classmethod
-    def runner(cls, out: Path, retry_failed: bool, unrecorded: tuple[str, ...]) -> PointRunner[PointRow]:
-        """Settles grid points against their point.json; only measured points stand for good."""
-        records = Records(out / "points", *RECORDS)
-        return PointRunner(
-            records, lambda d: cls(**d), retry_failed, frozenset({"measured"}), frozenset(unrecorded)
-        )
+
+def point_records(out: Path) -> Records:
+    return Records(out / "points", "swbert-scaling-point/1", "{name}/point.json")
+
+
+def point_runner(out: Path, retry_failed: bool, unrecorded: tuple[str, ...]) -> PointRunner[PointRow]:
+    """Settles grid points against their point.json; only measured points stand for good."""
+    return PointRunner(
+        point_records(out),
+        lambda d: PointRow(**d),
+        retry_failed,
+        frozenset({"measured"}),
+        frozenset(unrecorded),
+    )
+
+
+def grid_key(options: dict[str, Any], name: str, precision: str, gpus: int) -> dict[str, Any]:
+    """What a grid point's record stands for (`point_key`)."""
+    return point_key(options, CHOOSES, point=name, precision=precision, gpus=gpus)
+
+
+POINT_PARAMS = ("size", "attention", "layout", "tp", "zero", "offload", "sequence_parallel",
+                "activation_checkpointing", "precision", "seq_len", "micro_batch", "gpus", "dp", "vocab_size")  # fmt: skip
 
 
 def child_run(point: GridPoint, settled: Settled[PointRow]) -> ChildRun:
@@ -138,10 +151,6 @@ def child_run(point: GridPoint, settled: Settled[PointRow]) -> ChildRun:
     tags = {KIND: "scaling_point", "status": row["status"], "reason": row.get("reason", "")}
     metrics = {k: v for k, v in row.items() if k not in POINT_PARAMS}
     return ChildRun(tags, params, metrics, settled.result.records, ("loss", "tokens_per_s"))
-
-
-POINT_PARAMS = ("size", "attention", "layout", "tp", "zero", "offload", "sequence_parallel",
-                "activation_checkpointing", "precision", "seq_len", "micro_batch", "gpus", "dp", "vocab_size")  # fmt: skip
 
 
 def record_rows(cfg: StudyConfig, study: StudyLog, rows: list[dict[str, Any]]) -> None:
@@ -156,26 +165,22 @@ def run_study(cfg: StudyConfig) -> list[dict[str, Any]]:
     cfg.make_absolute()
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    hardware = Hardware.detect(cfg.nproc, cfg.memory_limit_gib, _nvme(cfg))
-    on_cpu = hardware.accelerator == "cpu"
-    precision = cfg.precision if cfg.precision != "auto" else ("fp32" if cfg.measure and on_cpu else "bf16")
-    grid = grid_of(cfg, precision)  # type: ignore[arg-type]
+    hardware = Hardware.detect(cfg.nproc, cfg.memory_limit_gib, cfg.swap)
+    fused = not (cfg.measure and hardware.accelerator == "cpu")  # closed forms for a GPU's kernels
+    precision = resolve_precision(cfg.precision, on_gpu=fused)
+    grid = cfg.grid(precision)
     gpus = cfg.gpus or cfg.nproc
     data_dir, vocab, data = None, cfg.vocab_size or BERT_VOCAB, {}
     if cfg.measure:
         data_dir, manifest, data = cfg.read_data()
         vocab = cfg.vocab_size or int(manifest["tokenizer"]["vocab_size"])
     options = study_options(cfg, NOT_IN_STUDY, data)
-    check_study(out, "scaling", options, cfg.allow_study_change, Records(out / "points", *RECORDS))
-    runner = PointRow.runner(out, cfg.retry_failed, ("estimated", "skipped", "stopped"))
-    fused = not (cfg.measure and on_cpu)
+    check_study(out, "scaling", options, cfg.allow_study_change, point_records(out))
+    runner = point_runner(out, cfg.retry_failed, ("estimated", "skipped", "stopped"))
 
     def one(point: GridPoint) -> Settled[PointRow]:
-        return runner.settle(
-            point.name,
-            lambda: PointRow.of(evaluate_point(point, cfg, hardware, gpus, vocab, data_dir, fused)),
-            key=point_key(options, CHOOSES, point=point.name, precision=precision, gpus=gpus),
-        )
+        evaluate = functools.partial(evaluate_point, point, cfg, hardware, gpus, vocab, data_dir, fused)
+        return runner.settle(point.name, evaluate, key=grid_key(options, point.name, precision, gpus))
 
     def table(done: list[Settled[PointRow]]) -> None:  # after every point: an interrupted sweep keeps it
         write_csv([s.result.row for s in done], out / "scaling.csv")
@@ -194,40 +199,38 @@ def evaluate_point(
     vocab: int,
     data_dir: str | None,
     fused: bool,
-) -> dict[str, Any]:
+) -> PointRow:
     """Closed forms for `point`, and a measured run unless it cannot or should not run here."""
     try:
         row = estimate(point, gpus, vocab, fused_attention=fused)
     except ValueError as err:
-        return {"name": point.name, "size": point.size, "attention": point.attention,
-                "layout": point.layout.name, "status": "skipped", "reason": str(err)}  # fmt: skip
-    row.update(status="estimated", reason="")
+        names = {"name": point.name, "size": point.size, "attention": point.attention}
+        return PointRow.of({**names, "layout": point.layout.name}, "skipped", str(err))
     if not cfg.measure:
-        return row
+        return PointRow.of(row, "estimated")
     if row["params"] > cfg.measure_max_params:
-        row["reason"] = f"not measured: {row['params']:,} parameters > --measure-max-params"
-        return row
+        return PointRow.of(
+            row, "estimated", f"not measured: {row['params']:,} parameters > --measure-max-params"
+        )
     if hardware.ranks % point.layout.tp:
         reason = f"tensor-parallel size {point.layout.tp} does not divide --nproc {hardware.ranks}"
-        return {**row, "status": "skipped", "reason": reason}
+        return PointRow.of(row, "skipped", reason)
     local_row = estimate(point, hardware.ranks, vocab, fused_attention=fused)
     reason = hardware.fits(local_row)
     if reason:
-        return {**row, "status": "skipped", "reason": f"does not fit this machine: {reason}"}
+        return PointRow.of(row, "skipped", f"does not fit this machine: {reason}")
     point_dir = cfg.output_dir / "points" / point.name
-    ds_config = write_ds_config(point.layout, cfg.output_dir / "ds_configs", _nvme(cfg))
+    ds_config = write_ds_config(point.layout, cfg.output_dir / "ds_configs", cfg.swap)
     m = run_point(
         point, ds_config, point_dir, hardware, cfg.steps, data_dir, cfg.point_timeout_s, plugins=cfg.plugins
     )
     if not cfg.keep_checkpoints:
         shutil.rmtree(point_dir / "checkpoints", ignore_errors=True)
     if point.layout.device == "nvme":
-        shutil.rmtree(_nvme(cfg), ignore_errors=True)  # the run's swap files
-    row.update(m.row())
-    row["measured_ranks"] = hardware.ranks
-    row["estimated_local_gib"] = local_row["mem_device_gib"] + local_row["mem_host_gib"]
-    row["_records"] = m.records
-    return row
+        shutil.rmtree(cfg.swap, ignore_errors=True)  # the run's swap files
+    local_gib = local_row["mem_device_gib"] + local_row["mem_host_gib"]
+    row = {**row, **m.row(), "measured_ranks": hardware.ranks, "estimated_local_gib": local_gib}
+    return PointRow.of(row, m.status, m.reason, m.records)
 
 
 def _data_vocab(data_dir: str | None) -> int | None:
@@ -235,10 +238,6 @@ def _data_vocab(data_dir: str | None) -> int | None:
     if data_dir and manifest.is_file():
         return int(json.loads(manifest.read_text())["tokenizer"]["vocab_size"])
     return None
-
-
-def _nvme(cfg: StudyConfig) -> Path:
-    return Path(cfg.nvme_path) if cfg.nvme_path else cfg.output_dir / "nvme"
 
 
 # ---- SLURM job array -----------------------------------------------------------------------------
@@ -253,7 +252,7 @@ def _sweep_line(cfg: StudyConfig, point: GridPoint, world: int) -> tuple[str, bo
             f"# skipped {point.name}: tensor-parallel size does not divide --seq-len {point.seq_len}",
             False,
         )
-    ds_config = write_ds_config(point.layout, cfg.output_dir / "ds_configs", _nvme(cfg))
+    ds_config = write_ds_config(point.layout, cfg.output_dir / "ds_configs", cfg.swap)
     args = pretrain_args(
         point, ds_config, cfg.output_dir / "points" / point.name, cfg.steps, world // point.layout.tp
     )
@@ -272,23 +271,16 @@ def emit_slurm(
     `gpus_per_node=0`: CPU nodes, one process each."""
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    precision = cfg.precision if cfg.precision != "auto" else ("bf16" if gpus_per_node else "fp32")
-    grid = grid_of(cfg, precision)  # type: ignore[arg-type]
+    precision = resolve_precision(cfg.precision, on_gpu=gpus_per_node > 0)
     world = nodes * max(gpus_per_node, 1)
-    lines, names = [f"# scaling grid: {nodes} node(s) x {gpus_per_node} GPU(s); one line per array task"], []
-    for point in grid:
-        line, ok = _sweep_line(cfg, point, world)
-        lines.append(line)
-        if ok:
-            names.append(point.name)
+    lines = {point.name: _sweep_line(cfg, point, world) for point in cfg.grid(precision)}
+    names = [name for name, (_, ok) in lines.items() if ok]
     sweep = out / "sweep.txt"
-    sweep.write_text("\n".join(lines) + "\n")
-    (out / "grid.json").write_text(
-        json.dumps({"study": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()
-                              if k != "measure_max_params"},
-                    "nodes": nodes, "gpus_per_node": gpus_per_node, "precision": precision, "points": names},
-                   indent=2)
-    )  # fmt: skip
+    head = f"# scaling grid: {nodes} node(s) x {gpus_per_node} GPU(s); one line per array task"
+    sweep.write_text("\n".join([head, *(line for line, _ in lines.values())]) + "\n")
+    study = {k: v for k, v in jsonable(asdict(cfg)).items() if k != "measure_max_params"}  # inf: no JSON
+    spec = {"study": study, "nodes": nodes, "gpus_per_node": gpus_per_node, "precision": precision}
+    (out / "grid.json").write_text(json.dumps({**spec, "points": names}, indent=2))
     common = ["--data-dir", cfg.data_dir] if cfg.data_dir else []
     common += ["--plugins", *cfg.plugins] if cfg.plugins else []
     args = ["--sweep", str(sweep), *common, *(extra or [])]
@@ -308,31 +300,28 @@ def collect(output_dir: Path, plugins: list[str] | tuple[str, ...] = ()) -> list
     load_plugins(cfg.plugins)
     world = spec["nodes"] * max(spec["gpus_per_node"], 1)
     try:
-        grid = {p.name: p for p in grid_of(cfg, spec["precision"])}
+        grid = {p.name: p for p in cfg.grid(spec["precision"])}
     except ValueError as err:
         named = " ".join(spec["study"].get("plugins") or []) or "FILE"
         raise ValueError(f"{err}: pass the grid's plugins to --collect (--plugins {named})") from None
     vocab = cfg.vocab_size or _data_vocab(cfg.data_dir) or BERT_VOCAB
     options = study_options(cfg, NOT_IN_STUDY)
-    runner = PointRow.runner(output_dir, False, ("missing", "failed"))
+    runner = point_runner(output_dir, False, ("missing", "failed"))
 
-    def found(name: str) -> PointRow | None:
-        run = output_dir / "points" / name
+    def read_back(name: str) -> PointRow:
+        point, run = grid[name], output_dir / "points" / name
+        row = estimate(point, world, vocab)
         if not (run / "metrics.jsonl").is_file():
-            return None
-        m = parse_metrics(run, grid[name], Measurement(status="failed"), world // grid[name].layout.tp)
-        return PointRow(m.status, m.reason, {**estimate(grid[name], world, vocab), **m.row()}, m.records)
-
-    def missing(name: str) -> PointRow:
-        return PointRow(
-            "missing", NOT_RUN, {**estimate(grid[name], world, vocab), "status": "missing", "reason": NOT_RUN}
-        )
+            return PointRow.of(row, "missing", NOT_RUN)
+        m = parse_metrics(run, point, Measurement(status="failed"), world // point.layout.tp)
+        return PointRow.of({**row, **m.row()}, m.status, m.reason, m.records)
 
     settled = [
-        runner.settle(name, lambda n=name: found(n) or missing(n), lambda n=name: found(n),
-                      point_key(options, CHOOSES, point=name, precision=spec["precision"], gpus=world))
+        runner.settle(
+            name, functools.partial(read_back, name), key=grid_key(options, name, spec["precision"], world)
+        )
         for name in spec["points"]
-    ]  # fmt: skip
+    ]
     rows = [s.result.row for s in settled]
     if not any(s.result.status == "measured" for s in settled):
         return rows  # the array has not run yet: no table, no MLflow runs of nothing

@@ -85,9 +85,9 @@ def pretrain_command(nproc: int, args: Sequence[str]) -> tuple[list[str], Path |
     return cmd, REPO if (REPO / "launchers").is_dir() else None
 
 
-def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+def job_env() -> dict[str, str]:
     """A point's job's environment: unbuffered, no MLflow store of its own (the study records it)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra or {}))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("MLFLOW_TRACKING_URI", None)
     return env
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from swbert.data.manifest import file_sha256
+from swbert.data import manifest
 
 log = logging.getLogger("swbert.studies")
 
@@ -23,14 +23,9 @@ DATA = "data"  # the key of a study's data identity in its options (`data_identi
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:
-    """`payload` as JSON at `path`, whole or not at all (fsynced, then renamed into place)."""
+    """`payload` as JSON at `path`, its folder made, whole or not at all (`swbert.data.manifest`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as stream:
-        json.dump(payload, stream, indent=1, sort_keys=True, default=str)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(tmp, path)
+    manifest.write_json_atomic(path, jsonable(payload))
 
 
 def read_json(path: Path) -> Any | None:
@@ -64,7 +59,7 @@ class Records:
     def save(self, name: str, payload: dict[str, Any], key: Any = None) -> Path:
         """Record point `name` as finished (call last, once what it made is complete)."""
         path = self.path(name)
-        write_json_atomic(path, {**payload, "format": self.fmt, "key": jsonable(key)})
+        write_json_atomic(path, {**payload, "format": self.fmt, "key": key})
         return path
 
     def any(self) -> bool:
@@ -86,10 +81,11 @@ def jsonable(value: Any) -> Any:
 def data_identity(files: Iterable[str | Path]) -> dict[str, str]:
     """{path: sha256} of the files a study's points read (a shard folder's manifest.json, which holds
     every shard's hash; a fine-tuning task's files)."""
-    return {str(Path(f).resolve()): file_sha256(f) for f in dict.fromkeys(files)}
+    return {str(Path(f).resolve()): manifest.file_sha256(f) for f in dict.fromkeys(files)}
 
 
-def _spelled(value: Any) -> str:
+def spelled(value: Any) -> str:
+    """A value as a command line (and an MLflow param) spells it: a list's items joined by spaces."""
     return " ".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
 
 
@@ -104,7 +100,7 @@ def study_changes(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
         elif before.get(key) != now.get(key):
             flag = "--" + key.replace("_", "-")
             changes.append(
-                f"{flag} {_spelled(now.get(key, '(unset)'))} (was {_spelled(before.get(key, '(unset)'))})"
+                f"{flag} {spelled(now.get(key, '(unset)'))} (was {spelled(before.get(key, '(unset)'))})"
             )
     return changes
 

@@ -126,7 +126,6 @@ class StudyLog:
         if logged is not None and not trained:
             return  # logged by an earlier run of the study and unchanged since
         with self.live(name, child.tags, child.params, logged) as run_id:
-            self.tracker.set_tags(run_id, child.tags)
             self.tracker.log(run_id, child.metrics)
             for record in child.curve:  # `curve_keys` of each record at its step (a loss curve)
                 self.tracker.log(run_id, {k: record.get(k) for k in child.curve_keys}, int(record["step"]))

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from swbert.runtime.tracking import experiment_id, mlflow_client
-from swbert.studies.records import read_json, write_json_atomic
+from swbert.studies.records import read_json, spelled, write_json_atomic
 
 log = logging.getLogger("swbert.studies")
 
@@ -24,12 +24,8 @@ PARENT_FILE = "sweep_run.json"  # in a study's folder: {"run_id", "tracking_uri"
 
 
 def flat_params(values: dict[str, Any]) -> dict[str, str]:
-    """Values as MLflow params: lists joined with spaces, None left out."""
-    return {
-        k: " ".join(map(str, v)) if isinstance(v, list | tuple) else str(v)
-        for k, v in values.items()
-        if v is not None
-    }
+    """Values as MLflow params (`spelled`), None left out."""
+    return {k: spelled(v) for k, v in values.items() if v is not None}
 
 
 class Tracker:
@@ -68,11 +64,6 @@ class Tracker:
         batch = [Metric(k, float(v), now, step) for k, v in numbers.items() if math.isfinite(v)]
         for i in range(0, len(batch), 1000):  # MLflow's per-request limit
             self.client.log_batch(run_id, metrics=batch[i : i + 1000])
-
-    def set_tags(self, run_id: str | None, tags: dict[str, str]) -> None:
-        if self.enabled and run_id is not None:
-            for key, value in tags.items():
-                self.client.set_tag(run_id, key, str(value)[:5000])
 
     def live(self, run_id: str | None) -> bool:
         """Whether this store holds `run_id`, not deleted, in this experiment."""
@@ -130,9 +121,7 @@ class Tracker:
             self.parent_id, self.continued = previous, True
             return previous
         if previous and not resume:
-            marked = self.kill_running(previous)  # a killed study's runs would stay RUNNING
-            if marked:
-                log.info("marked %d run(s) of the killed study %s as KILLED", len(marked), previous)
+            self.kill_running(previous)  # a killed study's runs would stay RUNNING
         run_id = self._create(name, {KIND: kind}, params)
         self.parent_id, self.continued = run_id, False
         if folder is not None and run_id is not None:
@@ -158,25 +147,24 @@ class Tracker:
         continues that child (a point logged by an earlier run of the study) instead."""
         if run_id is not None and self.live(run_id):
             self.client.update_run(run_id, status="RUNNING")
-            self.set_tags(run_id, tags)
+            for key, value in tags.items():
+                self.client.set_tag(run_id, key, str(value)[:5000])
         else:
             run_id = self._create(name, tags, params)
         with self._ended(run_id):
             yield run_id
 
-    def kill_running(self, run_id: str) -> list[str]:
-        """Set `run_id` and its children KILLED where they are still RUNNING (a killed study's runs);
-        returns those marked. A run this store does not hold is left alone."""
+    def kill_running(self, run_id: str) -> None:
+        """Set `run_id` and its children KILLED where they are still RUNNING (a killed study's runs).
+        A run this store does not hold is left alone."""
         from mlflow.exceptions import MlflowException
 
-        if not self.enabled:
-            return []
         try:
             parent = self.client.get_run(run_id)
         except MlflowException:
-            return []
+            return
         if parent.info.status != "RUNNING":
-            return []
+            return
         children = self.client.search_runs(
             [parent.info.experiment_id],
             f"tags.mlflow.parentRunId = '{run_id}' and attributes.status = 'RUNNING'",
@@ -185,4 +173,4 @@ class Tracker:
         marked = [child.info.run_id for child in children] + [run_id]
         for rid in marked:
             self.client.set_terminated(rid, "KILLED")
-        return marked
+        log.info("marked %d run(s) of the killed study %s as KILLED", len(marked), run_id)

@@ -24,7 +24,7 @@ import torch
 
 from swbert.data import loader
 from swbert.runtime.cpu import set_cpu_threads
-from swbert.scaling.report import read_csv
+from tests.csv_utils import read_csv
 from tests.launch_utils import HANG_S, REPO, job_env, read_metrics
 
 pytestmark = pytest.mark.slow

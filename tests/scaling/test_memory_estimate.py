@@ -29,6 +29,7 @@ from tests.model_helpers import PAPER_VARIANTS
 from tests.parallel.test_parallel_harness import run_ranks
 
 B, S, P = 4, 64, 10  # sequences, tokens per sequence, predicted positions per sequence
+assert P == round(0.15 * S)  # the 15% the estimate predicts
 VOCAB = 100
 # The estimate leaves out the loss's scalars (the count of labelled rows, the sums, the check of its
 # targets): 52 bytes, at any tensor-parallel size.
@@ -123,9 +124,7 @@ def test_estimate_is_the_bytes_the_model_keeps(attention_type, precision, attent
     for mode in ("none", "full", "selective"):
         model = wrap_model(copy.deepcopy(plain), activation_checkpointing=mode, log_steps=False)
         measured[mode], recompute_peak = measure(model, batch)
-        estimate = activation_memory(
-            config, S, B, precision, checkpointing=mode, device="cpu", predictions_per_seq=P
-        )
+        estimate = activation_memory(config, S, B, precision, checkpointing=mode, device="cpu")
         estimated[mode] = estimate.kept
         assert 0 <= measured[mode] - estimate.kept <= SCALARS, (mode, measured[mode], estimate)
         if mode != "none" and attention_dropout == 0:
@@ -204,9 +203,7 @@ def _tensor_parallel_rank() -> None:
                     log_steps=False,
                 )
                 measured, _ = measure(model, batch)
-                estimate = activation_memory(
-                    config, S, B, "fp32", 2, sequence_parallel, mode, device="cpu", predictions_per_seq=P
-                )
+                estimate = activation_memory(config, S, B, "fp32", 2, sequence_parallel, mode, device="cpu")
                 rows.append((sequence_parallel, mode, measured, estimate.kept))
                 assert 0 <= measured - estimate.kept <= TP_LOSS_BOOKKEEPING, (
                     attention_type, sequence_parallel, mode, measured, estimate,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from torch.testing import assert_close
 
-from swbert.scaling import quality_report
+from swbert.scaling import report
 from swbert.scaling.fit import fit_power_law
 from swbert.scaling.quality import PointResult, QualityConfig, plan, point_row
 from swbert.scaling.quality_report import build_fits, render_table, write_outputs
@@ -56,9 +56,9 @@ def test_a_point_at_the_floor_is_left_out_named_and_drawn(tmp_path, capsys, monk
     low = smallest(rows, "standard")
     floors = {"unigram": low["val_loss"] + 0.05, "bigram": 2.9, "predicted_tokens": 1000}
     axes = []
-    save = quality_report.save_figure
+    save = report.save_figure
     monkeypatch.setattr(
-        quality_report, "save_figure", lambda fig, *a, **k: axes.append(fig.axes[0]) or save(fig, *a, **k)
+        report, "save_figure", lambda fig, *a, **k: axes.append(fig.axes[0]) or save(fig, *a, **k)
     )
     fits = write_outputs(cfg, rows, floors=floors)
     printed = capsys.readouterr().out

@@ -17,7 +17,7 @@ from swbert.models import SIZES, SWBertConfig, SWBertForMaskedLM
 from swbert.models.flops import masked_lm_params
 from swbert.scaling.grid import build_grid, estimate
 from swbert.scaling.memory import Layout, model_state_bytes, model_tensors, params_per_rank
-from swbert.scaling.report import read_csv
+from tests.csv_utils import read_csv
 from tests.launch_utils import REPO, job_env
 from tests.model_helpers import PAPER_VARIANTS
 from tests.parallel.test_parallel_harness import run_ranks
@@ -315,12 +315,8 @@ def test_memory_watchdog_stops_a_process_tree_above_its_limit(tmp_path):
 
     grow = "import time; x = bytearray(400 * 2**20); time.sleep(60)"
     proc = subprocess.Popen([sys.executable, "-c", grow], start_new_session=True)
-    sampler = MemorySampler(proc.pid, limit=0.2 * GIB, interval=0.1)
-    sampler.start()
-    try:
+    with MemorySampler(proc.pid, limit=0.2 * GIB, interval=0.1) as sampler:
         assert proc.wait(timeout=30) == -sig.SIGKILL
-    finally:
-        sampler.stop()
     assert sampler.exceeded is not None and sampler.exceeded > 0.2 * GIB
     assert sampler.peak_single >= 0.2 * GIB
 

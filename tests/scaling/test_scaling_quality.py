@@ -20,9 +20,9 @@ import pytest
 from swbert.models.config import SIZES, SWBertConfig
 from swbert.scaling import quality
 from swbert.scaling.quality import Point, PointResult, QualityConfig, non_embedding_params, plan, run_quality
-from swbert.scaling.report import read_csv
 from swbert.studies import jobs
 from swbert.training.runlock import RunLock
+from tests.csv_utils import read_csv
 from tests.launch_utils import REPO, job_env, wait_for
 from tests.training.test_training_runlock import other_process_locks
 
