@@ -1,11 +1,11 @@
-"""What the report's tables and figures share (a table as markdown and CSV, a trial's timing, the
-paper's row order of the variants), and the paper's figures: Figure 2 (pretraining loss against
-steps, from each run's metrics.jsonl), Figure 3 (fine-tuning time per epoch, and what each variant
-saves against the baseline) and Table 5's noise curves; docs/finetuning.md, "Tables and figures"."""
+"""What the report's tables and figures share (a trial's timing, the paper's row order of the
+variants; a table is `swbert.studies.outputs.Table`), and the paper's figures: Figure 2 (pretraining
+loss against steps, from each run's metrics.jsonl), Figure 3 (fine-tuning time per epoch, and what
+each variant saves against the baseline) and Table 5's noise curves; docs/finetuning.md, "Tables
+and figures"."""
 
 from __future__ import annotations
 
-import csv
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from swbert.finetune.tasks import GLUE_TASKS, GlueTask, get_task, split_label
-from swbert.studies.outputs import pyplot, read_metrics, save_figure, write_csv
+from swbert.studies.outputs import Table, new_axes, pyplot, read_metrics, save_figure, write_csv
 
 FIGURE2 = "figure2_pretrain_loss"
 # Figure 3's tasks in the order section 3 of the paper lists them ("Training Time"); others follow
@@ -23,32 +23,6 @@ FIGURE3_TASKS = ("cola", "mnli", "mrpc", "qnli", "rte", "qqp")
 SHORT_EPOCH_SECONDS = 1.0
 VARIANT_ORDER = ("standard", "symmetric", "pairwise", "shared")  # the paper's row order
 TRIVIAQA_SUFFIX = "+triviaqa"  # a variant fine-tuned on TriviaQA before SQuAD (swbert.finetune.squad)
-
-
-@dataclass
-class Table:
-    """One table: markdown header/rows (formatted) and CSV header/rows (raw numbers)."""
-
-    title: str
-    header: list[str]
-    rows: list[list[str]]
-    csv_header: list[str]
-    csv_rows: list[list[object]]
-    note: str = ""  # a line under the markdown table (what a column means, where a number comes from)
-
-    def markdown(self) -> str:
-        lines = [f"### {self.title}", "", "| " + " | ".join(self.header) + " |"]
-        lines.append("|" + "|".join(["---"] + ["---:"] * (len(self.header) - 1)) + "|")
-        lines += ["| " + " | ".join(r) + " |" for r in self.rows]
-        if self.note:
-            lines += ["", self.note]
-        return "\n".join(lines) + "\n"
-
-    def write(self, out_dir: Path, stem: str) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / f"{stem}.md").write_text(self.markdown(), encoding="utf-8")
-        with open(out_dir / f"{stem}.csv", "w", newline="", encoding="utf-8") as f:
-            csv.writer(f).writerows([self.csv_header, *self.csv_rows])
 
 
 @dataclass
@@ -97,7 +71,7 @@ def pretraining_figure(runs: dict[str, Path], out_dir: Path) -> list[Path]:
     empty = [name for name, ((steps, _), _) in curves.items() if not steps]
     if empty:
         raise ValueError(f"--pretrain-runs {empty[0]}={runs[empty[0]]}: its metrics.jsonl has no loss")
-    fig, ax = pyplot().subplots(figsize=(6.5, 4))
+    fig, ax = new_axes("Figure 2: pretraining loss", "step", "masked-LM loss", figsize=(6.5, 4))
     rows = []
     for name in sorted(curves, key=variant_key):
         (steps, loss), (vsteps, vloss) = curves[name]
@@ -106,9 +80,6 @@ def pretraining_figure(runs: dict[str, Path], out_dir: Path) -> list[Path]:
             ax.plot(vsteps, vloss, linestyle="--", color=line.get_color(), label=f"{name} (validation)")
         val = dict(zip(vsteps, vloss))
         rows += [{"variant": name, "step": s, "loss": v, "val_loss": val.get(s)} for s, v in zip(steps, loss)]
-    ax.set(xlabel="step", ylabel="masked-LM loss", title="Figure 2: pretraining loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
     return [save_figure(fig, out_dir / f"{FIGURE2}.png"), write_csv(rows, out_dir / f"{FIGURE2}.csv")]
 
 
@@ -147,7 +118,9 @@ def timing_table(timings: list[Timing], baseline: str, batch_size: int | None) -
         for t in tasks:
             sec, pct = times.get((v, t)), saved.get((v, t))
             change = f" ({-pct:+.0f}%)" if pct is not None and v != baseline else ""
-            cells.append(("–" if sec is None else _seconds(sec)) + change)
+            # one decimal, or two significant digits under a second: a short epoch never prints "0.0 s"
+            seconds = "–" if sec is None else f"{sec:.1f} s" if sec >= 1 else f"{sec:.2g} s"
+            cells.append(seconds + change)
             raw += ["" if sec is None else round(sec, 4), "" if pct is None else round(pct, 2)]
         rows.append(cells)
         csv_rows.append(raw)
@@ -172,16 +145,13 @@ def timing_table(timings: list[Timing], baseline: str, batch_size: int | None) -
     )
 
 
-def _seconds(sec: float) -> str:
-    """One decimal, or two significant digits under a second, so a short epoch never prints "0.0 s"."""
-    return f"{sec:.1f} s" if sec >= 1 else f"{sec:.2g} s"
-
-
 def plot_timing(timings: list[Timing], baseline: str, path: Path) -> Path:
     """Figure 3: grouped bars, seconds per epoch per task, one bar per variant, labelled with the
     percentage saved against ``baseline``."""
     times, saved, tasks, variants = _timing_grid(timings, baseline)
-    fig, ax = pyplot().subplots(figsize=(max(5.0, 1.3 * len(tasks) * max(1, len(variants)) / 2), 4))
+    title = f"Figure 3: fine-tuning time per epoch (vs {baseline})"
+    size = (max(5.0, 1.3 * len(tasks) * max(1, len(variants)) / 2), 4)
+    fig, ax = new_axes(title, "", "seconds per epoch", figsize=size, grid="y")
     width = 0.8 / max(1, len(variants))
     for i, v in enumerate(variants):
         xs = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(tasks))]
@@ -191,9 +161,6 @@ def plot_timing(timings: list[Timing], baseline: str, path: Path) -> Path:
             labels = [f"{-saved[(v, t)]:+.0f}%" if (v, t) in saved else "" for t in tasks]
             ax.bar_label(bars, labels, fontsize=7)
     ax.set_xticks(range(len(tasks)), [_task_label(t) for t in tasks])
-    ax.set(ylabel="seconds per epoch", title=f"Figure 3: fine-tuning time per epoch (vs {baseline})")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend()
     return save_figure(fig, path)
 
 
@@ -235,5 +202,4 @@ def plot_noise(
         xlabel = "noise level (% x std-1 noise)" if scale == "unit" else "noise (% of mean embedding norm)"
         ax.set(title=split_label(t, t.main_split), xlabel=xlabel, ylabel=f"dev {noise_metric(t)} (%)")
         ax.grid(alpha=0.3)
-        ax.legend()
     return save_figure(fig, path)

@@ -17,7 +17,7 @@ import numpy as np
 
 from swbert.finetune import figures
 from swbert.finetune.cross_domain import CROSS_DOMAIN_TASKS
-from swbert.finetune.figures import TRIVIAQA_SUFFIX, Table, Timing, noise_metric, variant_key, variant_label
+from swbert.finetune.figures import TRIVIAQA_SUFFIX, Timing, noise_metric, variant_key, variant_label
 from swbert.finetune.results import (
     CHANCE_RULE,
     DEFAULT_EXPERIMENT,
@@ -32,6 +32,7 @@ from swbert.finetune.results import (
 )
 from swbert.finetune.tasks import COLUMN_ORDERS, PAPER_AVG_METRIC, get_task, split_label
 from swbert.runtime.tracking import STORE_FILE, mlflow_client
+from swbert.studies.outputs import Table
 from swbert.studies.records import read_json
 from swbert.studies.tracking import KIND, PARENT_FILE
 
@@ -224,8 +225,7 @@ def warn_at_chance(summaries: list[Summary], table: str) -> None:
 
 
 def _trial(run: Any, kind: str) -> tuple[tuple, Trial, Timing | None]:
-    """A trial run's identity (kind, variant, task, rates, seed), its best metrics, and its timing
-    when it recorded one."""
+    """A trial run's identity (kind, variant, task, rates, seed), its best metrics, and its timing."""
     tags, params = run.data.tags, run.data.params
     variant, task = tags.get(VARIANT), tags.get(TASK)
     metrics = nest_metrics({k[5:]: v for k, v in run.data.metrics.items() if k.startswith("best/")})
@@ -243,11 +243,9 @@ def _trial(run: Any, kind: str) -> tuple[tuple, Trial, Timing | None]:
 def collect(
     tracking_uri: str, experiment: str, parent_runs: list[str] | None = None, missing_ok: bool = False
 ) -> Collected:
-    """Read finished child runs of ``experiment`` (optionally only those under ``parent_runs``).
-
-    A trial repeated in several sweeps (same variant, task, learning-rate setting and seed) counts once:
-    the most recent run wins, so re-running a sweep does not double the seeds.
-    """
+    """Finished child runs of ``experiment`` (only those under ``parent_runs`` when given). A trial
+    repeated in several sweeps (same variant, task, learning-rate setting and seed) counts once: the
+    most recent run wins, so re-running a sweep does not double the seeds."""
     client = mlflow_client(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -295,16 +293,6 @@ def collect(
 # ------------------------------------------------------------------------------------------- tables
 
 
-def _columns(summaries: list[Summary], order: str = "paper") -> list[tuple[str, list[str]]]:
-    """Table 1's cells in ``order``: (task, its dev splits run); MNLI's two splits share one cell."""
-    tasks = {s.task for s in summaries}
-    cells: dict[str, list[str]] = {}
-    for t, sp in COLUMN_ORDERS[order]:
-        if t in tasks:
-            cells.setdefault(t, []).append(sp)
-    return list(cells.items())
-
-
 def paper_metric(task: str, stsb_metric: str = "pearson") -> str:
     """The one metric Table 1 shows (and averages) for a task."""
     if task == "stsb":
@@ -336,8 +324,12 @@ def glue_table(summaries: list[Summary], stsb_metric: str = "pearson", order: st
     the paper prints it, columns in the paper's order (or GLUE's: ``order="glue"``); each median with
     its spread over seeds, and a mark where a seed scored at chance level."""
     by = {(s.variant, s.task): s for s in summaries}
+    columns: dict[str, list[str]] = {}  # task -> its dev splits run, in `order`; MNLI's two share a cell
+    for t, sp in COLUMN_ORDERS[order]:
+        if any(task == t for _, task in by):
+            columns.setdefault(t, []).append(sp)
     header, names, pairs = ["Model"], [], {}
-    for t, splits in _columns(summaries, order):
+    for t, splits in columns.items():
         task, metric = get_task(t), paper_metric(t, stsb_metric)
         extra = " (not in Avg)" if t not in PAPER_AVG_METRIC else ""
         header.append(f"{_cell_label(t, splits)} ({METRIC_ABBREV[metric]}){extra}")

@@ -26,14 +26,26 @@ class FitError(ValueError):
 
 @dataclass(frozen=True)
 class PowerLaw:
-    """L(x) = E + A x^-alpha."""
+    """L(x) = E + A x^-alpha: one law, or (`of`) one per bootstrap replicate, as columns."""
 
-    E: float
-    A: float
-    alpha: float
+    E: Any
+    A: Any
+    alpha: Any
+
+    @classmethod
+    def of(cls, replicates: np.ndarray) -> PowerLaw:
+        """Each row's law (E, A, alpha), as (draws, 1) columns that broadcast against a row of x."""
+        return cls(replicates[:, :1], replicates[:, 1:2], replicates[:, 2:3])
 
     def loss(self, x: Any) -> Any:
         return self.E + self.A * np.asarray(x, dtype=float) ** -self.alpha
+
+    def reach(self, loss: Any) -> np.ndarray:
+        """The x at which the curve reaches `loss`; inf where it never does (loss at or below E)."""
+        gap = np.asarray(loss, dtype=float) - self.E
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            out = (self.A / gap) ** (1.0 / self.alpha)
+        return np.where(gap > 0, out, np.inf)
 
 
 @dataclass
@@ -89,7 +101,7 @@ class Fit:
 
     def band(self, x: Any) -> tuple[np.ndarray, np.ndarray]:
         """The pointwise interval of the fitted curve at `x`, from the replicates."""
-        curves = _curves(self.replicates, np.asarray(x, dtype=float))
+        curves = PowerLaw.of(self.replicates).loss(np.asarray(x, dtype=float)[None, :])  # (draws, len(x))
         tail = (1 - self.level) / 2 * 100
         return np.percentile(curves, tail, axis=0), np.percentile(curves, 100 - tail, axis=0)
 
@@ -109,19 +121,6 @@ class Fit:
             "rmse_over_seed_sd": self.rmse / sd if sd else None,
             "warnings": self.warnings,
         }
-
-
-def _curves(replicates: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """(draws, len(x)): each replicate's E + A x^-alpha."""
-    return replicates[:, :1] + replicates[:, 1:2] * x[None, :] ** -replicates[:, 2:3]
-
-
-def _reach(E: Any, A: Any, alpha: Any, loss: Any) -> np.ndarray:
-    """The x at which E + A x^-alpha reaches `loss`; inf where it never does (loss at or below E)."""
-    gap = np.asarray(loss, dtype=float) - E
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        out = (A / gap) ** (1.0 / alpha)
-    return np.where(gap > 0, out, np.inf)
 
 
 def seed_spread(x: np.ndarray, y: np.ndarray) -> float | None:
@@ -233,11 +232,10 @@ def equivalent_size(target: Fit, reference: Fit, x: Any) -> dict[str, Any]:
     pairing is fair). Returns the equivalent size and the ratio (equivalent / x), each with its
     interval; inf where the reference curve never gets that low (its floor E is above the loss)."""
     x_arr = np.atleast_1d(np.asarray(x, dtype=float))
-    ref = reference.law
-    point = _reach(ref.E, ref.A, ref.alpha, target.law.loss(x_arr))
+    point = reference.law.reach(target.law.loss(x_arr))
     draws = min(len(target.replicates), len(reference.replicates))
-    r = reference.replicates[:draws]
-    rep = _reach(r[:, :1], r[:, 1:2], r[:, 2:3], _curves(target.replicates[:draws], x_arr))  # (draws, k)
+    losses = PowerLaw.of(target.replicates[:draws]).loss(x_arr[None, :])
+    rep = PowerLaw.of(reference.replicates[:draws]).reach(losses)  # (draws, k)
     out = []
     for j, size in enumerate(x_arr):
         lo, hi = percentile_interval(rep[:, j], target.level)

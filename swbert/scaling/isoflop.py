@@ -4,9 +4,8 @@ the compute-optimal frontier is L*(C) across budgets, and variants are compared 
 by L*_variant(C) - L*_reference(C) (the method of Hoffmann et al., 2022, approach 2).
 
 Each profile is a parabola in ln N fitted by least squares, with intervals from a residual
-bootstrap as in `swbert.scaling.fit` (`resample`); a profile whose minimum lies outside its sizes,
-or that does not curve upward, gets no optimum instead of an extrapolated one (ours). Outputs:
-isoflop.json, isoflop.md, plots/isoflop.png, plots/frontier.png."""
+bootstrap (`swbert.scaling.fit.resample`); a profile whose minimum lies outside its sizes, or that
+does not curve upward, gets no optimum instead of an extrapolated one (ours)."""
 
 from __future__ import annotations
 
@@ -18,16 +17,9 @@ from typing import Any
 import numpy as np
 
 from swbert.scaling.fit import fit_or_reason, percentile_interval, resample
-from swbert.scaling.quality_report import (
-    fitted_rows,
-    law_metrics,
-    marked_best,
-    md_table,
-    spelled,
-    write_answer,
-)
-from swbert.scaling.report import floor_lines, line_style, new_axes, save_plot
-from swbert.studies.outputs import pyplot
+from swbert.scaling.quality_report import fitted_rows, law_metrics, marked_best, spelled, write_answer
+from swbert.scaling.report import floor_lines, line_style, save_plot
+from swbert.studies.outputs import markdown_table, new_axes, pyplot
 from swbert.studies.runner import StudyLog
 
 PROFILE_SIZES = 3  # a parabola has three parameters
@@ -229,12 +221,10 @@ def write_isoflop(
     (`write_answer`; each variant's frontier alpha and E to the study's MLflow run); returns
     isoflop.json's content."""
     result, profiles = analyse(cfg, rows, floors)
-    folder = Path(cfg.output_dir) / "plots"
     metrics = law_metrics({attention: f["fit"] for attention, f in result["frontier"].items()}, "frontier_")
-    draw = functools.partial(plot_isoflop, result, profiles, folder)
-    plots = [folder / "isoflop.png", folder / "frontier.png"]
-    write_answer(Path(cfg.output_dir), "isoflop", result, markdown(result), rows, study, metrics, draw, plots)
-    return result
+    draw = functools.partial(plot_isoflop, result, profiles)
+    plots = ("isoflop", "frontier")
+    return write_answer(cfg, "isoflop", result, markdown(result), rows, study, metrics, draw, plots)
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -252,7 +242,8 @@ def markdown(result: dict[str, Any]) -> str:
             note = e.get("reason") or d.get("reason", "")
             rows.append([label, attention, str(e.get("sizes", len(e["points"]))), *optimum, gap, note])
     header = ["budget (FLOPs)", "variant", "sizes", "N*", "L*", f"L* - L*({ref})", "note"]
-    lines = [f"## isoFLOP profiles ({spec['level']:.0%} intervals)", "", *md_table(header, rows), ""]
+    title = f"## isoFLOP profiles ({spec['level']:.0%} intervals)"
+    lines = [title, "", *markdown_table(header, rows, padded=True), ""]
     lines += [f"- frontier, {a}: {frontier_said(f['fit'])}" for a, f in result["frontier"].items()]
     lines.append(floors_said(result["floors"], result["at_floor"]))
     won = [p["name"] for p in result["points"] if p.get("lr_sweep")]
@@ -304,13 +295,8 @@ def plot_isoflop(
                 continue
             sizes = np.exp(profile.u + profile.centre)
             grid = np.geomspace(sizes.min() / 1.3, sizes.max() * 1.3, 100)
-            ax.plot(
-                grid,
-                profile.loss(grid),
-                line_style(attention),
-                color=colour,
-                label=f"{attention}, C = {label}",
-            )
+            style, name = line_style(attention), f"{attention}, C = {label}"
+            ax.plot(grid, profile.loss(grid), style, color=colour, label=name)
             if e.get("optimum"):
                 ax.plot(e["optimum"]["n_star"], e["optimum"]["l_star"], "*", color=colour, markersize=10)
     floor_lines(ax, result["floors"])

@@ -1,22 +1,14 @@
-"""The quality study's outputs: fits.json, fits.md (also printed), points.csv, plots and the MLflow runs.
-
-fits.json holds, per variant, L(N) against non-embedding parameters and L(C) against training
-FLOPs (fitted parameters with intervals, convergence and the residual against the seed spread, see
-`swbert.scaling.fit`), the points each fit used and those it left out with their reason (a point
-at the data's unigram floor is left out unless --fit-floor-points), its warnings, the data's
-floors, and each variant's parameter efficiency against the reference variant: the reference's
-non-embedding parameter count that reaches the variant's loss, at every measured size and at the
-`--extrapolate-to` sizes, withheld there (with the reason) when its interval is unbounded or a fit
-has not converged (ours). fits.md is the same answer as a table per variant. The isoFLOP analysis
-(`swbert.scaling.isoflop`) writes its answer with the same helpers.
-"""
+"""The quality study's outputs: fits.json (its fields: docs/scaling.md, "Quality"), fits.md (the same
+answer as a table per variant, also printed), points.csv, plots and the MLflow runs. A parameter
+efficiency is withheld, with the reason, where its interval is unbounded or a fit has not converged
+(ours). The isoFLOP analysis (`swbert.scaling.isoflop`) writes its answer with the same helpers."""
 
 from __future__ import annotations
 
 import functools
 import json
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +17,8 @@ import numpy as np
 from swbert.models.config import SIZES, SWBertConfig
 from swbert.models.flops import layer_params
 from swbert.scaling.fit import Fit, equivalent_size, fit_or_reason
-from swbert.scaling.report import floor_lines, line_style, new_axes, save_plot
-from swbert.studies.outputs import write_csv
+from swbert.scaling.report import floor_lines, line_style, save_plot
+from swbert.studies.outputs import markdown_table, new_axes, write_csv
 from swbert.studies.runner import StudyLog
 
 FITS = {"L(N)": "non_embedding_params", "L(C)": "train_flops"}  # each fit's label and x
@@ -41,14 +33,15 @@ def non_embedding_params(config: SWBertConfig) -> int:
     return config.num_hidden_layers * layer_params(config) + d * d + 3 * d
 
 
-def best_over_scales(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def marked_best(cfg: Any, rows: list[dict[str, Any]], floors: dict[str, Any] | None) -> list[dict[str, Any]]:
     """One row per (size, variant, seed, budget): of an LR sweep's runs, the finished one with the
-    lowest held-out loss (the first when none finished), with `lr_sweep`: each scale's loss. Rows
-    that are no sweep's pass through unchanged."""
+    lowest held-out loss (the first when none finished), with `lr_sweep`: each scale's loss (rows
+    that are no sweep's pass through). Given the data's `floors` (ours; docs/scaling.md, "Floors"),
+    with `below_unigram` (the unigram floor of its seed's masks, minus its held-out loss) and
+    `at_floor` (finished and less than cfg.floor_margin nats below it)."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
-        key = (row["size"], row["attention"], row["seed"], row.get("budget"))
-        groups.setdefault(key, []).append(row)
+        groups.setdefault((row["size"], row["attention"], row["seed"], row.get("budget")), []).append(row)
     best = []
     for group in groups.values():
         done = [r for r in group if r["status"] == "done"]
@@ -56,14 +49,6 @@ def best_over_scales(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if row.get("lr_scale") is not None:
             row = {**row, "lr_sweep": {f"{r['lr_scale']:g}": r["val_loss"] for r in group}}
         best.append(row)
-    return best
-
-
-def marked_best(cfg: Any, rows: list[dict[str, Any]], floors: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Each point's best run over the LR scales; given the data's `floors` (ours; docs/scaling.md,
-    "Floors"), with `below_unigram` (the unigram floor of its seed's masks, minus its held-out loss)
-    and `at_floor` (finished and less than cfg.floor_margin nats below it)."""
-    best = best_over_scales(rows)
     for row in best if floors is not None else []:
         loss = row.get("val_loss")
         floor = floors.get("by_seed", {}).get(str(row.get("seed")), floors)["unigram"]  # its own masks
@@ -203,30 +188,35 @@ def law_metrics(laws: dict[str, dict[str, Any]], prefix: str = "") -> dict[str, 
 
 
 def write_answer(
-    out: Path,
+    cfg: Any,
     stem: str,
     answer: dict[str, Any],
     table: str,
     rows: list[dict[str, Any]],
     study: StudyLog | None,
     metrics: dict[str, float],
-    draw: Callable[[], list[Path]],
-    plots: list[Path],
-) -> None:
-    """OUT/{stem}.json, OUT/{stem}.md (the table, also printed) and OUT/points.csv (every row); the
-    `plots` drawn by `draw`, unless a re-run found the same answer and every plot (then kept); all
-    of it logged to the study's MLflow run, with `metrics`."""
+    draw: Callable[[Path], list[Path]],
+    plots: Iterable[str],
+) -> dict[str, Any]:
+    """OUT/{stem}.json, OUT/{stem}.md (the table, also printed) and OUT/points.csv (every row), OUT
+    being cfg.output_dir; OUT/plots/{plots}.png drawn by `draw` into that folder, unless a re-run
+    found the same answer and every plot (then kept); all of it logged to the study's MLflow run,
+    with `metrics`. Returns the answer."""
+    out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path, table_path = out / f"{stem}.json", out / f"{stem}.md"
+    pngs = [out / "plots" / f"{name}.png" for name in plots]
     text = json.dumps(answer, indent=2, default=float) + "\n"
-    unchanged = json_path.is_file() and json_path.read_text() == text and all(p.is_file() for p in plots)
+    unchanged = json_path.is_file() and json_path.read_text() == text and all(p.is_file() for p in pngs)
     json_path.write_text(text)
     print(table, flush=True)  # the study's answer, on the console
     table_path.write_text(table)
-    files = [json_path, table_path, write_csv(rows, out / "points.csv"), *(plots if unchanged else draw())]
+    files = [json_path, table_path, write_csv(rows, out / "points.csv")]
+    files += pngs if unchanged else draw(out / "plots")
     if study is not None:
         study.tracker.log(study.parent, metrics)
         study.tracker.log_files(study.parent, files)
+    return answer
 
 
 def write_outputs(
@@ -240,12 +230,9 @@ def write_outputs(
     floor of `floors` marked, and left out unless cfg.fit_floor_points."""
     best = marked_best(cfg, rows, floors)
     fits, fitted = build_fits(cfg, best, floors)
-    folder = Path(cfg.output_dir) / "plots"
     metrics = law_metrics({attention: entry["L(N)"] for attention, entry in fits["variants"].items()})
-    draw = functools.partial(plot_fits, best, fitted, fits, folder)
-    plots = [folder / f"{name}.png" for name in PLOTS.values()]
-    write_answer(Path(cfg.output_dir), "fits", fits, render_table(fits), rows, study, metrics, draw, plots)
-    return fits
+    draw = functools.partial(plot_fits, best, fitted, fits)
+    return write_answer(cfg, "fits", fits, render_table(fits), rows, study, metrics, draw, PLOTS.values())
 
 
 # ---- the table (console and fits.md) -------------------------------------------------------------
@@ -270,13 +257,6 @@ def _bullet(text: str) -> str:
     return textwrap.fill(text, WIDTH, initial_indent="- ", subsequent_indent="  ")
 
 
-def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    """A markdown table with padded columns, so it reads as well on the console."""
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    lines = [[c.ljust(w) for c, w in zip(r, widths)] for r in (header, ["-" * w for w in widths], *rows)]
-    return ["| " + " | ".join(cells) + " |" for cells in lines]
-
-
 def fit_table(entry: dict[str, Any]) -> list[str]:
     """A variant's fits: alpha, E, converged, rmse against the seed spread."""
     rows = []
@@ -293,7 +273,7 @@ def fit_table(entry: dict[str, Any]) -> list[str]:
             spelled(law["E"], law["intervals"]["E"], 4),
         )
         rows.append([label, alpha, E, "yes" if law["converged"] else "NO", spread])
-    return md_table(["fit", "alpha", "E (nats)", "converged", "rmse / seed sd"], rows)
+    return markdown_table(["fit", "alpha", "E (nats)", "converged", "rmse / seed sd"], rows, padded=True)
 
 
 def efficiency_lines(attention: str, entry: dict[str, Any] | None, level: float) -> list[str]:

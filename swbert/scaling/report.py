@@ -1,5 +1,5 @@
 """The studies' plots: the systems study's throughput, memory and loss against size, shared vs
-standard, and the axes every study plot shares (log x, one line style per variant, the data's floors)."""
+standard, and what every study plot shares (log x, one line style per variant, the data's floors)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from swbert.models.attention import attention_types
-from swbert.studies.outputs import pyplot, save_figure
+from swbert.studies.outputs import new_axes, save_figure
 
 # Line styles given to the attention variants in registration order (standard dashed, shared solid,
 # symmetric dotted, pairwise dash-dot), cycling for any registered after them.
@@ -20,18 +20,6 @@ def line_style(attention: str) -> str:
     return LINE_STYLES[names.index(attention) % len(LINE_STYLES)] if attention in names else "-"
 
 
-def new_axes(
-    title: str, xlabel: str, ylabel: str, figsize: tuple[float, float] = (7, 4.5)
-) -> tuple[Any, Any]:
-    """A figure and its axes, labelled, with a light grid (`save_plot` makes x logarithmic)."""
-    fig, ax = pyplot().subplots(figsize=figsize)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    return fig, ax
-
-
 def floor_lines(ax: Any, floors: dict[str, float] | None) -> None:
     """The unigram and bigram floors as labelled grey horizontal lines on a plot of held-out loss."""
     for name, style in (("unigram", ":"), ("bigram", "-.")):
@@ -42,10 +30,9 @@ def floor_lines(ax: Any, floors: dict[str, float] | None) -> None:
 
 def save_plot(fig: Any, ax: Any, path: Path, fontsize: int = 7) -> Path:
     """x made logarithmic (after drawing: a log axis set before a lone point gives matplotlib a zero
-    width), the legend drawn and the figure written (`save_figure`)."""
+    width) and the figure written (`save_figure`)."""
     ax.set_xscale("log")
-    ax.legend(fontsize=fontsize)
-    return save_figure(fig, path, dpi=120)
+    return save_figure(fig, path, dpi=120, legend_size=fontsize)
 
 
 def _series(
@@ -62,35 +49,29 @@ def _series(
 
 
 def plot(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
-    """throughput.png, memory.png, loss.png (only those with data); returns the files written."""
+    """throughput.png, loss.png, memory.png (only those with data); returns the files written."""
     written = []
     measured = [r for r in rows if r.get("status") == "measured"]
-    tput = _series(measured, "tokens_per_s", ("attention", "layout"))
-    if tput:
-        fig, ax = new_axes("Measured training throughput", "parameters", "tokens / s")
-        ax.set_yscale("log")
-        for (attention, layout), pts in tput.items():
-            ax.plot(*zip(*pts), line_style(attention), marker="o", label=f"{attention} {layout}")
-        written.append(save_plot(fig, ax, folder / "throughput.png"))
-
-    if rows:
-        title = "Memory per GPU by ZeRO stage (closed form) and measured peaks"
-        fig, ax = new_axes(title, "parameters", "GiB")
-        ax.set_yscale("log")
-        for stage in range(4):
-            for (attention,), pts in _series(rows, f"mem_z{stage}_gib", ("attention",)).items():
-                label = f"ZeRO-{stage} {attention}"
-                ax.plot(*zip(*pts), line_style(attention), color=f"C{stage}", label=label)
-        for key, marker, label in (("train_rss_gib", "x", "measured RSS while training, rank 0"),
-                                   ("peak_device_gib", "+", "measured GPU peak")):  # fmt: skip
-            for (attention,), pts in _series(measured, key, ("attention",)).items():
-                ax.plot(*zip(*pts), marker, color="k", label=f"{label} ({attention})")
-        written.append(save_plot(fig, ax, folder / "memory.png"))
-
-    loss = _series(measured, "loss_last", ("attention", "layout"))
-    if loss:
-        fig, ax = new_axes("Loss after the measured steps", "parameters", "MLM loss")
-        for (attention, layout), pts in loss.items():
-            ax.plot(*zip(*pts), line_style(attention), marker="o", label=f"{attention} {layout}")
-        written.append(save_plot(fig, ax, folder / "loss.png"))
-    return written
+    for key, stem, title, ylabel in (
+        ("tokens_per_s", "throughput", "Measured training throughput", "tokens / s"),
+        ("loss_last", "loss", "Loss after the measured steps", "MLM loss"),
+    ):
+        series = _series(measured, key, ("attention", "layout"))
+        if series:
+            fig, ax = new_axes(title, "parameters", ylabel)
+            ax.set_yscale("log" if stem == "throughput" else "linear")
+            for (attention, layout), pts in series.items():
+                ax.plot(*zip(*pts), line_style(attention), marker="o", label=f"{attention} {layout}")
+            written.append(save_plot(fig, ax, folder / f"{stem}.png"))
+    if not rows:
+        return written
+    fig, ax = new_axes("Memory per GPU by ZeRO stage (closed form) and measured peaks", "parameters", "GiB")
+    ax.set_yscale("log")
+    for stage in range(4):
+        for (attention,), pts in _series(rows, f"mem_z{stage}_gib", ("attention",)).items():
+            ax.plot(*zip(*pts), line_style(attention), color=f"C{stage}", label=f"ZeRO-{stage} {attention}")
+    for key, marker, label in (("train_rss_gib", "x", "measured RSS while training, rank 0"),
+                               ("peak_device_gib", "+", "measured GPU peak")):  # fmt: skip
+        for (attention,), pts in _series(measured, key, ("attention",)).items():
+            ax.plot(*zip(*pts), marker, color="k", label=f"{label} ({attention})")
+    return [*written, save_plot(fig, ax, folder / "memory.png")]

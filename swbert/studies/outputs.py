@@ -1,11 +1,12 @@
 """What studies read and write besides their records: a training run's metrics.jsonl, tables as
-CSV, and figures."""
+markdown and CSV, and figures."""
 
 from __future__ import annotations
 
 import csv
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,38 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+def markdown_table(header: list[str], rows: list[list[str]], padded: bool = False) -> list[str]:
+    """A markdown table's lines: numbers right-aligned after the first column, or (`padded`) every
+    column as wide as its widest cell, so that it reads as well on a console."""
+    widths = [max(len(r[i]) for r in (header, *rows)) if padded else 0 for i in range(len(header))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in (header, *rows)]
+    rule = [f" {'-' * w} " for w in widths] if padded else ["---"] + ["---:"] * (len(header) - 1)
+    return [lines[0], "|" + "|".join(rule) + "|", *lines[1:]]
+
+
+@dataclass
+class Table:
+    """One table: markdown header/rows (formatted) and CSV header/rows (raw numbers)."""
+
+    title: str
+    header: list[str]
+    rows: list[list[str]]
+    csv_header: list[str]
+    csv_rows: list[list[object]]
+    note: str = ""  # a line under the markdown table (what a column means, where a number comes from)
+
+    def markdown(self) -> str:
+        lines = [f"### {self.title}", "", *markdown_table(self.header, self.rows)]
+        return "\n".join([*lines, *(["", self.note] if self.note else [])]) + "\n"
+
+    def write(self, out_dir: Path, stem: str) -> None:
+        """OUT_DIR/STEM.md and OUT_DIR/STEM.csv."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"{stem}.md").write_text(self.markdown(), encoding="utf-8")
+        with open(out_dir / f"{stem}.csv", "w", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerows([self.csv_header, *self.csv_rows])
+
+
 def pyplot() -> Any:
     """matplotlib's pyplot, drawing without a display."""
     import matplotlib
@@ -55,8 +88,20 @@ def pyplot() -> Any:
     return plt
 
 
-def save_figure(fig: Any, path: Path, dpi: int = 150) -> Path:
-    """Write a figure as a PNG (its folder made) and free it."""
+def new_axes(
+    title: str, xlabel: str, ylabel: str, figsize: tuple[float, float] = (7, 4.5), grid: str = "both"
+) -> tuple[Any, Any]:
+    """A figure and its axes, labelled, with a light grid on `grid` ("x", "y" or "both")."""
+    fig, ax = pyplot().subplots(figsize=figsize)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(True, axis=grid, which="both", alpha=0.3)
+    return fig, ax
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 150, legend_size: float | None = None) -> Path:
+    """Write a figure as a PNG (its folder made), a legend on each of its axes, and free it."""
+    for ax in fig.axes:
+        ax.legend(fontsize=legend_size)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import runpy
 from pathlib import Path
@@ -14,6 +13,7 @@ from swbert.finetune.report import collect
 from swbert.finetune.results import CHECKPOINT, DEFAULT_EXPERIMENT, TASK, VARIANT
 from swbert.runtime.tracking import tracking_uri
 from swbert.studies.tracking import KIND, Tracker
+from tests.csv_utils import read_csv
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -131,11 +131,6 @@ def spread(values: list[float], n: int = 3) -> str:
     """A Table 1 cell computed here: the median over seeds, [lowest–highest], n when not the table's."""
     more = f", n={len(values)}" if len(values) != n else ""
     return f"{100 * np.median(values):.2f} [{100 * min(values):.2f}–{100 * max(values):.2f}{more}]"
-
-
-def read_csv(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 @pytest.mark.slow
