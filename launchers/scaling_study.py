@@ -21,6 +21,7 @@ checkpointing with it) are refused before anything runs.
 
 from __future__ import annotations
 
+import collections
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,9 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    counts: dict[str, int] = {}
-    for row in rows:
-        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    counts = collections.Counter(row["status"] for row in rows)
     summary = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
     print(f"{len(rows)} grid point(s): {summary}\n  table: {cfg.output_dir / 'scaling.csv'}\n"
           f"  plots: {cfg.output_dir / 'plots'}")  # fmt: skip
@@ -85,12 +84,7 @@ def report_collected(folder: Path, rows: list[dict[str, Any]]) -> int:
 def quality_main(argv: list[str]) -> int:
     """The quality study. Exit status: 0; 2 bad input (before anything trains); 3 every point failed."""
     from swbert.runtime.exits import PREEMPTED_EXIT
-    from swbert.scaling.quality import (
-        QualityConfig,
-        check_data,
-        emit_slurm as emit_quality_slurm,
-        run_quality,
-    )
+    from swbert.scaling.quality import QualityConfig, emit_slurm as emit_quality_slurm, run_quality
 
     cfg = cli.parse_or_exit(QualityConfig, argv, USAGE.replace("[--config", "--quality [--config"))
     setup_logging()  # the console filters pretraining has: libraries' chatter and known noise off
@@ -102,7 +96,7 @@ def quality_main(argv: list[str]) -> int:
 
             cfg.data_dir = str(ensure_default_data())
         if cfg.emit_slurm:
-            submit, command, collect = emit_quality_slurm(cfg, argv, check_data(cfg)[0])
+            submit, command, collect = emit_quality_slurm(cfg, argv, cfg.read_data(held_out=True)[1])
             print(f"{submit} written; submit from the repository root with:\n  {command}\nthen: {collect}")
             return []
         return run_quality(cfg)

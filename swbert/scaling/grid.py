@@ -5,6 +5,7 @@ stage, DeepSpeed's estimate and the activations (docs/scaling.md)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -25,7 +26,6 @@ from swbert.scaling.memory import (
     deepspeed_estimate,
     model_state_bytes,
     params_per_rank,
-    zero_config_values,
 )
 
 TOKENS_PER_PARAM = 20  # compute-optimal tokens per parameter (Chinchilla)
@@ -102,16 +102,12 @@ def expand_layouts(
     """Every layout name with every value of `sequence_parallel` and `checkpointing`, each once (a name
     that says `-sp` or `-ac-MODE` keeps its own); a combination the trainer refuses is an error."""
     out: list[Layout] = []
-    for text in layouts:
-        for sp in sequence_parallel:
-            for mode in checkpointing:
-                try:
-                    layout = Layout.parse(text, sp, mode)
-                except ValueError as err:
-                    raise ValueError(f"--layouts {text}: {err}") from None
-                if layout not in out:
-                    out.append(layout)
-    return out
+    for text, sp, mode in itertools.product(layouts, sequence_parallel, checkpointing):
+        try:
+            out.append(Layout.parse(text, sp, mode))
+        except ValueError as err:
+            raise ValueError(f"--layouts {text}: {err}") from None
+    return list(dict.fromkeys(out))
 
 
 def check_names(sizes: Sequence[str], attentions: Sequence[str]) -> None:
@@ -137,8 +133,7 @@ def build_grid(
     sequence_parallel: Sequence[bool] = (False,),
     checkpointing: Sequence[Checkpointing] = ("none",),
 ) -> list[GridPoint]:
-    """All combinations, sizes outermost (`check_names`). `sequence_parallel` and `checkpointing` are
-    crossed with the layouts (`expand_layouts`)."""
+    """All combinations, sizes outermost, the layouts crossed with `sequence_parallel` and `checkpointing`."""
     check_names(sizes, attentions)
     parsed = expand_layouts(layouts, sequence_parallel, checkpointing)
     return [
@@ -168,7 +163,7 @@ def _columns(point: GridPoint, gpus: int, dp: int) -> dict[str, Any]:
 
 def _states(config: SWBertConfig, layout: Layout, dp: int, precision: Precision) -> StateMemory:
     """Model-state bytes of `layout` with its generated DeepSpeed config's settings."""
-    return model_state_bytes(config, layout, dp, precision, **zero_config_values(ds_config_for(layout)))
+    return model_state_bytes(config, layout, dp, precision, ds_config_for(layout))
 
 
 def estimate(
@@ -177,8 +172,7 @@ def estimate(
     vocab_size: int = BERT_VOCAB,
     fused_attention: bool = True,
 ) -> dict[str, Any]:
-    """The closed-form figures of one point on `gpus` devices; `fused_attention`: count the
-    activations a GPU keeps (False: a CPU's)."""
+    """The closed-form figures of one point on `gpus` devices (`fused_attention` False: a CPU's)."""
     layout = point.layout
     if gpus % layout.tp:
         raise ValueError(f"{point.name}: {gpus} GPUs are not divisible by tensor-parallel size {layout.tp}")

@@ -4,6 +4,7 @@ throughput. A point that fails (out of memory, a bad layout) is recorded with th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -15,7 +16,6 @@ from typing import Any
 
 import psutil
 
-from swbert.runtime.exits import PREEMPTED_EXIT
 from swbert.scaling.grid import GridPoint
 from swbert.scaling.memory import GIB
 from swbert.studies import jobs
@@ -62,26 +62,18 @@ class Hardware:
 
     def fits(self, row: dict[str, Any]) -> str | None:
         """None when the estimate fits, else the reason (with the numbers) it does not."""
-        headroom = self.headroom
-        device = row["mem_device_gib"] * GIB * (PLANNING_FACTOR if self.accelerator == "cpu" else 1.0)
-        host = row["mem_host_gib"] * GIB * PLANNING_FACTOR
+        headroom, cpu = self.headroom, self.accelerator == "cpu"
+        device = row["mem_device_gib"] * GIB * (PLANNING_FACTOR if cpu else 1.0)
+        host = row["mem_host_gib"] * GIB * PLANNING_FACTOR + (device if cpu else 0.0)  # a CPU's device: host
         init = row.get("mem_init_gib", 0.0) * GIB  # the whole fp32 model, built in host memory first
-        runtime = RUNTIME_GIB_PER_RANK * GIB
-        if self.accelerator == "cuda":
-            if device > headroom * self.device_bytes:
-                return (
-                    f"estimated {device / GIB:.1f} GiB per GPU > {headroom:.0%} of "
-                    f"{self.device_bytes / GIB:.1f} GiB"
-                )
-            need_host = self.ranks * (max(host, init) + runtime)
-        else:
-            need_host = self.ranks * (max(device + host, init) + runtime)
+        if not cpu and device > headroom * self.device_bytes:
+            gpu = self.device_bytes / GIB
+            return f"estimated {device / GIB:.1f} GiB per GPU > {headroom:.0%} of {gpu:.1f} GiB"
+        need_host = self.ranks * (max(host, init) + RUNTIME_GIB_PER_RANK * GIB)
         need_disk = self.ranks * row.get("disk_gib", 0.0) * GIB
         if need_disk > headroom * self.disk_bytes:
-            return (
-                f"estimated {need_disk / GIB:.1f} GiB of NVMe swap > {headroom:.0%} of "
-                f"{self.disk_bytes / GIB:.1f} GiB free"
-            )
+            free = self.disk_bytes / GIB
+            return f"estimated {need_disk / GIB:.1f} GiB of NVMe swap > {headroom:.0%} of {free:.1f} GiB free"
         if need_host > headroom * self.host_bytes:
             return (
                 f"planned {need_host / GIB:.1f} GiB of host memory for {self.ranks} rank(s) (estimate "
@@ -110,14 +102,6 @@ class Measurement:
         return {k: v for k, v in vars(self).items() if k != "records"}
 
 
-def _memory(proc: psutil.Process) -> int:
-    """Proportional set size (shared pages split between their users), else resident size."""
-    try:
-        return proc.memory_full_info().pss
-    except (psutil.AccessDenied, AttributeError):
-        return proc.memory_info().rss
-
-
 class MemorySampler(threading.Thread):
     """Samples the memory of a process tree while the block runs; kills the tree above `limit`
     bytes, before the kernel's out-of-memory killer picks a process, maybe someone else's."""
@@ -135,10 +119,11 @@ class MemorySampler(threading.Thread):
                 root = psutil.Process(self.pid)
                 sizes = []
                 for proc in [root, *root.children(recursive=True)]:
-                    try:
-                        sizes.append(_memory(proc))
-                    except psutil.Error:
-                        pass
+                    with contextlib.suppress(psutil.Error):
+                        try:  # proportional set size (shared pages split between their users)
+                            sizes.append(proc.memory_full_info().pss)
+                        except (psutil.AccessDenied, AttributeError):  # else resident size
+                            sizes.append(proc.memory_info().rss)
                 total = sum(sizes)
                 self.peak_total = max(self.peak_total, total)
                 self.peak_single = max(self.peak_single, max(sizes, default=0))
@@ -172,24 +157,6 @@ def pretrain_args(point: GridPoint, ds_config: Path, output_dir: Path, steps: in
     ]  # fmt: skip
 
 
-def point_command(
-    point: GridPoint,
-    ds_config: Path,
-    output_dir: Path,
-    ranks: int,
-    steps: int,
-    data_dir: str | None = None,
-    plugins: Sequence[str] = (),
-) -> tuple[list[str], Path | None]:
-    """The torchrun command of a measured run of `point` (its paths made absolute: it starts in the
-    checkout), and the folder it starts in."""
-    args = pretrain_args(point, absolute(ds_config), absolute(output_dir), steps, ranks // point.layout.tp)
-    args += ["--keep-checkpoints", "1", "--resume", "none"]
-    args += ["--data-dir", absolute(data_dir)] if data_dir else []
-    args += ["--plugins", *absolute_plugins(plugins)] if plugins else []
-    return jobs.pretrain_command(ranks, args)
-
-
 def run_point(
     point: GridPoint,
     ds_config: Path,
@@ -200,22 +167,25 @@ def run_point(
     timeout_s: float = 1800,
     plugins: Sequence[str] = (),
 ) -> Measurement:
-    """Run `steps` optimizer steps of `point` with `hardware.ranks` processes and measure them
-    (`plugins`: the modules that register its attention variant)."""
+    """Run `steps` optimizer steps of `point` with `hardware.ranks` processes and measure them (its
+    paths made absolute: the job starts in the checkout)."""
     output_dir = output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
-    cmd, cwd = point_command(point, ds_config, output_dir, hardware.ranks, steps, data_dir, plugins)
-    env = jobs.job_env()
-    if hardware.accelerator == "cpu":
-        env.setdefault("DS_ACCELERATOR", "cpu")
-    limit = hardware.headroom * hardware.host_bytes if hardware.accelerator == "cpu" else None
+    args = pretrain_args(point, absolute(ds_config), output_dir, steps, hardware.ranks // point.layout.tp)
+    args += ["--keep-checkpoints", "1", "--resume", "none"]
+    args += ["--data-dir", absolute(data_dir)] if data_dir else []
+    args += ["--plugins", *absolute_plugins(plugins)] if plugins else []
+    cmd = jobs.pretrain_command(hardware.ranks, args)
+    cpu = hardware.accelerator == "cpu"
+    env = {"DS_ACCELERATOR": "cpu", **jobs.job_env()} if cpu else None  # None: `job_env()`'s
+    limit = hardware.headroom * hardware.host_bytes if cpu else None
     samplers: list[MemorySampler] = []
 
     def watch(pid: int) -> MemorySampler:  # one sampler per attempt: the last is the job's
         samplers.append(MemorySampler(pid, limit))
         return samplers[-1]
 
-    end = jobs.run_job(cmd, cwd, env, output_dir / "run.log", timeout_s, watch)
+    end = jobs.run_job(cmd, output_dir / "run.log", timeout_s, env, watch)
     sampler = samplers[-1]
     m = Measurement("failed", wall_s=end.wall_s, peak_rss_gib=sampler.peak_total / GIB)
     m.peak_rank_rss_gib = sampler.peak_single / GIB
@@ -225,10 +195,9 @@ def run_point(
             f"measured runs (--memory-limit-gib, free memory); log: {end.log}"
         )
         return m
-    reason = end.reason(timeout_s)
-    if reason is not None:  # stopped on request, or its folder still held: runs again next time
-        m.status = "stopped" if end.busy or end.rc == PREEMPTED_EXIT else "failed"
-        m.reason = reason
+    failure = end.failure(timeout_s)
+    if failure is not None:
+        m.status, m.reason = failure
         return m
     return parse_metrics(output_dir, point, m, hardware.ranks // point.layout.tp)
 
@@ -236,12 +205,9 @@ def run_point(
 def parse_metrics(output_dir: Path, point: GridPoint, m: Measurement, dp: int) -> Measurement:
     """Fill loss, throughput and the trainer's memory figures from metrics.jsonl."""
     path = output_dir / "metrics.jsonl"
-    if not path.is_file():
-        m.status, m.reason = "failed", f"no {path}"
-        return m
-    records = m.records = list(read_metrics(output_dir).values())
+    records = m.records = list(read_metrics(output_dir).values()) if path.is_file() else []
     if not records:
-        m.status, m.reason = "failed", f"{path} is empty"
+        m.status, m.reason = "failed", f"{path} is empty" if path.is_file() else f"no {path}"
         return m
     m.status = "measured"
     m.loss_first, m.loss_last = records[0]["loss"], records[-1]["loss"]

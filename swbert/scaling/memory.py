@@ -163,13 +163,11 @@ def model_state_bytes(
     layout: Layout,
     dp: int,
     precision: Precision = "bf16",
-    reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET,
-    persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
-    sub_group_size: int = 1_000_000_000,
-    param_buffer_count: int = 5,
-    param_buffer_size: int = 100_000_000,
+    ds_config: dict[str, Any] | None = None,
 ) -> StateMemory:
-    """Model-state bytes of one rank after backward (docs/scaling.md gives them per stage)."""
+    """Model-state bytes of one rank after backward (docs/scaling.md gives them per stage), with the
+    bucket, persistence and swap settings of `ds_config` (DeepSpeed's defaults where it has none)."""
+    zero = (ds_config or {}).get("zero_optimization", {})
     if dp < 1:
         raise ValueError(f"data-parallel size must be >= 1, got {dp}")
     sizes = rank_tensor_sizes(config, layout.tp)
@@ -182,8 +180,9 @@ def model_state_bytes(
     optimizer, buffers = ADAM_BYTES * n / shard, 0.0
     if layout.zero == 3:
         # Small tensors stay gathered on every rank on top of their partition.
-        params = p * (n / dp + sum(s for s in sizes if s <= persistence_threshold))
-        buffers = float(p * reduce_bucket_size)
+        persistence = zero.get("stage3_param_persistence_threshold", DEFAULT_PERSISTENCE_THRESHOLD)
+        params = p * (n / dp + sum(s for s in sizes if s <= persistence))
+        buffers = float(p * zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET))
     host = disk = 0.0
     if layout.offload != "none":
         # Master weights, Adam states and an fp32 gradient partition for the CPU optimizer.
@@ -194,9 +193,11 @@ def model_state_bytes(
         params -= p * n / dp
     if layout.device == "nvme":
         # On disk; host memory keeps the swap buffers (DeepSpeed's defaults or the config's).
-        disk, host = host, float(OPTIMIZER_SWAP_BUFFERS * 4 * min(sub_group_size, n / dp))
+        sub_group = zero.get("sub_group_size", 1_000_000_000)
+        disk, host = host, float(OPTIMIZER_SWAP_BUFFERS * 4 * min(sub_group, n / dp))
         if layout.offload == "params":
-            host += param_buffer_count * param_buffer_size * p
+            buffer = zero.get("offload_param") or {}
+            host += buffer.get("buffer_count", 5) * buffer.get("buffer_size", 100_000_000) * p
     device = params + grads + master + optimizer + buffers
     return StateMemory(params, grads, master, optimizer, buffers, device, host, disk)
 
@@ -220,18 +221,3 @@ def deepspeed_estimate(config: SWBertConfig, layout: Layout, dp: int) -> tuple[f
         )
         return float(device), float(host)
     return None
-
-
-def zero_config_values(ds_config: dict[str, Any] | None) -> dict[str, int]:
-    """The bucket and persistence settings `model_state_bytes` needs, from a DeepSpeed config."""
-    zero = (ds_config or {}).get("zero_optimization", {})
-    param_offload = zero.get("offload_param") or {}
-    return {
-        "sub_group_size": int(zero.get("sub_group_size", 1_000_000_000)),
-        "param_buffer_count": int(param_offload.get("buffer_count", 5)),  # DeepSpeed's default
-        "param_buffer_size": int(param_offload.get("buffer_size", 100_000_000)),
-        "reduce_bucket_size": int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)),
-        "persistence_threshold": int(
-            zero.get("stage3_param_persistence_threshold", DEFAULT_PERSISTENCE_THRESHOLD)
-        ),
-    }

@@ -11,6 +11,7 @@ With `--tensor-parallel N` it prints, for every rank, the parameters it holds af
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import sys
 from dataclasses import dataclass, field
@@ -60,8 +61,15 @@ def held_tensor_bytes(root: Any) -> int:
     return sum(storages.values())
 
 
-def ds_config(zero: int, precision: str, bucket: int, persistence: int) -> dict[str, Any]:
-    config: dict[str, Any] = {
+def measure(
+    config: SWBertConfig, zero: int, precision: Precision, bucket: int, persistence: int
+) -> dict[str, Any]:
+    import deepspeed
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = SWBertForMaskedLM(config)
+    settings: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
@@ -74,25 +82,9 @@ def ds_config(zero: int, precision: str, bucket: int, persistence: int) -> dict[
         },
         # A torch Adam: no C++ op to build; the states are the same fp32 m and v.
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "bf16": {"enabled": precision == "bf16"},
     }
-    if precision == "bf16":
-        config["bf16"] = {"enabled": True}
-    return config
-
-
-def measure(
-    config: SWBertConfig, zero: int, precision: Precision, bucket: int, persistence: int
-) -> dict[str, Any]:
-    import deepspeed
-    import torch.distributed as dist
-
-    torch.manual_seed(0)
-    model = SWBertForMaskedLM(config)
-    engine, *_ = deepspeed.initialize(
-        model=model,
-        model_parameters=model.parameters(),
-        config=ds_config(zero, precision, bucket, persistence),
-    )
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=settings)
     del model
     held = 0
     for step in range(2):
@@ -107,7 +99,7 @@ def measure(
             held = held_tensor_bytes(engine)
         engine.step()
     dp = dist.get_world_size()
-    closed_form = model_state_bytes(config, Layout(zero=zero), dp, precision, bucket, persistence).total
+    closed_form = model_state_bytes(config, Layout(zero=zero), dp, precision, settings).total
     engine.destroy()
     del engine
     gc.collect()
@@ -163,11 +155,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.tensor_parallel:
             emit({"attention": attention, **tensor_parallel_params(config, args.tensor_parallel)})
             continue
-        for zero in args.zero:
-            for precision in args.precision:
-                row = measure(config, zero, precision, args.bucket, args.persistence)
-                if dist.get_rank() == 0:
-                    emit({"attention": attention, **row})
+        for zero, precision in itertools.product(args.zero, args.precision):
+            row = measure(config, zero, precision, args.bucket, args.persistence)
+            if dist.get_rank() == 0:
+                emit({"attention": attention, **row})
     dist.destroy_process_group()
 
 

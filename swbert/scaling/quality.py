@@ -21,7 +21,6 @@ from swbert.cli import read_recipe
 from swbert.data.floors import held_out_floors
 from swbert.models.config import SWBertConfig
 from swbert.models.flops import masked_lm_flops, masked_lm_params
-from swbert.runtime.exits import PREEMPTED_EXIT
 from swbert.scaling.fit import MIN_POINTS, MIN_SIZES
 from swbert.scaling.grid import check_names, write_ds_config
 from swbert.scaling.isoflop import PROFILE_SIZES, budget_label, write_isoflop
@@ -32,16 +31,16 @@ from swbert.studies.options import PointOptions
 from swbert.studies.outputs import read_metrics
 from swbert.studies.records import (
     DATA,
-    Records,
     check_study,
     jsonable,
     point_key,
+    point_records,
     read_json,
     study_options,
     write_json_atomic,
 )
 from swbert.studies.runner import ChildRun, PointRunner, Settled, run_points, study_run
-from swbert.studies.slurm import NOT_RUN, array_command, without_switches, write_submit
+from swbert.studies.slurm import NOT_RUN, without_switches, write_array
 from swbert.studies.tracking import KIND
 
 log = logging.getLogger("swbert.scaling.quality")
@@ -220,8 +219,11 @@ def plan_point(
 
 
 def plan(cfg: QualityConfig, vocab: int) -> list[Point]:
-    """Every point, cheapest budget and smallest sizes first (so a study cut short still has its
-    cheap end); ValueError naming the flag when the plan cannot leave the floor (`check_steps`)."""
+    """Every point to train, cheapest budget and smallest sizes first (so a study cut short still has
+    its cheap end). A ladder: all of them, unless none reaches --min-steps optimizer steps (ValueError
+    naming --tokens-per-param). isoFLOP mode: at each budget, the sizes whose every point reaches
+    --min-steps (the others left out, logged in one line); ValueError naming the budget when fewer
+    than 3 sizes are left (a parabola in log N needs 3)."""
     points = [
         plan_point(cfg, size, attention, seed, vocab, budget, scale)
         for budget in (cfg.isoflop_budgets or [None])
@@ -230,26 +232,16 @@ def plan(cfg: QualityConfig, vocab: int) -> list[Point]:
         for attention in dict.fromkeys(cfg.attentions)
         for scale in (cfg.lr_scales or [None])
     ]
-    return sorted(check_steps(cfg, points), key=lambda p: (p.budget or 0.0, p.non_embedding_params))
-
-
-def check_steps(cfg: QualityConfig, points: list[Point]) -> list[Point]:
-    """The points to train. A ladder: all of them, unless none reaches --min-steps optimizer steps
-    (ValueError naming --tokens-per-param). isoFLOP mode: at each budget, the sizes whose every point
-    reaches --min-steps (the others left out, logged in one line); ValueError naming the budget when
-    fewer than 3 sizes are left (a parabola in log N needs 3)."""
-    if not cfg.isoflop_budgets:
-        longest = max(points, key=lambda p: p.steps)
-        if longest.steps < cfg.min_steps:
-            raise ValueError(
-                f"--tokens-per-param {cfg.tokens_per_param}: no point reaches --min-steps {cfg.min_steps} "
-                f"optimizer steps (the longest, {longest.size} {longest.attention}, takes {longest.steps}); "
-                "points this short stay at the unigram floor: raise --tokens-per-param (or lower --global-batch)"
-            )
-        return points
-    short: dict[tuple[float | None, str], int] = {}
+    short: dict[tuple[float | None, str], int] = {}  # (budget, size) left out: its fewest steps
+    longest = max(points, key=lambda p: p.steps)
+    if not cfg.isoflop_budgets and longest.steps < cfg.min_steps:
+        raise ValueError(
+            f"--tokens-per-param {cfg.tokens_per_param}: no point reaches --min-steps {cfg.min_steps} "
+            f"optimizer steps (the longest, {longest.size} {longest.attention}, takes {longest.steps}); "
+            "points this short stay at the unigram floor: raise --tokens-per-param (or lower --global-batch)"
+        )
     for p in points:
-        if p.steps < cfg.min_steps:
+        if cfg.isoflop_budgets and p.steps < cfg.min_steps:
             short[(p.budget, p.size)] = min(p.steps, short.get((p.budget, p.size), p.steps))
     for budget in cfg.isoflop_budgets:
         kept = [s for s in dict.fromkeys(cfg.sizes) if (budget, s) not in short]
@@ -266,19 +258,8 @@ def check_steps(cfg: QualityConfig, points: list[Point]) -> list[Point]:
             cfg.min_steps,
             ", ".join(f"{s} at {budget_label(b)}: {n}" for (b, s), n in short.items()),
         )
-    return [p for p in points if (p.budget, p.size) not in short]
-
-
-def check_data(cfg: QualityConfig) -> tuple[int, dict[str, str]]:
-    """The data's vocabulary and identity; a ValueError naming --data-dir unless it has a validation split."""
-    path, manifest, identity = cfg.read_data()
-    valid = sum(int(s.get("valid", {}).get("documents", 0)) for s in manifest.get("shards", []))
-    if valid == 0:
-        raise ValueError(
-            f"--data-dir {path}: no validation split (its manifest.json counts 0 validation documents); "
-            "the study's held-out loss needs one: preprocess with a validation share (data_prep.preprocess)"
-        )
-    return int(manifest["tokenizer"]["vocab_size"]), identity
+    kept_points = [p for p in points if (p.budget, p.size) not in short]
+    return sorted(kept_points, key=lambda p: (p.budget or 0.0, p.non_embedding_params))
 
 
 # ---- one point: the real trainer -----------------------------------------------------------------
@@ -319,7 +300,7 @@ def pretrain_command(
     if cfg.recipe:  # the recipe's own schedule, positions, attention pattern, masking and dropout
         schedule = args.index("--lr-schedule")
         args = ["--config", cfg.recipe, *args[:schedule], *args[schedule + 2 :]]
-    return jobs.pretrain_command(cfg.nproc, args)[0]
+    return jobs.pretrain_command(cfg.nproc, args)
 
 
 def read_run(run_dir: Path, point: Point) -> PointResult | None:
@@ -346,13 +327,10 @@ def train_point(point: Point, cfg: QualityConfig, run_dir: Path, data_dir: str) 
     run_dir.mkdir(parents=True, exist_ok=True)
     ds_config = write_ds_config(Layout(zero=cfg.zero), cfg.output_dir / "ds_configs")
     cmd = pretrain_command(point, cfg, run_dir, data_dir, ds_config)
-    end = jobs.run_job(
-        cmd, jobs.pretrain_command(1, [])[1], jobs.job_env(), run_dir / "run.log", cfg.point_timeout_s
-    )
-    reason = end.reason(cfg.point_timeout_s)
-    if reason is not None:
-        stopped = end.rc == PREEMPTED_EXIT or end.busy  # resumes (or runs) on the next run of the study
-        return PointResult("stopped" if stopped else "failed", reason, wall_s=end.wall_s)
+    end = jobs.run_job(cmd, run_dir / "run.log", cfg.point_timeout_s)
+    failure = end.failure(cfg.point_timeout_s)
+    if failure is not None:  # stopped: resumes (or runs) on the next run of the study
+        return PointResult(*failure, wall_s=end.wall_s)
     result = read_run(run_dir, point) or PointResult(
         "failed", f"the run ended without a held-out loss at step {point.steps}; log: {end.log}"
     )
@@ -372,16 +350,13 @@ NOT_IN_STUDY = ("quality", "nproc", "zero", "mlflow", "point_index", "reference"
 CHOOSES = ("sizes", "attentions", "seeds", "isoflop_budgets", "lr_scales", "min_steps")
 
 
-def point_records(cfg: QualityConfig) -> Records:
-    return Records(cfg.output_dir / "points", "swbert-quality-point/1", "{name}/point.json")
-
-
 def settle_point(
     point: Point, cfg: QualityConfig, trainer: Trainer, options: dict[str, Any]
 ) -> Settled[PointResult]:
     """The point settled by the study's `PointRunner` (one in flight resumes from its checkpoint)."""
     run_dir = cfg.output_dir / "points" / point.name
-    runner = PointRunner(point_records(cfg), lambda d: PointResult(**d), cfg.retry_failed)
+    records = point_records(cfg.output_dir, "quality")
+    runner = PointRunner(records, lambda d: PointResult(**d), cfg.retry_failed)
     return runner.settle(
         point.name,
         lambda: trainer(point, cfg, run_dir, str(cfg.data_dir)),
@@ -396,7 +371,7 @@ def prepare(cfg: QualityConfig) -> tuple[list[Point], dict[str, Any]]:
     cfg.make_absolute()
     if cfg.data_dir is None:
         raise ValueError("--data-dir: no data folder (the launcher builds the embedded default corpus)")
-    vocab, data = check_data(cfg)
+    _, vocab, data = cfg.read_data(held_out=True)
     points = plan(cfg, vocab)
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
     # options the points do not depend on are left out of the study's identity, so that a study from
@@ -405,26 +380,25 @@ def prepare(cfg: QualityConfig) -> tuple[list[Point], dict[str, Any]]:
     ignored = ("tokens_per_param",) if cfg.isoflop_budgets else ("isoflop_budgets", "min_steps")
     ignored += ("lr_scale",) if cfg.lr_scales else ("lr_scales",)
     options = study_options(cfg, NOT_IN_STUDY + ignored, data)
-    check_study(cfg.output_dir, "quality", options, cfg.allow_study_change, point_records(cfg))
+    records = point_records(cfg.output_dir, "quality")
+    check_study(cfg.output_dir, "quality", options, cfg.allow_study_change, records)
     return points, options
 
 
 def run_quality(cfg: QualityConfig, trainer: Trainer = train_point) -> list[dict[str, Any]]:
     """Every point (trained, resumed or read back), then fits, table, plots and MLflow; the rows."""
     points, options = prepare(cfg)
+    one = functools.partial(
+        settle_point, cfg=cfg, trainer=not_run if cfg.collect else trainer, options=options
+    )
     if cfg.point_index is not None:  # one task of a job array: its point, recorded; no fits
         if not 0 <= cfg.point_index < len(points):
             raise ValueError(f"--point-index {cfg.point_index}: the ladder has points 0-{len(points) - 1}")
-        point = points[cfg.point_index]
-        settled = settle_point(point, cfg, trainer, options)
-        log.info("%s: %s %s", point.name, settled.result.status, settled.result.reason)
-        return [point_row(point, settled.result, settled.trained)]
-    if cfg.collect:
-        trainer = not_run
-    one = functools.partial(settle_point, cfg=cfg, trainer=trainer, options=options)
+        (settled,) = run_points([points[cfg.point_index]], one)
+        return [point_row(points[cfg.point_index], settled.result, settled.trained)]
     tracked = study_run(cfg.output_dir, cfg.store(), cfg.experiment, "quality_study", asdict(cfg))
     with tracked if cfg.mlflow else contextlib.nullcontext() as study:
-        done = run_points(points, lambda p: p.name, one, child_run, study)
+        done = run_points(points, one, child_run, study)
         rows = [point_row(point, s.result, s.trained) for point, s in zip(points, done)]
         write = write_isoflop if cfg.isoflop_budgets else write_outputs
         write(cfg, rows, study, study_floors(cfg, options[DATA]))
@@ -486,11 +460,12 @@ def emit_slurm(cfg: QualityConfig, argv: list[str], vocab: int) -> tuple[Path, s
     if not any(a.startswith(("--data-dir", "--data_dir")) for a in flags):  # the tasks read one folder
         flags += ["--data-dir", str(cfg.data_dir)]
     nproc = ["--nproc", str(cfg.gpus_per_node)] if cfg.gpus_per_node else []
-    command = array_command(
-        len(points), "launchers/slurm/quality.sbatch", [*flags, *nproc], None, cfg.gpus_per_node
-    )
     collect = shlex.join(["python", "launchers/scaling_study.py", "--quality", "--collect", *flags])
-    submit = write_submit(cfg.output_dir, command, f"{len(points)} point(s); afterwards: {collect}")
+    note = f"{len(points)} point(s); afterwards: {collect}"
+    script = "launchers/slurm/quality.sbatch"
+    submit, command = write_array(
+        cfg.output_dir, len(points), script, [*flags, *nproc], note, None, cfg.gpus_per_node
+    )
     return submit, command, collect
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import math
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -20,12 +19,10 @@ from swbert.scaling.measure import Hardware, Measurement, parse_metrics, pretrai
 from swbert.scaling.report import plot
 from swbert.studies.options import PointOptions
 from swbert.studies.outputs import write_csv
-from swbert.studies.records import Records, check_study, jsonable, point_key, study_options
+from swbert.studies.records import check_study, jsonable, point_key, point_records, read_json, study_options
 from swbert.studies.runner import ChildRun, PointRunner, Settled, StudyLog, absolute, run_points, study_run
-from swbert.studies.slurm import NOT_RUN, array_command, write_submit
+from swbert.studies.slurm import NOT_RUN, write_array
 from swbert.studies.tracking import KIND
-
-log = logging.getLogger("swbert.scaling")
 
 
 @dataclass(kw_only=True)
@@ -120,19 +117,10 @@ class PointRow:
         return cls(status, reason, {**row, "status": status, "reason": reason}, list(records))
 
 
-def point_records(out: Path) -> Records:
-    return Records(out / "points", "swbert-scaling-point/1", "{name}/point.json")
-
-
 def point_runner(out: Path, retry_failed: bool, unrecorded: tuple[str, ...]) -> PointRunner[PointRow]:
     """Settles grid points against their point.json; only measured points stand for good."""
-    return PointRunner(
-        point_records(out),
-        lambda d: PointRow(**d),
-        retry_failed,
-        frozenset({"measured"}),
-        frozenset(unrecorded),
-    )
+    records, final = point_records(out, "scaling"), frozenset({"measured"})
+    return PointRunner(records, lambda d: PointRow(**d), retry_failed, final, frozenset(unrecorded))
 
 
 def grid_key(options: dict[str, Any], name: str, precision: str, gpus: int) -> dict[str, Any]:
@@ -170,12 +158,10 @@ def run_study(cfg: StudyConfig) -> list[dict[str, Any]]:
     precision = resolve_precision(cfg.precision, on_gpu=fused)
     grid = cfg.grid(precision)
     gpus = cfg.gpus or cfg.nproc
-    data_dir, vocab, data = None, cfg.vocab_size or BERT_VOCAB, {}
-    if cfg.measure:
-        data_dir, manifest, data = cfg.read_data()
-        vocab = cfg.vocab_size or int(manifest["tokenizer"]["vocab_size"])
+    data_dir, vocab, data = cfg.read_data() if cfg.measure else (None, BERT_VOCAB, {})
+    vocab = cfg.vocab_size or vocab
     options = study_options(cfg, NOT_IN_STUDY, data)
-    check_study(out, "scaling", options, cfg.allow_study_change, point_records(out))
+    check_study(out, "scaling", options, cfg.allow_study_change, point_records(out, "scaling"))
     runner = point_runner(out, cfg.retry_failed, ("estimated", "skipped", "stopped"))
 
     def one(point: GridPoint) -> Settled[PointRow]:
@@ -186,7 +172,7 @@ def run_study(cfg: StudyConfig) -> list[dict[str, Any]]:
         write_csv([s.result.row for s in done], out / "scaling.csv")
 
     with study_run(out, cfg.store(), cfg.experiment, "scaling_study", asdict(cfg)) as study:
-        rows = [s.result.row for s in run_points(grid, lambda p: p.name, one, child_run, study, table)]
+        rows = [s.result.row for s in run_points(grid, one, child_run, study, table)]
         record_rows(cfg, study, rows)
     return rows
 
@@ -209,9 +195,8 @@ def evaluate_point(
     if not cfg.measure:
         return PointRow.of(row, "estimated")
     if row["params"] > cfg.measure_max_params:
-        return PointRow.of(
-            row, "estimated", f"not measured: {row['params']:,} parameters > --measure-max-params"
-        )
+        reason = f"not measured: {row['params']:,} parameters > --measure-max-params"
+        return PointRow.of(row, "estimated", reason)
     if hardware.ranks % point.layout.tp:
         reason = f"tensor-parallel size {point.layout.tp} does not divide --nproc {hardware.ranks}"
         return PointRow.of(row, "skipped", reason)
@@ -233,13 +218,6 @@ def evaluate_point(
     return PointRow.of(row, m.status, m.reason, m.records)
 
 
-def _data_vocab(data_dir: str | None) -> int | None:
-    manifest = Path(data_dir or "") / "manifest.json"
-    if data_dir and manifest.is_file():
-        return int(json.loads(manifest.read_text())["tokenizer"]["vocab_size"])
-    return None
-
-
 # ---- SLURM job array -----------------------------------------------------------------------------
 
 
@@ -248,14 +226,11 @@ def _sweep_line(cfg: StudyConfig, point: GridPoint, world: int) -> tuple[str, bo
     if world % point.layout.tp:
         return f"# skipped {point.name}: tensor-parallel size does not divide {world} GPUs", False
     if point.layout.sequence_parallel and point.seq_len % point.layout.tp:
-        return (
-            f"# skipped {point.name}: tensor-parallel size does not divide --seq-len {point.seq_len}",
-            False,
-        )
+        why = f"tensor-parallel size does not divide --seq-len {point.seq_len}"
+        return f"# skipped {point.name}: {why}", False
     ds_config = write_ds_config(point.layout, cfg.output_dir / "ds_configs", cfg.swap)
-    args = pretrain_args(
-        point, ds_config, cfg.output_dir / "points" / point.name, cfg.steps, world // point.layout.tp
-    )
+    run_dir = cfg.output_dir / "points" / point.name
+    args = pretrain_args(point, ds_config, run_dir, cfg.steps, world // point.layout.tp)
     if any(ch.isspace() for arg in args for ch in arg):
         raise ValueError(
             f"{point.name}: a path with spaces cannot go in a sweep file ({args}); use another --output-dir"
@@ -266,9 +241,8 @@ def _sweep_line(cfg: StudyConfig, point: GridPoint, world: int) -> tuple[str, bo
 def emit_slurm(
     cfg: StudyConfig, nodes: int, gpus_per_node: int, extra: list[str] | None = None
 ) -> tuple[Path, str]:
-    """Write the grid as a sweep file for `pretrain.sbatch --sweep` (a point per array task, into
-    output_dir/points/NAME; `--collect output_dir` reads them back) and return (file, sbatch command).
-    `gpus_per_node=0`: CPU nodes, one process each."""
+    """The grid as a sweep file for `pretrain.sbatch --sweep` (a point per array task, into points/NAME,
+    read back by `--collect`), and its sbatch command; `gpus_per_node=0`: CPU nodes, one process each."""
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
     precision = resolve_precision(cfg.precision, on_gpu=gpus_per_node > 0)
@@ -284,11 +258,8 @@ def emit_slurm(
     common = ["--data-dir", cfg.data_dir] if cfg.data_dir else []
     common += ["--plugins", *cfg.plugins] if cfg.plugins else []
     args = ["--sweep", str(sweep), *common, *(extra or [])]
-    command = array_command(
-        len(names), "launchers/slurm/pretrain.sbatch", args, nodes, gpus_per_node, "swbert-scaling"
-    )
-    write_submit(out, command)
-    return sweep, command
+    script = "launchers/slurm/pretrain.sbatch"
+    return sweep, write_array(out, len(names), script, args, "", nodes, gpus_per_node, "swbert-scaling")[1]
 
 
 def collect(output_dir: Path, plugins: list[str] | tuple[str, ...] = ()) -> list[dict[str, Any]]:
@@ -304,7 +275,8 @@ def collect(output_dir: Path, plugins: list[str] | tuple[str, ...] = ()) -> list
     except ValueError as err:
         named = " ".join(spec["study"].get("plugins") or []) or "FILE"
         raise ValueError(f"{err}: pass the grid's plugins to --collect (--plugins {named})") from None
-    vocab = cfg.vocab_size or _data_vocab(cfg.data_dir) or BERT_VOCAB
+    manifest = read_json(Path(cfg.data_dir) / "manifest.json") if cfg.data_dir else None  # if it is here
+    vocab = cfg.vocab_size or (int(manifest["tokenizer"]["vocab_size"]) if manifest else BERT_VOCAB)
     options = study_options(cfg, NOT_IN_STUDY)
     runner = point_runner(output_dir, False, ("missing", "failed"))
 

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,8 @@ from swbert.runtime.exits import PREEMPTED_EXIT
 
 log = logging.getLogger("swbert.studies")
 
-REPO = Path(__file__).resolve().parents[2]  # the checkout, when run from one
+REPO = Path(__file__).resolve().parents[2]
+CHECKOUT = REPO if (REPO / "launchers").is_dir() else None  # where jobs start (None: the wheel's launchers)
 
 # The trainer's refusal of a run folder that another job holds (swbert.training.runlock), and how long
 # a point waits for it to be freed (ours): the job of a study that was killed is still checkpointing
@@ -43,21 +43,6 @@ def start_job(cmd: list[str], cwd: Path | None, env: dict[str, str], out: Any) -
     )  # fmt: skip
 
 
-def wait_job(proc: subprocess.Popen, timeout_s: float) -> int | None:
-    """The job's exit status, or None when it ran past `timeout_s` (then killed whole). A study that
-    stops (Ctrl-C, SIGTERM) stops its job, which checkpoints."""
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return None
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait()
-        raise
-
-
 _ERROR = re.compile(r"^(?:\[rank\d+\]: )?(error: .*|\w*(?:Error|Exception)\b.*)")
 
 
@@ -75,14 +60,12 @@ def last_error(log_path: Path, offset: int = 0) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def pretrain_command(nproc: int, args: Sequence[str]) -> tuple[list[str], Path | None]:
-    """`launchers/pretrain.py ARGS` under torchrun on `nproc` local processes, and the folder it
-    starts in (the checkout; None: the wheel's copy of the launchers)."""
-    cmd = [
+def pretrain_command(nproc: int, args: Sequence[str]) -> list[str]:
+    """`launchers/pretrain.py ARGS` under torchrun on `nproc` local processes."""
+    return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
         "-m", "swbert.launchers.pretrain", *args,
     ]  # fmt: skip
-    return cmd, REPO if (REPO / "launchers").is_dir() else None
 
 
 def job_env() -> dict[str, str]:
@@ -105,45 +88,50 @@ class JobEnd:
     def busy(self) -> bool:  # refused: another job still held the run folder (not a failure)
         return self.rc not in (0, None) and BUSY in self.error
 
-    def reason(self, timeout_s: float) -> str | None:
-        """Why the job did not succeed, in one line with its log, or None when it did."""
+    def failure(self, timeout_s: float) -> tuple[str, str] | None:
+        """None when the job succeeded, else its point's status and why, in one line with its log:
+        `stopped` (on request, checkpointed, or its folder still held: runs again next time) or `failed`."""
         if self.rc is None:
-            return f"timed out after {timeout_s:.0f} s (--point-timeout); log: {self.log}"
+            return "failed", f"timed out after {timeout_s:.0f} s (--point-timeout); log: {self.log}"
         if self.rc == PREEMPTED_EXIT:
-            return f"stopped on request (exit status {self.rc}); re-run to resume it"
+            return "stopped", f"stopped on request (exit status {self.rc}); re-run to resume it"
         if self.busy:
-            return f"{self.error}; re-run the study when that job has ended"
-        if self.rc != 0:
-            kind = "diverged" if "non-finite" in self.error else ""
-            kind = kind or (
-                f"killed by signal {-self.rc} (out of memory?)" if self.rc < 0 else f"exit status {self.rc}"
-            )
-            return f"{kind}: {self.error}; log: {self.log}"
-        return None
-
-
-Watch = Callable[[int], AbstractContextManager[Any]]
+            return "stopped", f"{self.error}; re-run the study when that job has ended"
+        if self.rc == 0:
+            return None
+        kind = f"killed by signal {-self.rc} (out of memory?)" if self.rc < 0 else f"exit status {self.rc}"
+        kind = "diverged" if "non-finite" in self.error else kind
+        return "failed", f"{kind}: {self.error}; log: {self.log}"
 
 
 def run_job(
     cmd: list[str],
-    cwd: Path | None,
-    env: dict[str, str],
     log_path: Path,
     timeout_s: float,
-    watch: Watch | None = None,
+    env: dict[str, str] | None = None,
+    watch: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> JobEnd:
-    """Run a point's job to its end, output appended to `log_path`, `watch(pid)` around each attempt
-    (a memory watchdog). One refused because another job (a killed study's, checkpointing on its way
-    out) still holds its folder is started again every BUSY_RETRY_S for up to BUSY_WAIT_S."""
+    """Run a point's job to its end in the checkout (`env`: `job_env()`'s by default), output appended
+    to `log_path`, `watch(pid)` around each attempt (a memory watchdog). One refused because another
+    job (a killed study's, checkpointing on its way out) still holds its folder is started again
+    every BUSY_RETRY_S for up to BUSY_WAIT_S."""
     start, busy_until = time.perf_counter(), time.monotonic() + BUSY_WAIT_S
     with open(log_path, "a") as out:
         while True:
             out.flush()
             offset = out.tell()  # this attempt's output starts here
-            proc = start_job(cmd, cwd, env, out)
+            proc = start_job(cmd, CHECKOUT, env or job_env(), out)
             with watch(proc.pid) if watch else contextlib.nullcontext():
-                rc = wait_job(proc, timeout_s)
+                try:
+                    rc: int | None = proc.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:  # past its time limit: killed whole
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    rc = None
+                except BaseException:  # the study stops (Ctrl-C, SIGTERM): its job checkpoints and stops
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait()
+                    raise
             error = last_error(log_path, offset) if rc not in (0, None) else ""
             if BUSY not in error or time.monotonic() > busy_until:
                 return JobEnd(rc, error, time.perf_counter() - start, log_path)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from swbert.models.plugins import load_plugins
 from swbert.runtime.tracking import tracking_uri
@@ -70,10 +69,20 @@ class PointOptions(StudyOptions):
         super().make_absolute()
         self.data_dir = absolute(self.data_dir)
 
-    def read_data(self) -> tuple[str, dict[str, Any], dict[str, str]]:
-        """The shards the runs read (checked: `swbert.data.folder.prepare_data`), their manifest, and
-        its hash as the study's data identity (the manifest holds every shard's hash)."""
+    def read_data(self, held_out: bool = False) -> tuple[str, int, dict[str, str]]:
+        """The shards the runs read (checked: `swbert.data.folder.prepare_data`), their vocabulary, and
+        their manifest's hash as the study's data identity (the manifest holds every shard's hash);
+        `held_out`: a ValueError naming --data-dir unless they have a validation split."""
         from swbert.data.folder import prepare_data
 
-        manifest = Path(prepare_data(self.data_dir)) / "manifest.json"
-        return str(manifest.parent), json.loads(manifest.read_text()), data_identity([manifest])
+        path = Path(prepare_data(self.data_dir)) / "manifest.json"
+        manifest = json.loads(path.read_text())
+        if held_out and not sum(
+            int(s.get("valid", {}).get("documents", 0)) for s in manifest.get("shards", [])
+        ):
+            raise ValueError(
+                f"--data-dir {path.parent}: no validation split (its manifest.json counts 0 validation "
+                "documents); the study's held-out loss needs one: preprocess with a validation share "
+                "(data_prep.preprocess)"
+            )
+        return str(path.parent), int(manifest["tokenizer"]["vocab_size"]), data_identity([path])

@@ -73,6 +73,11 @@ class Records:
         return aside
 
 
+def point_records(folder: Path, kind: str) -> Records:
+    """The records of a pretraining study's points (`kind`: scaling, quality): points/NAME/point.json."""
+    return Records(Path(folder) / "points", f"swbert-{kind}-point/1", "{name}/point.json")
+
+
 def jsonable(value: Any) -> Any:
     """`value` as it reads back from JSON (paths as strings, tuples as lists)."""
     return json.loads(json.dumps(value, default=str))
@@ -89,22 +94,6 @@ def spelled(value: Any) -> str:
     return " ".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
 
 
-def study_changes(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """`--flag NOW (was BEFORE)` for every option that differs, in the order of `now`."""
-    changes = []
-    for key in dict.fromkeys([*now, *before]):
-        if key == DATA and before.get(key) != now.get(key):
-            was, files = before.get(key) or {}, now.get(key) or {}
-            changed = [f for f in dict.fromkeys([*files, *was]) if was.get(f) != files.get(f)]
-            changes.append(f"the data changed: {', '.join(changed)} (sha256 differs, or files added or gone)")
-        elif before.get(key) != now.get(key):
-            flag = "--" + key.replace("_", "-")
-            changes.append(
-                f"{flag} {spelled(now.get(key, '(unset)'))} (was {spelled(before.get(key, '(unset)'))})"
-            )
-    return changes
-
-
 def check_study(
     folder: Path, kind: str, spec: dict[str, Any], allow_change: bool = False, records: Records | None = None
 ) -> None:
@@ -118,7 +107,17 @@ def check_study(
     if isinstance(before, dict) and DATA in spec and DATA not in before:  # kept before data was: unknown
         before[DATA] = spec.get(DATA)
     if isinstance(before, dict) and before != spec:
-        changes = study_changes(before, spec)
+        changes = []  # `--flag NOW (was BEFORE)` for every option that differs, in the order of `spec`
+        for key in dict.fromkeys([*spec, *before]):
+            if key == DATA and before.get(key) != spec.get(key):
+                was, files = before.get(key) or {}, spec.get(key) or {}
+                changed = [f for f in dict.fromkeys([*files, *was]) if was.get(f) != files.get(f)]
+                changes.append(
+                    f"the data changed: {', '.join(changed)} (sha256 differs, or files added or gone)"
+                )
+            elif before.get(key) != spec.get(key):
+                now, old = spelled(spec.get(key, "(unset)")), spelled(before.get(key, "(unset)"))
+                changes.append(f"--{key.replace('_', '-')} {now} (was {old})")
         if not allow_change and (records is None or records.any()):
             raise ValueError(
                 f"{folder} holds a {kind} study run with other options: {'; '.join(changes)}; use "

@@ -87,9 +87,8 @@ class PointRunner(Generic[R]):
             if previous.status in self.final or not self.retry_failed:
                 return Settled(name, previous, False)
         elif self.writes and key is not None and self.records.load(name) is not None:  # other options or data
-            log.info(
-                "%s: recorded with other options or data; set aside as %s", name, self.records.set_aside(name)
-            )
+            aside = self.records.set_aside(name)
+            log.info("%s: recorded with other options or data; set aside as %s", name, aside)
         recovered = recover()
         if recovered is not None and recovered.status in self.final:
             result, trained = recovered, False  # the study stopped after the run ended, before recording it
@@ -146,8 +145,7 @@ class StudyLog:
 def study_run(
     folder: Path, store: str, experiment: str, kind: str, params: dict[str, Any], **how: Any
 ) -> Iterator[StudyLog]:
-    """The study's MLflow parent run and the log of its points; `how`: `name`, `resume`, `enabled`,
-    `system_metrics`."""
+    """The study's MLflow parent run and its points' log; `how`: name, resume, enabled, system_metrics."""
     tracker = Tracker(store, experiment, how.get("enabled", True), how.get("system_metrics", False))
     name = how.get("name") or f"{kind.partition('_')[0]}-{time.strftime('%Y%m%d-%H%M%S')}"
     with tracker.sweep(name, kind, flat_params(params), folder, how.get("resume", True)) as parent:
@@ -156,7 +154,6 @@ def study_run(
 
 def run_points(
     points: Sequence[P],
-    name: Callable[[P], str],
     settle: Callable[[P], Settled[R]],
     child: Callable[[P, Settled[R]], ChildRun] | None = None,
     study_log: StudyLog | None = None,
@@ -169,7 +166,7 @@ def run_points(
         settled = settle(point)
         done.append(settled)
         result = settled.result
-        log.info("[%d/%d] %s: %s %s", i + 1, len(points), name(point), result.status, result.reason)
+        log.info("[%d/%d] %s: %s %s", i + 1, len(points), settled.name, result.status, result.reason)
         if study_log is not None and child is not None:
             study_log.point(settled.name, settled.trained, child(point, settled))
         if after is not None:

@@ -37,25 +37,24 @@ def switch_given(argv: Sequence[str], name: str) -> bool:
     return False
 
 
-def array_command(
+def write_array(
+    folder: Path,
     tasks: int,
     script: str,
     args: Sequence[str],
+    note: str = "",
     nodes: int | None = None,
     gpus_per_node: int = 0,
     job_name: str | None = None,
-) -> str:
-    """`sbatch --array=0-(tasks-1) ... SCRIPT ARGS`; `gpus_per_node=0`: CPU nodes, no GPU request."""
+) -> tuple[Path, str]:
+    """folder/submit.sh, run from the repository root: `sbatch --array=0-(tasks-1) ... SCRIPT ARGS`
+    (`gpus_per_node=0`: CPU nodes, no GPU request); returns it and the command."""
     head = ["sbatch", f"--array=0-{tasks - 1}"]
     head += [f"--nodes={nodes}"] if nodes is not None else []
     head += [f"--gpus-per-node={gpus_per_node}"] if gpus_per_node else []
     head += [f"--job-name={job_name}"] if job_name else []
-    return shlex.join([*head, script, *args])
-
-
-def write_submit(folder: Path, command: str, note: str = "") -> Path:
-    """folder/submit.sh: the array's command, run from the repository root."""
+    command = shlex.join([*head, script, *args])
     folder.mkdir(parents=True, exist_ok=True)
     submit = folder / "submit.sh"
     submit.write_text(f"#!/bin/bash\n# from the repository root{'; ' + note if note else ''}\n{command}\n")
-    return submit
+    return submit, command

@@ -65,17 +65,20 @@ class Tracker:
         for i in range(0, len(batch), 1000):  # MLflow's per-request limit
             self.client.log_batch(run_id, metrics=batch[i : i + 1000])
 
-    def live(self, run_id: str | None) -> bool:
-        """Whether this store holds `run_id`, not deleted, in this experiment."""
+    def _get(self, run_id: str | None) -> Any:
+        """The run `run_id` of this store, or None (none, or not held)."""
         from mlflow.exceptions import MlflowException
 
-        if not self.enabled or not run_id:
-            return False
         try:
-            run = self.client.get_run(run_id)
+            return self.client.get_run(run_id) if self.enabled and run_id else None
         except MlflowException:
-            return False
-        return run.info.lifecycle_stage == "active" and run.info.experiment_id == self.experiment_id
+            return None
+
+    def live(self, run_id: str | None) -> bool:
+        """Whether this store holds `run_id`, not deleted, in this experiment."""
+        run = self._get(run_id)
+        active = run is not None and run.info.lifecycle_stage == "active"
+        return active and run.info.experiment_id == self.experiment_id
 
     @contextlib.contextmanager
     def sweep(
@@ -91,42 +94,28 @@ class Tracker:
         and its children KILLED where they are still RUNNING."""
         from swbert.runtime.monitor import start_system_metrics, stop_system_metrics
 
-        run_id = self._open_parent(name, kind, params, folder, resume)
-        monitor = start_system_metrics(run_id, self.uri) if run_id and self.system_metrics else None
-        try:
-            with self._ended(run_id, lambda: stop_system_metrics(monitor)):
-                yield run_id
-        finally:
-            self.parent_id = None
-
-    @contextlib.contextmanager
-    def _ended(self, run_id: str | None, before_end: Any = lambda: None) -> Iterator[None]:
-        """Ends `run_id` FINISHED after the block, or FAILED (the error re-raised) if it raises."""
-        status = "FAILED"
-        try:
-            yield
-            status = "FINISHED"
-        finally:
-            before_end()
-            if self.enabled and run_id is not None:
-                self.client.set_terminated(run_id, status)
-
-    def _open_parent(
-        self, name: str, kind: str, params: dict | None, folder: Path | None, resume: bool
-    ) -> str | None:
         saved = read_json(Path(folder) / PARENT_FILE) if folder is not None and self.enabled else None
         previous = saved.get("run_id") if isinstance(saved, dict) else None
-        if resume and self.live(previous):
-            self.client.update_run(previous, status="RUNNING")
-            self.parent_id, self.continued = previous, True
-            return previous
-        if previous and not resume:
-            self.kill_running(previous)  # a killed study's runs would stay RUNNING
-        run_id = self._create(name, {KIND: kind}, params)
-        self.parent_id, self.continued = run_id, False
-        if folder is not None and run_id is not None:
-            write_json_atomic(Path(folder) / PARENT_FILE, {"run_id": run_id, "tracking_uri": self.uri})
-        return run_id
+        killed = None if resume else self._get(previous)
+        if killed is not None and killed.info.status == "RUNNING":  # a killed study's runs: marked so
+            children = self.client.search_runs(
+                [killed.info.experiment_id],
+                f"tags.mlflow.parentRunId = '{previous}' and attributes.status = 'RUNNING'",
+                max_results=50000,
+            )
+            for rid in [child.info.run_id for child in children] + [previous]:
+                self.client.set_terminated(rid, "KILLED")
+            log.info("marked %d run(s) of the killed study %s as KILLED", len(children) + 1, previous)
+        with self.run(name, {KIND: kind}, params, previous if resume else None) as run_id:
+            self.parent_id, self.continued = run_id, run_id is not None and run_id == previous
+            if folder is not None and run_id is not None and not self.continued:
+                write_json_atomic(Path(folder) / PARENT_FILE, {"run_id": run_id, "tracking_uri": self.uri})
+            monitor = start_system_metrics(run_id, self.uri) if run_id and self.system_metrics else None
+            try:
+                yield run_id
+            finally:
+                stop_system_metrics(monitor)
+                self.parent_id = None
 
     def log_artifacts(self, run_id: str | None, folder: str | Path, artifact_path: str | None = None) -> None:
         """Files of ``folder`` (reports, figures) as artifacts of ``run_id``."""
@@ -143,34 +132,18 @@ class Tracker:
     def run(
         self, name: str, tags: dict[str, str], params: dict | None = None, run_id: str | None = None
     ) -> Iterator[str | None]:
-        """A child run, marked FAILED (and the error re-raised) if its body raises; `run_id`
-        continues that child (a point logged by an earlier run of the study) instead."""
+        """A run (a child of the parent run open, if any), marked FAILED (and the error re-raised) if its
+        body raises; `run_id` continues that run (logged by an earlier run of the study) instead."""
         if run_id is not None and self.live(run_id):
             self.client.update_run(run_id, status="RUNNING")
             for key, value in tags.items():
                 self.client.set_tag(run_id, key, str(value)[:5000])
         else:
             run_id = self._create(name, tags, params)
-        with self._ended(run_id):
-            yield run_id
-
-    def kill_running(self, run_id: str) -> None:
-        """Set `run_id` and its children KILLED where they are still RUNNING (a killed study's runs).
-        A run this store does not hold is left alone."""
-        from mlflow.exceptions import MlflowException
-
+        status = "FAILED"
         try:
-            parent = self.client.get_run(run_id)
-        except MlflowException:
-            return
-        if parent.info.status != "RUNNING":
-            return
-        children = self.client.search_runs(
-            [parent.info.experiment_id],
-            f"tags.mlflow.parentRunId = '{run_id}' and attributes.status = 'RUNNING'",
-            max_results=50000,
-        )
-        marked = [child.info.run_id for child in children] + [run_id]
-        for rid in marked:
-            self.client.set_terminated(rid, "KILLED")
-        log.info("marked %d run(s) of the killed study %s as KILLED", len(marked), run_id)
+            yield run_id
+            status = "FINISHED"
+        finally:
+            if self.enabled and run_id is not None:
+                self.client.set_terminated(run_id, status)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import runpy
 import sqlite3
 import subprocess
@@ -44,21 +45,20 @@ def test_sizes_span_tiny_to_over_a_billion():
 
 def test_zero_stages_shrink_memory_as_the_closed_forms_say():
     config = SWBertConfig.from_size("base", attention_type="shared")
-    n = params_per_rank(config)
-    z = [model_state_bytes(config, Layout(zero=k), 8, "bf16", reduce_bucket_size=0).total for k in range(4)]
+    n, no_bucket = params_per_rank(config), {"zero_optimization": {"reduce_bucket_size": 0}}
+    z = [model_state_bytes(config, Layout(zero=k), 8, "bf16", no_bucket).total for k in range(4)]
     assert z[0] == 16 * n  # 2 params + 2 grads + 4 master + 8 Adam
     assert z[1] == z[2] == pytest.approx(2 * n + 14 * n / 8)
     assert z[3] < z[2] < z[0]
-    offload = model_state_bytes(config, Layout(zero=3, offload="optimizer"), 8, "bf16", reduce_bucket_size=0)
+    offload = model_state_bytes(config, Layout(zero=3, offload="optimizer"), 8, "bf16", no_bucket)
     assert offload.host == pytest.approx(16 * n / 8) and offload.device < z[3]
-    both = model_state_bytes(config, Layout(zero=3, offload="params"), 8, "bf16", reduce_bucket_size=0)
+    both = model_state_bytes(config, Layout(zero=3, offload="params"), 8, "bf16", no_bucket)
     assert both.device < offload.device and both.host > offload.host
     # NVMe pays off for big models: xl on 2 ranks, with the generated configs' 100M-element sub-groups
     xl = SWBertConfig.from_size("xl", attention_type="shared")
     cpu = model_state_bytes(xl, Layout(zero=3, offload="params"), 2, "bf16")
-    nvme = model_state_bytes(
-        xl, Layout(zero=3, offload="params", device="nvme"), 2, "bf16", sub_group_size=10**8
-    )
+    sub_groups = {"zero_optimization": {"sub_group_size": 10**8}}
+    nvme = model_state_bytes(xl, Layout(zero=3, offload="params", device="nvme"), 2, "bf16", sub_groups)
     assert nvme.disk == cpu.host and nvme.device == cpu.device and nvme.host < cpu.host / 3
 
 
@@ -339,8 +339,9 @@ def test_a_relative_output_dir_from_another_folder_reaches_the_runs_as_absolute_
     checkout, so every path they get must name the caller's folder, not one under the checkout."""
     from pathlib import Path
 
-    from swbert.scaling.measure import point_command
+    from swbert.scaling.measure import Hardware, run_point
     from swbert.scaling.study import StudyConfig
+    from swbert.studies import jobs
 
     caller = tmp_path / "caller"
     caller.mkdir()
@@ -350,10 +351,20 @@ def test_a_relative_output_dir_from_another_folder_reaches_the_runs_as_absolute_
     cfg.make_absolute()
     assert cfg.output_dir == caller / "runs" / "scaling-tiny" and cfg.data_dir == str(caller / "data")
     assert cfg.nvme_path == caller / "swap" and cfg.plugins == [str(caller / "my_variant.py"), "pkg.variant"]
+    started = []
+
+    def job(cmd, log_path, timeout_s, env=None, watch=None):  # what would start, and a refusal
+        started.append(cmd)
+        with watch(os.getpid()):
+            return jobs.JobEnd(1, "error: not run here", 0.0, log_path)
+
+    monkeypatch.setattr(jobs, "run_job", job)
     point = build_grid(["tiny"], ["shared"], ["z2"])[0]
-    cmd, cwd = point_command(point, Path("runs/s/ds_configs/tp1-z2.json"), Path("runs/s/points/p"), 2, 3,
-                             "data", ["my_variant.py", "pkg.variant"])  # fmt: skip
-    assert cwd == REPO != caller
+    m = run_point(point, Path("runs/s/ds_configs/tp1-z2.json"), Path("runs/s/points/p"), Hardware("cpu", 2, 1e12, 1e12),
+                  3, "data", plugins=["my_variant.py", "pkg.variant"])  # fmt: skip
+    assert m.status == "failed" and "not run here" in m.reason
+    (cmd,) = started
+    assert jobs.CHECKOUT == REPO != caller  # where the runs start
     for flag in ("--deepspeed-config", "--output-dir", "--data-dir", "--plugins"):
         path = Path(cmd[cmd.index(flag) + 1])
         assert path.is_absolute() and path.is_relative_to(caller), (flag, path)

@@ -11,7 +11,7 @@ import pytest
 
 from swbert.studies.records import Records, check_study, data_identity, point_key, study_options
 from swbert.studies.runner import ChildRun, PointRunner, StudyLog, run_points
-from swbert.studies.slurm import array_command, switch_given, without_switches, write_submit
+from swbert.studies.slurm import switch_given, without_switches, write_array
 
 
 @dataclass
@@ -107,20 +107,17 @@ def test_changed_data_is_refused_naming_the_file_and_a_changed_point_is_set_asid
     assert json.loads((aside / "point.json").read_text())["result"]["value"] == 1.0
 
 
-def test_job_array_commands_and_switches():
+def test_job_array_commands_and_switches(tmp_path):
     argv = ["--quality", "true", "--emit-slurm=yes", "--sizes", "a", "b", "--collect"]
     assert without_switches(argv, ("--quality", "--emit-slurm")) == ["--sizes", "a", "b", "--collect"]
     assert switch_given(argv, "--quality") and switch_given(argv, "--collect")
     assert not switch_given(["--quality", "false"], "--quality") and not switch_given([], "--quality")
-    assert array_command(3, "s.sbatch", ["--x", "a b"], nodes=2, gpus_per_node=8, job_name="j") == (
-        "sbatch --array=0-2 --nodes=2 --gpus-per-node=8 --job-name=j s.sbatch --x 'a b'"
-    )
-    assert array_command(1, "s.sbatch", []) == "sbatch --array=0-0 s.sbatch"
-
-
-def test_submit_file(tmp_path):
-    submit = write_submit(tmp_path / "out", "sbatch x", "2 point(s)")
-    assert submit.read_text() == "#!/bin/bash\n# from the repository root; 2 point(s)\nsbatch x\n"
+    submit, command = write_array(tmp_path / "a", 3, "s.sbatch", ["--x", "a b"], "", 2, 8, "j")
+    assert command == "sbatch --array=0-2 --nodes=2 --gpus-per-node=8 --job-name=j s.sbatch --x 'a b'"
+    assert submit.read_text() == f"#!/bin/bash\n# from the repository root\n{command}\n"
+    submit, command = write_array(tmp_path / "out", 1, "s.sbatch", [], "2 point(s)")
+    assert command == "sbatch --array=0-0 s.sbatch" and submit == tmp_path / "out" / "submit.sh"
+    assert submit.read_text() == f"#!/bin/bash\n# from the repository root; 2 point(s)\n{command}\n"
 
 
 @pytest.mark.slow  # an MLflow store created (a few seconds)
@@ -142,7 +139,7 @@ def test_a_rerun_continues_its_parent_and_logs_only_what_it_ran(tmp_path):
                     {"status": settled.result.status}, {"p": point}, {"v": 1.0}, [{"step": 1, "loss": 2.0}]
                 )
 
-            run_points(names, str, lambda n: r.settle(n, lambda: ran.append(n) or Res("done")), child,
+            run_points(names, lambda n: r.settle(n, lambda: ran.append(n) or Res("done")), child,
                        StudyLog(tracker, folder))  # fmt: skip
         return parent
 
@@ -162,12 +159,15 @@ def test_a_rerun_continues_its_parent_and_logs_only_what_it_ran(tmp_path):
 def test_a_new_sweep_marks_the_killed_ones_runs(tmp_path):
     from mlflow import MlflowClient
 
-    from swbert.studies.tracking import Tracker
+    from swbert.studies.records import write_json_atomic
+    from swbert.studies.tracking import KIND, PARENT_FILE, Tracker
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracker = Tracker(uri, "e", system_metrics=False)
-    killed = tracker._open_parent("killed", "glue_sweep", None, tmp_path, resume=False)
-    child = tracker._create("trial", {}, None)  # left RUNNING: the sweep was killed
+    killed = tracker._create("killed", {KIND: "glue_sweep"}, None)  # a sweep killed: left RUNNING
+    write_json_atomic(tmp_path / PARENT_FILE, {"run_id": killed, "tracking_uri": uri})  # named in its folder
+    tracker.parent_id = killed
+    child = tracker._create("trial", {}, None)  # its child, left RUNNING too
     with Tracker(uri, "e", system_metrics=False).sweep("next", "glue_sweep", None, tmp_path) as parent:
         assert parent != killed
     client = MlflowClient(uri)
