@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import random
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -19,7 +18,6 @@ from swbert.runtime.ranks import ParallelDims
 
 log = logging.getLogger(__name__)
 
-Unpad = Literal["auto", "on", "off"]
 # Compiled runs pad each batch up to a multiple of this many tokens (ours): a few shapes (two for
 # GLUE's 128 tokens, six for SQuAD's 384), so torch.compile builds a few graphs, not one per length.
 COMPILE_BUCKET = 64
@@ -27,7 +25,7 @@ Batch = dict[str, torch.Tensor | int]
 
 
 @functools.cache
-def resolve_unpad(setting: Unpad, device: str, attention_dropout: float) -> bool:
+def resolve_unpad(setting: Literal["auto", "on", "off"], device: str, attention_dropout: float) -> bool:
     """Whether fine-tuning on `device` runs unpadded; says once which kernel it gets."""
     if setting not in ("auto", "on", "off"):
         raise ValueError(f"--unpad {setting!r}: choose auto, on or off")
@@ -50,9 +48,8 @@ def example_length(item: dict) -> int:
 
 def unpad_collate(pad_token_id: int = 0) -> Callable[[list[dict]], Batch]:
     """A ``collate_fn`` giving one token stream: per-token lists as (T,) tensors of the real tokens,
-    ``cu_seqlens`` (B+1,) int32 and ``max_seqlen`` (an int), per-example fields as (B,) tensors; built
-    on the host, so the model needs no device-to-host sync to unpad. `pad_token_id` is unused (called
-    as `pad_collate` is)."""
+    ``cu_seqlens`` (B+1,) int32, ``max_seqlen`` (an int), per-example fields as (B,) tensors; built on
+    the host, so the model needs no device-to-host sync to unpad (`pad_token_id`: as `pad_collate`'s)."""
 
     def collate(items: list[dict]) -> Batch:
         lengths = [example_length(it) for it in items]
@@ -123,7 +120,7 @@ def train_loader(
     workers: int,
     grouped: bool,
 ) -> DataLoader:
-    """This rank's share of the training set, reshuffled every epoch (`epoch_sampler`): length-grouped
+    """This rank's share of the training set, reshuffled by its sampler's `set_epoch`: length-grouped
     batches, or random ones from a `DistributedSampler` (1 rank as N). Collated in ``workers``
     persistent processes (starting them costs more than an epoch of a small GLUE task)."""
     common: dict[str, Any] = dict(
@@ -131,7 +128,7 @@ def train_loader(
         num_workers=workers,
         persistent_workers=workers > 0,
         prefetch_factor=2 if workers > 0 else None,
-        worker_init_fn=seed_worker,
+        # each worker's Python, NumPy and torch generators are seeded from it (torch's worker loop)
         generator=torch.Generator().manual_seed(seed),
         pin_memory=torch.cuda.is_available(),
     )
@@ -141,17 +138,3 @@ def train_loader(
         return DataLoader(train_set, batch_sampler=batches, **common)
     sampler = DistributedSampler(train_set, dims.world, dims.rank, shuffle=True, seed=seed)
     return DataLoader(train_set, batch_size=micro, sampler=sampler, drop_last=False, **common)
-
-
-def epoch_sampler(loader: DataLoader) -> Any:
-    """The sampler of a `train_loader` whose `set_epoch` reshuffles it."""
-    grouped = isinstance(loader.batch_sampler, LengthGroupedBatchSampler)
-    return loader.batch_sampler if grouped else loader.sampler
-
-
-def seed_worker(worker_id: int) -> None:
-    """Seed Python's and NumPy's generators in a loader worker from torch's there (the loader's
-    generator plus the worker id): a collate that draws repeats per run seed."""
-    seed = torch.initial_seed() % 2**32
-    random.seed(seed)
-    np.random.seed(seed)

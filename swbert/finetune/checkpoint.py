@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import re
-from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
@@ -36,9 +35,8 @@ class Checkpoint(NamedTuple):
 
 
 def parse_checkpoints(specs: list[str], unique: bool = True) -> list[Checkpoint]:
-    """``PATH`` or ``NAME=PATH`` arguments -> checkpoints; a bare path is named by its attention type.
-    With ``unique`` (not for fine-tuned folders, a name per variant) no two may share a name: they
-    would write the same table rows and folders."""
+    """``PATH`` or ``NAME=PATH`` -> checkpoints, a bare path named by its attention type; with ``unique``
+    (not for fine-tuned folders: a name per variant) no two may share a name, the rows and folders of both."""
     out: list[Checkpoint] = []
     for spec in specs:
         name, sep, path = spec.partition("=")
@@ -53,19 +51,17 @@ def parse_checkpoints(specs: list[str], unique: bool = True) -> list[Checkpoint]
             name = SWBertConfig.from_pretrained(folder).attention_type
         if not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
             raise CheckpointError(f"--checkpoint {spec}: name {name!r} may only use letters, digits and _.+-")
+        if unique and name in {c.name for c in out}:
+            raise CheckpointError(
+                f"two checkpoints are both named {name!r}: pass them as NAME=PATH with distinct names"
+            )
         out.append(Checkpoint(name, folder))
-    dupes = sorted(n for n, count in Counter(c.name for c in out).items() if count > 1)
-    if unique and dupes:
-        raise CheckpointError(
-            f"two checkpoints are both named {dupes[0]!r}: pass them as NAME=PATH with distinct names"
-        )
     return out
 
 
 def load_tokenizer(folder: str | Path, tokenizer_path: str | Path | None = None, allow_change: bool = False):
-    """The checkpoint's tokenizer (or ``tokenizer_path``), refused when it cannot be the one the model
-    was trained with; with ``allow_change`` another vocabulary than the recorded one is used with a
-    warning."""
+    """The checkpoint's tokenizer (or ``tokenizer_path``), refused when it cannot be the model's; with
+    ``allow_change`` another vocabulary than the recorded one is used, with a warning."""
     folder = Path(folder)
     source = Path(tokenizer_path) if tokenizer_path else folder
     try:
@@ -98,8 +94,7 @@ def load_tokenizer(folder: str | Path, tokenizer_path: str | Path | None = None,
 
 
 def save_finetuned(model, tokenizer, folder: str | Path) -> None:
-    """Save a fine-tuned model with its tokenizer and its vocabulary's hash (rank 0); every rank
-    waits for the folder to be complete."""
+    """A fine-tuned model, its tokenizer and its vocabulary's hash saved by rank 0, awaited by all."""
     if ParallelDims.from_env().is_main:
         model.config.tokenizer_sha256 = tokenizer_fingerprint(tokenizer)
         model.save_pretrained(folder)

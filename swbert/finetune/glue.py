@@ -20,7 +20,6 @@ from swbert.finetune.checkpoint import (
     Checkpoint,
     CheckpointError,
     load_tokenizer,
-    parse_checkpoints,
     tokenizer_fingerprint,
     uses_token_types,
 )
@@ -39,14 +38,12 @@ from swbert.finetune.results import (
     TASK,
     VARIANT,
     Summary,
-    Trial,
     majority_metrics,
-    task_summaries,
 )
 from swbert.finetune.robustness import DEFAULT_LEVELS, NOISE_SCALES
-from swbert.finetune.sweep import SweepConfig, Trials, TrialSpec, TrialTask, run_trial
+from swbert.finetune.sweep import SweepConfig, Trials, TrialTask
 from swbert.finetune.tasks import GLUE_TASKS, PAPER_GLUE_TASKS, GlueTask, get_task
-from swbert.finetune.trainer import default_device, predict, progress_bar
+from swbert.finetune.trainer import default_device, predict
 from swbert.studies.tracking import KIND, Tracker
 
 
@@ -54,6 +51,7 @@ from swbert.studies.tracking import KIND, Tracker
 class GlueSweep(SweepConfig):
     """Everything one ``finetune_glue.py`` invocation does (its flags; see `SweepConfig` for the rest)."""
 
+    LABEL = "GLUE"
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])  # one run per seed (ours)
     epochs: int = 10  # the appendix's GLUE epochs (per stage with --lr-plan stepped)
     attention_dropout: float = 0.1  # the appendix's GLUE attention dropout
@@ -62,7 +60,6 @@ class GlueSweep(SweepConfig):
     # GLUE's TSV files, GLUE's layout (CoLA/train.tsv, MNLI/dev_matched.tsv, ...): offline data;
     # default: the Hub's nyu-mll/glue (or the local datasets cache)
     data_dir: Path | None = None
-    max_seq_length: int = 128  # tokens per example, pairs as [CLS] a [SEP] b [SEP] (ours)
     noise: bool = False  # evaluate kept models under embedding noise at the default levels (Table 5)
     noise_levels: list[float] = field(default_factory=list)  # custom noise levels (implies --noise)
     noise_seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # one noise draw per seed
@@ -73,9 +70,8 @@ class GlueSweep(SweepConfig):
     # --checkpoint folders are already fine-tuned GLUE models: only run --noise / --cross-domain
     evaluate_finetuned: bool = False
 
-    def checkpoints(self) -> list[Checkpoint]:
-        """The `--checkpoint` folders; fine-tuned ones share a name per variant (one folder per task)."""
-        return parse_checkpoints(self.checkpoint, unique=not self.evaluate_finetuned)
+    def tasks_per_checkpoint(self) -> int:
+        return 0 if self.evaluate_finetuned else len(self.tasks)
 
     def task_files(self, name: str) -> list[Path]:
         """The TSV files of task `name` under --data-dir (none from the Hub)."""
@@ -118,8 +114,7 @@ class TaskData:
 def load_task_data(
     task: GlueTask, tokenizer: Any, sweep: GlueSweep, config: SWBertConfig, with_train: bool = True
 ) -> TaskData:
-    """The task's splits as `sweep` reads them, encoded for a model of `config`: every example
-    checked to fit its positions."""
+    """The task's splits as `sweep` reads them, encoded for `config`'s model and checked to fit it."""
 
     def split(name: str, head: int | None) -> tuple[GlueExamples, EncodedDataset]:
         ex = load_glue_split(task, name, sweep.data_dir).head(head)
@@ -168,28 +163,23 @@ def evaluate_task(model: nn.Module, data: TaskData, collate, batch_size: int = 1
     return metrics
 
 
-def glue_trials(
-    trials: Trials, ckpt: Checkpoint, data: TaskData, tokenizer: Any, bar: Any
-) -> tuple[list[Trial], Summary]:
-    """Every (learning-rate setting, seed) of one checkpoint on one task, each a child run, and their
-    summary."""
+def glue_trials(trials: Trials, ckpt: Checkpoint, data: TaskData, tokenizer: Any) -> Summary:
+    """Every (learning-rate setting, seed) of one checkpoint on one task, and their summary."""
     sweep, task = trials.sweep, data.task
     collate = sweep.collate(tokenizer.pad_token_id)
-    files = tuple(sweep.task_files(task.name))
     work = TrialTask(
+        ckpt,
+        task.name,
         lambda: load_classifier(ckpt.path, task, **sweep.dropout()),
         data.train,
         collate,
         lambda m: evaluate_task(m, data, collate, sweep.eval_batch_size) | majority_metrics(task, data.dev),
         f"{task.main_split}/score",
         tokenizer,
+        {"train_examples": len(data.train)},
+        tuple(sweep.task_files(task.name)),
     )
-
-    def one(lrs: tuple[float, ...], seed: int) -> Trial:
-        params = {"train_examples": len(data.train)}
-        return run_trial(trials, TrialSpec(ckpt, task.name, lrs, seed, "glue_trial", params, files), work)
-
-    return trials.task_trials(ckpt, task.name, one, bar)
+    return trials.task_trials(work)
 
 
 def eval_model(path: Path, task: GlueTask) -> tuple[nn.Module, Callable]:
@@ -230,11 +220,10 @@ def cross_domain_evaluation(
                 # the source model's classes; cross_domain maps them and the target's gold labels
                 preds = classify(source_task, model, enc, collate, batch_size)
                 binary = cross_domain.cross_domain_accuracy(source, preds, target, ex.labels)
+                own = float(np.mean(preds == np.asarray(ex.labels)))
+                metrics[f"{target}/{split}/accuracy"] = own if target == source else binary
                 if target == source:
-                    metrics[f"{target}/{split}/accuracy"] = float(np.mean(preds == np.asarray(ex.labels)))
                     metrics[f"{target}/{split}/binary_accuracy"] = binary
-                else:
-                    metrics[f"{target}/{split}/accuracy"] = binary
         tags = {KIND: "cross_domain", VARIANT: name, TASK: source, CHECKPOINT: str(model_dir)}
         with tracker.run(f"{name}/{source}/cross-domain", tags, {"diagonal": "own_labels"}) as rid:
             tracker.log(rid, metrics)
@@ -252,37 +241,28 @@ def evaluate_kept(
         cross_domain_evaluation(name, sources, data, tracker, sweep.eval_batch_size)
 
 
-def run_glue(sweep: GlueSweep, trials: Trials) -> tuple[list[Trial], list[Summary]]:
-    """The whole sweep; returns every trial and the per-(variant, task) summaries. With
-    `evaluate_finetuned`, only the noise and cross-domain evaluations of already fine-tuned folders."""
+def run_glue(sweep: GlueSweep, trials: Trials) -> None:
+    """The whole sweep (with --evaluate-finetuned, only `evaluate_finetuned`)."""
     sweep.check()
     if sweep.evaluate_finetuned:
         evaluate_finetuned(sweep, trials.log.tracker)
-        return [], []
-    checkpoints = sweep.checkpoints()
-    done: list[Trial] = []
-    bar = progress_bar(len(checkpoints) * len(sweep.tasks) * trials.per_task(), "GLUE sweep", unit="run")
-    for ckpt in checkpoints:
+        return
+    for ckpt in sweep.checkpoints():
         tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer, sweep.allow_tokenizer_change)
-        tasks = [get_task(name) for name in sweep.tasks]
-        data = {task.name: load_task_data(task, tokenizer, sweep, ckpt.config) for task in tasks}
-        kept: dict[str, Path] = {}
-        for task_name, task_data in data.items():
-            task_trials, summary = glue_trials(trials, ckpt, task_data, tokenizer, bar)
-            done += task_trials
-            if sweep.keep != "none":
-                kept[task_name] = Path(summary.median_trial.model_dir)
-        evaluate_kept(sweep, trials.log.tracker, ckpt.name, kept, data)
-    bar.close()
-    return done, task_summaries(done)
+        data = {name: load_task_data(get_task(name), tokenizer, sweep, ckpt.config) for name in sweep.tasks}
+        summaries = {name: glue_trials(trials, ckpt, loaded, tokenizer) for name, loaded in data.items()}
+        if sweep.keep != "none":
+            kept = {name: Path(summary.median_trial.model_dir) for name, summary in summaries.items()}
+            evaluate_kept(sweep, trials.log.tracker, ckpt.name, kept, data)
 
 
-def _by_variant(models: list[Checkpoint]) -> dict[str, dict[str, Path]]:
-    """variant name -> task -> fine-tuned folder (the task read from each folder's config.json)."""
+def evaluate_finetuned(sweep: GlueSweep, tracker: Tracker) -> None:
+    """Noise and/or cross-domain evaluation of already fine-tuned folders (their task is in
+    config.json), grouped by their ``NAME`` (``NAME=PATH``, one folder per task)."""
     by_variant: dict[str, dict[str, Path]] = {}
-    for m in models:
+    for m in sweep.checkpoints():
         task_name = getattr(m.config, "glue_task", None)
-        if not task_name or task_name not in GLUE_TASKS:
+        if task_name not in GLUE_TASKS:
             raise CheckpointError(
                 f"{m.path}/config.json names no glue_task; is it a GLUE model fine-tuned by swbert?"
             )
@@ -291,13 +271,7 @@ def _by_variant(models: list[Checkpoint]) -> dict[str, dict[str, Path]]:
                 f"two {task_name} models for variant {m.name!r}: {by_variant[m.name][task_name]} and {m.path}"
             )
         by_variant[m.name][task_name] = m.path
-    return by_variant
-
-
-def evaluate_finetuned(sweep: GlueSweep, tracker: Tracker) -> None:
-    """Noise and/or cross-domain evaluation of already fine-tuned folders (their task is in
-    config.json), grouped by their ``NAME`` (``NAME=PATH``, one folder per task)."""
-    for name, paths in _by_variant(sweep.checkpoints()).items():
+    for name, paths in by_variant.items():
         data, fingerprints = {}, {}
         for task_name, path in paths.items():
             tok = load_tokenizer(path)

@@ -3,10 +3,9 @@ same trials as GLUE's (`swbert.finetune.sweep`), selected by dev F1; docs/finetu
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from torch import nn
 
@@ -14,7 +13,7 @@ from swbert import SWBertForQuestionAnswering
 from swbert.finetune.checkpoint import Checkpoint, load_tokenizer, uses_token_types
 from swbert.finetune.glue_data import check_fits
 from swbert.finetune.metrics import best_null_threshold, squad_scores
-from swbert.finetune.results import Summary, Trial, task_summaries
+from swbert.finetune.results import Summary
 from swbert.finetune.squad_data import (
     SquadEvalFeatures,
     SquadExample,
@@ -25,19 +24,21 @@ from swbert.finetune.squad_data import (
     read_squad_json,
 )
 from swbert.finetune.squad_post import decode_spans
-from swbert.finetune.sweep import SweepConfig, Trials, TrialSpec, TrialTask, run_trial
-from swbert.finetune.trainer import predict, progress_bar
+from swbert.finetune.sweep import SweepConfig, Trials, TrialTask
+from swbert.finetune.trainer import predict
 from swbert.finetune.triviaqa import load_triviaqa_hub, read_triviaqa_json
 
 SPLIT = "validation"
 TRIVIAQA = "triviaqa"  # its task name in MLflow and the suffix of the variants fine-tuned on it first
 QAData = tuple[list[SquadExample], list[SquadExample]]  # a task's (train, dev) examples
+Split = Literal["train", "validation"]
 
 
 @dataclass(kw_only=True)
 class SquadSweep(SweepConfig):
     """Everything one ``finetune_squad.py`` invocation does (its flags; see `SweepConfig` for the rest)."""
 
+    LABEL = "SQuAD"
     epochs: int = 5  # the appendix's SQuAD epochs (per stage with --lr-plan stepped)
     attention_dropout: float = 0.05  # the appendix's SQuAD attention dropout
     hidden_dropout: float | None = 0.2  # the appendix's SQuAD "dropout", read as hidden_dropout_prob
@@ -76,48 +77,54 @@ class SquadSweep(SweepConfig):
         if self.triviaqa_context_words <= 0:
             raise ValueError(f"--triviaqa-context-words {self.triviaqa_context_words} must be positive")
 
+    def tasks_per_checkpoint(self) -> int:
+        return len(self.versions) * (2 if self.triviaqa else 1) + (1 if self.triviaqa else 0)
+
     def train_files(self) -> dict[str, Path]:
-        return _version_files("--train-file", self.train_file, self.versions)
+        return self.version_files("--train-file", self.train_file)
 
     def dev_files(self) -> dict[str, Path]:
-        return _version_files("--dev-file", self.dev_file, self.versions)
+        return self.version_files("--dev-file", self.dev_file)
 
-    def task_files(self, version: str) -> list[Path]:
-        """The local files of SQuAD `version`, or of TriviaQA (`TRIVIAQA`): none from the Hub."""
-        if version == TRIVIAQA:
-            return [p for p in (self.triviaqa_train_file, self.triviaqa_dev_file) if p is not None]
-        return [p for p in (self.train_files().get(version), self.dev_files().get(version)) if p is not None]
+    def version_files(self, flag: str, specs: list[str]) -> dict[str, Path]:
+        """``VERSION=PATH`` (a bare PATH when one version is run) -> {version: path}."""
+        out, versions = {}, self.versions
+        for spec in specs:
+            version, sep, path = spec.partition("=")
+            if not sep:
+                if len(versions) != 1:
+                    raise ValueError(
+                        f"{flag} {spec}: with several versions write VERSION=PATH (e.g. 2.0={spec})"
+                    )
+                version, path = versions[0], spec
+            if version not in versions:
+                raise ValueError(f"{flag} {spec}: version {version} is not in --version {' '.join(versions)}")
+            if not Path(path).is_file():
+                raise ValueError(f"{flag} {spec}: {path} not found")
+            out[version] = Path(path)
+        return out
+
+    def local_file(self, task: str, split: Split) -> Path | None:
+        """The file of a split of SQuAD version `task` or of TriviaQA (`TRIVIAQA`); None: from the Hub."""
+        if task == TRIVIAQA:
+            return self.triviaqa_train_file if split == "train" else self.triviaqa_dev_file
+        return (self.train_files() if split == "train" else self.dev_files()).get(task)
+
+    def task_files(self, task: str) -> list[Path]:
+        return [p for p in (self.local_file(task, "train"), self.local_file(task, "validation")) if p]
 
     def data_files(self) -> list[Path]:
         return [f for v in (*self.versions, *[TRIVIAQA] * self.triviaqa) for f in self.task_files(v)]
 
 
-def _version_files(flag: str, specs: list[str], versions: list[str]) -> dict[str, Path]:
-    """``VERSION=PATH`` (or a bare PATH when only one version is run) -> {version: path}."""
-    out = {}
-    for spec in specs:
-        version, sep, path = spec.partition("=")
-        if not sep:
-            if len(versions) != 1:
-                raise ValueError(f"{flag} {spec}: with several versions write VERSION=PATH (e.g. 2.0={spec})")
-            version, path = versions[0], spec
-        if version not in versions:
-            raise ValueError(f"{flag} {spec}: version {version} is not in --version {' '.join(versions)}")
-        if not Path(path).is_file():
-            raise ValueError(f"{flag} {spec}: {path} not found")
-        out[version] = Path(path)
-    return out
-
-
-def load_examples(sweep: SquadSweep, task: str, split: Literal["train", "validation"]) -> list[SquadExample]:
+def load_examples(sweep: SquadSweep, task: str, split: Split) -> list[SquadExample]:
     """A split of SQuAD version `task` or of TriviaQA (`TRIVIAQA`): from its file, else from the Hub."""
+    path = sweep.local_file(task, split)
     if task == TRIVIAQA:
         words = sweep.triviaqa_context_words
-        path = sweep.triviaqa_train_file if split == "train" else sweep.triviaqa_dev_file
         if path is None:
             return load_triviaqa_hub(split, sweep.triviaqa_hub_config, words)
         return read_triviaqa_json(path, sweep.triviaqa_evidence_dir, words)
-    path = (sweep.train_files() if split == "train" else sweep.dev_files()).get(task)
     return read_squad_json(path, task) if path else read_squad_hub(task, split)
 
 
@@ -148,10 +155,9 @@ def evaluate_squad(
 
 
 def qa_trials(
-    trials: Trials, ckpt: Checkpoint, name: str, version: str, data: QAData, bar: Any
-) -> tuple[list[Trial], Summary]:
-    """Every (learning-rate setting, seed) of one checkpoint on one span-extraction task (`name`, its
-    MLflow task; `data`: train and dev examples), each a child run, and their summary."""
+    trials: Trials, ckpt: Checkpoint, name: str, version: str, data: QAData, keep: str | None = None
+) -> Summary:
+    """Every (learning-rate setting, seed) of one checkpoint on QA task `name`, and their summary."""
     sweep, (train_ex, dev_ex) = trials.sweep, data
     tokenizer = load_tokenizer(ckpt.path, sweep.tokenizer, sweep.allow_tokenizer_change)
     windows = Windows(sweep.max_seq_length, sweep.doc_stride, uses_token_types(ckpt.config))
@@ -159,56 +165,35 @@ def qa_trials(
     check_fits(train_set, ckpt.config.max_position_embeddings, f"the {name} training windows")
     dev_features = encode_squad_eval(dev_ex, tokenizer, windows)
     collate = sweep.collate(tokenizer.pad_token_id)
+    decoding = ("doc_stride", "n_best", "max_answer_length", "null_threshold")
+    params = {name: getattr(sweep, name) for name in decoding} | {"train_windows": len(train_set)}
     work = TrialTask(
+        ckpt,
+        name,
         lambda: SWBertForQuestionAnswering.from_pretrained(ckpt.path, **sweep.dropout()),
         train_set,
         collate,
         lambda m: evaluate_squad(m, dev_ex, dev_features, collate, sweep, version),
         f"{SPLIT}/f1",
         tokenizer,
+        params,
+        tuple(sweep.task_files(TRIVIAQA if name == TRIVIAQA else version)),
     )
-    params = {
-        "doc_stride": sweep.doc_stride,
-        "n_best": sweep.n_best,
-        "max_answer_length": sweep.max_answer_length,
-        "null_threshold": sweep.null_threshold,
-        "train_windows": len(train_set),
-    }
-    files = tuple(sweep.task_files(TRIVIAQA if name == TRIVIAQA else version))
-
-    def one(lrs: tuple[float, ...], seed: int) -> Trial:
-        return run_trial(trials, TrialSpec(ckpt, name, lrs, seed, "squad_trial", params, files), work)
-
-    return trials.task_trials(ckpt, name, one, bar)
+    return trials.task_trials(work, keep)
 
 
-def triviaqa_first(
-    trials: Trials, ckpt: Checkpoint, data: QAData, bar: Any
-) -> tuple[list[Trial], Checkpoint]:
-    """Fine-tune ``ckpt`` on TriviaQA; the median seed's model at the best setting (kept whatever --keep
-    says) becomes the checkpoint ``NAME+triviaqa``."""
-    stage = dataclasses.replace(trials, sweep=dataclasses.replace(trials.sweep, keep="median"))
-    done, summary = qa_trials(stage, ckpt, TRIVIAQA, "1.1", data, bar)
-    return done, Checkpoint(f"{ckpt.name}+{TRIVIAQA}", Path(summary.median_trial.model_dir))
-
-
-def run_squad(sweep: SquadSweep, trials: Trials) -> tuple[list[Trial], list[Summary]]:
-    """The whole sweep; returns every trial and the per-(variant, version) summaries. With --triviaqa,
-    each checkpoint also yields a ``NAME+triviaqa`` variant (TriviaQA first, then SQuAD)."""
+def run_squad(sweep: SquadSweep, trials: Trials) -> None:
+    """The whole sweep. With --triviaqa, each checkpoint is fine-tuned on TriviaQA first; its median seed's
+    model at the best setting (kept whatever --keep says) is the checkpoint of a variant ``NAME+triviaqa``."""
     sweep.check()
-    checkpoints, done = sweep.checkpoints(), []
-    per_ckpt = len(sweep.versions) * (2 if sweep.triviaqa else 1) + (1 if sweep.triviaqa else 0)
-    bar = progress_bar(len(checkpoints) * per_ckpt * trials.per_task(), "SQuAD sweep", unit="run")
+    checkpoints = sweep.checkpoints()
     squad = {version: load_task(sweep, version) for version in sweep.versions}
     trivia = load_task(sweep, TRIVIAQA) if sweep.triviaqa else None
     for ckpt in checkpoints:
         variants = [ckpt]
         if trivia is not None:
-            first, adapted = triviaqa_first(trials, ckpt, trivia, bar)
-            done += first
-            variants.append(adapted)
+            first = qa_trials(trials, ckpt, TRIVIAQA, "1.1", trivia, keep="median")
+            variants.append(Checkpoint(f"{ckpt.name}+{TRIVIAQA}", Path(first.median_trial.model_dir)))
         for variant in variants:
             for version, data in squad.items():
-                done += qa_trials(trials, variant, f"squad{version}", version, data, bar)[0]
-    bar.close()
-    return done, task_summaries(done)
+                qa_trials(trials, variant, f"squad{version}", version, data)

@@ -6,20 +6,21 @@ model is saved, and an MLflow child run of the sweep's parent run."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from torch import nn
 from transformers import set_seed
 
 from swbert.finetune.batching import COMPILE_BUCKET, resolve_unpad, unpad_collate
 from swbert.finetune.checkpoint import Checkpoint, parse_checkpoints, save_finetuned
-from swbert.finetune.engine import process_group
 from swbert.finetune.glue_data import pad_collate
 from swbert.finetune.results import (
     CHECKPOINT,
@@ -32,7 +33,14 @@ from swbert.finetune.results import (
     prune_models,
     task_summaries,
 )
-from swbert.finetune.trainer import FinetuneConfig, FitOptions, default_device, fit
+from swbert.finetune.trainer import (
+    FinetuneConfig,
+    FitOptions,
+    default_device,
+    fit,
+    process_group,
+    progress_bar,
+)
 from swbert.runtime.ranks import ParallelDims
 from swbert.studies.options import StudyOptions
 from swbert.studies.records import DATA, Records, check_study, data_identity, point_key, study_options
@@ -52,6 +60,7 @@ AFTER_TRAINING = ("run_name", "keep", "noise", "noise_levels", "noise_seeds", "n
 class SweepConfig(StudyOptions, FitOptions):
     """The flags of every fine-tuning launcher (each launcher sets its own defaults)."""
 
+    LABEL: ClassVar[str] = "fine-tuning"  # the sweep's name on its progress bar
     # exported model folders as [NAME=]PATH; NAME labels the table row (default: the attention type)
     checkpoint: list[str]
     experiment: str = "swbert-finetune"
@@ -96,19 +105,23 @@ class SweepConfig(StudyOptions, FitOptions):
             raise ValueError("--learning-rates and --seeds each need at least one value")
 
     def checkpoints(self) -> list[Checkpoint]:
-        return parse_checkpoints(self.checkpoint)
+        """The `--checkpoint` folders; fine-tuned ones share a name per variant (one folder per task)."""
+        return parse_checkpoints(self.checkpoint, unique=self.tasks_per_checkpoint() > 0)
 
     def data_files(self) -> list[Path]:
         """The local task files the trials read (none from the Hub): their hashes are the sweep's data."""
         return []
 
+    def tasks_per_checkpoint(self) -> int:
+        """The tasks each checkpoint is fine-tuned on (the progress bar's total); 0: the checkpoints are
+        fine-tuned models, only evaluated (no trials)."""
+        raise NotImplementedError
+
     def lr_settings(self) -> list[tuple[float, ...]]:
         """One setting per learning rate (grid), or all the rates as one setting, a stage each (stepped)."""
-        return (
-            [tuple(self.learning_rates)]
-            if self.lr_plan == "stepped"
-            else [(lr,) for lr in self.learning_rates]
-        )
+        if self.lr_plan == "stepped":
+            return [tuple(self.learning_rates)]
+        return [(lr,) for lr in self.learning_rates]
 
     def finetune_config(self, lr: float | None = None, seed: int = 0) -> FinetuneConfig:
         """One run's hyper-parameters (a stepped plan's first stage: `fit` runs the later ones)."""
@@ -145,43 +158,103 @@ class SweepConfig(StudyOptions, FitOptions):
 
 
 @dataclass
+class TrialTask:
+    """One checkpoint on one task: what each of its trials trains and evaluates on (the model is made
+    after seeding: the head's init depends on it) and how its MLflow runs are labelled."""
+
+    ckpt: Checkpoint
+    task: str  # its MLflow task: a GLUE task, squad1.1, squad2.0, triviaqa
+    build_model: Callable[[], nn.Module]
+    train_set: Any
+    collate: Callable
+    evaluate: Callable[[nn.Module], dict[str, float]]
+    select: str  # the dev metric that picks the best epoch
+    tokenizer: Any
+    params: dict[str, Any]  # logged besides the hyper-parameters
+    files: tuple[Path, ...] = ()  # the local data files it reads (`SweepConfig.data_files`)
+
+
+@dataclass
 class Trials:
-    """A sweep's trials as the points of its study: the records, the MLflow runs, the options."""
+    """A sweep's trials as the points of its study (records, MLflow runs) and its progress bar."""
 
     sweep: SweepConfig
     log: StudyLog
     options: dict[str, Any]  # study.json's (`swbert.studies.records.study_options`)
+    kind: str  # glue, squad: its trials' MLflow tag swbert.kind is <kind>_trial
 
     def __post_init__(self) -> None:
         self.runner = PointRunner(trial_records(self.sweep), Trial.of, writes=ParallelDims.from_env().is_main)
+        per_task = len(self.sweep.lr_settings()) * len(self.sweep.seeds)
+        total = len(self.sweep.checkpoint) * self.sweep.tasks_per_checkpoint() * per_task
+        self.bar = progress_bar(total, f"{self.sweep.LABEL} sweep", unit="run")
 
-    def per_task(self) -> int:
-        """Trials of one checkpoint on one task."""
-        return len(self.sweep.lr_settings()) * len(self.sweep.seeds)
-
-    def task_trials(
-        self, ckpt: Checkpoint, task: str, one: Callable[[tuple[float, ...], int], Trial], bar: Any
-    ) -> tuple[list[Trial], Summary]:
-        """`one(lrs, seed)` at every learning-rate setting and seed of `ckpt` on `task`, and their
-        summary; with ``--keep median`` only the median seed's model stays on disk."""
-        done = []
-        for lrs in self.sweep.lr_settings():
-            for seed in self.sweep.seeds:
-                done.append(one(lrs, seed))
-                bar.update(1)
+    def task_trials(self, work: TrialTask, keep: str | None = None) -> Summary:
+        """A trial of `work` at every learning-rate setting and seed, and their summary (`keep`: --keep's)."""
+        keep = keep or self.sweep.keep
+        settings = itertools.product(self.sweep.lr_settings(), self.sweep.seeds)
+        done = [self.trial(work, lrs, seed, save=keep != "none") for lrs, seed in settings]
         (summary,) = task_summaries(done)
-        log.info("%s %s: lr %s, median %s", ckpt.name, task, summary.lr_label, summary.median)
-        if self.sweep.keep == "median" and ParallelDims.from_env().is_main:
+        log.info("%s %s: lr %s, median %s", work.ckpt.name, work.task, summary.lr_label, summary.median)
+        if keep == "median" and ParallelDims.from_env().is_main:
             prune_models(done, summary.median_trial)
-        return done, summary
+        return summary
 
-    def key(self, spec: TrialSpec, **facts: Any) -> dict[str, Any]:
-        """What a trial's record stands for: the sweep's options, the trial's own, the checkpoint's
-        files and the trial's data."""
-        data = self.options.get(DATA, {})
-        mine = {f: data[f] for f in (str(Path(p).resolve()) for p in spec.files) if f in data}
-        fingerprint = checkpoint_fingerprint(spec.ckpt.path)
-        return point_key(self.options, CHOOSES, checkpoint=fingerprint, data=mine, **facts)
+    def trial(self, work: TrialTask, lrs: tuple[float, ...], seed: int, save: bool) -> Trial:
+        """One trial (`lrs`: a rate, or a stepped plan's in stage order) as a point: fine-tuned in a child
+        run, its model saved (`save`), recorded; a recorded one is logged with its training run's id."""
+        ckpt, cfg = work.ckpt, self.sweep.finetune_config(lrs[0], seed)
+        run_name = f"{ckpt.name}/{work.task}/lr{lr_label(lrs)}/seed{seed}"
+        name = f"{ckpt.name}/{work.task}/lr{'-'.join(f'{lr:g}' for lr in lrs)}-seed{seed}"
+        params = self.params(work, cfg, lrs)
+        tags = {KIND: f"{self.kind}_trial", VARIANT: ckpt.name, TASK: work.task, CHECKPOINT: str(ckpt.path)}
+
+        def attempt() -> Trial:
+            with self.log.live(run_name, tags, params) as run_id:
+                set_seed(seed)
+                model = work.build_model()
+                log_metrics = functools.partial(self.log.tracker.log, run_id)  # (metrics, step)
+                data = (work.train_set, work.collate, work.evaluate, work.select)
+                result = fit(model, *data, cfg, log_metrics, run_name.replace("/", " "), lrs[1:])
+                best = {k: v for k, v in result.best_metrics.items() if k != "epoch"}
+                logged = {f"best/{k}": v for k, v in best.items()} | result.summary()
+                self.log.tracker.log(run_id, logged)
+                model_dir = str(self.sweep.output_dir / name) if save else ""
+                if save:
+                    save_finetuned(model, work.tokenizer, model_dir)
+            metrics = nest_metrics(best)
+            return Trial(
+                ckpt.name, work.task, lrs[0], seed, metrics, model_dir, lrs[1:], run_id=run_id, logged=logged
+            )
+
+        legacy = legacy_trial(self, name, params, tags)
+        # what its record stands for: the sweep's options, the trial's own, the checkpoint's files, its data
+        hashes = self.options.get(DATA, {})
+        mine = {f: hashes[f] for f in (str(Path(p).resolve()) for p in work.files) if f in hashes}
+        facts = dict(
+            checkpoint=checkpoint_fingerprint(ckpt.path), data=mine, params=flat_params(params), tags=tags
+        )
+        key = point_key(self.options, CHOOSES, **facts)
+        settled = Settled(name, legacy, False) if legacy else self.runner.settle(name, attempt, key=key)
+        if not settled.trained:
+            log.info("%s: finished before (%s), not trained again", run_name, self.runner.records.path(name))
+            reused = {**tags, REUSED_FROM: str(settled.result.run_id)}
+            self.log.point(run_name, False, ChildRun(reused, params, settled.result.logged))
+        self.bar.update(1)
+        return settled.result
+
+    def params(self, work: TrialTask, cfg: FinetuneConfig, lrs: tuple[float, ...]) -> dict[str, Any]:
+        """A trial's hyper-parameters, as its MLflow run's params and its record's key hold them."""
+        sweep, copied = self.sweep, ("max_seq_length", "attention_dropout", "hidden_dropout")
+        return {
+            **dataclasses.asdict(cfg),
+            "lr_plan": sweep.lr_plan if len(lrs) > 1 else "single",
+            "later_learning_rates": " ".join(f"{lr:g}" for lr in lrs[1:]),
+            "attention_type": getattr(work.ckpt.config, "attention_type", ""),
+            **{name: getattr(sweep, name) for name in copied},
+            "batching": "unpadded" if sweep.unpadded() else "grouped",  # the Figure 3 table says it
+            **work.params,
+        }
 
 
 def trial_records(sweep: SweepConfig) -> Records:
@@ -198,7 +271,7 @@ def checkpoint_fingerprint(folder: Path) -> list[list[Any]]:
 
 def run_sweep(sweep: SweepConfig, kind: str, run: Callable[[Any, Trials], object]) -> int:
     """A fine-tuning launcher's sweep: its options checked against the folder's, a new parent MLflow
-    run around `run` (a killed sweep's runs marked KILLED), then the tables. Returns the exit status."""
+    run around `run` (a killed sweep's runs marked KILLED), then rank 0's tables. Returns the exit status."""
     from swbert.logs import setup_logging
 
     setup_logging()
@@ -210,7 +283,7 @@ def run_sweep(sweep: SweepConfig, kind: str, run: Callable[[Any, Trials], object
         path.write_text(text + "\n")
         log.info("resolved arguments: %s", path)  # a line, not the ~80 of the file
     options = study_options(sweep, AFTER_TRAINING, data_identity(sweep.data_files()))
-    if not getattr(sweep, "evaluate_finetuned", False):  # an evaluation of fine-tuned models has no trials
+    if sweep.tasks_per_checkpoint():  # an evaluation of fine-tuned models has no trials
         check_study(
             sweep.output_dir, f"{kind}_sweep", options, sweep.allow_study_change, trial_records(sweep)
         )
@@ -218,130 +291,21 @@ def run_sweep(sweep: SweepConfig, kind: str, run: Callable[[Any, Trials], object
     # one process group for the sweep's runs (a 1-rank one in a plain process: see `process_group`)
     with process_group(), study_run(sweep.output_dir, sweep.store(), sweep.experiment, f"{kind}_sweep",
                                     dataclasses.asdict(sweep), **how) as study:  # fmt: skip
-        run(sweep, Trials(sweep, study, options))
-    report_sweep(study, sweep)
-    return 0
-
-
-def report_sweep(study: StudyLog, sweep: SweepConfig) -> None:
-    """The sweep's tables (rank 0) under <output-dir>/report, logged to the parent run and printed."""
+        trials = Trials(sweep, study, options, kind)
+        run(sweep, trials)
+        trials.bar.close()
+    if not is_main:
+        return 0
+    # the tables under <output-dir>/report, logged to the parent run and printed
     from swbert.finetune.report import build_report, collect
 
-    if not ParallelDims.from_env().is_main:
-        return
     folder = sweep.output_dir / "report"
     tables = build_report(collect(study.tracker.uri, sweep.experiment, [study.parent]), folder)
     study.tracker.log_artifacts(study.parent, folder, "report")  # tables and figures
     for table in tables.values():
         print(table.markdown())
     log.info("tables written to %s (re-create them with launchers/report.py)", folder)
-
-
-@dataclass(frozen=True)
-class TrialSpec:
-    """One (checkpoint, task, learning-rate setting, seed) of a sweep, and how its MLflow run is labelled."""
-
-    ckpt: Checkpoint
-    task: str
-    lrs: tuple[float, ...]  # one rate, or a stepped plan's rates in the order its stages run
-    seed: int
-    kind: str  # the MLflow tag swbert.kind: glue_trial, squad_trial
-    params: dict[str, Any]  # logged besides the hyper-parameters
-    files: tuple[Path, ...] = ()  # the local data files it reads (`SweepConfig.data_files`)
-
-    @property
-    def lr(self) -> float:
-        return self.lrs[0]
-
-    @property
-    def name(self) -> str:
-        return f"{self.ckpt.name}/{self.task}/lr{lr_label(self.lrs)}/seed{self.seed}"
-
-    @property
-    def folder(self) -> str:  # the fine-tuned model's, under <output-dir>/<checkpoint>/<task>/
-        return f"lr{'-'.join(f'{lr:g}' for lr in self.lrs)}-seed{self.seed}"
-
-
-@dataclass
-class TrialTask:
-    """What a trial trains and evaluates on, and how its model is made (after seeding: the head's
-    init depends on it)."""
-
-    build_model: Callable[[], nn.Module]
-    train_set: Any
-    collate: Callable
-    evaluate: Callable[[nn.Module], dict[str, float]]
-    select: str  # the dev metric that picks the best epoch
-    tokenizer: Any
-
-
-def trial_params(sweep: SweepConfig, spec: TrialSpec) -> dict[str, Any]:
-    """A trial's hyper-parameters, as its MLflow run's params and its record's key hold them."""
-    return {
-        **dataclasses.asdict(sweep.finetune_config(spec.lr, spec.seed)),
-        "lr_plan": sweep.lr_plan if len(spec.lrs) > 1 else "single",
-        "later_learning_rates": " ".join(f"{lr:g}" for lr in spec.lrs[1:]),
-        "attention_type": getattr(spec.ckpt.config, "attention_type", ""),
-        "max_seq_length": sweep.max_seq_length,
-        "attention_dropout": sweep.attention_dropout,
-        "hidden_dropout": sweep.hidden_dropout,
-        "batching": "unpadded" if sweep.unpadded() else "grouped",  # the Figure 3 table says it
-        **spec.params,
-    }
-
-
-def run_trial(trials: Trials, spec: TrialSpec, task: TrialTask) -> Trial:
-    """One trial, settled as a point of the sweep's study: fine-tuned in a child run (best dev epoch
-    kept), its model saved (unless --keep none), then recorded; a recorded one is logged as a child
-    tagged with the run that trained it."""
-    sweep, params = trials.sweep, trial_params(trials.sweep, spec)
-    tags = {KIND: spec.kind, VARIANT: spec.ckpt.name, TASK: spec.task, CHECKPOINT: str(spec.ckpt.path)}
-
-    def attempt() -> Trial:
-        with trials.log.live(spec.name, tags, params) as run_id:
-            set_seed(spec.seed)
-            model = task.build_model()
-            result = fit(
-                model,
-                task.train_set,
-                task.collate,
-                task.evaluate,
-                task.select,
-                sweep.finetune_config(spec.lr, spec.seed),
-                lambda m, step: trials.log.tracker.log(run_id, m, step),
-                spec.name.replace("/", " "),
-                spec.lrs[1:],
-            )
-            best = {k: v for k, v in result.best_metrics.items() if k != "epoch"}
-            logged = {f"best/{k}": v for k, v in best.items()} | result.summary()
-            trials.log.tracker.log(run_id, logged)
-            model_dir = ""
-            if sweep.keep != "none":
-                model_dir = str(sweep.output_dir / spec.ckpt.name / spec.task / spec.folder)
-                save_finetuned(model, task.tokenizer, model_dir)
-        return Trial(
-            spec.ckpt.name,
-            spec.task,
-            spec.lr,
-            spec.seed,
-            nest_metrics(best),
-            model_dir,
-            spec.lrs[1:],
-            run_id=run_id,
-            logged=logged,
-        )
-
-    name = f"{spec.ckpt.name}/{spec.task}/{spec.folder}"
-    legacy = legacy_trial(trials, name, params, tags)
-    key = trials.key(spec, params=flat_params(params), tags=tags)
-    settled = Settled(name, legacy, False) if legacy else trials.runner.settle(name, attempt, key=key)
-    trial = settled.result
-    if not settled.trained:
-        log.info("%s: finished before (%s), not trained again", spec.name, trials.runner.records.path(name))
-        trials.log.point(
-            spec.name, False, ChildRun({**tags, REUSED_FROM: str(trial.run_id)}, params, trial.logged)
-        )
-    return trial
+    return 0
 
 
 # The trial records of sweeps before the study layer (`swbert-trial/1`): read as finished, never written.

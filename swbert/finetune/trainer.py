@@ -1,15 +1,18 @@
 """The one fine-tuning loop (GLUE, SQuAD, TriviaQA): AdamW without decay on 1-D parameters, linear
 warm-up and decay, clipping, a dev evaluation after every epoch and the best epoch's weights kept
-(optional early stopping), in a DeepSpeed engine configured from here, one process or many
-(`swbert.finetune.engine`). A step reads nothing back from the device but on logging steps."""
+(optional early stopping). Every run is a DeepSpeed engine, one process too (a 1-rank group), so
+precision, optimizer wrapping and clipping are the same on 1 GPU as on N. A step reads nothing back
+from the device but on logging steps."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import math
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -17,21 +20,20 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset
 
-from swbert.finetune.batching import epoch_sampler, train_loader
-from swbert.finetune.engine import (
-    DEFAULT_DS_CONFIG,
-    CompiledInTraining,
-    build_engine,
-    process_group,
-    uncompile,
-)
+from swbert.finetune.batching import LengthGroupedBatchSampler, train_loader
 from swbert.finetune.metrics import selection_value
 from swbert.runtime.ds_config import BatchShape, Flags, build_ds_config, resolve_precision
+from swbert.runtime.optim import build_optimizer, build_scheduler
 from swbert.runtime.ranks import ParallelDims
 
 log = logging.getLogger(__name__)
+
+# the variables `swbert.runtime.dist.map_launcher_env` sets for a process no launcher started
+LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+DEFAULT_DS_CONFIG = "zero2.json"  # pretraining's default too; stage 2 sums bf16 gradients in fp32
 
 
 @dataclass
@@ -65,7 +67,7 @@ class FinetuneConfig(FitOptions):
     seed: int = 0
     log_every: int = 50  # optimiser steps between logged losses: the only steps that read one back
     group_by_length: bool = False  # padded batches of similar lengths (swbert.finetune.batching)
-    # torch.compile the training forward (`engine.CompiledInTraining`); the collate should pad to
+    # torch.compile the training forward (`CompiledInTraining`); the collate should pad to
     # length buckets (`pad_collate(..., bucket=COMPILE_BUCKET)`), as the sweeps' does
     compile: bool = False
     compile_backend: Any = "inductor"  # a name, or a callable (tests record the graphs with one)
@@ -91,15 +93,41 @@ class FitResult:
 
     def summary(self) -> dict[str, float]:
         """What a trial's run logs besides its best metrics."""
-        return {
-            "best_epoch": self.best_epoch,
-            "best_stage": self.best_stage,
-            "train_seconds": self.train_seconds,
-            "eval_seconds": self.eval_seconds,
-            "epochs_trained": self.epochs_trained,
-            "seconds_per_epoch": self.train_seconds / max(self.epochs_trained, 1e-9),
-            "steps": self.steps,
-        }
+        names = ("best_epoch", "best_stage", "train_seconds", "eval_seconds", "epochs_trained")
+        per_epoch = {"seconds_per_epoch": self.train_seconds / max(self.epochs_trained, 1e-9)}
+        return {name: getattr(self, name) for name in names} | per_epoch | {"steps": self.steps}
+
+
+@contextmanager
+def process_group() -> Iterator[ParallelDims]:
+    """The job's process group for the duration of the block, with this process's place in it.
+
+    Under a launcher (torchrun, deepspeed, srun) the group is the job's, left up. A plain ``python``
+    process gets a 1-rank group, destroyed on leaving with the launcher variables it set, so the
+    process is left as it was (its threads may outlive it: start later ranks from a fresh process,
+    not by forking this one). A sweep holds one group around all its runs."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        yield ParallelDims.from_env()
+        return
+    from swbert.runtime.dist import init_distributed
+
+    launched = "RANK" in os.environ
+    saved = {k: os.environ.get(k) for k in LAUNCH_ENV}
+    init_distributed()  # NCCL on GPU, gloo on CPU; sets this rank's GPU
+    try:
+        yield ParallelDims.from_env()
+    finally:
+        if not launched:  # DeepSpeed's references, then torch's group (its teardown leaves it up)
+            import deepspeed.comm
+
+            deepspeed.comm.destroy_process_group()
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+            for key, value in saved.items():  # the launcher variables it set
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 def default_device(info: ParallelDims | None = None) -> torch.device:
@@ -124,27 +152,34 @@ def predict(
     """The model's `outputs` for a whole dataset, in order (labels not passed in), float32; a batch
     narrower than the widest (an unpadded one: its longest sequence) is padded at the lowest logit."""
     device = next(model.parameters()).device
-    out: list[list[torch.Tensor]] = [[] for _ in outputs]
+    rows: list[list[torch.Tensor]] = [[] for _ in outputs]
     for batch in DataLoader(dataset, batch_size=batch_size, collate_fn=collate):
         result = model(**move({k: v for k, v in batch.items() if k != "labels"}, device))
-        for kept, name in zip(out, outputs):
-            kept.append(getattr(result, name).float().cpu())
+        for kept, name in zip(rows, outputs):
+            kept.extend(getattr(result, name).float().cpu())
     lowest = torch.finfo(torch.float32).min
-    width = [max(t.shape[1] for t in kept) for kept in out]
-    pad = torch.nn.functional.pad
-    return [
-        torch.cat([pad(t, (0, w - t.shape[1]), value=lowest) for t in kept]).numpy()
-        for kept, w in zip(out, width)
-    ]
+    return [pad_sequence(kept, batch_first=True, padding_value=lowest).numpy() for kept in rows]
 
 
 def progress_bar(total: int, desc: str, **kwargs: object):  # -> tqdm
-    """A tqdm bar on rank 0 (a disabled one elsewhere)."""
+    """A tqdm bar on rank 0 (a disabled one elsewhere, and for nothing to count)."""
     from tqdm.auto import tqdm
 
-    return tqdm(
-        total=total, desc=desc, disable=not ParallelDims.from_env().is_main, dynamic_ncols=True, **kwargs
-    )
+    shown = total > 0 and ParallelDims.from_env().is_main
+    return tqdm(total=total, desc=desc, disable=not shown, dynamic_ncols=True, **kwargs)
+
+
+class CompiledInTraining:
+    """A model's ``forward`` for a stage (`fit` with ``compile``), compiled for its training steps only:
+    evaluation (other batch sizes, no gradients) runs eagerly, so the graphs are the training batches'
+    shapes, one per length bucket, each compiled once (``dynamic=False``, as pretraining's units)."""
+
+    def __init__(self, module: nn.Module, backend: Any) -> None:
+        self.module, self.eager = module, module.forward
+        self.compiled = torch.compile(module.forward, backend=backend, dynamic=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return (self.compiled if self.module.training else self.eager)(*args, **kwargs)
 
 
 # the flags that set what the DeepSpeed config must agree with, named in its errors
@@ -160,9 +195,8 @@ FLAGS = Flags(
 
 
 def deepspeed_config(path: str | Path, cfg: FinetuneConfig, world_size: int, precision: str) -> dict:
-    """The DeepSpeed JSON (a path or a ``ds_configs/`` name) filled from ``cfg`` by pretraining's
-    builder (`build_ds_config`). ZeRO-3 is refused: the best epoch's weights are kept as a full state
-    dict, which stage 3 does not hold on any one rank."""
+    """The DeepSpeed JSON (a path or a ``ds_configs/`` name) filled from ``cfg`` (`build_ds_config`). ZeRO-3
+    is refused: the best epoch's weights are kept as a full state dict, which stage 3 holds on no rank."""
     if cfg.batch_size % world_size:
         raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by the world size {world_size}")
     batch = BatchShape(cfg.batch_size, cfg.batch_size // world_size, 1)
@@ -176,9 +210,8 @@ def stage_config(cfg: FinetuneConfig, stage: int, lr: float) -> FinetuneConfig:
 
 
 class FitRun:
-    """A `fit`, one stage at a time: its result and the best dev epoch's weights (on the CPU) over
-    every stage; for the stage running, its engine, loader, step budget and the loss of the steps since
-    the last logged one (summed on the device: read back once per window)."""
+    """A `fit`, one stage at a time: its result and best dev epoch's weights (on the CPU) over every stage;
+    the running stage's engine, loader, step budget and loss since the last logged step (on the device)."""
 
     def __init__(
         self,
@@ -199,7 +232,42 @@ class FitRun:
     def run_stage(self, model: nn.Module, cfg: FinetuneConfig, stage: int, desc: str) -> None:
         """Fit `model` at `cfg`'s rate in a new engine; it ends holding the best weights so far, the
         engine's hooks dropped (the next stage of a stepped plan fits the same model)."""
-        self.start(model, cfg, desc)
+        import deepspeed
+
+        from swbert.runtime.dist import bound_every_group
+
+        on_gpu, world = torch.cuda.is_available(), self.dims.world
+        precision = resolve_precision(cfg.precision, on_gpu)
+        ds_cfg = deepspeed_config(cfg.deepspeed or DEFAULT_DS_CONFIG, cfg, world, precision)
+        self.loader = train_loader(
+            self.train_set,
+            self.collate,
+            cfg.batch_size // world,
+            self.dims,
+            cfg.seed,
+            cfg.num_workers,
+            cfg.group_by_length,
+        )
+        if len(self.loader) == 0:
+            raise ValueError("the training split is empty")
+        budget = cfg.epochs * len(self.loader)
+        budget = budget if cfg.max_steps is None else min(cfg.max_steps, budget)
+        model.to(default_device(self.dims))
+        # AdamW over pretraining's parameter groups, its linear schedule stepped once per optimizer step
+        optimizer = build_optimizer(
+            model, cfg.learning_rate, cfg.weight_decay, kind="torch_adamw", on_gpu=on_gpu
+        )
+        scheduler = build_scheduler(optimizer, budget, warmup=int(cfg.warmup_ratio * budget))
+        self.engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_cfg, dist_init_required=False
+        )
+        bound_every_group()  # SWBERT_DIST_TIMEOUT_MIN for DeepSpeed's groups too
+        if cfg.compile:
+            model.forward = CompiledInTraining(model, cfg.compile_backend)
+        self.cfg, self.total, self.window_steps = cfg, self.steps + budget, 0
+        self.result.steps_per_epoch = len(self.loader)
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.engine.device)
+        self.bar = progress_bar(budget, desc, unit="step", leave=False)
         self.stage_best, self.stale = None, 0  # this stage's best and its epochs since (--patience)
         try:
             for epoch in range(cfg.epochs):
@@ -208,34 +276,12 @@ class FitRun:
                     break
         finally:
             self.bar.close()
-            uncompile(model)
+            if isinstance(model.__dict__.get("forward"), CompiledInTraining):
+                del model.forward  # a fitted model is evaluated, saved and fitted again as it was
         self.result.steps = self.steps
         if self.best_state is not None:
             model.load_state_dict(self.best_state)
         self.engine.destroy()
-
-    def start(self, model: nn.Module, cfg: FinetuneConfig, desc: str) -> None:
-        """The stage's loader, step budget and engine."""
-        on_gpu, world = torch.cuda.is_available(), self.dims.world
-        precision = resolve_precision(cfg.precision, on_gpu)
-        ds_cfg = deepspeed_config(cfg.deepspeed or DEFAULT_DS_CONFIG, cfg, world, precision)
-        micro = cfg.batch_size // world
-        self.loader = train_loader(
-            self.train_set, self.collate, micro, self.dims, cfg.seed, cfg.num_workers, cfg.group_by_length
-        )
-        if len(self.loader) == 0:
-            raise ValueError("the training split is empty")
-        budget = cfg.epochs * len(self.loader)
-        budget = budget if cfg.max_steps is None else min(cfg.max_steps, budget)
-        model.to(default_device(self.dims))
-        warmup = int(cfg.warmup_ratio * budget)
-        self.engine = build_engine(model, ds_cfg, cfg.learning_rate, cfg.weight_decay, budget, warmup, on_gpu)
-        if cfg.compile:
-            model.forward = CompiledInTraining(model, cfg.compile_backend)
-        self.cfg, self.total, self.window_steps = cfg, self.steps + budget, 0
-        self.result.steps_per_epoch = len(self.loader)
-        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.engine.device)
-        self.bar = progress_bar(budget, desc, unit="step", leave=False)
 
     @property
     def done(self) -> bool:
@@ -246,7 +292,8 @@ class FitRun:
         synchronisation at the end)."""
         from deepspeed.accelerator import get_accelerator
 
-        epoch_sampler(self.loader).set_epoch(epoch)
+        grouped = isinstance(self.loader.batch_sampler, LengthGroupedBatchSampler)
+        (self.loader.batch_sampler if grouped else self.loader.sampler).set_epoch(epoch)
         self.engine.train()
         started = time.perf_counter()
         for batch in self.loader:
@@ -291,10 +338,8 @@ class FitRun:
             self.log_metrics(dev, self.steps)
         self.bar.set_postfix({select: f"{metrics[select]:.4f}", "epoch": epoch})
         value = selection_value(metrics[select])
-        if self.stage_best is None or value > self.stage_best:
-            self.stage_best, self.stale = value, 0
-        else:
-            self.stale += 1
+        improved = self.stage_best is None or value > self.stage_best
+        self.stage_best, self.stale = (value, 0) if improved else (self.stage_best, self.stale + 1)
         if self.best_state is None or value > self.best_value:
             self.best_value = value
             self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}

@@ -14,7 +14,6 @@ from torch.utils.data import DistributedSampler
 from swbert import SWBertConfig, SWBertForSequenceClassification
 from swbert.finetune.batching import (
     LengthGroupedBatchSampler,
-    epoch_sampler,
     resolve_unpad,
     train_loader,
     unpad_collate,
@@ -87,9 +86,9 @@ def test_train_loader_groups_only_when_asked():
     data = dataset(np.random.default_rng(2).integers(2, 40, 64).tolist())
     one = ParallelDims()  # one process
     grouped = train_loader(data, pad_collate(0), 8, one, seed=0, workers=0, grouped=True)
-    assert isinstance(epoch_sampler(grouped), LengthGroupedBatchSampler) and len(grouped) == 8
+    assert isinstance(grouped.batch_sampler, LengthGroupedBatchSampler) and len(grouped) == 8
     plain = train_loader(data, pad_collate(0), 8, one, seed=0, workers=0, grouped=False)
-    assert isinstance(epoch_sampler(plain), DistributedSampler) and len(plain) == 8
+    assert isinstance(plain.sampler, DistributedSampler) and len(plain) == 8
 
     def padded_tokens(loader):
         return sum(b["input_ids"].numel() for b in loader)

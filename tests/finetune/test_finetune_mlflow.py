@@ -163,7 +163,7 @@ def test_a_trial_recorded_in_the_previous_format_is_not_trained_again(tmp_path):
     from swbert import cli
     from swbert.finetune.checkpoint import Checkpoint
     from swbert.finetune.glue import GlueSweep
-    from swbert.finetune.sweep import TrialSpec, TrialTask, run_sweep, run_trial
+    from swbert.finetune.sweep import TrialTask, run_sweep
     from swbert.studies.records import write_json_atomic
     from swbert.studies.tracking import REUSED_FROM, flat_params
     from tests.finetune_fixtures import make_checkpoint
@@ -173,9 +173,9 @@ def test_a_trial_recorded_in_the_previous_format_is_not_trained_again(tmp_path):
     argv = ["--checkpoint", f"tiny={ckpt.path}", "--tasks", "sst2", "--output-dir", str(tmp_path / "out"),
             "--seeds", "1", "--tracking-uri", uri, "--experiment", "previous"]  # fmt: skip
     sweep = cli.build_config(GlueSweep, None, argv)
-    spec = TrialSpec(ckpt, "sst2", (1e-4, 2e-5, 2e-6), 1, "glue_trial", {"train_examples": 64})
+    lrs, seed, task_params = (1e-4, 2e-5, 2e-6), 1, {"train_examples": 64}
     # what the previous version logged and keyed: its FinetuneConfig named `deepspeed` deepspeed_config
-    params = dataclasses.asdict(sweep.finetune_config(spec.lr, spec.seed))
+    params = dataclasses.asdict(sweep.finetune_config(lrs[0], seed))
     params["deepspeed_config"] = params.pop("deepspeed")
     params |= {"lr_plan": "stepped", "later_learning_rates": "2e-05 2e-06", "attention_type": "shared"}
     params |= {"max_seq_length": 128, "attention_dropout": 0.1, "hidden_dropout": None, "batching": "grouped"}
@@ -189,7 +189,7 @@ def test_a_trial_recorded_in_the_previous_format_is_not_trained_again(tmp_path):
         tmp_path / "out" / "trials" / "tiny" / "sst2" / "lr0.0001-2e-05-2e-06-seed1.json",
         {
             "format": "swbert-trial/1",
-            "key": previous_trial_key({**params, **spec.params}, tags, ckpt.path, previous_flags),
+            "key": previous_trial_key({**params, **task_params}, tags, ckpt.path, previous_flags),
             "run_id": "run-of-the-previous-sweep",
             "metrics": {"best/validation/accuracy": 0.75, "seconds_per_epoch": 2.0},
             "trial": {"variant": "tiny", "task": "sst2", "learning_rate": 1e-4, "seed": 1, "metrics": metrics,
@@ -204,11 +204,10 @@ def test_a_trial_recorded_in_the_previous_format_is_not_trained_again(tmp_path):
         raise Trained
 
     done = []
+    work = TrialTask(ckpt, "sst2", build_model, None, None, None, "validation/score", None, task_params)
 
     def one_trial(sweep, trials):
-        done.append(
-            run_trial(trials, spec, TrialTask(build_model, None, None, None, "validation/score", None))
-        )
+        done.append(trials.trial(work, lrs, seed, save=True))
 
     assert run_sweep(sweep, "glue", one_trial) == 0
     assert (done[0].metrics, done[0].run_id, done[0].later_lrs) == (

@@ -438,11 +438,11 @@ def _count_syncs(out: Path, collate):
     by the process that runs it."""
     import os
 
-    from swbert.finetune import engine, trainer
+    from swbert.finetune import trainer
     from tests.scripts import count_syncs as counting
 
-    build_optimizer = engine.build_optimizer
-    engine.build_optimizer = lambda *a, **k: build_optimizer(*a, **{**k, "on_gpu": True})
+    build_optimizer = trainer.build_optimizer
+    trainer.build_optimizer = lambda *a, **k: build_optimizer(*a, **{**k, "on_gpu": True})
     counting.install()
     step, steps = trainer.FitRun.step, []
     record = out / f"syncs-rank{torch.distributed.get_rank()}.json"
