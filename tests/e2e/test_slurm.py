@@ -337,11 +337,11 @@ def test_scaling_grid_runs_as_a_job_array(cluster, data_dir, tmp_path):
 @pytest.mark.long
 def test_quality_ladder_runs_as_a_job_array_and_collect_fits_it(cluster, data_dir, tmp_path):
     """The quality study's ladder as an array (a task per point, the real trainer), then --collect
-    fits what the tasks left. (Long: four trained points.)"""
+    fits what the tasks left. (Long: four trained points; one seed.)"""
     out = tmp_path / "quality"
     main = runpy.run_path(str(REPO / "launchers" / "scaling_study.py"), run_name="launcher")["main"]
-    flags = ["--sizes", "1x64", "2x64", "2x128", "3x128", "--attentions", "standard", "--tokens-per-param",
-             "0.5", "--global-batch", "8", "--micro-batch", "8", "--seq-len", "64", "--eval-batches", "2",
+    flags = ["--sizes", "1x64", "2x64", "2x128", "3x128", "--attentions", "standard", "--seeds", "1",
+             "--tokens-per-param", "0.5", "--global-batch", "8", "--micro-batch", "8", "--seq-len", "64", "--eval-batches", "2",
              "--data-dir", str(data_dir), "--output-dir", str(out), "--mlflow", "false", "--bootstrap", "50"]  # fmt: skip
     assert main(["--quality", "--emit-slurm", *flags]) == 0
     command = shlex.split((out / "submit.sh").read_text().splitlines()[-1])
@@ -358,7 +358,11 @@ def test_quality_ladder_runs_as_a_job_array_and_collect_fits_it(cluster, data_di
     )  # fmt: skip
     assert collected.returncode == 0, collected.stderr
     fits = json.loads((out / "fits.json").read_text())
-    assert len(fits["variants"]["standard"]["points"]) == 4 and not fits["variants"]["standard"]["excluded"]
+    # every task's point is read back: fitted, or left out as at the data's floor with its reason
+    standard = fits["variants"]["standard"]
+    names = [p["name"] for p in standard["points"]] + [e["name"] for e in standard["excluded"]]
+    assert sorted(names) == sorted(f"{s}-standard-s1" for s in ("1x64", "2x64", "2x128", "3x128")), standard
+    assert all("floor" in e["reason"] for e in standard["excluded"]), standard["excluded"]
 
 
 def _preprocess_array(cluster, data_dir: Path, tmp_path: Path, preempt: bool) -> tuple[str, str]:
