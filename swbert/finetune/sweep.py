@@ -292,8 +292,8 @@ def run_sweep(sweep: SweepConfig, kind: str, run: Callable[[Any, Trials], object
     with process_group(), study_run(sweep.output_dir, sweep.store(), sweep.experiment, f"{kind}_sweep",
                                     dataclasses.asdict(sweep), **how) as study:  # fmt: skip
         trials = Trials(sweep, study, options, kind)
-        run(sweep, trials)
-        trials.bar.close()
+        with trials.bar:  # closed on an error too
+            run(sweep, trials)
     if not is_main:
         return 0
     # the tables under <output-dir>/report, logged to the parent run and printed

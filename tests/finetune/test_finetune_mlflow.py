@@ -203,10 +203,11 @@ def test_a_trial_recorded_in_the_previous_format_is_not_trained_again(tmp_path):
     def build_model():
         raise Trained
 
-    done = []
+    done, seen = [], []
     work = TrialTask(ckpt, "sst2", build_model, None, None, None, "validation/score", None, task_params)
 
     def one_trial(sweep, trials):
+        seen.append(trials)
         done.append(trials.trial(work, lrs, seed, save=True))
 
     assert run_sweep(sweep, "glue", one_trial) == 0
@@ -225,3 +226,4 @@ def test_a_trial_recorded_in_the_previous_format_is_not_trained_again(tmp_path):
     config.write_text(config.read_text())  # exported again: its files' times differ
     with pytest.raises(Trained):
         run_sweep(sweep, "glue", one_trial)
+    assert seen[-1].bar.disable  # the progress bar closed on the error too (tqdm disables a closed bar)
