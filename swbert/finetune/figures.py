@@ -33,7 +33,6 @@ class Timing:
     task: str
     batch_size: int
     seconds_per_epoch: float
-    attention_type: str = ""
     batching: str = "padded"  # the trial's `batching` param (--unpad); runs from before it padded
 
 

@@ -235,8 +235,7 @@ def _trial(run: Any, kind: str) -> tuple[tuple, Trial, Timing | None]:
     timing = None
     seconds = run.data.metrics.get("seconds_per_epoch")
     if seconds and "batch_size" in params:
-        facts = (params.get("attention_type", ""), params.get("batching", "padded"))
-        timing = Timing(variant, task, int(params["batch_size"]), seconds, *facts)
+        timing = Timing(variant, task, int(params["batch_size"]), seconds, params.get("batching", "padded"))
     return key, Trial(variant, task, lr, seed, metrics, later_lrs=later), timing
 
 

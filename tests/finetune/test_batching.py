@@ -114,9 +114,9 @@ def test_figure3_table_says_which_batches_it_timed():
     from swbert.finetune.report import Timing
 
     timings = [
-        Timing("standard", "sst2", 16, 10.0, "standard", "unpadded"),
-        Timing("shared", "sst2", 16, 8.0, "shared", "grouped"),
-        Timing("shared", "rte", 16, 4.0, "shared"),  # recorded before --unpad: padded
+        Timing("standard", "sst2", 16, 10.0, "unpadded"),
+        Timing("shared", "sst2", 16, 8.0, "grouped"),
+        Timing("shared", "rte", 16, 4.0),  # recorded before --unpad: padded
     ]
     assert "Batches timed: grouped, padded, unpadded" in timing_table(timings, "standard", 16).note
 
